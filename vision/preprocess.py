@@ -15,6 +15,7 @@ import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -114,9 +115,12 @@ class VideoPreprocessConfig:
         return f"qwen2vl-preprocess-v1({values})"
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike) -> VideoPreprocessConfig:
+    def from_checkpoint(
+        cls, path: str | os.PathLike, kind: Literal["video", "image"] = "video"
+    ) -> VideoPreprocessConfig:
         """Read a checkpoint directory's video_preprocessor_config.json if present, else its
-        preprocessor_config.json, else use the defaults.
+        preprocessor_config.json, else use the defaults. Images (`kind="image"`) read only
+        preprocessor_config.json, as transformers' image processor does.
 
         Both spellings of the pixel bounds are understood: top-level min_pixels / max_pixels
         (which win, as in transformers) and size={"shortest_edge": ..., "longest_edge": ...}.
@@ -124,7 +128,7 @@ class VideoPreprocessConfig:
         directory = Path(path)
         if not directory.is_dir():
             raise FileNotFoundError(f"checkpoint directory {str(directory)!r} does not exist")
-        for name in CONFIG_FILES:
+        for name in CONFIG_FILES if kind == "video" else CONFIG_FILES[1:]:
             if (directory / name).is_file():
                 return cls._from_dict(json.loads((directory / name).read_text()), name)
         return cls()

@@ -1,0 +1,162 @@
+"""The `stillcut` command line.
+
+`stillcut inspect VIDEO` runs the vision half of the pipeline — decode, preprocess, encode,
+EVS — on the built-in demo checkpoint (or `--model`) and prints what was decoded, the token
+grid and what EVS kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_EVS_RATE = 0.75
+RANDOM_WEIGHTS_NOTICE = (
+    "note: the demo checkpoint has random weights: decoding, token counts and EVS numbers "
+    "are real, generated words would not be"
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stillcut", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help="decode, encode and prune a video; print it")
+    inspect.add_argument("video", type=Path, help="a video file")
+    inspect.add_argument("--model", help="checkpoint folder or hub id (default: the demo model)")
+    inspect.add_argument("--fps", type=float, default=2.0, help="sampling rate (default 2)")
+    inspect.add_argument("--max-frames", type=int, default=64, help="frame cap (default 64)")
+    inspect.add_argument("--start", type=float, help="start of the range, seconds")
+    inspect.add_argument("--end", type=float, help="end of the range, seconds")
+    evs = inspect.add_mutually_exclusive_group()
+    evs.add_argument(
+        "--evs-rate",
+        type=float,
+        default=None,
+        help=f"EVS pruning rate q in [0, 1) (default {DEFAULT_EVS_RATE})",
+    )
+    evs.add_argument("--evs-threshold", type=float, help="causal EVS threshold tau in [0, 2]")
+    evs.add_argument("--no-evs", action="store_true", help="keep every token")
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _inspect(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"stillcut: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _evs_config(args: argparse.Namespace):
+    from stillcut.kernels.evs import EVSConfig
+
+    if args.no_evs:
+        return None
+    if args.evs_threshold is not None:
+        return EVSConfig(mode="threshold", threshold=args.evs_threshold)
+    rate = DEFAULT_EVS_RATE if args.evs_rate is None else args.evs_rate
+    return EVSConfig(mode="rate", rate=rate)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from stillcut.engine.checkpoints import demo_checkpoint
+    from stillcut.vision.decode import DecodeConfig
+    from stillcut.vision.pipeline import VisionPipeline
+
+    if not args.video.is_file():
+        raise FileNotFoundError(f"{args.video} is not a file")
+    evs = _evs_config(args)
+    model = args.model or demo_checkpoint()
+    started = time.perf_counter()
+    pipeline = VisionPipeline(
+        model, decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames)
+    )
+    load_s = time.perf_counter() - started
+    item = pipeline.video(args.video, evs=evs, start=args.start, end=args.end)
+    report = _report(args, pipeline, item, evs, load_s)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_report(report)
+    if pipeline.model_config.raw.get("stillcut_random_weights"):
+        print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
+    return 0
+
+
+def _report(args, pipeline, item, evs, load_s: float) -> dict:
+    stats = item.stats
+    t, h, w = item.grid_thw
+    return {
+        "video": str(args.video),
+        "model": str(pipeline.path),
+        "source": {
+            "codec": stats.get("codec"),
+            "width": stats.get("width"),
+            "height": stats.get("height"),
+            "fps": stats.get("source_fps"),
+            "duration_s": stats.get("duration"),
+        },
+        "sampled": {
+            "frames": stats["num_frames"],
+            "fps": stats.get("sample_fps"),
+            "timestamps": list(item.timestamps),
+        },
+        "resized": {"width": stats["resized_width"], "height": stats["resized_height"]},
+        "patch_grid_thw": [t, h, w],
+        "token_grid_thw": list(item.llm_grid),
+        "second_per_grid_ts": item.second_per_grid_ts,
+        "evs": {
+            "setting": evs.key() if evs else "off",
+            "tokens_total": stats["tokens_total"],
+            "tokens_kept": stats["tokens_kept"],
+            "kept_per_tubelet": list(item.kept_per_tubelet),
+        },
+        "timings_s": {
+            "load_model": load_s,
+            **{k: stats[k] for k in ("decode_s", "preprocess_s", "encode_s", "evs_s")},
+        },
+    }
+
+
+def _print_report(report: dict) -> None:
+    source, sampled, evs = report["source"], report["sampled"], report["evs"]
+    t, h, w = report["patch_grid_thw"]
+    lt, lh, lw = report["token_grid_thw"]
+    stamps = " ".join(f"{s:.2f}" for s in sampled["timestamps"][:8])
+    more = " ..." if len(sampled["timestamps"]) > 8 else ""
+    fps = f"{source['fps']:.2f} fps, " if source["fps"] else ""
+    kept_share = evs["tokens_kept"] / evs["tokens_total"]
+    lines = [
+        ("video", report["video"]),
+        ("model", report["model"]),
+        (
+            "source",
+            f"{source['codec']} {source['width']}x{source['height']}, {fps}"
+            f"{source['duration_s']:.2f} s",
+        ),
+        ("sampled", f"{sampled['frames']} frames at {sampled['fps']:.3g} fps: {stamps}{more} s"),
+        ("resized", f"{report['resized']['width']}x{report['resized']['height']}"),
+        ("patches", f"grid (t, h, w) = ({t}, {h}, {w}): {t * h * w} patches of 2x14x14"),
+        ("tokens", f"{lt * lh * lw} video tokens = {lt} tubelets x {lh}x{lw} after 2x2 merge"),
+        (
+            "EVS",
+            f"{evs['setting']}: kept {evs['tokens_kept']} of {evs['tokens_total']} "
+            f"({kept_share:.0%})",
+        ),
+        ("per tubelet", " ".join(str(n) for n in evs["kept_per_tubelet"])),
+        (
+            "timings",
+            ", ".join(f"{k.removesuffix('_s')} {v:.3f} s" for k, v in report["timings_s"].items()),
+        ),
+    ]
+    for label, value in lines:
+        print(f"{label:<12}{value}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

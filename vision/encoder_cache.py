@@ -1,0 +1,81 @@
+"""The encoder cache: dense embeddings of media already seen, keyed by `media_key`.
+
+It holds embeddings *before* EVS, so re-asking about a video with any pruning setting never
+runs the encoder again. Least recently used entries go first once the byte bound is reached;
+an entry larger than the whole bound is not stored at all.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class EncodedMedia:
+    """One video or image after the tower, before pruning."""
+
+    embeds: torch.Tensor  # [t * h/m * w/m, hidden], flat (t, h, w) order
+    grid_thw: tuple[int, int, int]  # pre-merge patch grid
+    second_per_grid_ts: float
+    timestamps: tuple[float, ...]  # seconds, one per sampled frame
+    info: dict  # decode facts for reporting (codec, sizes, fps, ...)
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeds.numel() * self.embeds.element_size()
+
+
+class EncoderCache:
+    """A thread-safe LRU map `media_key -> EncodedMedia`, bounded in bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes={max_bytes} must be >= 0")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, EncodedMedia] = OrderedDict()
+        self._nbytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, media_key: str) -> EncodedMedia | None:
+        with self._lock:
+            entry = self._entries.get(media_key)
+            if entry is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(media_key)
+            self.hits += 1
+            return entry
+
+    def put(self, media_key: str, entry: EncodedMedia) -> None:
+        if entry.nbytes > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(media_key, None)
+            if old is not None:
+                self._nbytes -= old.nbytes
+            self._entries[media_key] = entry
+            self._nbytes += entry.nbytes
+            while self._nbytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._nbytes -= evicted.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, media_key: str) -> bool:
+        return media_key in self._entries
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._nbytes = 0

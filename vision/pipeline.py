@@ -1,0 +1,332 @@
+"""From a video (path, bytes, file object or frame array) to a `MultiModalItem`.
+
+decode → preprocess → tower → EVS. The encoder cache sits between the tower and EVS, keyed by
+`media_key` (the model, the media bytes and every decode/preprocess parameter), so changing
+EVS settings never re-runs the encoder. The item's `identifier` adds the EVS setting; that is
+what the prefix cache hashes. Several videos asked for together are encoded in one tower pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.positions import dense_coords
+from stillcut.kernels.evs import EVSConfig, prune
+from stillcut.vision.decode import DecodeConfig, decode_video
+from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
+from stillcut.vision.errors import NotAnImage, VideoTooLarge
+from stillcut.vision.preprocess import (
+    PreprocessedVideo,
+    VideoPreprocessConfig,
+    preprocess_image,
+    preprocess_video,
+)
+from stillcut.vision.towers import load_vision_tower
+
+VideoSource = str | os.PathLike | bytes | BinaryIO | np.ndarray
+ImageSource = str | os.PathLike | bytes | BinaryIO | np.ndarray | Image.Image
+_HASH_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class VideoInput:
+    """One video to encode, with its per-request decode options.
+
+    A frame array `[T, H, W, 3]` uint8 is taken as already sampled at `frames_fps`
+    (its timestamps default to `k / frames_fps`); files are sampled at `fps` over
+    [start, end) with at most `max_frames` frames (None: the pipeline's decode defaults).
+    """
+
+    source: VideoSource
+    evs: EVSConfig | None = None
+    start: float | None = None
+    end: float | None = None
+    fps: float | None = None
+    max_frames: int | None = None
+    frames_fps: float = 2.0
+    timestamps: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image to encode (a tubelet of one frame; never pruned)."""
+
+    source: ImageSource
+
+
+class VisionPipeline:
+    """The vision half of a checkpoint: tower, preprocessing, encoder cache and EVS."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        decode_config: DecodeConfig = DecodeConfig(),
+        cache_bytes: int = 1 << 30,
+    ) -> None:
+        self.path = resolve_checkpoint(model)
+        self.model_config = load_model_config(self.path)
+        self.tower = load_vision_tower(self.path, dtype=dtype, device=device)
+        self.device = torch.device(device)
+        self.video_preprocess = VideoPreprocessConfig.from_checkpoint(self.path, "video")
+        self.image_preprocess = VideoPreprocessConfig.from_checkpoint(self.path, "image")
+        self.decode_config = decode_config
+        self.cache = EncoderCache(cache_bytes)
+        self.model_key = model_fingerprint(self.path)
+
+    def video(self, source: VideoSource, evs: EVSConfig | None = None, **options) -> MultiModalItem:
+        """Encode one video (see `VideoInput` for the options)."""
+        return self.encode([VideoInput(source, evs=evs, **options)])[0]
+
+    def image(self, source: ImageSource) -> MultiModalItem:
+        """Encode one image."""
+        return self.encode([ImageInput(source)])[0]
+
+    def encode(self, inputs: list[VideoInput | ImageInput]) -> list[MultiModalItem]:
+        """Encode several media in order; cache misses share one tower pass."""
+        loaded = [self._load(spec) for spec in inputs]
+        misses = [entry for entry in loaded if entry.encoded is None]
+        if misses:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                embeds = self.tower.encode(
+                    [entry.prepared.patches.to(self.device) for entry in misses],
+                    [entry.prepared.grid_thw for entry in misses],
+                )
+            encode_s = time.perf_counter() - started
+            for entry, item_embeds in zip(misses, embeds, strict=True):
+                entry.finish(item_embeds, encode_s)
+                self.cache.put(entry.media_key, entry.encoded)
+        return [entry.to_item(spec) for entry, spec in zip(loaded, inputs, strict=True)]
+
+    def _load(self, spec: VideoInput | ImageInput) -> _Loaded:
+        spec_source = None
+        if isinstance(spec, ImageInput):
+            data = _image_payload(spec.source)
+            params = {"kind": "image", "preprocess": self.image_preprocess.key()}
+        elif isinstance(spec.source, np.ndarray):
+            data = _frames_payload(spec.source, spec.frames_fps, spec.timestamps)
+            params = {"kind": "frames", "preprocess": self.video_preprocess.key()}
+        else:
+            data, spec_source = _video_payload(spec.source, self.decode_config.max_bytes)
+            params = {
+                "kind": "video",
+                "decode": self._decode_config(spec).__repr__(),
+                "start": spec.start,
+                "end": spec.end,
+                "preprocess": self.video_preprocess.key(),
+            }
+        key = media_key(self.model_key, data, params)
+        entry = _Loaded(key, self.cache.get(key))
+        if entry.encoded is None:
+            entry.prepare(self, spec, spec_source if params["kind"] == "video" else data)
+        return entry
+
+    def _decode_config(self, spec: VideoInput) -> DecodeConfig:
+        overrides = {"fps": spec.fps, "max_frames": spec.max_frames}
+        changes = {name: value for name, value in overrides.items() if value is not None}
+        if not changes:
+            return self.decode_config
+        return DecodeConfig(**{**self.decode_config.__dict__, **changes})
+
+
+class _Loaded:
+    """One input on its way through the pipeline: either a cache hit or prepared patches."""
+
+    def __init__(self, media_key: str, encoded: EncodedMedia | None) -> None:
+        self.media_key = media_key
+        self.encoded = encoded
+        self.cache_hit = encoded is not None
+        self.prepared: PreprocessedVideo | None = None
+        self.timings: dict[str, float] = {}
+        self._timestamps: tuple[float, ...] = ()
+        self._info: dict = {}
+
+    def prepare(self, pipeline: VisionPipeline, spec: VideoInput | ImageInput, data) -> None:
+        started = time.perf_counter()
+        if isinstance(spec, ImageInput):
+            frame = _open_image(data)
+            self._timestamps, self._info = (
+                (0.0,),
+                {"width": frame.shape[1], "height": frame.shape[0]},
+            )
+            decoded_s = time.perf_counter()
+            self.prepared = preprocess_image(frame, pipeline.image_preprocess)
+        elif isinstance(spec.source, np.ndarray):
+            frames, fps = spec.source, spec.frames_fps
+            self._timestamps = spec.timestamps or tuple(k / fps for k in range(len(frames)))
+            self._info = {"width": frames.shape[2], "height": frames.shape[1], "sample_fps": fps}
+            decoded_s = time.perf_counter()
+            self.prepared = preprocess_video(frames, fps, pipeline.video_preprocess)
+        else:
+            config = pipeline._decode_config(spec)
+            decoded = decode_video(data, config, start=spec.start, end=spec.end)
+            self._timestamps = tuple(decoded.timestamps)
+            self._info = {
+                "codec": decoded.codec,
+                "width": decoded.width,
+                "height": decoded.height,
+                "source_fps": decoded.source_fps,
+                "sample_fps": decoded.sample_fps,
+                "duration": decoded.duration,
+            }
+            decoded_s = time.perf_counter()
+            self.prepared = preprocess_video(
+                decoded.frames, decoded.sample_fps, pipeline.video_preprocess
+            )
+        done = time.perf_counter()
+        self.timings = {"decode_s": decoded_s - started, "preprocess_s": done - decoded_s}
+        self._info.update(
+            resized_width=self.prepared.resized_width, resized_height=self.prepared.resized_height
+        )
+
+    def finish(self, embeds: torch.Tensor, encode_s: float) -> None:
+        prepared = self.prepared
+        self.timings["encode_s"] = encode_s
+        self.encoded = EncodedMedia(
+            embeds, prepared.grid_thw, prepared.second_per_grid_ts, self._timestamps, self._info
+        )
+
+    def to_item(self, spec: VideoInput | ImageInput) -> MultiModalItem:
+        encoded = self.encoded
+        merge = 2  # Qwen2-VL / Qwen2.5-VL merge 2x2 patches into one token
+        t, h, w = encoded.grid_thw
+        grid = (t, h // merge, w // merge)
+        evs = spec.evs if isinstance(spec, VideoInput) else None
+        started = time.perf_counter()
+        if evs is None or evs.is_off:
+            embeds, coords = encoded.embeds, dense_coords(*grid)
+            kept_per_tubelet = (grid[1] * grid[2],) * grid[0]
+            identifier = item_identifier(self.media_key, None)
+        else:
+            result = prune(encoded.embeds, grid, evs)
+            embeds, coords = encoded.embeds[result.kept_index], result.kept_coords
+            kept_per_tubelet = tuple(result.kept_per_tubelet.tolist())
+            identifier = item_identifier(self.media_key, evs)
+        stats = {
+            **self.timings,
+            "evs_s": time.perf_counter() - started,
+            "cache_hit": self.cache_hit,
+            "num_frames": len(encoded.timestamps),
+            "tokens_total": grid[0] * grid[1] * grid[2],
+            "tokens_kept": int(embeds.shape[0]),
+            **encoded.info,
+        }
+        return MultiModalItem(
+            kind="image" if isinstance(spec, ImageInput) else "video",
+            embeds=embeds,
+            coords=coords,
+            grid_thw=encoded.grid_thw,
+            merge_size=merge,
+            second_per_grid_ts=encoded.second_per_grid_ts,
+            timestamps=encoded.timestamps,
+            media_key=self.media_key,
+            identifier=identifier,
+            kept_per_tubelet=kept_per_tubelet,
+            stats=stats,
+        )
+
+
+def media_key(model_key: str, data: bytes | np.ndarray, params: dict) -> str:
+    """sha256 of the model, the media content and every decode/preprocess parameter."""
+    digest = hashlib.sha256()
+    digest.update(b"stillcut-media-v1\0" + model_key.encode() + b"\0")
+    digest.update(json.dumps(params, sort_keys=True, default=repr).encode() + b"\0")
+    if isinstance(data, np.ndarray):
+        digest.update(f"{data.dtype}{data.shape}".encode())
+        data = np.ascontiguousarray(data).data
+    digest.update(data)
+    return digest.hexdigest()
+
+
+def item_identifier(media_key: str, evs: EVSConfig | None) -> str:
+    """The prefix-cache identity of an item: its media plus the pruning applied to it."""
+    setting = "evs:off" if evs is None or evs.is_off else evs.key()
+    return hashlib.sha256(f"{media_key}\0{setting}".encode()).hexdigest()
+
+
+def model_fingerprint(path: Path) -> str:
+    """Identify a checkpoint cheaply: its config plus the names, sizes and mtimes of weights."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def _video_payload(source: VideoSource, max_bytes: int) -> tuple[bytes, VideoSource]:
+    """The content digest of a video and what to decode it from.
+
+    Paths are hashed in chunks and decoded from disk; file objects are read once into memory.
+    """
+    if isinstance(source, str | os.PathLike):
+        size = os.path.getsize(source)
+        if size > max_bytes:
+            raise VideoTooLarge(f"the file has {size} bytes; max_bytes={max_bytes}")
+        digest = hashlib.sha256()
+        with open(source, "rb") as file:
+            while chunk := file.read(_HASH_CHUNK):
+                digest.update(chunk)
+        return digest.digest(), source
+    data = (
+        bytes(source)
+        if isinstance(source, bytes | bytearray | memoryview)
+        else source.read(max_bytes + 1)
+    )
+    if len(data) > max_bytes:
+        raise VideoTooLarge(f"the input has more than {max_bytes} bytes (max_bytes={max_bytes})")
+    return hashlib.sha256(data).digest(), data
+
+
+def _frames_payload(
+    frames: np.ndarray, fps: float, timestamps: tuple[float, ...] | None
+) -> np.ndarray:
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or not len(frames):
+        raise ValueError(
+            f"a frame array must be [T, H, W, 3] uint8 with T >= 1, got "
+            f"{list(frames.shape)} {frames.dtype}"
+        )
+    if not (fps > 0):
+        raise ValueError(f"frames_fps={fps!r} must be > 0")
+    if timestamps is not None and len(timestamps) != len(frames):
+        raise ValueError(f"{len(timestamps)} timestamps given for {len(frames)} frames")
+    return frames
+
+
+def _image_payload(source: ImageSource) -> bytes | np.ndarray:
+    if isinstance(source, Image.Image):
+        return np.asarray(source.convert("RGB"))
+    if isinstance(source, np.ndarray):
+        if source.dtype != np.uint8 or source.ndim != 3 or source.shape[-1] != 3:
+            raise ValueError(f"an image array must be [H, W, 3] uint8, got {list(source.shape)}")
+        return source
+    if isinstance(source, str | os.PathLike):
+        return Path(source).read_bytes()
+    if isinstance(source, bytes | bytearray | memoryview):
+        return bytes(source)
+    return source.read()
+
+
+def _open_image(data: bytes | np.ndarray) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return data
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise NotAnImage(f"the image could not be read ({error}); send a PNG or JPEG") from None
