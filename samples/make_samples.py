@@ -135,25 +135,26 @@ def render_scene_cut(spec: ClipSpec) -> Iterator[np.ndarray]:
             yield compose(cool, [(obj, (250, 220, 0))])
 
 
+NEAR_STATIC_EVENTS_S = (20, 110, 200)  # seconds at which the object appears
+
+
 def render_near_static_long(spec: ClipSpec) -> Iterator[np.ndarray]:
-    """A still room under slowly changing light; a small object slides by every 30 s."""
+    """A still room, as a fixed camera sees it; a small object slides by three times."""
     h, w = spec.height, spec.width
     room = backdrop(5, h, w, (50, 50, 60), (210, 200, 180))
     rng = np.random.default_rng(7)
-    event_every, event_len = 30 * spec.fps, 3 * spec.fps  # a 3 s event every 30 s
-    num_events = -(-(spec.num_frames - event_every // 2) // event_every)
+    event_len = 3 * spec.fps  # each visit lasts 3 s
+    event_starts = [s * spec.fps for s in NEAR_STATIC_EVENTS_S]
     # Per event: start (y, x) and end (y, x) of the small object's short slide.
-    paths = rng.uniform((10, 10, 10, 10), (h - 10, w - 10, h - 10, w - 10), size=(num_events, 4))
+    paths = rng.uniform((10, 10, 10, 10), (h - 10, w - 10, h - 10, w - 10), size=(3, 4))
     for i in range(spec.num_frames):
-        # A slow light change: +-6 % gain over the clip; a few % of pixels step one level a frame.
-        light = 1 + 0.06 * np.sin(2 * np.pi * i / spec.num_frames)
-        event, offset = divmod(i - event_every // 2, event_every)
         objects = []
-        if i >= event_every // 2 and offset < event_len:
-            y0, x0, y1, x1 = paths[event]
-            t = offset / (event_len - 1)
-            objects.append((disk(h, w, y0 + t * (y1 - y0), x0 + t * (x1 - x0), 6), (255, 60, 200)))
-        yield compose(room * light, objects)
+        for (y0, x0, y1, x1), first in zip(paths, event_starts, strict=True):
+            if first <= i < first + event_len:
+                t = (i - first) / (event_len - 1)
+                position = (y0 + t * (y1 - y0), x0 + t * (x1 - x0))
+                objects.append((disk(h, w, *position, 6), (255, 60, 200)))
+        yield compose(room, objects)
 
 
 def motion_mask_scene(spec: ClipSpec) -> Iterator[tuple[np.ndarray, list[np.ndarray]]]:
