@@ -1,0 +1,168 @@
+"""Video ingestion: open a video with PyAV and sample frames by presentation time.
+
+`decode_video` rejects what it can before decoding (bytes, header pixels, duration), scans the
+packet timestamps and plans the sample times (`sampling`), then decodes the stream once, front
+to back (`frame_pass`), converting only the frames it keeps to upright RGB (`upright`). Every
+failure caused by the input is a `VideoError` (`errors`); no raw PyAV exception escapes.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+from av.container import InputContainer
+from av.stream import Disposition
+from av.video.stream import VideoStream
+
+from stillcut.vision.decode_config import DecodeConfig, is_seconds
+from stillcut.vision.errors import (
+    FrameTooLarge,
+    InvalidTimeRange,
+    NotAVideo,
+    NoVideoStream,
+    UnsupportedCodec,
+    VideoTooLong,
+)
+from stillcut.vision.frame_pass import PassPlan, SkipPlan, plan_skips, run_pass
+from stillcut.vision.sampling import SamplePlan, plan_samples
+from stillcut.vision.timeline import declared_clip_end, scan_packets
+from stillcut.vision.video_source import IMAGE_DEMUXERS, Source, open_source
+
+__all__ = ["DecodeConfig", "DecodedVideo", "decode_video"]
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    """The sampled frames of one clip and where in the clip they came from."""
+
+    frames: np.ndarray  # [T, H, W, 3] uint8, upright RGB
+    timestamps: list[float]  # seconds from the stream start: the pts of each sampled frame
+    sample_fps: float  # fps, or max_frames / duration when the range was capped
+    source_fps: float | None  # the stream's average frame rate, when it declares one
+    duration: float  # seconds of the decoded range
+    codec: str
+    width: int  # of the returned frames, after rotation and the aspect-ratio fix
+    height: int
+
+    def __post_init__(self) -> None:
+        assert self.frames.dtype == np.uint8 and self.frames.ndim == 4, self.frames.shape
+        assert self.frames.shape[1:] == (self.height, self.width, 3), self.frames.shape
+        assert len(self.timestamps) == len(self.frames) >= 1
+
+
+def decode_video(
+    source: Source,
+    config: DecodeConfig = DecodeConfig(),
+    *,
+    start: float | None = None,
+    end: float | None = None,
+) -> DecodedVideo:
+    """Decode `source` and sample frames at `config.fps` over [start, end) seconds.
+
+    `source` is a path, the file's bytes, or a binary file object (read from its start, left
+    open). `start` / `end` default to the clip's start and end; an `end` past the clip is
+    clamped. Raises a `VideoError` subclass for every input-caused failure.
+    """
+    _check_time_arguments(start, end)
+    with open_source(source, config.max_bytes) as media:
+        with media.open_container() as container:
+            probe = _probe(container, config, start, end)
+            fast = PassPlan(probe.plan.times, seek=True, skip=probe.skip)
+            sampled = run_pass(container, container.streams[probe.stream_index], fast, config)
+        if sampled is None:  # a shortcut misfired: decode every frame of a fresh container
+            plain = PassPlan(probe.plan.times, seek=False, skip=None)
+            with media.open_container() as container:
+                sampled = run_pass(container, container.streams[probe.stream_index], plain, config)
+    assert sampled is not None  # the plain pass always yields a result
+    frames, timestamps = sampled
+    return DecodedVideo(
+        frames=frames,
+        timestamps=timestamps,
+        sample_fps=probe.plan.sample_fps,
+        source_fps=probe.source_fps,
+        duration=probe.range_end - probe.range_start,
+        codec=probe.codec,
+        width=frames.shape[2],
+        height=frames.shape[1],
+    )
+
+
+def _check_time_arguments(start: float | None, end: float | None) -> None:
+    for name, value in (("start", start), ("end", end)):
+        if value is not None and not is_seconds(value):
+            raise InvalidTimeRange(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    if end is not None and end <= (start or 0.0):
+        raise InvalidTimeRange(f"end={end:g} s must be after start={start or 0.0:g} s")
+
+
+@dataclass(frozen=True)
+class _Probe:
+    stream_index: int
+    codec: str
+    source_fps: float | None
+    range_start: float
+    range_end: float
+    plan: SamplePlan
+    skip: SkipPlan | None
+
+
+def _probe(
+    container: InputContainer, config: DecodeConfig, start: float | None, end: float | None
+) -> _Probe:
+    """Header checks, a packet scan and the sample plan."""
+    stream = _video_stream(container)
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width * height > config.max_pixels:
+        raise FrameTooLarge(
+            f"the header declares {width}x{height} = {width * height} pixels per frame, "
+            f"over max_pixels={config.max_pixels}"
+        )
+    declared_end = declared_clip_end(container, stream)
+    if declared_end is not None and declared_end > config.max_duration_s:  # reject before reading
+        raise VideoTooLong(
+            f"the video lasts {declared_end:g} s; {declared_end:g} s exceeds "
+            f"max_duration_s={config.max_duration_s:g}"
+        )
+    # The scan finds the true end (and raises past max_duration_s) and every frame's pts.
+    scan = scan_packets(container, stream, config.max_decoded_frames, config.max_duration_s)
+    range_start, range_end = _clip_range(start, end, scan.end)
+    plan = plan_samples(range_start, range_end - range_start, config.fps, config.max_frames)
+    rate = stream.average_rate
+    return _Probe(
+        stream_index=stream.index,
+        codec=stream.codec_context.name,
+        source_fps=float(rate) if rate else None,
+        range_start=range_start,
+        range_end=range_end,
+        plan=plan,
+        skip=None if scan.pts is None else plan_skips(stream, scan.pts, plan.times),
+    )
+
+
+def _clip_range(start: float | None, end: float | None, clip_end: float) -> tuple[float, float]:
+    """[start, end) in seconds, checked against the clip; `end` is clamped to the clip."""
+    range_start = start or 0.0
+    if start is not None and range_start >= clip_end:
+        raise InvalidTimeRange(
+            f"start={range_start:g} s is not inside the clip; allowed: 0 <= start < {clip_end:g}"
+        )
+    return range_start, clip_end if end is None else min(end, clip_end)
+
+
+def _video_stream(container: InputContainer) -> VideoStream:
+    if container.format.name in IMAGE_DEMUXERS:
+        raise NotAVideo(
+            f"the input is a still image ({container.format.name.removesuffix('_pipe')}), "
+            "not a video; send a video file such as MP4 or WebM"
+        )
+    streams = [s for s in container.streams.video if not s.disposition & Disposition.attached_pic]
+    if not streams:
+        found = ", ".join(sorted({s.type for s in container.streams})) or "none"
+        raise NoVideoStream(
+            f"the input has no video stream (streams found: {found}); a video track is required"
+        )
+    if streams[0].codec_context is None:
+        raise UnsupportedCodec(
+            "the video stream's codec cannot be decoded by this build; supported codecs "
+            "include H.264, HEVC, VP8, VP9, AV1, MPEG-4, MJPEG and ProRes"
+        )
+    return streams[0]

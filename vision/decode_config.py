@@ -1,0 +1,38 @@
+"""The settings of video decoding: the sampling rate and the limits on what an input may cost.
+
+Import it from `stillcut.vision.decode`; it lives apart so the decoding modules can share it.
+"""
+
+import math
+from dataclasses import dataclass
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Sampling rate and the limits that keep hostile inputs cheap to reject."""
+
+    fps: float = 2.0  # sample times per second of video
+    max_frames: int = 64  # cap on sampled frames; longer ranges are sampled evenly instead
+    max_bytes: int = 512 * 2**20
+    max_duration_s: float = 600.0
+    max_pixels: int = 4096 * 2304  # width * height, checked from the header before decoding
+    max_decoded_frames: int = 100_000  # safety cap on frames decoded (or packets scanned)
+
+    def __post_init__(self) -> None:
+        for name in ("fps", "max_duration_s"):
+            value = getattr(self, name)
+            if not (_is_number(value) and math.isfinite(value) and value > 0):
+                raise ValueError(f"DecodeConfig.{name} must be a finite number > 0, got {value!r}")
+        for name in ("max_frames", "max_bytes", "max_pixels", "max_decoded_frames"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"DecodeConfig.{name} must be an integer >= 1, got {value!r}")
+
+
+def is_seconds(value: object) -> bool:
+    """True for a finite, non-negative int or float (not a bool)."""
+    return _is_number(value) and math.isfinite(value) and value >= 0
