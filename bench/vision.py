@@ -1,0 +1,161 @@
+"""Vision tower speed and peak memory: stillcut's Qwen2.5-VL tower vs transformers'.
+
+One random Qwen2.5-VL-shaped checkpoint (scaled down to run in seconds on 2 cores: 8 blocks,
+width 320, 4 heads of 80 like the real tower, 112 px windows, full attention every 4th block)
+is saved once to a temporary folder. Both towers encode the same clip, by default 32 frames
+at 448x448 (grid 16 x 32 x 32 = 16384 patches), under `torch.inference_mode()`; the timed runs
+alternate between the two so machine noise hits both alike, and the table shows medians.
+Peak RSS is measured in a fresh child process per side that loads the checkpoint and encodes
+once (its VmHWM, or ru_maxrss without /proc), so neither side's allocations colour the
+other's.
+
+    python bench/vision.py [--frames 32] [--size 448] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PATCH = 14
+VISION = {
+    "depth": 8,
+    "hidden_size": 320,
+    "num_heads": 4,
+    "intermediate_size": 864,
+    "out_hidden_size": 512,
+    "window_size": 112,
+    "fullatt_block_indexes": [3, 7],
+    "initializer_range": 0.1,
+}
+TEXT = {  # the smallest language model the config allows; only the tower is measured
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 256,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e4},
+}
+
+
+def save_checkpoint(folder: Path) -> None:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(vision_config=VISION, text_config=TEXT)
+    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(folder)
+
+
+def clip_inputs(frames: int, size: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Random patches of a `frames` x `size` x `size` clip and its (t, h, w) grid."""
+    grid = (frames // 2, size // PATCH, size // PATCH)
+    generator = torch.Generator().manual_seed(0)
+    patches = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * PATCH * PATCH, generator=generator)
+    return patches, grid
+
+
+def load_encoder(side: str, folder: Path):
+    """A function patches, grid -> merged embeddings [tokens, out_hidden] for one side."""
+    if side == "stillcut":
+        from stillcut.vision.towers import load_vision_tower
+
+        tower = load_vision_tower(folder)
+        return lambda patches, grid: tower.encode([patches], [grid])[0]
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+    return lambda patches, grid: model.model.get_video_features(
+        patches, torch.tensor([grid])
+    ).pooler_output[0]
+
+
+def peak_rss_child(side: str, folder: Path, frames: int, size: int) -> None:
+    """Child process: load one side, encode once, print the peak RSS in MiB."""
+    encode = load_encoder(side, folder)
+    patches, grid = clip_inputs(frames, size)
+    with torch.inference_mode():
+        encode(patches, grid)
+    print(peak_rss_mib())
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size. Linux carries ru_maxrss over from the parent
+    across fork + exec (so a child would report at least the parent's peak); VmHWM belongs to
+    this process image alone, so it is preferred where /proc exists."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def time_both(folder: Path, frames: int, size: int, runs: int) -> dict[str, list[float]]:
+    encoders = {side: load_encoder(side, folder) for side in ("stillcut", "transformers")}
+    patches, grid = clip_inputs(frames, size)
+    seconds: dict[str, list[float]] = {side: [] for side in encoders}
+    with torch.inference_mode():
+        outputs = {side: encode(patches, grid) for side, encode in encoders.items()}  # warm-up
+        difference = (outputs["stillcut"] - outputs["transformers"]).abs().max().item()
+        scale = outputs["transformers"].abs().max().item()
+        for _ in range(runs):
+            for side, encode in encoders.items():
+                start = time.perf_counter()
+                encode(patches, grid)
+                seconds[side].append(time.perf_counter() - start)
+    print(f"max |stillcut - transformers| = {difference:.2e} (max |transformers| = {scale:.1f})")
+    return seconds
+
+
+def measure_rss(side: str, folder: Path, args: argparse.Namespace) -> float:
+    command = [sys.executable, __file__, "--child", side, "--folder", str(folder)]
+    command += ["--frames", str(args.frames), "--size", str(args.size)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return float(result.stdout.split()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--frames", type=int, default=32)
+    parser.add_argument("--size", type=int, default=448, help="frame side in px, multiple of 28")
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--child", choices=("stillcut", "transformers"), help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        peak_rss_child(args.child, args.folder, args.frames, args.size)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        save_checkpoint(folder)
+        _, grid = clip_inputs(args.frames, args.size)
+        print(
+            f"Qwen2.5-VL-shaped tower {VISION['depth']} blocks, width {VISION['hidden_size']}, "
+            f"{VISION['num_heads']} heads; {args.frames} frames at {args.size}x{args.size} -> "
+            f"grid {grid} = {grid[0] * grid[1] * grid[2]} patches; "
+            f"{torch.get_num_threads()} threads, {args.runs} interleaved runs"
+        )
+        seconds = time_both(folder, args.frames, args.size, args.runs)
+        rss = {side: measure_rss(side, folder, args) for side in seconds}
+    medians = {side: statistics.median(times) for side, times in seconds.items()}
+    print(f"{'':14} {'median s':>9} {'min s':>7} {'peak RSS MiB':>13}")
+    for side, times in seconds.items():
+        print(f"{side:14} {medians[side]:9.3f} {min(times):7.3f} {rss[side]:13.0f}")
+    ratio = medians["stillcut"] / medians["transformers"]
+    print(f"time ratio stillcut/transformers = {ratio:.3f} (target <= 1.05)")
+    print(f"RSS ratio  stillcut/transformers = {rss['stillcut'] / rss['transformers']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Checkpoint loading: find a Hugging Face checkpoint folder and load its weights into modules.
+
+A checkpoint is a folder with config.json (read by `model_config.load_model_config`) and
+safetensors weights, one file or shards with an index. Real Qwen2.5-VL checkpoints name their
+tensors in two layouts: `visual.*` / `model.*` / `lm_head.*` (the original releases; transformers
+5.x saves this too) and `model.visual.*` / `model.language_model.*` / `lm_head.*` (saves by
+transformers 4.52 to 4.x). Both are normalised to one canonical naming: `visual.*`,
+`language_model.*`, `lm_head.*`. Weights are read through
+safetensors' memory map one shard at a time, converted to the target dtype once, and assigned
+to the module in place of its parameters, so a multi-GB checkpoint is never held twice (build
+the module on the meta device to skip allocating and initialising it at all).
+
+This module imports neither PyAV nor FastAPI: the engine and the GPU machine use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from os import PathLike
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
+
+__all__ = [
+    "CheckpointError",
+    "ModelConfig",
+    "canonical_tensor_name",
+    "checkpoint_tensors",
+    "load_model_config",
+    "load_weights",
+    "resolve_checkpoint",
+]
+
+HUB_ETAG_TIMEOUT_S = 5.0
+# Files a checkpoint needs: config, weights, tokenizer and chat template (never .bin/.pth).
+HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+# Longer prefixes first, so `model.visual.` is not taken by the bare `model.` rule.
+_NAME_PREFIXES = (
+    ("model.visual.", "visual."),
+    ("model.language_model.", "language_model."),
+    ("visual.", "visual."),
+    ("model.", "language_model."),
+    ("lm_head.", "lm_head."),
+)
+_MAX_NAMES_IN_ERROR = 8
+_T = TypeVar("_T")
+
+
+def resolve_checkpoint(model: str | PathLike[str]) -> Path:
+    """A local checkpoint folder for `model`: an existing folder, or a hub id to download.
+
+    Hub downloads need the hub to be reachable; offline (HF_HUB_OFFLINE=1 or no network) a hub
+    id resolves only from the local Hugging Face cache, otherwise this fails at once with a
+    CheckpointError that names the id and says to pass a local folder.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path} is a file; pass a checkpoint folder (with config.json)")
+    name = str(model)
+    if not _HUB_ID.match(name):
+        raise CheckpointError(f"checkpoint folder {name!r} does not exist")
+    return _download_from_hub(name)
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    # Imported here: only hub ids need it, and it costs a noticeable import time.
+    from huggingface_hub import snapshot_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    try:
+        folder = snapshot_download(
+            repo_id,
+            allow_patterns=list(HUB_ALLOW_PATTERNS),
+            etag_timeout=HUB_ETAG_TIMEOUT_S,
+            local_files_only=offline,
+        )
+    except Exception as error:  # any hub or network failure means the same to the user
+        summary = (str(error).strip().splitlines() or [""])[0]
+        reason = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else summary
+        raise CheckpointError(
+            f"cannot fetch hub model {repo_id!r}: {reason} ({type(error).__name__}); "
+            "pass a local checkpoint folder instead"
+        ) from error
+    return Path(folder)
+
+
+def canonical_tensor_name(name: str) -> str:
+    """The canonical name of a checkpoint tensor, whichever layout the checkpoint uses."""
+    for stored_prefix, canonical_prefix in _NAME_PREFIXES:
+        if name.startswith(stored_prefix):
+            return canonical_prefix + name[len(stored_prefix) :]
+    return name
+
+
+def checkpoint_tensors(path: str | PathLike[str]) -> dict[str, tuple[Path, str]]:
+    """Canonical tensor name -> (safetensors file, name stored in it); reads headers only."""
+    folder = Path(path)
+    index_file = folder / "model.safetensors.index.json"
+    single_file = folder / "model.safetensors"
+    if index_file.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        except (ValueError, KeyError) as error:
+            raise CheckpointError(f"{index_file} is not a safetensors index: {error}") from error
+        stored = {name: folder / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(stored.values())):
+            if not shard.is_file():
+                raise CheckpointError(f"shard {shard.name} listed in {index_file} is missing")
+    elif single_file.is_file():
+        with _open_safetensors(single_file) as handle:
+            stored = dict.fromkeys(handle.keys(), single_file)
+    else:
+        raise CheckpointError(f"{folder} has neither model.safetensors nor {index_file.name}")
+    tensors: dict[str, tuple[Path, str]] = {}
+    for name, file in stored.items():
+        canonical = canonical_tensor_name(name)
+        if canonical in tensors:
+            raise CheckpointError(
+                f"{folder}: tensors {tensors[canonical][1]!r} and {name!r} "
+                f"both map to {canonical!r}"
+            )
+        tensors[canonical] = (file, name)
+    return tensors
+
+
+def load_weights(
+    module: nn.Module,
+    path: str | PathLike[str],
+    prefix: str,
+    dtype: torch.dtype | None = torch.float32,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Load every checkpoint tensor named `prefix + <module state name>` into `module`, strictly.
+
+    Floating tensors are converted to `dtype` (None keeps the stored dtype) and replace the
+    module's parameters and buffers, so a module built on the meta device loads too. Parameters
+    shared under several names (tied embeddings) need only one of the names in the checkpoint.
+    Missing tensors, unexpected tensors under `prefix` and wrong shapes raise CheckpointError
+    naming them before anything is assigned; an unreadable safetensors file raises naming it.
+    """
+    stored = {
+        name[len(prefix) :]: location
+        for name, location in checkpoint_tensors(path).items()
+        if name.startswith(prefix)
+    }
+    plan = _plan_loads(module, stored, prefix, path)
+    targets = module.state_dict(keep_vars=True)
+    wrong = []
+    for file, loads in plan.items():
+        with _open_safetensors(file) as handle:
+            for names, stored_name in loads:
+                shape = tuple(_read(handle.get_slice, file, stored_name).get_shape())
+                expected = tuple(targets[names[0]].shape)
+                if shape != expected:
+                    wrong.append(f"{prefix}{names[0]} {shape} (expected {expected})")
+    if wrong:
+        raise CheckpointError(f"{path}: wrong tensor shapes: {_name_list(wrong)}")
+    for file, loads in plan.items():
+        with _open_safetensors(file, device) as handle:
+            for names, stored_name in loads:
+                tensor = _read(handle.get_tensor, file, stored_name)
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                _assign(module, names, tensor, isinstance(targets[names[0]], nn.Parameter))
+
+
+def _plan_loads(
+    module: nn.Module, stored: dict[str, tuple[Path, str]], prefix: str, path: str | PathLike[str]
+) -> dict[Path, list[tuple[list[str], str]]]:
+    """Safetensors file -> [(state names sharing one tensor, name stored in the file)]."""
+    aliases: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        aliases.setdefault(id(tensor), []).append(name)
+    plan: dict[Path, list[tuple[list[str], str]]] = {}
+    missing = []
+    for names in aliases.values():
+        found = next((name for name in names if name in stored), None)
+        if found is None:
+            missing.append(prefix + names[0])
+        else:
+            file, stored_name = stored[found]
+            plan.setdefault(file, []).append((names, stored_name))
+    known = {name for names in aliases.values() for name in names}
+    unexpected = [prefix + name for name in stored if name not in known]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: checkpoint does not match {type(module).__name__}: "
+            f"missing {_name_list(missing)}; unexpected {_name_list(unexpected)}"
+        )
+    return plan
+
+
+def _assign(module: nn.Module, names: list[str], tensor: torch.Tensor, is_parameter: bool) -> None:
+    """Point every alias at `tensor`, replacing (not copying into) the old tensor."""
+    value = nn.Parameter(tensor, requires_grad=False) if is_parameter else tensor
+    for name in names:
+        owner_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner_name), attr, value)
+
+
+def _open_safetensors(file: Path, device: torch.device | str = "cpu"):
+    try:
+        return safe_open(file, framework="pt", device=str(device))
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"cannot read safetensors file {file}: {error}") from error
+
+
+def _read(getter: Callable[[str], _T], file: Path, name: str) -> _T:
+    try:
+        return getter(name)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"cannot read tensor {name!r} from {file}: {error}") from error
+
+
+def _name_list(names: list[str]) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(sorted(names)[:_MAX_NAMES_IN_ERROR])
+    more = len(names) - _MAX_NAMES_IN_ERROR
+    return f"{shown} (and {more} more)" if more > 0 else shown
