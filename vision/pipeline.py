@@ -110,7 +110,8 @@ class VisionPipeline:
                 )
             encode_s = time.perf_counter() - started
             for entry, item_embeds in zip(misses, embeds, strict=True):
-                entry.finish(item_embeds, encode_s)
+                # Batched outputs are views of one tensor; a cached view would pin the batch.
+                entry.finish(item_embeds.clone() if len(misses) > 1 else item_embeds, encode_s)
                 self.cache.put(entry.media_key, entry.encoded)
         return [entry.to_item(spec) for entry, spec in zip(loaded, inputs, strict=True)]
 
