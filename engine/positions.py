@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple, get_args
 
 import torch
+
 from stillcut.engine.multimodal import MultiModalItem
 
 TextAfterVision = Literal["spatial_extent", "grid_max"]

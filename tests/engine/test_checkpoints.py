@@ -11,6 +11,7 @@ import unicodedata
 import pytest
 import torch
 from safetensors.torch import load_file
+
 from stillcut.engine import checkpoints
 from stillcut.engine.checkpoints import (
     build_checkpoint,

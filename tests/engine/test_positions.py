@@ -6,14 +6,15 @@ import random
 
 import pytest
 import torch
-from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.positions import MRopeSpec, dense_coords, mrope_positions
 from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
 )
+
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.positions import MRopeSpec, dense_coords, mrope_positions
 
 IMAGE_PAD, VIDEO_PAD = 151655, 151656
 MM_TYPE = {"image": 1, "video": 2}  # transformers' mm_token_type_ids

@@ -10,6 +10,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf
+
 from stillcut.vision.preprocess import (
     AspectRatioError,
     PreprocessedVideo,
@@ -18,7 +20,6 @@ from stillcut.vision.preprocess import (
     preprocess_video,
     smart_resize,
 )
-from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf
 
 CONFIG = VideoPreprocessConfig()
 # transformers' image default bounds: small frames pass through without a resize.
