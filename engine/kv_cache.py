@@ -1,0 +1,263 @@
+"""Paged-KV bookkeeping: ref-counted blocks, per-request block tables and the prefix cache.
+
+The runner owns the KV tensors `[num_blocks, block_size, ...]`; this module only decides which
+block ids each request writes. Blocks are shared by ref count. A block freed with a hash keeps
+it, and stays findable, until the LRU free list hands it out for something else, so a prefix
+computed by a finished or held request is reused by any later prompt that starts the same way.
+Only full blocks are hashed. A block's hash chains its parent's hash, its token ids, every mm
+item overlapping it as `(identifier, item start - block start)`, and the cache salt in the
+first block only: the chain carries the salt into every later block.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import pickle
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from stillcut.engine.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One KV block. `block_hash` is set only while the prefix cache maps that hash to it."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """All blocks, the free list in LRU order, and the hash -> block map of the prefix cache."""
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks >= 1, num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # head = least recently freed = first to be handed out; O(1) pop, append and remove
+        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[bytes, Block] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[Block]:
+        """Take `num_blocks` from the head of the free list, evicting their cached hashes."""
+        assert num_blocks <= len(self._free), (num_blocks, len(self._free))
+        taken = []
+        for _ in range(num_blocks):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference to each (cache-hit) block, out of the free list if need be."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each; blocks reaching zero join the tail of the free list in
+        the order given, so the first given is the first evicted."""
+        for block in blocks:
+            assert block.ref_cnt > 0, block
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache(self, block: Block, block_hash: bytes) -> None:
+        """Make `block` findable by `block_hash`, unless another block already holds that
+        content (two requests computed it at once); the duplicate then stays unhashed."""
+        if block.block_hash is None and block_hash not in self._cached:
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self._cached.get(block_hash)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; refused (False) while any block is in use."""
+        if len(self._free) != len(self.blocks):
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()
+        return True
+
+    def check_consistency(self) -> None:
+        """Assert the pool's invariants (for tests and debugging)."""
+        assert set(self._free) == {b.block_id for b in self.blocks if b.ref_cnt == 0}
+        assert all(b.ref_cnt >= 0 for b in self.blocks)
+        hashed = {b.block_hash: b for b in self.blocks if b.block_hash is not None}
+        assert len(hashed) == len(self._cached)
+        assert all(self._cached.get(h) is b for h, b in hashed.items())
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple) -> bytes:
+    """sha256 of a block's content and its parent's hash. Pickle of plain ints, strings, bytes
+    and tuples is deterministic, unlike Python's `hash()` of strings."""
+    payload = pickle.dumps((parent, tuple(token_ids), extra_keys), protocol=5)
+    return hashlib.sha256(payload).digest()
+
+
+def block_extra_keys(request: Request, block_index: int, block_size: int) -> tuple:
+    """What besides token ids tells this block's content: the salt (first block only) and each
+    overlapping item's identifier with its start relative to the block (may be negative)."""
+    start, end = block_index * block_size, (block_index + 1) * block_size
+    places = request.mm_positions
+    items = []
+    # placements are sorted and disjoint: the overlapping ones start at the first ending after
+    for index in range(bisect.bisect_right(places, start, key=lambda p: p.end), len(places)):
+        if places[index].offset >= end:
+            break
+        items.append((request.mm_items[index].identifier, places[index].offset - start))
+    return (request.cache_salt if block_index == 0 else None, tuple(items))
+
+
+class CachedPrefix(NamedTuple):
+    """A prefix-cache hit: the blocks holding the first `num_tokens` tokens of a request."""
+
+    blocks: tuple[Block, ...]
+    num_tokens: int
+
+
+NO_PREFIX = CachedPrefix((), 0)
+
+
+class KVCacheManager:
+    """Block tables of the live requests, on top of one `BlockPool`.
+
+    Per step the scheduler asks `find_cached_prefix` (first schedule only) and `allocate_slots`;
+    after the step `cache_full_blocks` registers what became full; `free` ends a request's
+    claim. Counters `num_query_tokens` / `num_hit_tokens` measure the prefix cache in tokens.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        self.block_pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+        self._req_blocks: dict[str, list[Block]] = {}
+        self._block_hashes: dict[str, list[bytes]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_pool.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not used by any request (cached ones included: they can be reused)."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by requests."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> CachedPrefix:
+        """The longest chain of cached full blocks from the request's first token.
+
+        At least one token is left to compute so the runner has logits, and a hit ending
+        inside a bidirectional item is rounded down to the block boundary below its start.
+        """
+        if not self.enable_prefix_caching:
+            return NO_PREFIX
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in self.block_hashes(request)[:max_blocks]:
+            block = self.block_pool.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        num_tokens = len(blocks) * self.block_size
+        # rounding down may land inside an earlier bidirectional item: repeat until stable
+        while (boundary := request.chunk_end_at_or_before(num_tokens)) != num_tokens:
+            num_tokens = boundary // self.block_size * self.block_size
+        return CachedPrefix(tuple(blocks[: num_tokens // self.block_size]), num_tokens)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX
+    ) -> list[int] | None:
+        """Give the request blocks for `num_new_tokens` more tokens after its computed ones
+        (and after `prefix`, a hit found for it this step). Returns the block ids added to its
+        table, or None, changing nothing, when the free blocks do not suffice."""
+        assert num_new_tokens > 0, num_new_tokens
+        blocks = self._req_blocks.get(request.request_id, [])
+        assert not prefix.blocks or not blocks, "a prefix is only reused by a fresh table"
+        num_tokens = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
+        num_needed = max(0, self.num_blocks_for(num_tokens) - len(blocks) - len(prefix.blocks))
+        # hit blocks sitting in the free list stop being free once reused
+        num_free = self.num_free_blocks - sum(b.ref_cnt == 0 for b in prefix.blocks)
+        if num_needed > num_free:
+            return None
+        if not blocks and self.enable_prefix_caching:
+            self.num_query_tokens += request.num_tokens
+            self.num_hit_tokens += prefix.num_tokens
+            self._num_cached_blocks[request.request_id] = len(prefix.blocks)
+        self.block_pool.touch(prefix.blocks)
+        added = [*prefix.blocks, *self.block_pool.allocate(num_needed)]
+        self._req_blocks.setdefault(request.request_id, []).extend(added)
+        request.block_ids.extend(b.block_id for b in added)
+        return [b.block_id for b in added]
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the blocks that `request.num_computed_tokens` has filled since last time."""
+        if not self.enable_prefix_caching:
+            return
+        request_id = request.request_id
+        num_full = request.num_computed_tokens // self.block_size
+        num_cached = self._num_cached_blocks.get(request_id, 0)
+        blocks, hashes = self._req_blocks[request_id], self.block_hashes(request)
+        for index in range(num_cached, num_full):
+            self.block_pool.cache(blocks[index], hashes[index])
+        self._num_cached_blocks[request_id] = max(num_cached, num_full)
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request; hashed ones stay findable until reused."""
+        blocks = self._req_blocks.pop(request.request_id, [])
+        # last blocks first: they are the least likely to be shared, so they are evicted first
+        self.block_pool.free(reversed(blocks))
+        request.block_ids.clear()
+        self._block_hashes.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (after a weight reload); False while blocks are in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def check_consistency(self) -> None:
+        """Assert that every block's ref count equals the number of tables holding it."""
+        self.block_pool.check_consistency()
+        holders = Counter(b.block_id for blocks in self._req_blocks.values() for b in blocks)
+        assert all(b.ref_cnt == holders[b.block_id] for b in self.block_pool.blocks)
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of all full blocks of the request's tokens, extended as the tokens grow."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.block_size
+        if len(hashes) < num_full:
+            token_ids = request.all_token_ids
+            for index in range(len(hashes), num_full):
+                start = index * self.block_size
+                extra_keys = block_extra_keys(request, index, self.block_size)
+                parent = hashes[-1] if hashes else None
+                hashes.append(
+                    hash_block(parent, token_ids[start : start + self.block_size], extra_keys)
+                )
+        return hashes

@@ -1,0 +1,245 @@
+"""A request and its sampling parameters: what the scheduler tracks from admission to finish.
+
+A request is its prompt (token ids plus the multimodal items whose placeholders sit in it), how
+to sample, and a little mutable state the scheduler advances: status, output tokens, how many
+tokens already have KV (`num_computed_tokens`) and the KV blocks that hold them. Output tokens
+count as prompt when a preempted request is recomputed, so `all_token_ids` is what gets
+prefilled. A `hold` request is prefill-only: its KV is kept afterwards (status HELD) so that a
+live session can extend it and fork questions from it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from stillcut.engine.multimodal import MultiModalItem
+
+MAX_LOGPROBS = 20
+_MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick output tokens and when to stop. `top_k=0` and `top_p=1` turn those filters
+    off; `temperature=0` is greedy. Stop strings are matched by the detokenizer, not here."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # JSON hands lists (or one bare string); store tuples so the params stay hashable
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_range("max_tokens", self.max_tokens, 1, math.inf, ">= 1", integer=True)
+        _check_range("temperature", self.temperature, 0.0, math.inf, ">= 0")
+        _check_range("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", low_open=True)
+        _check_range("top_k", self.top_k, 0, math.inf, ">= 0 (0 = off)", integer=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_range("seed", self.seed, 0, _MAX_SEED, "in [0, 2**64 - 1]", integer=True)
+        _check_range(
+            "repetition_penalty", self.repetition_penalty, 0, math.inf, "> 0", low_open=True
+        )
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop={self.stop!r} must hold non-empty strings only")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must hold ints >= 0")
+        if self.logprobs is not None:
+            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, integer=True)
+
+
+def _check_range(
+    name: str,
+    value: float,
+    low: float,
+    high: float,
+    allowed: str = "",
+    *,
+    low_open: bool = False,
+    integer: bool = False,
+) -> None:
+    kind = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{name}={value!r} must be {'an int' if integer else 'a number'}")
+    # NaN fails every comparison, so it lands here too; infinities are never meaningful
+    if not ((low < value if low_open else low <= value) and value <= high) or math.isinf(value):
+        raise ValueError(f"{name}={value!r} must be {allowed or f'in [{low}, {high}]'}")
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life. HELD: a prefill-only request keeping its KV."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    HELD = "held"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the three FINISHED_* statuses; their value is the OpenAI finish reason."""
+        return self.name.startswith("FINISHED_")
+
+
+class PlaceholderRange(NamedTuple):
+    """Where an item's placeholder tokens sit in the prompt: `[offset, offset + length)`."""
+
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def placeholder_ranges(
+    token_ids: Sequence[int],
+    items: Sequence[MultiModalItem],
+    placeholder_token_ids: Collection[int],
+) -> list[PlaceholderRange]:
+    """The placements of `items`, in order: each starts at the next placeholder token and spans
+    `item.num_tokens` of them. Consecutive items may share one run (live-stream tubelets)."""
+    is_placeholder = [t in placeholder_token_ids for t in token_ids]
+    ranges, cursor = [], 0
+    for index, item in enumerate(items):
+        try:
+            offset = is_placeholder.index(True, cursor)
+        except ValueError:
+            raise ValueError(f"item {index} has no placeholder tokens left in the prompt") from None
+        end = offset + item.num_tokens
+        if end > len(token_ids) or not all(is_placeholder[offset:end]):
+            raise ValueError(
+                f"item {index} needs {item.num_tokens} consecutive placeholder tokens from "
+                f"index {offset}; the prompt has fewer"
+            )
+        ranges.append(PlaceholderRange(offset, item.num_tokens))
+        cursor = end
+    if any(is_placeholder[cursor:]):
+        raise ValueError(f"the prompt has placeholder tokens after index {cursor} but no item")
+    return ranges
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation (or, with `hold`, one held prefix) and its scheduling state.
+
+    `mm_positions[i]` places `mm_items[i]` in the prompt (see `placeholder_ranges`). Every item
+    needs an `identifier`: prefix-cache hashes use it to tell media with equal placeholders
+    apart. `block_ids` belong to the KV cache manager, which keeps them in step here.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_items: list[MultiModalItem] = field(default_factory=list)
+    mm_positions: list[PlaceholderRange] = field(default_factory=list)
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str | None = None
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    hold: bool = False
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at first schedule
+    block_ids: list[int] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        # plain ints: prefix-cache hashes serialize them, and numpy ints serialize differently
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        self.mm_items = list(self.mm_items)
+        self.mm_positions = [PlaceholderRange(*p) for p in self.mm_positions]
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids must not be empty")
+        if min(self.prompt_token_ids) < 0:
+            raise ValueError(f"request {self.request_id!r}: token ids must be >= 0")
+        _check_placements(self.mm_items, self.mm_positions, 0, len(self.prompt_token_ids))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output: what the KV cache holds once everything is computed."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_visual_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.mm_items)
+
+    def extend_prompt(
+        self,
+        token_ids: Sequence[int],
+        items: Sequence[MultiModalItem] = (),
+        positions: Sequence[PlaceholderRange] = (),
+    ) -> None:
+        """Append prompt tokens and the items placed in them (offsets relative to `token_ids`).
+        Checks everything before changing anything."""
+        assert not self.output_token_ids, "only a prefill-only (held) request is extended"
+        if not token_ids:
+            raise ValueError(f"request {self.request_id!r}: the extension has no tokens")
+        start = len(self.prompt_token_ids)
+        shifted = [PlaceholderRange(p[0] + start, p[1]) for p in positions]
+        _check_placements(list(items), shifted, start, start + len(token_ids))
+        self.prompt_token_ids.extend(int(t) for t in token_ids)
+        self.mm_items.extend(items)
+        self.mm_positions.extend(shifted)
+
+    def chunk_end_at_or_before(self, position: int) -> int:
+        """The largest chunk end <= `position` that does not split a bidirectional item.
+
+        Tokens of such an item attend to each other both ways, so they must be computed in one
+        forward pass: an end inside one moves back to the item's start.
+        """
+        for item, place in zip(self.mm_items, self.mm_positions, strict=True):
+            if item.bidirectional and place.offset < position < place.end:
+                return place.offset
+        return position
+
+
+def _check_placements(
+    items: list[MultiModalItem], positions: list[PlaceholderRange], begin: int, end: int
+) -> None:
+    """Placements must match their items, sit in `[begin, end)` in order, and not overlap."""
+    if len(items) != len(positions):
+        raise ValueError(f"{len(items)} mm_items but {len(positions)} mm_positions")
+    cursor = begin
+    for index, (item, place) in enumerate(zip(items, positions, strict=True)):
+        if not item.identifier:
+            raise ValueError(f"mm item {index} has no identifier; the prefix cache needs one")
+        if place.length != item.num_tokens:
+            raise ValueError(
+                f"mm_positions[{index}].length={place.length} must equal the item's "
+                f"num_tokens={item.num_tokens}"
+            )
+        if place.offset < cursor or place.end > end:
+            raise ValueError(
+                f"mm_positions[{index}]={tuple(place)} must lie in [{cursor}, {end}] "
+                "(inside the prompt, after the previous item)"
+            )
+        cursor = place.end

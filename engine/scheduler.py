@@ -1,0 +1,303 @@
+"""The scheduler: which requests run each step, and how many tokens each computes.
+
+As in vLLM v1 there are no prefill and decode phases: a step is a token budget shared by
+requests, each given a number of new tokens. Running requests go first, decodes before prefill
+chunks so admitting prompts never stalls generation; then waiting requests in FIFO order, each
+first matched against the prefix cache. A prefill chunk is the rest of the prompt or of the
+budget, whichever is smaller, but never ends inside a bidirectional item. When blocks run out
+the newest running request is preempted: freed, and recomputed later, outputs included. Held
+requests (live sessions) are prefill-only, keep their KV afterwards and are never preempted.
+
+`schedule()`, the runner's step and `update_from_output()` strictly alternate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+from stillcut.engine.admission import check_held_share, check_request_size
+from stillcut.engine.config import CacheConfig, SchedulerConfig
+from stillcut.engine.kv_cache import NO_PREFIX, KVCacheManager
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.request import PlaceholderRange, Request, RequestStatus
+from stillcut.engine.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    RequestUpdate,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    """Owns the request queues and the KV cache manager.
+
+    `num_blocks` overrides `cache_config.num_blocks` (the runner sizes the pool from memory).
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int | None = None
+    ) -> None:
+        num_blocks = cache_config.num_blocks if num_blocks is None else num_blocks
+        if num_blocks is None or num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks} must be >= 1 (or set in cache_config)")
+        self.config = config
+        self.cache_config = cache_config
+        self.kv_cache = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request, held ones included
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in the order they started running: last = newest
+        self._finished_ids: list[str] = []  # rows the runner may drop, told at the next step
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_held(self) -> int:
+        return sum(r.status is RequestStatus.HELD for r in self.requests.values())
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether a step has work to do; held prefixes alone need none."""
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        """Admit a new request, or raise (`admission` errors) without changing anything."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        assert request.status is RequestStatus.WAITING and not request.block_ids, request
+        max_tokens = 0 if request.hold else request.sampling_params.max_tokens
+        self._check_size(request.num_prompt_tokens, max_tokens, request.mm_items, request.hold)
+        if request.hold:
+            self._check_held_share(self.kv_cache.num_blocks_for(request.num_prompt_tokens))
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def extend_held(
+        self,
+        request_id: str,
+        new_token_ids: Sequence[int],
+        new_items: Sequence[MultiModalItem] = (),
+        new_positions: Sequence[PlaceholderRange] = (),
+    ) -> None:
+        """Append prompt tokens (and items placed in them, offsets relative to
+        `new_token_ids`) to a HELD prefix; only the new part is prefilled. Raises without
+        changing anything when the extension does not fit."""
+        request = self._held(request_id)
+        num_prompt_tokens = request.num_prompt_tokens + len(new_token_ids)
+        self._check_size(num_prompt_tokens, 0, [*request.mm_items, *new_items], hold=True)
+        self._check_held_share(
+            self.kv_cache.num_blocks_for(num_prompt_tokens)
+            - self.kv_cache.num_blocks_for(request.num_prompt_tokens)
+        )
+        request.extend_prompt(new_token_ids, new_items, new_positions)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def release_held(self, request_id: str) -> None:
+        """Free a HELD prefix; requests forked from it keep the blocks they share."""
+        self._finish(self._held(request_id), RequestStatus.FINISHED_STOPPED)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request in any state; False if it is unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> bool:
+        """Finish a request from outside the step loop (a stop string the detokenizer matched,
+        a client that left). False if it is unknown or already finished."""
+        if not status.is_finished:
+            raise ValueError(f"status={status} must be one of the FINISHED_* statuses")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, status)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step: running requests first, then waiting ones while budget, seats
+        and blocks last."""
+        output = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        # after a preemption blocks are short: admitting more would only preempt again
+        if not output.preempted_ids:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+    ) -> list[RequestUpdate]:
+        """Apply a finished step: advance computed tokens, register full blocks, append the
+        tokens sampled for requests whose prompt is now complete, and finish or hold them."""
+        updates = []
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_tokens
+            self.kv_cache.cache_full_blocks(request)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk: its sampled token, if any, is meaningless
+            if request.hold:
+                self._hold(request)
+                updates.append(RequestUpdate(request_id, [], RequestStatus.HELD))
+                continue
+            assert sampled_token_ids.get(request_id), f"no token sampled for {request_id!r}"
+            new_token_ids, stop_status = self._append_tokens(request, sampled_token_ids[request_id])
+            if stop_status is not None:
+                self._finish(request, stop_status)
+            updates.append(RequestUpdate(request_id, new_token_ids, request.status))
+        return updates
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        # decodes first: a long prefill chunk must not take the budget generation needs
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, output)
+            if new_block_ids is None:
+                continue
+            output.num_scheduled_tokens[request.request_id] = num_new
+            output.scheduled_cached.append(
+                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+            )
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        # strict FIFO: when the head cannot start, nothing behind it overtakes it
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            fresh = request.num_computed_tokens == 0  # new or preempted; not an extended prefix
+            prefix = self.kv_cache.find_cached_prefix(request) if fresh else NO_PREFIX
+            num_computed = request.num_computed_tokens + prefix.num_tokens
+            num_new = self._num_new_tokens(request, num_computed, budget)
+            if num_new == 0:
+                break
+            if self.kv_cache.allocate_slots(request, num_new, prefix) is None:
+                break  # waiting requests never preempt running ones
+            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING and fresh:
+                request.num_cached_tokens = prefix.num_tokens
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            output.num_scheduled_tokens[request.request_id] = num_new
+            output.scheduled_new.append(NewRequestData.from_request(request))
+            budget -= num_new
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        num_left = request.num_tokens - num_computed
+        num_new = min(num_left, budget)
+        if num_new < num_left and not self.config.enable_chunked_prefill:
+            return 0
+        num_new = request.chunk_end_at_or_before(num_computed + num_new) - num_computed
+        assert num_new >= 0, "computed tokens never end inside a bidirectional item"
+        return num_new
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, output: SchedulerOutput
+    ) -> list[int] | None:
+        """Blocks for a running request, preempting the newest unscheduled requests (possibly
+        this one) until they fit. None if the request cannot run this step."""
+        while (new_block_ids := self.kv_cache.allocate_slots(request, num_new)) is None:
+            victim = self._newest_preemptible(output)
+            if victim is None:
+                return None
+            self._preempt(victim)
+            output.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return None
+        return new_block_ids
+
+    def _newest_preemptible(self, output: SchedulerOutput) -> Request | None:
+        # what was scheduled this step stays: its tokens are already in the output
+        for request in reversed(self.running):
+            if not request.hold and request.request_id not in output.num_scheduled_tokens:
+                return request
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        # to the front: preempted requests resume before new ones, oldest victim first
+        self.waiting.appendleft(request)
+
+    def _append_tokens(
+        self, request: Request, token_ids: Sequence[int]
+    ) -> tuple[list[int], RequestStatus | None]:
+        """Append sampled tokens up to the first that stops the request."""
+        params = request.sampling_params
+        for index, token_id in enumerate(token_ids):
+            request.output_token_ids.append(token_id)
+            if (token_id == request.eos_token_id and not params.ignore_eos) or (
+                token_id in params.stop_token_ids
+            ):
+                return list(token_ids[: index + 1]), RequestStatus.FINISHED_STOPPED
+            if len(request.output_token_ids) >= params.max_tokens:
+                return list(token_ids[: index + 1]), RequestStatus.FINISHED_LENGTH
+        return list(token_ids), None
+
+    def _hold(self, request: Request) -> None:
+        """A prefill-only request is done: keep its blocks, let the runner drop its row."""
+        self.running.remove(request)
+        request.status = RequestStatus.HELD
+        self._finished_ids.append(request.request_id)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _held(self, request_id: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.HELD:
+            state = "unknown" if request is None else request.status.value
+            raise ValueError(f"request {request_id!r} is {state}; only a held prefix qualifies")
+        return request
+
+    def _check_size(
+        self, num_prompt_tokens: int, max_tokens: int, items: Sequence[MultiModalItem], hold: bool
+    ) -> None:
+        check_request_size(
+            num_prompt_tokens,
+            max_tokens,
+            items,
+            self.config,
+            num_blocks=self.kv_cache.num_blocks,
+            block_size=self.kv_cache.block_size,
+            held_share=self.cache_config.held_share,
+            hold=hold,
+        )
+
+    def _check_held_share(self, num_new_blocks: int) -> None:
+        # every live hold request counts for its whole prompt, even before it is prefilled
+        num_held_blocks = sum(
+            self.kv_cache.num_blocks_for(r.num_prompt_tokens)
+            for r in self.requests.values()
+            if r.hold
+        )
+        check_held_share(
+            num_held_blocks,
+            num_new_blocks,
+            num_blocks=self.kv_cache.num_blocks,
+            held_share=self.cache_config.held_share,
+        )

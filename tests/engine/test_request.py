@@ -1,0 +1,116 @@
+"""Engine configs, sampling parameters and requests: validation and placeholder placement."""
+
+import pytest
+import torch
+
+from stillcut.engine.config import CacheConfig, SchedulerConfig
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.request import (
+    PlaceholderRange,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    placeholder_ranges,
+)
+
+IMAGE_PAD, VIDEO_PAD = 151655, 151656
+
+
+def make_item(num_tokens: int, identifier: str = "media", kind: str = "video") -> MultiModalItem:
+    return MultiModalItem(
+        kind=kind,
+        embeds=torch.zeros(num_tokens, 1),
+        coords=torch.zeros(num_tokens, 3, dtype=torch.long),
+        grid_thw=(1, 2, 2),
+        identifier=identifier,
+    )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_tokens", 0, "max_tokens=0 must be >= 1"),
+        ("max_tokens", 2.5, "max_tokens=2.5 must be an int"),
+        ("temperature", -0.1, "temperature=-0.1 must be >= 0"),
+        ("temperature", float("nan"), "temperature=nan must be >= 0"),
+        ("top_p", 0.0, r"top_p=0.0 must be in \(0, 1\]"),
+        ("top_k", -1, r"top_k=-1 must be >= 0 \(0 = off\)"),
+        ("min_p", 1.5, r"min_p=1.5 must be in \[0.0, 1.0\]"),
+        ("seed", -3, r"seed=-3 must be in \[0, 2\*\*64 - 1\]"),
+        ("repetition_penalty", 0.0, "repetition_penalty=0.0 must be > 0"),
+        ("presence_penalty", 2.5, r"presence_penalty=2.5 must be in \[-2.0, 2.0\]"),
+        ("frequency_penalty", -3.0, r"frequency_penalty=-3.0 must be in \[-2.0, 2.0\]"),
+        ("stop", ("ok", ""), "stop=.* must hold non-empty strings only"),
+        ("stop_token_ids", (3, -1), r"stop_token_ids=\(3, -1\) must hold ints >= 0"),
+        ("logprobs", 21, r"logprobs=21 must be in \[0, 20\]"),
+    ],
+)
+def test_sampling_params_reject_out_of_range_fields(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_store_tuples():
+    params = SamplingParams(stop=["a", "b"], stop_token_ids=[1, 2])
+    assert params.stop == ("a", "b") and params.stop_token_ids == (1, 2)
+    assert SamplingParams(stop="end").stop == ("end",)
+    assert hash(params) == hash(SamplingParams(stop=("a", "b"), stop_token_ids=(1, 2)))
+
+
+@pytest.mark.parametrize(
+    "config, kwargs, message",
+    [
+        (CacheConfig, {"block_size": 12}, r"block_size=12 must be a power of two in \[1, 1024\]"),
+        (CacheConfig, {"num_blocks": 0}, "num_blocks=0 must be >= 1 or None"),
+        (CacheConfig, {"num_blocks": 4, "kv_cache_memory": 8}, "set at most one of"),
+        (CacheConfig, {"memory_fraction": 0.0}, r"memory_fraction=0.0 must be in \(0, 1\]"),
+        (CacheConfig, {"held_share": 1.5}, r"held_share=1.5 must be in \[0, 1\]"),
+        (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs=0 must be >= 1"),
+        (SchedulerConfig, {"max_visual_tokens_per_request": -1}, "must be >= 0"),
+        (
+            SchedulerConfig,
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": 100},
+            "max_num_batched_tokens=100 must be >= max_model_len=32768 when",
+        ),
+    ],
+)
+def test_configs_reject_out_of_range_fields(config, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        config(**kwargs)
+
+
+def test_placeholder_ranges_split_one_run_between_consecutive_items():
+    tokens = [1, VIDEO_PAD, VIDEO_PAD, VIDEO_PAD, VIDEO_PAD, VIDEO_PAD, 2, IMAGE_PAD, IMAGE_PAD, 3]
+    items = [make_item(2, "t0"), make_item(3, "t1"), make_item(2, "img", "image")]
+    ranges = placeholder_ranges(tokens, items, {IMAGE_PAD, VIDEO_PAD})
+    assert ranges == [(1, 2), (3, 3), (7, 2)]
+    with pytest.raises(ValueError, match="item 1 needs 4 consecutive placeholder tokens"):
+        placeholder_ranges(tokens, [make_item(2), make_item(4)], {VIDEO_PAD, IMAGE_PAD})
+    with pytest.raises(ValueError, match="placeholder tokens after index 6 but no item"):
+        placeholder_ranges(tokens, items[:2], {IMAGE_PAD, VIDEO_PAD})
+
+
+def test_request_validates_its_placements():
+    tokens = [1, VIDEO_PAD, VIDEO_PAD, 2]
+    request = Request("r", tokens, [make_item(2)], [PlaceholderRange(1, 2)])
+    assert request.status is RequestStatus.WAITING and request.num_visual_tokens == 2
+    with pytest.raises(ValueError, match="1 mm_items but 0 mm_positions"):
+        Request("r", tokens, [make_item(2)], [])
+    with pytest.raises(ValueError, match=r"mm_positions\[0\].length=3 must equal"):
+        Request("r", tokens, [make_item(2)], [PlaceholderRange(1, 3)])
+    with pytest.raises(ValueError, match=r"mm_positions\[0\]=\(3, 2\) must lie in \[0, 4\]"):
+        Request("r", tokens, [make_item(2)], [PlaceholderRange(3, 2)])
+    with pytest.raises(ValueError, match="mm item 0 has no identifier"):
+        Request("r", tokens, [make_item(2, identifier="")], [PlaceholderRange(1, 2)])
+    with pytest.raises(ValueError, match="prompt_token_ids must not be empty"):
+        Request("r", [])
+
+
+def test_extend_prompt_shifts_placements_and_is_all_or_nothing():
+    request = Request("r", [1, VIDEO_PAD, VIDEO_PAD], [make_item(2, "t0")], [(1, 2)], hold=True)
+    with pytest.raises(ValueError, match=r"mm_positions\[0\]=\(4, 2\) must lie in \[3, 5\]"):
+        request.extend_prompt([VIDEO_PAD, VIDEO_PAD], [make_item(2, "t1")], [(1, 2)])
+    assert request.num_prompt_tokens == 3 and len(request.mm_items) == 1
+    request.extend_prompt([VIDEO_PAD, VIDEO_PAD, 7], [make_item(2, "t1")], [(0, 2)])
+    assert request.mm_positions == [(1, 2), (3, 2)]
+    assert request.all_token_ids == [1, VIDEO_PAD, VIDEO_PAD, VIDEO_PAD, VIDEO_PAD, 7]
