@@ -1,0 +1,146 @@
+"""Incremental detokenization with stop strings: output token ids in, text deltas out.
+
+Byte-level BPE splits multi-byte UTF-8 characters (CJK, emoji) across tokens, so the text of a
+token is not always text yet. The tokenizers library's own `DecodeStream` buffers such tokens
+and yields a chunk only once it decodes to whole characters, so no delta ever carries half a
+character. Stop strings are matched on the accumulated text. Text that could be the start of a
+stop string is held back until the next tokens show it is not, so a client never receives
+characters that later turn out to belong to a stop; when a stop completes, the output ends
+right before it. `flush` releases what is still held when a request ends for another reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+# Prompt tokens the stream starts from: decoders that drop a leading space at the start of a
+# text (SentencePiece's) need a little context; the rest of the prompt never matters.
+NUM_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text deltas and finds its stop strings.
+
+    After a stop string completes, `finished` is true, `stop_reason` is that string, the text
+    ends right before it, and later pushes are ignored. The stop that completes first wins
+    (among stops completing together, the one that starts first).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] | None = None,
+        *,
+        skip_special_tokens: bool = True,
+        stop: tuple[str, ...] = (),
+    ) -> None:
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop={stop!r} must hold non-empty strings only")
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = tuple(stop)
+        self._context_ids = [int(t) for t in (prompt_token_ids or ())][-NUM_CONTEXT_TOKENS:]
+        self._stream = DecodeStream(ids=self._context_ids, skip_special_tokens=skip_special_tokens)
+        self._output_ids: list[int] = []
+        self._num_pending_ids = 0  # pushed ids whose text the stream still holds
+        self._decoded = ""  # all text decoded so far, stop strings included
+        self._num_searched = 0  # chars of `_decoded` already searched for complete stops
+        self._num_emitted = 0  # chars of `_decoded` returned as deltas
+        self.finished = False
+        self.stop_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The output text returned so far (the concatenation of every delta)."""
+        return self._decoded[: self._num_emitted]
+
+    def push(self, token_ids: int | Sequence[int]) -> str:
+        """Add output tokens; return the new text that is safe to show (may be empty)."""
+        if self.finished:
+            return ""
+        for token_id in [token_ids] if isinstance(token_ids, int) else token_ids:
+            self._output_ids.append(int(token_id))
+            chunk = self._stream.step(self._tokenizer, int(token_id))
+            if chunk is None:
+                self._num_pending_ids += 1
+            else:
+                self._num_pending_ids = 0
+                self._decoded += chunk
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """The request ended (EOS, length, abort): return everything still held back.
+
+        Tokens that never completed a character decode as the one-shot decode renders them
+        (U+FFFD), so the final text equals `detokenize` of the same ids.
+        """
+        if self.finished:
+            return ""
+        if self._num_pending_ids:
+            context = self._decode(self._context_ids)
+            full = self._decode(self._context_ids + self._output_ids)[len(context) :]
+            # Only a decoder that renders invalid bytes differently in a window than in the whole
+            # could break this; then the text already shown stands.
+            if full.startswith(self._decoded):
+                self._decoded = full
+            self._num_pending_ids = 0
+        return self._advance(final=True)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _advance(self, *, final: bool) -> str:
+        longest = max((len(s) for s in self._stop), default=0)
+        # A stop not found before must end in the new text, so it starts at most this far back.
+        start = max(0, self._num_searched - longest + 1)
+        stop_at, stop = find_stop(self._decoded, self._stop, start)
+        self._num_searched = len(self._decoded)
+        if stop is not None:
+            self.finished, self.stop_reason = True, stop
+            safe_end = stop_at
+        elif final:
+            safe_end = len(self._decoded)
+        else:
+            safe_end = len(self._decoded) - _held_back(self._decoded, self._stop)
+        assert safe_end >= self._num_emitted, "emitted text became part of a stop string"
+        delta = self._decoded[self._num_emitted : safe_end]
+        self._num_emitted = safe_end
+        return delta
+
+
+def detokenize(
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    *,
+    skip_special_tokens: bool = True,
+    stop: tuple[str, ...] = (),
+) -> str:
+    """One-shot decode of a whole output, cut before its first stop string: what the deltas
+    of an `IncrementalDetokenizer` (plus its `flush`) add up to."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    stop_at, _ = find_stop(text, stop)
+    return text if stop_at is None else text[:stop_at]
+
+
+def find_stop(text: str, stop: Sequence[str], start: int = 0) -> tuple[int | None, str | None]:
+    """`(index, stop string)` of the first stop string to complete in `text[start:]`, or
+    `(None, None)`. Among stops completing at the same character the one starting first wins."""
+    found = [(i + len(s), i, s) for s in stop if (i := text.find(s, start)) >= 0]
+    if not found:
+        return None, None
+    _, index, first = min(found)
+    return index, first
+
+
+def _held_back(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is a proper prefix of a stop string."""
+    held = 0
+    for candidate in stop:
+        for length in range(min(len(candidate) - 1, len(text)), held, -1):
+            if text.endswith(candidate[:length]):
+                held = length
+                break
+    return held

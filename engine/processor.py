@@ -1,0 +1,239 @@
+"""Prompt processing: chat messages plus encoded media items to the token ids the engine runs.
+
+Media are encoded (and pruned by EVS) before the prompt exists, so each item already knows how
+many tokens it keeps. The chat template is rendered with one `<|video_pad|>` / `<|image_pad|>`
+per media part, the text is tokenized, and each pad is then expanded into `item.num_tokens`
+copies. Pads are special tokens, so BPE never merges across them and expanding after
+tokenizing gives the ids that tokenizing the expanded text would. Live sessions split the same
+prompt in two: `vision_prefix` (everything up to and including the video pads, held and
+extended tubelet by tubelet) and `ask_suffix` (from `<|vision_end|>` to the assistant header).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from stillcut.engine.chat_template import ChatTemplate
+from stillcut.engine.loader import resolve_checkpoint
+from stillcut.engine.model_config import CheckpointError, load_model_config
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.request import PlaceholderRange
+
+ROLES = ("system", "user", "assistant")
+PART_TYPES = ("text", "video", "image")
+Message = Mapping[str, Any]
+_VISION_TOKEN_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
+
+class PromptError(ValueError):
+    """Messages or items that cannot form a prompt; the message says what was wrong."""
+
+
+@dataclass(frozen=True)
+class SpecialTokenIds:
+    """The token ids the processor places or the engine stops on."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in _VISION_TOKEN_FIELDS:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.image_token_id == self.video_token_id:
+            raise ValueError(
+                f"image_token_id={self.image_token_id} must differ from video_token_id"
+            )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids with every placeholder expanded; `mm_positions[i]` places `items[i]`."""
+
+    token_ids: list[int]
+    items: list[MultiModalItem]
+    mm_positions: list[PlaceholderRange]
+
+
+class PromptProcessor:
+    """Builds prompts for one checkpoint from its tokenizer, chat template and token ids."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, chat_template: ChatTemplate, special: SpecialTokenIds
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special = special
+        self._pad_kinds = {special.image_token_id: "image", special.video_token_id: "video"}
+        # Text that would smuggle placeholders or vision markers into the prompt.
+        vision_ids = (*self._pad_kinds, special.vision_start_token_id, special.vision_end_token_id)
+        self._reserved_text = tuple(
+            text for text in map(tokenizer.id_to_token, vision_ids) if text is not None
+        )
+        self._video_prefix_ids, _ = self._split_at_video_pad("")
+
+    @classmethod
+    def from_checkpoint(cls, path: str | PathLike[str]) -> PromptProcessor:
+        """Load the tokenizer, chat template and special ids of a checkpoint folder or hub id."""
+        folder = resolve_checkpoint(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise CheckpointError(f"{folder} has no tokenizer.json")
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        tokenizer_config = _read_json(folder / "tokenizer_config.json")
+        config = load_model_config(folder)
+        special = SpecialTokenIds(
+            image_token_id=config.image_token_id,
+            video_token_id=config.video_token_id,
+            vision_start_token_id=config.vision_start_token_id,
+            vision_end_token_id=config.vision_end_token_id,
+            eos_token_ids=_eos_token_ids(folder, tokenizer_config, tokenizer),
+        )
+        return cls(tokenizer, ChatTemplate.from_checkpoint(folder, tokenizer_config), special)
+
+    def build(self, messages: Sequence[Message], items: Sequence[MultiModalItem] = ()) -> Prompt:
+        """The prompt for an OpenAI-style conversation, ending with the assistant header.
+
+        `messages` have a `role` (system, user, assistant) and a `content`: a string or a list
+        of parts `{"type": "text", "text": ...}`, `{"type": "video"}`, `{"type": "image"}`.
+        `items` are the encoded media, in the order their parts appear.
+        """
+        return self._expand(self._tokenize(messages), list(items))
+
+    def build_text(self, prompt: str, items: Sequence[MultiModalItem] = ()) -> Prompt:
+        """One user message: the items first, then `prompt`."""
+        parts = [{"type": item.kind} for item in items] + [{"type": "text", "text": prompt}]
+        return self.build([{"role": "user", "content": parts}], items)
+
+    def vision_prefix(self, items: Sequence[MultiModalItem] = ()) -> Prompt:
+        """A live session's held prefix: the template up to `<|vision_start|>`, then the pads
+        of `items` (the session's tubelets so far) as one video."""
+        if any(item.kind != "video" for item in items):
+            raise PromptError("a live session's items must all be videos")
+        pads = self._expand([self.special.video_token_id] * len(items), list(items))
+        offset = len(self._video_prefix_ids)
+        positions = [PlaceholderRange(p.offset + offset, p.length) for p in pads.mm_positions]
+        return Prompt(self._video_prefix_ids + pads.token_ids, list(items), positions)
+
+    def ask_suffix(self, question: str) -> list[int]:
+        """What follows a live session's pads to ask `question`: `<|vision_end|>`, the question,
+        the end of the user turn and the assistant header."""
+        return self._split_at_video_pad(question)[1]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special token strings in it become special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def _tokenize(self, messages: Sequence[Message]) -> list[int]:
+        plain = [self._plain_message(index, message) for index, message in enumerate(messages)]
+        if not plain:
+            raise PromptError("messages must hold at least one message")
+        return self.encode(self.chat_template.render(plain, add_generation_prompt=True))
+
+    def _split_at_video_pad(self, question: str) -> tuple[list[int], list[int]]:
+        parts = [{"type": "video"}, {"type": "text", "text": question}]
+        token_ids = self._tokenize([{"role": "user", "content": parts}])
+        video_pads = [i for i, t in enumerate(token_ids) if t == self.special.video_token_id]
+        if len(video_pads) != 1:
+            raise CheckpointError(
+                f"the chat template renders one video part as {len(video_pads)} video pad tokens; "
+                "live sessions need exactly one"
+            )
+        return token_ids[: video_pads[0]], token_ids[video_pads[0] + 1 :]
+
+    def _expand(self, token_ids: list[int], items: list[MultiModalItem]) -> Prompt:
+        pad_kinds = [self._pad_kinds[t] for t in token_ids if t in self._pad_kinds]
+        item_kinds = [item.kind for item in items]
+        if len(pad_kinds) != len(item_kinds):
+            raise PromptError(
+                f"the messages hold {len(pad_kinds)} media parts ({', '.join(pad_kinds)}) but "
+                f"{len(item_kinds)} items were given ({', '.join(item_kinds)})"
+            )
+        for index, (part_kind, item) in enumerate(zip(pad_kinds, items, strict=True)):
+            if part_kind != item.kind:
+                raise PromptError(
+                    f"media part {index} is {part_kind!r} but item {index} is {item.kind!r}; "
+                    "give the items in the order of their parts"
+                )
+            if item.num_tokens < 1:
+                raise PromptError(f"item {index} has no tokens; every item needs at least one")
+        expanded: list[int] = []
+        positions: list[PlaceholderRange] = []
+        remaining = iter(items)
+        for token_id in token_ids:
+            if token_id not in self._pad_kinds:
+                expanded.append(token_id)
+                continue
+            num_tokens = next(remaining).num_tokens
+            positions.append(PlaceholderRange(len(expanded), num_tokens))
+            expanded.extend([token_id] * num_tokens)
+        return Prompt(expanded, items, positions)
+
+    def _plain_message(self, index: int, message: Message) -> dict[str, Any]:
+        where = f"messages[{index}]"
+        if not isinstance(message, Mapping):
+            raise PromptError(f"{where} must be a dict with 'role' and 'content'")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise PromptError(f"{where}.role={role!r}: allowed {', '.join(ROLES)}")
+        if isinstance(content, str):
+            return {"role": role, "content": self._checked_text(f"{where}.content", content)}
+        if not isinstance(content, Sequence):
+            raise PromptError(f"{where}.content must be a string or a list of parts")
+        parts = [self._plain_part(f"{where}.content[{i}]", p) for i, p in enumerate(content)]
+        return {"role": role, "content": parts}
+
+    def _plain_part(self, where: str, part: Any) -> dict[str, str]:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind not in PART_TYPES:
+            raise PromptError(f"{where}.type={kind!r}: allowed {', '.join(PART_TYPES)}")
+        if kind != "text":
+            return {"type": kind}
+        return {"type": "text", "text": self._checked_text(f"{where}.text", part.get("text"))}
+
+    def _checked_text(self, where: str, text: Any) -> str:
+        if not isinstance(text, str):
+            raise PromptError(f"{where} must be a string, got {type(text).__name__}")
+        for reserved in self._reserved_text:
+            if reserved in text:
+                raise PromptError(
+                    f"{where} contains {reserved!r}; media go in video/image parts, not in text"
+                )
+        return text
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise CheckpointError(f"{file} is not valid JSON: {error}") from error
+
+
+def _eos_token_ids(
+    folder: Path, tokenizer_config: Mapping[str, Any], tokenizer: Tokenizer
+) -> tuple[int, ...]:
+    """generation_config.json's eos ids (an int or a list), then the tokenizer's eos token."""
+    configured = _read_json(folder / "generation_config.json").get("eos_token_id")
+    ids = configured if isinstance(configured, list) else [configured]
+    eos_token = tokenizer_config.get("eos_token")
+    eos_token = eos_token.get("content") if isinstance(eos_token, Mapping) else eos_token
+    if isinstance(eos_token, str):
+        ids.append(tokenizer.token_to_id(eos_token))
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
