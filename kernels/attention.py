@@ -1,0 +1,316 @@
+"""Paged attention for the language runner: one call per layer over a flat batch of requests.
+
+K/V live in blocks `[2, num_blocks, block_size, num_kv_heads, head_dim]` addressed by block
+tables. A step mixes prefill chunks and decodes; query token k of request b sits at sequence
+position `seq_len_b - q_len_b + k`. Query i sees key j iff `(j <= i and i - j < window)` or
+i and j lie in the same bidirectional multimodal item (Gemma 3's "causal and window, or same
+image"). Only the key span some query can see is gathered (by slot, so unwritten slots are never
+read): a window bounds it from below. Decodes run as one padded batch with the grouped query
+heads folded into SDPA's query axis. A prefill chunk is one `is_causal` SDPA call when it starts
+at position 0 with a plain causal mask, else query tiles with explicit masks, each over only the
+keys it can see. `auto` picks the Triton kernel on CUDA (`paged_attention_triton`) and this torch
+backend elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from itertools import pairwise
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+Backend = Literal["auto", "torch", "triton"]
+BACKENDS = ("auto", "torch", "triton")
+QUERY_TILE = 256  # query rows per SDPA call when a chunk needs an explicit mask
+
+
+@dataclass
+class AttentionMetadata:
+    """Built by the runner once per step; shared by every layer.
+
+    `mm_ranges` rows are `(request index b, start, end)` in sequence positions of request b;
+    the items of one request must not overlap, and the runner never splits one across chunks.
+    The `*_cpu` lists are host copies that spare the torch backend device syncs.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query tokens per request
+    seq_lens: torch.Tensor  # [B] int32, context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_num_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [N] int64, block_id * block_size + offset of each new token
+    max_query_len: int
+    max_seq_len: int
+    mm_ranges: torch.Tensor | None = None  # [R, 3] int32 (b, start, end), or None
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        num_requests = self.seq_lens.shape[0]
+        assert self.query_start_loc.shape == (num_requests + 1,), self.query_start_loc.shape
+        assert self.block_tables.dim() == 2 and self.block_tables.shape[0] == num_requests
+        assert self.slot_mapping.dim() == 1, self.slot_mapping.shape
+        assert self.mm_ranges is None or self.mm_ranges.shape[1:] == (3,), self.mm_ranges.shape
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the new tokens' `key`/`value` `[N, num_kv_heads, head_dim]` at `slot_mapping` `[N]`
+    in one layer's `kv_cache` `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, kv_cache.shape
+    assert key.shape == value.shape == (slot_mapping.shape[0], *kv_cache.shape[3:]), (
+        key.shape,
+        value.shape,
+        slot_mapping.shape,
+        kv_cache.shape,
+    )
+    slots = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, num_kv_heads, head_dim]
+    slots[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Attention of `query` `[N, num_heads, head_dim]` over the paged context of its requests.
+
+    The new tokens' K/V must already be in `kv_cache` (`write_kv`). `logits_soft_cap` applies
+    `cap * tanh(scores / cap)` before masking. Returns `[N, num_heads, head_dim]` in the
+    query's dtype; rows past `query_start_loc[-1]` (padding) are left unset. `backend`: "auto"
+    (Triton on CUDA, torch elsewhere), "torch" or "triton".
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be None or >= 1")
+    if logits_soft_cap is not None and logits_soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap} must be None or > 0")
+    assert query.dim() == 3 and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
+    assert query.shape[2] == kv_cache.shape[4], (query.shape, kv_cache.shape)
+    assert query.shape[1] % kv_cache.shape[3] == 0, (query.shape, kv_cache.shape)
+    if _use_triton(backend, query.device):
+        from stillcut.kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(
+            query, kv_cache, metadata, scale, sliding_window, logits_soft_cap
+        )
+    return paged_attention_torch(query, kv_cache, metadata, scale, sliding_window, logits_soft_cap)
+
+
+def _use_triton(backend: Backend, device: torch.device) -> bool:
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return False
+    if backend == "triton":
+        return True
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _Span(NamedTuple):
+    """Queries at positions `[query_start, query_end)` see keys in `[key_start, key_end)`;
+    `items` are the bidirectional items holding one of those queries, clipped to the context."""
+
+    query_start: int
+    query_end: int
+    key_start: int
+    key_end: int
+    items: list[tuple[int, int]]
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """The torch backend of `paged_attention` (same arguments); fp32 math on CPU."""
+    starts = metadata.query_start_loc_cpu
+    starts = metadata.query_start_loc.tolist() if starts is None else starts
+    seq_lens = metadata.seq_lens_cpu
+    seq_lens = metadata.seq_lens.tolist() if seq_lens is None else seq_lens
+    assert starts[-1] <= query.shape[0], (starts[-1], query.shape)  # padding rows stay unset
+    items = _items_by_request(metadata.mm_ranges, seq_lens)
+    dtype = torch.float32 if query.device.type == "cpu" else query.dtype
+    attend = partial(_attend, scale=scale, soft_cap=logits_soft_cap)
+    out = torch.empty_like(query)  # [N, num_heads, head_dim]
+    decodes: list[int] = []
+    for b, (start, end) in enumerate(pairwise(starts)):
+        context_len = seq_lens[b]
+        if end - start > 1:
+            chunk = _span(
+                context_len - (end - start), context_len, items.get(b, []), sliding_window
+            )
+            q = query[start:end].to(dtype)  # [q_len, num_heads, head_dim]
+            block_table = metadata.block_tables[b : b + 1]  # [1, max_num_blocks]
+            tiled = logits_soft_cap is not None or not _is_plain_causal(chunk, sliding_window)
+            _prefill_chunk(
+                q, kv_cache, block_table, chunk, sliding_window, attend, tiled, out[start:end]
+            )
+        elif end - start == 1:
+            decodes.append(b)
+    if decodes:
+        spans = [
+            _span(seq_lens[b] - 1, seq_lens[b], items.get(b, []), sliding_window) for b in decodes
+        ]
+        rows = torch.tensor([starts[b] for b in decodes], device=query.device)  # [num_decodes]
+        q = query.index_select(0, rows).to(dtype)  # [num_decodes, num_heads, head_dim]
+        block_tables = metadata.block_tables[torch.tensor(decodes, device=query.device)]
+        decoded = _decode_batch(q, kv_cache, block_tables, spans, sliding_window, attend)
+        out.index_copy_(0, rows, decoded.to(out.dtype))
+    return out
+
+
+def _items_by_request(
+    mm_ranges: torch.Tensor | None, seq_lens: list[int]
+) -> dict[int, list[tuple[int, int]]]:
+    """Each request's bidirectional items `(start, end)`, clipped to its context."""
+    items: dict[int, list[tuple[int, int]]] = {}
+    for b, start, end in [] if mm_ranges is None else mm_ranges.tolist():
+        items.setdefault(b, []).append((start, min(end, seq_lens[b])))
+    return items
+
+
+def _span(
+    query_start: int, query_end: int, items: list[tuple[int, int]], window: int | None
+) -> _Span:
+    # Items holding no query change nothing (an item in the past is seen causally).
+    live = [(s, e) for s, e in items if s < query_end and e > query_start]
+    key_start = 0 if window is None else max(0, query_start - window + 1)
+    key_start = min([key_start] + [s for s, _ in live])
+    key_end = max([query_end] + [e for _, e in live])
+    return _Span(query_start, query_end, key_start, key_end, live)
+
+
+def _prefill_chunk(q, kv_cache, block_table, chunk: _Span, window, attend, tiled, out) -> None:
+    """Attention of one request's chunk `q` `[Q, H, D]` into `out` `[Q, H, D]`, in query
+    tiles that see only the keys they need when a single SDPA call could not skip any work
+    (its `is_causal` does, but an explicit mask or the soft-capped path cannot)."""
+    query_len, num_heads, head_dim = q.shape
+    device = q.device
+    key_pos = torch.arange(chunk.key_start, chunk.key_end, device=device)  # [K]
+    k, v = _gather_kv(kv_cache, block_table, key_pos[None], q.dtype)  # [1, Hkv, K, D]
+    # [Q, H, D] -> [1, Hkv, G, Q, D]: query head h reads kv head h // G
+    q = q.view(1, query_len, k.shape[1], -1, head_dim).permute(0, 2, 3, 1, 4)
+    tiles = [chunk]
+    if tiled:
+        tile_starts = range(chunk.query_start, chunk.query_end, QUERY_TILE)
+        tiles = [
+            _span(s, min(s + QUERY_TILE, chunk.query_end), chunk.items, window) for s in tile_starts
+        ]
+    for tile in tiles:
+        rows = slice(tile.query_start - chunk.query_start, tile.query_end - chunk.query_start)
+        keys = slice(tile.key_start - chunk.key_start, tile.key_end - chunk.key_start)
+        mask = None if _is_plain_causal(tile, window) else _tile_mask(tile, window, device)
+        tile_out = attend(q[:, :, :, rows], k[:, :, keys], v[:, :, keys], mask)  # [1,Hkv,G,Q,D]
+        out[rows] = tile_out[0].permute(2, 0, 1, 3).reshape(-1, num_heads, head_dim)
+
+
+def _is_plain_causal(span: _Span, window: int | None) -> bool:
+    """Queries and keys both cover `[0, n)` and the mask is causal: SDPA's `is_causal`."""
+    no_window = window is None or span.query_end <= window
+    return span.query_start == 0 and span.key_end == span.query_end and not span.items and no_window
+
+
+def _tile_mask(span: _Span, window: int | None, device: torch.device) -> torch.Tensor:
+    """`[1, Q, K]` bool visibility of the span's queries over its keys."""
+    query_pos = torch.arange(span.query_start, span.query_end, device=device)  # [Q]
+    key_pos = torch.arange(span.key_start, span.key_end, device=device)  # [K]
+    item_start = torch.zeros_like(query_pos)  # [Q]
+    item_end = torch.zeros_like(query_pos)  # [Q]
+    for start, end in span.items:
+        rows = slice(max(start, span.query_start) - span.query_start, end - span.query_start)
+        item_start[rows], item_end[rows] = start, end
+    bounds = (x[:, None] for x in (query_pos, item_start, item_end))
+    return _visible(*bounds, key_pos[None], window)[None]
+
+
+def _decode_batch(q, kv_cache, block_tables, spans: list[_Span], window: int | None, attend):
+    num_decodes, num_heads, head_dim = q.shape
+    device = q.device
+    key_start = torch.tensor([s.key_start for s in spans], device=device)  # [B]
+    last = torch.tensor([s.query_start for s in spans], device=device)  # [B]
+    # Each decode is its own query position, so it lies in at most one item.
+    item_bounds = [s.items[0] if s.items else (0, 0) for s in spans]
+    item_start, item_end = torch.tensor(item_bounds, device=device).T  # [B] each
+    num_keys = max(s.key_end - s.key_start for s in spans)
+    key_pos = key_start[:, None] + torch.arange(num_keys, device=device)  # [B, K]
+    # Padding keys past a request's context re-read its last token: written, hence finite.
+    gather_pos = torch.minimum(key_pos, last[:, None])  # [B, K]
+    k, v = _gather_kv(kv_cache, block_tables, gather_pos, q.dtype)  # [B, Hkv, K, D]
+    bounds = (x[:, None] for x in (last, item_start, item_end))
+    mask = _visible(*bounds, key_pos, window)[:, None]  # [B, 1, K]
+    q = q.view(num_decodes, k.shape[1], -1, 1, head_dim)  # [B, Hkv, G, 1, D]
+    return attend(q, k, v, mask).reshape(num_decodes, num_heads, head_dim)
+
+
+def _gather_kv(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V `[R, Hkv, K, D]`, contiguous, at sequence `positions` `[R, K]` of the
+    `block_tables` rows."""
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    block_ids = block_tables.gather(1, positions // block_size)  # [R, K]
+    slots = block_ids.long() * block_size + positions % block_size  # [R, K]
+    heads = torch.arange(num_kv_heads, device=positions.device)[:, None]  # [Hkv, 1]
+    # Gathering one row per (slot, head) lands K/V head-major, the layout matmul wants.
+    rows = slots[:, None] * num_kv_heads + heads  # [R, Hkv, K]
+    # index_select copies whole rows; advanced indexing copies element by element (2x slower).
+    kv = torch.index_select(kv_cache.view(2, -1, head_dim), 1, rows.flatten())  # [2, R*Hkv*K, D]
+    kv = kv.view(2, *rows.shape, head_dim).to(dtype)  # [2, R, Hkv, K, D]
+    return kv[0], kv[1]
+
+
+def _visible(query_pos, item_start, item_end, key_pos, window: int | None) -> torch.Tensor:
+    """Which keys each query sees: `[..., Q, 1]` query positions and item bounds against
+    `[..., 1, K]` key positions give `[..., Q, K]` bool."""
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= query_pos - key_pos < window
+    return visible | ((item_start <= key_pos) & (key_pos < item_end))
+
+
+def _attend(q, k, v, mask, *, scale: float, soft_cap: float | None) -> torch.Tensor:
+    """q `[R, Hkv, G, Q, D]`, k/v `[R, Hkv, K, D]`, mask `[R, Q, K]` bool or None for plain
+    causal with Q == K; returns `[R, Hkv, G, Q, D]`."""
+    _, num_kv_heads, group, query_len, _ = q.shape
+    if soft_cap is not None:
+        q = q.flatten(2, 3)  # [R, Hkv, G * Q, D]: plain batched matmuls, no repeated K/V
+        scores = torch.matmul(q, k.transpose(-1, -2)).unflatten(2, (group, query_len)) * scale
+        scores = soft_cap * torch.tanh(scores / soft_cap)  # [R, Hkv, G, Q, K]
+        if mask is None:
+            mask = torch.ones(1, query_len, query_len, dtype=torch.bool, device=q.device).tril()
+        scores.masked_fill_(~mask[:, None, None], float("-inf"))
+        probs = scores.float().softmax(-1).to(v.dtype)
+        out = torch.matmul(probs.flatten(2, 3), v)  # [R, Hkv, G * Q, D]
+        return out.unflatten(2, (group, query_len))
+    if query_len == 1:
+        # The grouped heads of one position share its mask: fold them into the query axis, so
+        # SDPA needs neither GQA support nor repeated K/V.
+        q = q.flatten(2, 3)  # [R, Hkv, G, D]
+        mask = None if mask is None else mask[:, None]  # [R, 1, 1, K]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return out.unflatten(2, (group, 1))
+    out = F.scaled_dot_product_attention(
+        q.flatten(1, 2),  # [R, H, Q, D]
+        k,
+        v,
+        attn_mask=None if mask is None else mask[:, None],
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=group > 1,
+    )  # [R, H, Q, D]
+    return out.unflatten(1, (num_kv_heads, group))
