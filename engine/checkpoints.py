@@ -1,7 +1,9 @@
-"""Random-init Qwen2.5-VL and Qwen2-VL checkpoints in Hugging Face layout, real tokenizer.
+"""Random-init Qwen2.5-VL, Qwen2-VL and Gemma 3 checkpoints in Hugging Face layout.
 
-A `CheckpointSpec` (family, preset, seed, dtype, text/vision config fields, pixel budgets)
-fully determines a checkpoint: transformers builds the model after seeding torch, so the same
+Qwen checkpoints carry the real Qwen2.5 tokenizer; Gemma 3 ones a tiny tokenizer trained
+offline (`checkpoint_gemma3_tokenizer`). A `CheckpointSpec` (family, preset, seed, dtype,
+text/vision config fields, pixel budgets or Gemma 3's tokens per image) fully determines a
+checkpoint: transformers builds the model after seeding torch, so the same
 spec gives the same weights. `build_checkpoint` writes one into a folder; `cached_checkpoint`
 keeps one per spec in the user's cache under `<preset>-seed<seed>-<hash of the whole spec>`, so a
 spec change never reuses a stale folder. `tiny` builds in seconds for tests; `demo` is the
@@ -21,6 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from stillcut.engine import checkpoint_gemma3_tokenizer
+from stillcut.engine.checkpoint_gemma3 import (
+    GENERATION_IDS,
+    check_gemma3_spec,
+    gemma3_hf_config,
+    gemma3_processor_configs,
+    gemma3_spec_fields,
+    randomize_zero_init,
+)
 from stillcut.engine.checkpoint_presets import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -41,6 +52,7 @@ from stillcut.engine.checkpoint_tokenizer import (
     tokenizer_cache_name,
 )
 from stillcut.engine.disk_cache import atomic_folder, cache_dir, short_hash
+from stillcut.engine.gemma3_config import GEMMA3_FAMILY
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -55,9 +67,20 @@ __all__ = [
     "hf_config",
 ]
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", GEMMA3_FAMILY)
+Family = Literal["qwen2_5_vl", "qwen2_vl", "gemma3"]
 DTYPES = ("float32", "bfloat16")
 FORMAT_VERSION = 1  # bump whenever the files written for an unchanged spec change
+_MODEL_CLASSES = {
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    GEMMA3_FAMILY: "Gemma3ForConditionalGeneration",
+}
+_QWEN_GENERATION_IDS = {
+    "bos_token_id": BOS_TOKEN_ID,
+    "eos_token_id": [EOS_TOKEN_ID, BOS_TOKEN_ID],
+    "pad_token_id": BOS_TOKEN_ID,
+}
 # Model init draws from torch's global RNG, so builders in one process take turns.
 _INIT_LOCK = threading.Lock()
 _POSITIVE_TEXT_FIELDS = (
@@ -74,17 +97,19 @@ class CheckpointSpec:
     """Everything that determines a built checkpoint. Build one with `checkpoint_spec`.
 
     `text` and `vision` are the full transformers sub-config fields (vision in the family's own
-    keys); treat them as read-only.
+    keys); treat them as read-only. `processor` applies to the Qwen families,
+    `mm_tokens_per_image` (None for Qwen) to Gemma 3.
     """
 
     preset: str
-    family: Literal["qwen2_5_vl", "qwen2_vl"]
+    family: Family
     seed: int
     dtype: Literal["float32", "bfloat16"]
     tie_word_embeddings: bool
     text: dict[str, Any]
     vision: dict[str, Any]
     processor: ProcessorSpec
+    mm_tokens_per_image: int | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -104,6 +129,11 @@ class CheckpointSpec:
                 f"num_key_value_heads={num_kv_heads}: num_attention_heads must divide "
                 "hidden_size and num_key_value_heads must divide num_attention_heads"
             )
+        if self.family == GEMMA3_FAMILY:
+            check_gemma3_spec(self.text, self.vision, self.mm_tokens_per_image)
+            return
+        if self.mm_tokens_per_image is not None:
+            raise ValueError(f"mm_tokens_per_image applies to Gemma 3, not {self.family!r}")
         mrope_section = self.text["rope_parameters"].get("mrope_section", ())
         if sum(mrope_section) != hidden // num_heads // 2:
             raise ValueError(
@@ -121,7 +151,11 @@ class CheckpointSpec:
         payload = {
             "spec": dataclasses.asdict(self),
             "format": FORMAT_VERSION,
-            "tokenizer": tokenizer_cache_name(),
+            "tokenizer": (
+                checkpoint_gemma3_tokenizer.tokenizer_recipe_name()
+                if self.family == GEMMA3_FAMILY
+                else tokenizer_cache_name()
+            ),
             "torch": importlib.metadata.version("torch"),
             "transformers": importlib.metadata.version("transformers"),
         }
@@ -137,19 +171,33 @@ def checkpoint_spec(
     *,
     seed: int = 0,
     dtype: Literal["float32", "bfloat16"] | None = None,
-    family: Literal["qwen2_5_vl", "qwen2_vl"] = "qwen2_5_vl",
+    family: Family = "qwen2_5_vl",
     text: Mapping[str, Any] | None = None,
     vision: Mapping[str, Any] | None = None,
     processor: Mapping[str, int] | None = None,
     tie_word_embeddings: bool = True,
+    mm_tokens_per_image: int | None = None,
 ) -> CheckpointSpec:
     """Resolve a preset and overrides into a full spec.
 
     `text` and `vision` override transformers config fields (`vision` in the family's keys,
     e.g. `embed_dim`/`mlp_ratio` for Qwen2-VL); `processor` overrides `ProcessorSpec` fields;
     `dtype` defaults to the preset's. Unless overridden, M-RoPE sections follow Qwen's 1:1.5:1.5
-    split of head_dim / 2, and the vision output width follows the text hidden size.
+    split of head_dim / 2, and the vision output width follows the text hidden size. Gemma 3
+    has its own presets (`checkpoint_gemma3`), takes `mm_tokens_per_image` and no `processor`.
     """
+    if family == GEMMA3_FAMILY:
+        if processor:
+            raise ValueError("processor overrides apply to the Qwen families, not 'gemma3'")
+        fields = gemma3_spec_fields(preset, text, vision, mm_tokens_per_image)
+        return CheckpointSpec(
+            preset=preset,
+            family=family,
+            seed=seed,
+            tie_word_embeddings=tie_word_embeddings,
+            processor=ProcessorSpec(),
+            **{**fields, "dtype": dtype or fields["dtype"]},
+        )
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r}: allowed {tuple(PRESETS)}")
     base = PRESETS[preset]
@@ -177,6 +225,7 @@ def checkpoint_spec(
         text=resolved_text,
         vision={**resolved_vision, **(vision or {})},
         processor=ProcessorSpec(**(processor or {})),
+        mm_tokens_per_image=mm_tokens_per_image,
     )
 
 
@@ -217,7 +266,9 @@ def demo_checkpoint(seed: int = 0) -> Path:
 
 
 def hf_config(spec: CheckpointSpec) -> PreTrainedConfig:
-    """The transformers config (`Qwen2_5_VLConfig` or `Qwen2VLConfig`) for `spec`."""
+    """The transformers config (`Qwen2_5_VLConfig`, `Qwen2VLConfig`, `Gemma3Config`) of `spec`."""
+    if spec.family == GEMMA3_FAMILY:
+        return gemma3_hf_config(spec)
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     config_class = Qwen2_5_VLConfig if spec.family == "qwen2_5_vl" else Qwen2VLConfig
@@ -248,27 +299,20 @@ def _ensure_cached(spec: CheckpointSpec, *, announce: bool = False) -> Path:
 
 def _write_checkpoint(spec: CheckpointSpec, folder: Path) -> None:
     import torch
-    from transformers import (
-        GenerationConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLForConditionalGeneration,
-    )
+    import transformers
     from transformers.utils import logging as hf_logging
 
-    model_class = (
-        Qwen2_5_VLForConditionalGeneration
-        if spec.family == "qwen2_5_vl"
-        else Qwen2VLForConditionalGeneration
-    )
+    gemma3 = spec.family == GEMMA3_FAMILY
+    model_class = getattr(transformers, _MODEL_CLASSES[spec.family])
     # fork_rng: seed the init without disturbing the caller's RNG stream.
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = model_class(hf_config(spec))
+        if gemma3:
+            randomize_zero_init(model)
     model.to(getattr(torch, spec.dtype))
-    model.generation_config = GenerationConfig(
-        bos_token_id=BOS_TOKEN_ID,
-        eos_token_id=[EOS_TOKEN_ID, BOS_TOKEN_ID],
-        pad_token_id=BOS_TOKEN_ID,
+    model.generation_config = transformers.GenerationConfig(
+        **(GENERATION_IDS if gemma3 else _QWEN_GENERATION_IDS)
     )
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -277,8 +321,16 @@ def _write_checkpoint(spec: CheckpointSpec, folder: Path) -> None:
     finally:
         if bars_were_enabled:
             hf_logging.enable_progress_bar()
-    for name, config in preprocessor_configs(spec.family, spec.vision, spec.processor).items():
+    configs = (
+        gemma3_processor_configs(spec)
+        if gemma3
+        else preprocessor_configs(spec.family, spec.vision, spec.processor)
+    )
+    for name, config in configs.items():
         (folder / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if gemma3:
+        checkpoint_gemma3_tokenizer.write_tokenizer_files(folder)
+        return
     tokenizer_folder = qwen_tokenizer_dir()
     for name in TOKENIZER_FILES:
         shutil.copyfile(tokenizer_folder / name, folder / name)

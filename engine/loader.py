@@ -4,8 +4,13 @@ A checkpoint is a folder with config.json (read by `model_config.load_model_conf
 safetensors weights, one file or shards with an index. Real Qwen2.5-VL checkpoints name their
 tensors in two layouts: `visual.*` / `model.*` / `lm_head.*` (the original releases; transformers
 5.x saves this too) and `model.visual.*` / `model.language_model.*` / `lm_head.*` (saves by
-transformers 4.52 to 4.x). Both are normalised to one canonical naming: `visual.*`,
-`language_model.*`, `lm_head.*`. Weights are read through
+transformers 4.52 to 4.x). Gemma 3 checkpoints use `vision_tower.vision_model.*` /
+`multi_modal_projector.*` / `language_model.model.*` (the original releases; transformers 5.x
+saves this without `vision_model.`) or the same under `model.` with `model.language_model.*` and
+`lm_head.*` (transformers 4.5x saves). All are normalised to one canonical naming: `visual.*`
+(everything that turns pixels into language-model embeddings: Gemma 3's tower becomes
+`visual.vision_tower.*`, its projector `visual.multi_modal_projector.*`), `language_model.*`,
+`lm_head.*`. Weights are read through
 safetensors' memory map one shard at a time, converted to the target dtype once, and assigned
 to the module in place of its parameters, so a multi-GB checkpoint is never held twice (build
 the module on the meta device to skip allocating and initialising it at all).
@@ -43,13 +48,30 @@ HUB_ETAG_TIMEOUT_S = 5.0
 # Files a checkpoint needs: config, weights, tokenizer and chat template (never .bin/.pth).
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
-# Longer prefixes first, so `model.visual.` is not taken by the bare `model.` rule.
-_NAME_PREFIXES = (
-    ("model.visual.", "visual."),
-    ("model.language_model.", "language_model."),
-    ("visual.", "visual."),
-    ("model.", "language_model."),
-    ("lm_head.", "lm_head."),
+_GEMMA3_TOWER = "visual.vision_tower."
+_GEMMA3_PROJECTOR = "visual.multi_modal_projector."
+# Stored prefix -> canonical prefix, longest first so that `model.visual.` is not taken by the
+# bare `model.` rule.
+_NAME_PREFIXES = tuple(
+    sorted(
+        {
+            "model.visual.": "visual.",
+            "model.language_model.": "language_model.",
+            "visual.": "visual.",
+            "model.": "language_model.",
+            "lm_head.": "lm_head.",
+            "model.vision_tower.vision_model.": _GEMMA3_TOWER,
+            "model.vision_tower.": _GEMMA3_TOWER,
+            "vision_tower.vision_model.": _GEMMA3_TOWER,
+            "vision_tower.": _GEMMA3_TOWER,
+            "model.multi_modal_projector.": _GEMMA3_PROJECTOR,
+            "multi_modal_projector.": _GEMMA3_PROJECTOR,
+            "language_model.model.": "language_model.",
+            "language_model.lm_head.": "lm_head.",
+        }.items(),
+        key=lambda rule: len(rule[0]),
+        reverse=True,
+    )
 )
 _MAX_NAMES_IN_ERROR = 8
 _T = TypeVar("_T")

@@ -1,11 +1,13 @@
-"""What stillcut needs from a checkpoint's config.json, for Qwen2-VL and Qwen2.5-VL.
+"""What stillcut needs from a checkpoint's config.json, for Qwen2-VL, Qwen2.5-VL and Gemma 3.
 
 Real checkpoints come in two layouts: transformers 5.x nests the language model's fields in
 `text_config`, older saves keep them at the top level; both nest `vision_config`. Qwen2-VL
 also names the vision fields differently (`embed_dim` is the tower width, `hidden_size` its
 output width, `mlp_ratio` instead of `intermediate_size`). `load_model_config` reads either
 into the same frozen dataclasses; the text section stays a read-only dict for the language
-model to interpret. Missing optional vision fields take transformers' defaults.
+model to interpret. Missing optional vision fields take transformers' defaults. Gemma 3's
+vision side (SigLIP tower and pooling projector) and image token ids are read by
+`gemma3_config`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-MODEL_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+from stillcut.engine.gemma3_config import (
+    GEMMA3_FAMILY,
+    SiglipVisionConfig,
+    gemma3_token_ids,
+    gemma3_vision_config,
+)
+
+QWEN_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+MODEL_FAMILIES = (*QWEN_FAMILIES, GEMMA3_FAMILY)
 # transformers' defaults for fields that real config.json files may omit.
 _VISION_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2_5_vl": {
@@ -47,7 +57,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """The vision tower's shape. Blocks not in `fullatt_block_indexes` use window attention."""
+    """A Qwen vision tower's shape. Blocks not in `fullatt_block_indexes` use window attention."""
 
     family: str
     depth: int
@@ -66,8 +76,8 @@ class VisionConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        if self.family not in MODEL_FAMILIES:
-            raise ValueError(f"family={self.family!r}; allowed: {', '.join(MODEL_FAMILIES)}")
+        if self.family not in QWEN_FAMILIES:
+            raise ValueError(f"family={self.family!r}; allowed: {', '.join(QWEN_FAMILIES)}")
         for name in _POSITIVE_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -108,13 +118,17 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Qwen2-VL / Qwen2.5-VL checkpoint's config; `text` and `raw` are read-only dicts."""
+    """A checkpoint's config; `text` and `raw` are read-only dicts.
+
+    For Gemma 3 the vision start/end ids are `<start_of_image>` / `<end_of_image>` (boi, eoi)
+    and `video_token_id` is None: a video's frames are image items.
+    """
 
     family: str
-    vision: VisionConfig
+    vision: VisionConfig | SiglipVisionConfig
     text: Mapping[str, Any]
     image_token_id: int
-    video_token_id: int
+    video_token_id: int | None
     vision_start_token_id: int
     vision_end_token_id: int
     tie_word_embeddings: bool
@@ -123,9 +137,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.family != self.vision.family:
             raise ValueError(f"family={self.family!r} differs from vision.family")
+        if (self.video_token_id is None) != (self.family == GEMMA3_FAMILY):
+            raise ValueError(
+                f"video_token_id={self.video_token_id}: None for Gemma 3 (frames are images), "
+                "an id for the Qwen families"
+            )
         for name in _TOKEN_ID_DEFAULTS:
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}={value} must be >= 0")
 
 
 def load_model_config(path: str | PathLike[str]) -> ModelConfig:
@@ -144,10 +164,14 @@ def load_model_config(path: str | PathLike[str]) -> ModelConfig:
         )
     text = raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"}
     try:
-        vision = _vision_config(family, raw["vision_config"])
-        token_ids = {
-            name: int(raw.get(name, default)) for name, default in _TOKEN_ID_DEFAULTS.items()
-        }
+        if family == GEMMA3_FAMILY:
+            vision = gemma3_vision_config(raw)
+            token_ids = {"video_token_id": None, **gemma3_token_ids(raw)}
+        else:
+            vision = _vision_config(family, raw["vision_config"])
+            token_ids = {
+                name: int(raw.get(name, default)) for name, default in _TOKEN_ID_DEFAULTS.items()
+            }
         return ModelConfig(
             family=family,
             vision=vision,
@@ -253,8 +277,10 @@ def text_config(config: ModelConfig) -> TextConfig:
     """The language model's TextConfig from a checkpoint's text fields, in either key spelling.
 
     Raises CheckpointError for what the Qwen2 language model does not implement: another
-    activation, sliding-window layers or a rotary type other than plain M-RoPE.
+    family, another activation, sliding-window layers or a rotary type other than plain M-RoPE.
     """
+    if config.family not in QWEN_FAMILIES:
+        raise CheckpointError(f"family {config.family!r} has no Qwen2 language model")
     text = config.text
     # transformers 5.x writes `rope_parameters`; older saves `rope_scaling` plus `rope_theta`.
     rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}

@@ -8,6 +8,7 @@ import json
 import threading
 import unicodedata
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -350,3 +351,187 @@ def test_invalid_specs_name_the_field(overrides, field):
 def test_unknown_preset_lists_the_allowed_ones():
     with pytest.raises(ValueError, match="tiny.*demo"):
         checkpoint_spec("huge")
+
+
+# Gemma 3: tiny random checkpoints with a tokenizer trained offline.
+
+GEMMA3_SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+)
+GEMMA3_TEXTS = ("Hello world", "The dog walks along the river.", *UNICODE_TEXTS)
+
+
+@pytest.fixture(scope="session")
+def gemma3(cache, tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp("gemma3") / "ckpt", "tiny", family="gemma3")
+
+
+@pytest.fixture(scope="session")
+def gemma3_processor(gemma3):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(gemma3)
+
+
+def test_gemma3_tiny_config_and_files(gemma3):
+    names = {path.name for path in gemma3.iterdir()}
+    assert names == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "preprocessor_config.json",
+        "processor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    }
+    config = json.loads((gemma3 / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    assert config["model_type"] == "gemma3" and config["stillcut_random_weights"] is True
+    assert (config["boi_token_index"], config["eoi_token_index"]) == (7, 8)
+    assert (config["image_token_index"], config["mm_tokens_per_image"]) == (9, 16)
+    assert (text["pad_token_id"], text["eos_token_id"], text["bos_token_id"]) == (0, 1, 2)
+    assert text["vocab_size"] == 1024 and config["tie_word_embeddings"] is True
+    assert text["layer_types"] == ["sliding_attention"] * 2 + [
+        "full_attention",
+        "sliding_attention",
+    ]
+    assert (text["sliding_window"], text["head_dim"], text["query_pre_attn_scalar"]) == (8, 16, 24)
+    assert text["rope_parameters"] == {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    assert text["final_logit_softcapping"] is None
+    assert (vision["image_size"], vision["patch_size"], vision["vision_use_head"]) == (64, 8, False)
+    generation = json.loads((gemma3 / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["pad_token_id"]) == ([1, 6], 0)
+    preprocessor = json.loads((gemma3 / "preprocessor_config.json").read_text())
+    assert preprocessor["size"] == {"height": 64, "width": 64} and preprocessor["resample"] == 2
+
+
+def test_gemma3_weights_are_random_where_transformers_leaves_zeros(gemma3):
+    saved = load_file(gemma3 / "model.safetensors")
+    assert saved["multi_modal_projector.mm_input_projection_weight"].std() > 0.01
+    assert saved["multi_modal_projector.mm_soft_emb_norm.weight"].std() > 0.05
+    assert saved["language_model.model.layers.0.self_attn.q_norm.weight"].std() > 0.05
+    assert "lm_head.weight" not in saved  # tied
+
+
+def test_gemma3_tokenizer_same_ids_in_transformers_and_tokenizers(gemma3, gemma3_processor):
+    from tokenizers import Tokenizer
+
+    tokenizer = gemma3_processor.tokenizer
+    raw = Tokenizer.from_file(str(gemma3 / "tokenizer.json"))
+    assert type(tokenizer).__name__ == "GemmaTokenizer"
+    assert len(tokenizer) == raw.get_vocab_size() == 1024
+    assert tokenizer.convert_tokens_to_ids(list(GEMMA3_SPECIAL_TOKENS)) == list(range(10))
+    assert (tokenizer.boi_token, tokenizer.eoi_token) == ("<start_of_image>", "<end_of_image>")
+    assert (tokenizer.image_token, tokenizer.image_token_id) == ("<image_soft_token>", 9)
+    assert raw.token_to_id("<0x00>") == 10 and raw.token_to_id("<0xFF>") == 265
+    turn = "<start_of_turn>user\nHi<end_of_turn>\n<start_of_image><image_soft_token>"
+    for text in (*GEMMA3_TEXTS, turn):
+        ids = tokenizer(text).input_ids
+        assert ids == raw.encode(text).ids and ids[0] == 2, text  # <bos> first
+        assert tokenizer.decode(ids[1:]) == text
+        assert 3 not in ids  # byte fallback: nothing is <unk>
+    assert len(tokenizer("The dog walks").input_ids) < len("The dog walks")  # pieces merged
+
+
+def test_gemma3_processor_runs_an_image_prompt_end_to_end(gemma3, gemma3_processor):
+    from transformers import Gemma3ForConditionalGeneration
+
+    from stillcut.vision.gemma3_preprocess import Gemma3PreprocessConfig, preprocess_image
+    from stillcut.vision.towers import load_vision_tower
+
+    processor = gemma3_processor
+    assert type(processor.image_processor).__name__ == "Gemma3ImageProcessorPil"
+    assert processor.image_seq_length == 16
+    image = np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}],
+        }
+    ]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert text == (
+        "<bos><start_of_turn>user\n<start_of_image>What?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    inputs = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    ids = inputs["input_ids"][0].tolist()
+    start = ids.index(7)  # <start_of_image>, expanded to boi + 16 soft tokens + eoi
+    assert ids[0] == 2 and ids.count(2) == 1
+    assert ids[start : start + 18] == [7] + [9] * 16 + [8]
+    assert inputs["token_type_ids"][0].tolist() == [int(i == 9) for i in ids]
+    model = Gemma3ForConditionalGeneration.from_pretrained(gemma3).eval()
+    with torch.inference_mode():
+        output = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+        theirs = model.model.get_image_features(inputs["pixel_values"]).pooler_output
+        ours = load_vision_tower(gemma3).encode(
+            preprocess_image(image, Gemma3PreprocessConfig.from_checkpoint(gemma3))[None]
+        )
+    assert output.shape == (1, len(ids) + 4)
+    assert theirs.shape == (1, 16, 64) and theirs.abs().max() > 0.1
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_gemma3_same_seed_same_files(gemma3, tmp_path):
+    again = build_checkpoint(tmp_path / "again", "tiny", family="gemma3")
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (again / name).read_bytes() == (gemma3 / name).read_bytes(), name
+    cached = cached_checkpoint("tiny", family="gemma3")
+    assert cached.name == checkpoint_spec("tiny", family="gemma3").folder_name()
+    assert cached.name != checkpoint_spec("tiny").folder_name()
+
+
+def test_gemma3_overrides_reach_the_config():
+    spec = checkpoint_spec(
+        "tiny",
+        family="gemma3",
+        mm_tokens_per_image=4,
+        text={"num_hidden_layers": 2, "final_logit_softcapping": 30.0},
+        vision={"image_size": 32},
+    )
+    config = hf_config(spec)
+    assert config.mm_tokens_per_image == 4 and config.vision_config.image_size == 32
+    assert config.text_config.layer_types == ["sliding_attention"] * 2
+    assert config.text_config.final_logit_softcapping == 30.0
+    assert spec.text["rope_parameters"]["full_attention"] == {  # not filled in by transformers
+        "rope_type": "linear",
+        "factor": 8.0,
+        "rope_theta": 1e6,
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"text": {"vocab_size": 2048}}, "vocab_size"),
+        ({"mm_tokens_per_image": 9}, "mm_tokens_per_image"),
+        ({"mm_tokens_per_image": 0}, "mm_tokens_per_image"),
+        ({"vision": {"vision_use_head": True}}, "vision_use_head"),
+        ({"text": {"layer_types": ["full_attention"]}}, "layer_types"),
+        ({"processor": {"video_min_pixels": 10}}, "processor"),
+    ],
+)
+def test_invalid_gemma3_specs_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        checkpoint_spec("tiny", family="gemma3", **overrides)
+
+
+def test_gemma3_presets_and_qwen_fields_are_kept_apart():
+    with pytest.raises(ValueError, match="preset='demo' for family 'gemma3'"):
+        checkpoint_spec("demo", family="gemma3")
+    with pytest.raises(ValueError, match="mm_tokens_per_image applies to Gemma 3"):
+        checkpoint_spec("tiny", mm_tokens_per_image=16)

@@ -1,0 +1,203 @@
+"""What built Gemma 3 checkpoints contain: the tiny preset, its config and its processor files.
+
+The `tiny` preset keeps what a Gemma 3 engine must get right and little else: local (sliding
+window 8) and global layers, different RoPE bases with linear scaling x8 on the global layers,
+`query_pre_attn_scalar` unequal to head_dim, GQA, a SigLIP tower on 64-px images pooled to
+4 x 4 = 16 tokens per image, and the trained tiny tokenizer (its size is the vocabulary).
+transformers initialises Gemma's `1 + weight` RMSNorm scales and the projector to zero; the
+builder draws them at random instead, so that images change the output and a norm applied as
+`weight` instead of `1 + weight` shows.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from stillcut.engine.checkpoint_gemma3_tokenizer import (
+    BOI_TOKEN_ID,
+    BOS_TOKEN_ID,
+    END_OF_TURN_ID,
+    EOI_TOKEN_ID,
+    EOS_TOKEN_ID,
+    IMAGE_TOKEN_ID,
+    PAD_TOKEN_ID,
+    VOCAB_SIZE,
+)
+from stillcut.engine.checkpoint_presets import Preset
+from stillcut.engine.gemma3_config import GEMMA3_FAMILY
+
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import Gemma3Config
+
+    from stillcut.engine.checkpoints import CheckpointSpec
+
+GENERATION_IDS = MappingProxyType(
+    {
+        "bos_token_id": BOS_TOKEN_ID,
+        "eos_token_id": [EOS_TOKEN_ID, END_OF_TURN_ID],  # as Gemma 3 instruction-tuned models
+        "pad_token_id": PAD_TOKEN_ID,
+    }
+)
+IMAGE_MEAN = (0.5, 0.5, 0.5)
+IMAGE_STD = (0.5, 0.5, 0.5)
+RESAMPLE_BILINEAR = 2
+NORM_WEIGHT_STD = 0.1  # random `1 + weight` norm scales: weight ~ N(0, 0.1)
+
+GEMMA3_PRESETS: Mapping[str, Preset] = MappingProxyType(
+    {
+        "tiny": Preset(
+            dtype="float32",
+            text={
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "query_pre_attn_scalar": 24,
+                "sliding_window": 8,
+                "max_position_embeddings": 4096,
+            },
+            vision={
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "image_size": 64,
+                "patch_size": 8,
+            },
+        ),
+    }
+)
+MM_TOKENS_PER_IMAGE = 16  # 8 x 8 patches pooled 2 x 2
+# The real models' pattern, shortened: local layers, one global, then local again.
+_LAYER_TYPES = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+_ROPE_PARAMETERS = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+}
+
+
+def gemma3_spec_fields(
+    preset: str,
+    text: Mapping[str, Any] | None,
+    vision: Mapping[str, Any] | None,
+    mm_tokens_per_image: int | None,
+) -> dict[str, Any]:
+    """`CheckpointSpec` fields (dtype, text, vision, mm_tokens_per_image) of a Gemma 3 preset
+    with the caller's overrides; None keeps the preset's value."""
+    if preset not in GEMMA3_PRESETS:
+        raise ValueError(
+            f"preset={preset!r} for family {GEMMA3_FAMILY!r}: allowed {tuple(GEMMA3_PRESETS)}"
+        )
+    base = GEMMA3_PRESETS[preset]
+    resolved_text = {
+        "vocab_size": VOCAB_SIZE,
+        "pad_token_id": PAD_TOKEN_ID,
+        "eos_token_id": EOS_TOKEN_ID,
+        "bos_token_id": BOS_TOKEN_ID,
+        "rope_parameters": copy.deepcopy(_ROPE_PARAMETERS),
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        **base.text,
+        **(text or {}),
+    }
+    num_layers = resolved_text["num_hidden_layers"]
+    # The pattern repeats for deeper overrides; shallower ones keep its start.
+    resolved_text.setdefault(
+        "layer_types", [_LAYER_TYPES[i % len(_LAYER_TYPES)] for i in range(max(num_layers, 0))]
+    )
+    return {
+        "dtype": base.dtype,
+        "text": resolved_text,
+        "vision": {**base.vision, "vision_use_head": False, **(vision or {})},
+        "mm_tokens_per_image": (
+            MM_TOKENS_PER_IMAGE if mm_tokens_per_image is None else mm_tokens_per_image
+        ),
+    }
+
+
+def check_gemma3_spec(
+    text: Mapping[str, Any], vision: Mapping[str, Any], mm_tokens_per_image: int | None
+) -> None:
+    """Raise ValueError, naming the field, for a Gemma 3 spec transformers or we cannot use."""
+    if text["vocab_size"] != VOCAB_SIZE:
+        raise ValueError(
+            f"text vocab_size={text['vocab_size']} must equal the tokenizer's size {VOCAB_SIZE}"
+        )
+    if len(text["layer_types"]) != text["num_hidden_layers"]:
+        raise ValueError(
+            f"text layer_types has {len(text['layer_types'])} entries; "
+            f"num_hidden_layers={text['num_hidden_layers']}"
+        )
+    if vision.get("vision_use_head"):
+        raise ValueError("vision vision_use_head=True: Gemma 3 uses no pooling head")
+    patches_per_side = vision["image_size"] // vision["patch_size"]
+    side = math.isqrt(mm_tokens_per_image) if mm_tokens_per_image else 0
+    if side < 1 or side * side != mm_tokens_per_image or patches_per_side % side:
+        raise ValueError(
+            f"mm_tokens_per_image={mm_tokens_per_image} must be a square whose side divides "
+            f"image_size / patch_size = {patches_per_side}"
+        )
+
+
+def gemma3_hf_config(spec: CheckpointSpec) -> Gemma3Config:
+    """The transformers `Gemma3Config` of a Gemma 3 spec."""
+    from transformers import Gemma3Config
+
+    # Deep copies: transformers fills nested rope dicts in place, which would change the spec.
+    return Gemma3Config(
+        text_config=copy.deepcopy(spec.text),
+        vision_config=copy.deepcopy(spec.vision),
+        mm_tokens_per_image=spec.mm_tokens_per_image,
+        boi_token_index=BOI_TOKEN_ID,
+        eoi_token_index=EOI_TOKEN_ID,
+        image_token_index=IMAGE_TOKEN_ID,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        stillcut_random_weights=True,
+        stillcut_preset=spec.preset,
+        stillcut_seed=spec.seed,
+    )
+
+
+def gemma3_processor_configs(spec: CheckpointSpec) -> dict[str, dict[str, Any]]:
+    """File name -> contents of `preprocessor_config.json` and `processor_config.json`."""
+    size = spec.vision["image_size"]
+    return {
+        "preprocessor_config.json": {
+            "do_convert_rgb": None,
+            "do_normalize": True,
+            "do_pan_and_scan": None,
+            "do_rescale": True,
+            "do_resize": True,
+            "image_mean": list(IMAGE_MEAN),
+            "image_processor_type": "Gemma3ImageProcessor",
+            "image_seq_length": spec.mm_tokens_per_image,
+            "image_std": list(IMAGE_STD),
+            "processor_class": "Gemma3Processor",
+            "resample": RESAMPLE_BILINEAR,
+            "rescale_factor": 1 / 255,
+            "size": {"height": size, "width": size},
+        },
+        "processor_config.json": {
+            "image_seq_length": spec.mm_tokens_per_image,
+            "processor_class": "Gemma3Processor",
+        },
+    }
+
+
+def randomize_zero_init(model: nn.Module) -> None:
+    """Draw the weights transformers leaves at zero, from torch's global RNG (seed it first)."""
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "Gemma3RMSNorm":
+                module.weight.normal_(0.0, NORM_WEIGHT_STD)
+        projection = model.model.multi_modal_projector.mm_input_projection_weight
+        projection.normal_(0.0, model.config.text_config.initializer_range)

@@ -1,0 +1,205 @@
+"""A tiny Gemma-style tokenizer, trained offline, for random-weight Gemma 3 checkpoints.
+
+Real Gemma 3 tokenizers (262k SentencePiece pieces) cannot be fetched offline, so the factory
+trains a small byte-fallback BPE on the built-in corpus below, in Gemma's shape: the special
+tokens Gemma 3's processor and chat template use, the 256 `<0xNN>` byte pieces (any text
+encodes, nothing maps to `<unk>`), then the learned pieces. The pipeline is the one
+transformers' `GemmaTokenizer` rebuilds from the vocabulary (spaces become `▁`, no
+pre-splitting, a `<bos>` prepended), so `tokenizers` and transformers give the same ids.
+Training is deterministic and takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stillcut.engine.disk_cache import short_hash
+
+RECIPE_VERSION = 1  # bump when the corpus or `_build_backend` changes
+# Ids 0-9 in this order; real Gemma 3 has the first four at the same ids.
+SPECIAL_TOKENS = (
+    "<pad>",
+    "<eos>",
+    "<bos>",
+    "<unk>",
+    "<mask>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+)
+PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID = 0, 1, 2
+START_OF_TURN_ID, END_OF_TURN_ID = 5, 6
+BOI_TOKEN_ID, EOI_TOKEN_ID, IMAGE_TOKEN_ID = 7, 8, 9
+NUM_BYTE_TOKENS = 256
+VOCAB_SIZE = 1024  # specials + bytes + 758 learned pieces
+SPACE = "\u2581"  # "▁", SentencePiece's visible space
+
+# Gemma 3's chat template: turns are `<start_of_turn>{user|model}\n...<end_of_turn>\n`, a system
+# message is prefixed to the first user turn, and an image part is `<start_of_image>` (the
+# processor expands it to the image's soft tokens).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% if messages[0]['content'] is string %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}"
+    "{% else %}{% set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' %}{% endif %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+CORPUS = (
+    "A person walks a brown dog along the river in the early morning light.",
+    "Two children play football on a green field while their parents watch from the side.",
+    "The camera pans slowly across a busy city street full of cars, buses and bicycles.",
+    "A cat sleeps on a red sofa next to an open window; the curtains move in the wind.",
+    "What happens in this video? Describe the scene in one short sentence, please.",
+    "The chef cuts onions, tomatoes and peppers, then puts them into a hot pan.",
+    "Snow falls on the mountains. A skier turns left, then right, and stops near a tree.",
+    "How many people are in the picture? There are three people and one horse.",
+    "The traffic light changes from red to yellow to green at 12:45 on Monday, 3 March 2025.",
+    "Rain drops hit the glass; a small boat sails past the lighthouse at sunset.",
+    "A woman in a blue jacket opens the door, looks around, and carries a box inside.",
+    "Is anything moving in the background? Yes: a train crosses the bridge from left to right.",
+    "The kitchen is quiet. Nothing changes for several seconds, then the kettle starts to boil.",
+    "An old man feeds pigeons in the square while tourists take photographs of the fountain.",
+    "Summarize the video: a delivery van stops, the driver unloads parcels and drives away.",
+    "Which colour is the car that overtakes the truck? It is silver, with a black roof.",
+    "The goalkeeper jumps to the right but the ball flies into the top left corner of the net.",
+    "Workers in orange helmets lift steel beams with a crane on a construction site.",
+    "A lecture hall: the speaker points at a chart while students write notes on laptops.",
+    "Waves break against the rocks; seagulls circle above the harbour under a grey sky.",
+    "Count the birds on the wire. I can see seven birds, and two of them fly away.",
+    "The dancer spins four times, stops, bows to the audience, and leaves the stage.",
+    "At night the shop windows glow; a cyclist with a bright lamp rides through the puddles.",
+    "Explain what the robot arm does: it picks up each bottle and places it in a crate.",
+    "The baby laughs when the puppy licks her hand, and her brother claps his hands.",
+    "Fog covers the valley at dawn, and slowly the sun reveals farms, fences and cows.",
+    "A referee blows the whistle; the players shake hands and walk off the pitch.",
+    "Where is the remote control? It lies under the newspaper on the wooden table.",
+    "The video shows a laboratory where a scientist pours a blue liquid into a flask.",
+    "Firefighters unroll a hose, climb a ladder and spray water onto the burning roof.",
+    "Describe the weather: cloudy at first, heavy rain after ten minutes, sunshine at the end.",
+    "A queue of passengers boards the plane; a flight attendant checks every ticket.",
+    "The painter mixes yellow and white paint, then covers the wall with quick strokes.",
+    "Please answer briefly. Did the door close before the alarm rang? No, it closed after.",
+    "Horses gallop across the meadow, jump over a stream and disappear behind the hill.",
+    "In the market, a vendor weighs apples, oranges and grapes for a customer.",
+    "The security camera records an empty corridor; at 02:17 a light flickers twice.",
+    "Children build a sandcastle with towers, walls and a moat filled with seawater.",
+    "The pianist plays a slow melody while the violinist waits for her entrance.",
+    "List the objects on the desk: a lamp, a mug, three pens, a phone and a notebook.",
+)
+
+
+def tokenizer_recipe_name() -> str:
+    """A name that changes whenever the files `write_tokenizer_files` writes would change."""
+    import tokenizers
+
+    recipe = {
+        "version": RECIPE_VERSION,
+        "corpus": CORPUS,
+        "special": SPECIAL_TOKENS,
+        "vocab_size": VOCAB_SIZE,
+        "template": CHAT_TEMPLATE,
+        "config": _tokenizer_config(),
+        "tokenizers": tokenizers.__version__,
+    }
+    return f"gemma3-tiny-{short_hash(recipe)}"
+
+
+def write_tokenizer_files(folder: Path) -> None:
+    """Train the tokenizer; write tokenizer.json, tokenizer_config.json, chat_template.jinja."""
+    _build_backend().save(str(folder / "tokenizer.json"))
+    config = json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False)
+    (folder / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+
+
+def _learned_pieces() -> tuple[list[str], list[tuple[str, str]]]:
+    """BPE pieces (in training order) and merges learned from the corpus, within words."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+
+    trainer_tokenizer = Tokenizer(BPE())
+    trainer_tokenizer.normalizer = normalizers.Replace(" ", SPACE)
+    # Training splits before each space so pieces never span words, as SentencePiece's do.
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.Split(SPACE, behavior="merged_with_next")
+    num_learned = VOCAB_SIZE - len(SPECIAL_TOKENS) - NUM_BYTE_TOKENS
+    trainer = BpeTrainer(vocab_size=num_learned, show_progress=False)
+    trainer_tokenizer.train_from_iterator(["\n".join(CORPUS)], trainer)
+    model = json.loads(trainer_tokenizer.to_str())["model"]
+    pieces = sorted(model["vocab"], key=model["vocab"].get)
+    assert len(pieces) == num_learned, f"the corpus yields {len(pieces)} of {num_learned} pieces"
+    return pieces, [tuple(merge) for merge in model["merges"]]
+
+
+def _build_backend() -> Any:
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    pieces, merges = _learned_pieces()
+    byte_pieces = [f"<0x{value:02X}>" for value in range(NUM_BYTE_TOKENS)]
+    vocab = {piece: i for i, piece in enumerate((*SPECIAL_TOKENS, *byte_pieces, *pieces))}
+    backend = Tokenizer(BPE(vocab, merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", BOS_TOKEN_ID)]
+    )
+    backend.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
+    return backend
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    added = {
+        str(token_id): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token_id, token in enumerate(SPECIAL_TOKENS)
+    }
+    return {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "added_tokens_decoder": added,
+        "bos_token": "<bos>",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<eos>",
+        # Gemma 3's processor reads these three by name.
+        "extra_special_tokens": {
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+        "mask_token": "<mask>",
+        "model_max_length": 131072,
+        "pad_token": "<pad>",
+        "processor_class": "Gemma3Processor",
+        "spaces_between_special_tokens": False,
+        "tokenizer_class": "GemmaTokenizer",
+        "unk_token": "<unk>",
+    }
