@@ -1,0 +1,302 @@
+"""The Qwen2 language model of Qwen2-VL and Qwen2.5-VL, for the runner's flat token batches.
+
+One step runs N tokens of any mix of requests: embeddings (video/image embeddings scattered into
+their placeholder rows), then decoder layers of GQA attention over the paged KV cache and a
+SwiGLU MLP, each behind an RMSNorm and a residual. Positions are M-RoPE (t, h, w) triples. Batch-1
+decode is bound by reading the weights, so linear weights are fused (q/k/v, gate/up), applied
+as `x @ w` with `w` `[in, out]`, and stored in whichever memory order a CPU matvec reads faster
+(`_matmul_layout`); the residual add rides along in `addmm`. The head is `[hidden, vocab]`
+contiguous, and a tied model gathers its embeddings from the head's columns instead of keeping a
+second vocab x hidden copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from os import PathLike
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
+from stillcut.engine.model_config import TextConfig, text_config
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
+from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
+
+LANGUAGE_MODEL_PREFIX = "language_model."
+LM_HEAD_PREFIX = "lm_head."
+
+
+def _matmul_layout(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [in, out] stored for a fast `x @ weight`.
+
+    Measured on the 2-core CPU, batch-1 fp32 matvecs read a contiguous `[in, out]` weight up to
+    2x faster than its transpose when out >= in (qkv, gate/up, the head), and the contiguous
+    `[out, in]` one (`F.linear`'s order, here a transposed view) up to 1.6x faster when in > out
+    (down). On GPU both orders are plain GEMM layouts.
+    """
+    if weight.shape[1] >= weight.shape[0]:
+        return weight.contiguous()
+    return weight.T.contiguous().T
+
+
+def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    """An uninitialised frozen parameter; `from_checkpoint` replaces it."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class MRoPE(nn.Module):
+    """cos/sin tables of M-RoPE: rotary half-dim j turns at position row `section[j]` (t, h, w)
+    times `inv_freq[j]`; the sections are contiguous, temporal first, as in transformers."""
+
+    def __init__(self, config: TextConfig, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        # The same float32 ops as transformers: the angles must match to the last bit.
+        exponent = torch.arange(0, config.head_dim, 2, device=device).float() / config.head_dim
+        self.inv_freq = nn.Buffer(1.0 / config.rope_theta**exponent, persistent=False)  # [D/2]
+        rows = torch.arange(3, device=device).repeat_interleave(
+            torch.tensor(config.mrope_section, device=device)
+        )
+        self.section = nn.Buffer(rows, persistent=False)  # [D/2] in {0, 1, 2}
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`positions` [3, N] long -> cos and signed sin `[N, 1, D]`, shared by every layer.
+
+        The sin table is negated on its first half so that rotating is
+        `x * cos + roll(x, D/2) * sin` (roll swaps the halves).
+        """
+        angles = positions[self.section].T.float() * self.inv_freq  # [N, D/2]
+        cos, sin = angles.cos(), angles.sin()
+        cos = torch.cat((cos, cos), dim=-1)  # [N, D]
+        sin = torch.cat((-sin, sin), dim=-1)  # [N, D]
+        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of `x` [N, heads, D] with MRoPE's tables [N, 1, D]."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+class Qwen2DecoderLayer(nn.Module):
+    """Pre-norm attention and SwiGLU MLP with fused weights, all `[in, out]` in shape."""
+
+    def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        hidden, head_dim = config.hidden_size, config.head_dim
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = head_dim
+        self.eps = config.rms_norm_eps
+        self.scale = head_dim**-0.5
+        qkv_width = (config.num_heads + 2 * config.num_kv_heads) * head_dim
+        new = {"dtype": dtype, "device": device}
+        self.input_layernorm = _weight(hidden, **new)
+        self.qkv_weight = _weight(hidden, qkv_width, **new)  # [in, out]: [q | k | v] columns
+        self.qkv_bias = _weight(qkv_width, **new)
+        self.o_weight = _weight(config.num_heads * head_dim, hidden, **new)
+        self.post_attention_layernorm = _weight(hidden, **new)
+        self.gate_up_weight = _weight(hidden, 2 * config.intermediate_size, **new)  # [gate | up]
+        self.down_weight = _weight(config.intermediate_size, hidden, **new)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """`hidden` [N, hidden] (the residual stream) -> the next layer's residual stream."""
+        num_tokens = hidden.shape[0]
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        normed = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
+        qkv = torch.addmm(self.qkv_bias, normed, self.qkv_weight)  # [N, (Hq + 2 Hkv) * D]
+        # q and k heads are adjacent columns, so one rotation covers both.
+        qk = qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim)
+        qk = _rotate(qk, cos, sin)  # [N, Hq + Hkv, D]
+        query, key = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        value = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, -1, self.head_dim)
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        attended = paged_attention(query, kv_cache, metadata, scale=self.scale)  # [N, Hq, D]
+        hidden = torch.addmm(hidden, attended.reshape(num_tokens, -1), self.o_weight)
+
+        normed = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
+        gate_up = normed @ self.gate_up_weight  # [N, 2 * intermediate]
+        gate, up = gate_up.chunk(2, dim=-1)
+        # In place on our own temporary: the decode step allocates nothing more for SwiGLU.
+        activated = F.silu(gate, inplace=True).mul_(up)  # [N, intermediate]
+        return torch.addmm(hidden, activated, self.down_weight)  # [N, hidden]
+
+
+class Qwen2LanguageModel(nn.Module):
+    """Qwen2 decoder over a flat batch of tokens with paged KV; build with `from_checkpoint`.
+
+    A tied model holds the embedding only as `lm_head` `[hidden, vocab]` (`embed_tokens` is
+    None); an untied one holds the embedding `[vocab, hidden]` and the head `[hidden, vocab]`.
+    `rope_spec` holds the checkpoint's placeholder ids and video time scale for
+    `prompt_positions`.
+    """
+
+    num_position_rows = 3  # M-RoPE: temporal, height, width
+
+    def __init__(
+        self,
+        config: TextConfig,
+        rope_spec: MRopeSpec,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.rope_spec = rope_spec
+        new = {"dtype": dtype, "device": device}
+        self.embed_tokens = (
+            None
+            if config.tie_word_embeddings
+            else _weight(config.vocab_size, config.hidden_size, **new)
+        )
+        self.layers = nn.ModuleList(
+            Qwen2DecoderLayer(config, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = _weight(config.hidden_size, **new)
+        self.lm_head = _weight(config.hidden_size, config.vocab_size, **new)
+        self.rotary = MRoPE(config, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        mm_embeds: torch.Tensor | None = None,
+        mm_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [N] tokens -> [N, hidden].
+
+        `positions` [3, N] long are M-RoPE (t, h, w) positions; `kv_caches` has one
+        `kv_cache_shape` tensor per layer. `mm_embeds` [M, hidden] replace the embeddings of
+        the M rows where `mm_mask` [N] is True.
+        """
+        if (mm_embeds is None) != (mm_mask is None):
+            raise ValueError("mm_embeds and mm_mask must be given together")
+        hidden = self.embed(input_ids)  # [N, hidden]
+        if mm_embeds is not None:
+            hidden[mm_mask] = mm_embeds.to(hidden.dtype)
+        cos, sin = self.rotary(positions, hidden.dtype)  # [N, 1, D] each
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        return F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: [N] ids -> [N, hidden]."""
+        if self.embed_tokens is None:
+            # Gathering columns costs ~10 us a token on CPU (rows: far less), little beside a
+            # prefill's matmuls, and spares a second vocab x hidden copy.
+            return self.lm_head.index_select(1, input_ids).T.contiguous()  # [N, hidden]
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
+        return (hidden_states @ self.lm_head).float()
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def prompt_positions(
+        self, token_ids: torch.Tensor, items: Sequence[MultiModalItem]
+    ) -> MRopePositions:
+        """M-RoPE positions [3, prompt_len] of a prompt, and where the tokens after it go."""
+        return mrope_positions(token_ids, items, self.rope_spec)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        """Shape of one layer's KV cache: [2 (k, v), num_blocks, block_size, Hkv, D]."""
+        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | PathLike[str],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> Qwen2LanguageModel:
+        """The language model of a checkpoint folder (or hub id), in eval mode.
+
+        Loads `language_model.*` (and `lm_head.*` when untied) strictly through the shared
+        loader: missing, unexpected or misshapen tensors raise CheckpointError. A tied
+        checkpoint's `lm_head.weight`, if saved at all, is the embedding and is not read.
+        """
+        folder = resolve_checkpoint(path)
+        model_config = load_model_config(folder)
+        config = text_config(model_config)
+        rope_spec = MRopeSpec(
+            model_config.image_token_id,
+            model_config.video_token_id,
+            tokens_per_second=model_config.vision.tokens_per_second,  # None for Qwen2-VL
+        )
+        stored = _checkpoint_layout(config)
+        load_weights(stored, folder, LANGUAGE_MODEL_PREFIX, dtype=dtype, device=device)
+        model = cls(config, rope_spec, dtype=dtype, device=device)
+        for layer in model.layers:
+            _fuse_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
+        _set(model, "norm", stored.norm.weight)
+        if config.tie_word_embeddings:
+            _set(model, "lm_head", _matmul_layout(stored.embed_tokens.weight.T))
+        else:
+            with torch.device("meta"):
+                head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            load_weights(head, folder, LM_HEAD_PREFIX, dtype=dtype, device=device)
+            _set(model, "embed_tokens", stored.embed_tokens.weight)
+            _set(model, "lm_head", _matmul_layout(head.weight.T))
+        return model.eval()
+
+
+def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+
+
+def _fuse_layer(layer: Qwen2DecoderLayer, stored: nn.Module) -> None:
+    """Fill `layer` from a checkpoint-named layer: [in, out] shapes, q/k/v and gate/up fused."""
+    attn, mlp = stored.self_attn, stored.mlp
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    _set(layer, "input_layernorm", stored.input_layernorm.weight)
+    _set(layer, "qkv_weight", _matmul_layout(torch.cat([p.weight.T for p in projections], 1)))
+    _set(layer, "qkv_bias", torch.cat([p.bias for p in projections]))
+    _set(layer, "o_weight", _matmul_layout(attn.o_proj.weight.T))
+    _set(layer, "post_attention_layernorm", stored.post_attention_layernorm.weight)
+    gate_up = torch.cat([mlp.gate_proj.weight.T, mlp.up_proj.weight.T], dim=1)
+    _set(layer, "gate_up_weight", _matmul_layout(gate_up))
+    _set(layer, "down_weight", _matmul_layout(mlp.down_proj.weight.T))
+
+
+def _checkpoint_layout(config: TextConfig) -> nn.Module:
+    """Meta-device modules named like a checkpoint's `language_model.*` tensors."""
+    with torch.device("meta"):
+        root = nn.Module()
+        root.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        root.layers = nn.ModuleList(_checkpoint_layer(config) for _ in range(config.num_layers))
+        root.norm = nn.RMSNorm(config.hidden_size)
+    return root
+
+
+def _checkpoint_layer(config: TextConfig) -> nn.Module:
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    attn = nn.Module()
+    attn.q_proj = nn.Linear(hidden, q_width, bias=True)
+    attn.k_proj = nn.Linear(hidden, kv_width, bias=True)
+    attn.v_proj = nn.Linear(hidden, kv_width, bias=True)
+    attn.o_proj = nn.Linear(q_width, hidden, bias=False)
+    mlp = nn.Module()
+    mlp.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+    mlp.up_proj = nn.Linear(hidden, intermediate, bias=False)
+    mlp.down_proj = nn.Linear(intermediate, hidden, bias=False)
+    layer = nn.Module()
+    layer.self_attn, layer.mlp = attn, mlp
+    layer.input_layernorm = nn.RMSNorm(hidden)
+    layer.post_attention_layernorm = nn.RMSNorm(hidden)
+    return layer
