@@ -109,3 +109,20 @@ def num_blocks_for_budget(
             f"budget_bytes={budget_bytes} holds no KV block; one block needs {block_bytes} bytes"
         )
     return num_blocks
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an `LLMEngine` needs besides the checkpoint."""
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")

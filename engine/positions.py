@@ -81,27 +81,32 @@ def mrope_positions(
     token_ids: Sequence[int] | torch.Tensor,
     items: Sequence[MultiModalItem],
     spec: MRopeSpec,
+    placements: Sequence[tuple[int, int]] | None = None,
 ) -> MRopePositions:
     """M-RoPE positions of a prompt, on the CPU.
 
-    Each maximal run of `<|image_pad|>` / `<|video_pad|>` tokens in `token_ids` stands for the next
-    item of `items`, in order, and must hold exactly `item.num_tokens` placeholders.
+    `placements[i] = (offset, length)` places `items[i]`; by default each maximal run of
+    `<|image_pad|>` / `<|video_pad|>` tokens holds the next items, in order, filling it exactly.
+    Items whose placements touch form one logical video (a live stream's tubelets): they share
+    one start, their coordinates count tubelets from that start, and the logical video's dense
+    grid is the largest of theirs.
     """
     ids = torch.as_tensor(token_ids, dtype=torch.long, device="cpu")  # [num_tokens]
     if ids.dim() != 1:
         raise ValueError(f"token_ids must be one-dimensional, got shape {tuple(ids.shape)}")
-    runs = _placeholder_runs(ids, spec)
-    _check_runs(runs, items, spec)
+    if placements is None:
+        placements = _placements_from_runs(_placeholder_runs(ids, spec), items)
+    groups = _logical_items(ids, items, placements, spec)
 
     positions = torch.empty(3, ids.numel(), dtype=torch.long)  # [3, num_tokens]
     cursor = 0  # index of the first token not yet placed
     next_pos = 0  # position the next text token gets
     end = 0  # one past the largest position so far
-    for item, (run_start, run_length, _) in zip(items, runs, strict=True):
-        next_pos = _place_text(positions, cursor, run_start, next_pos)
-        next_pos, item_end = _place_item(positions, run_start, item, next_pos, spec)
-        end = max(end, item_end)
-        cursor = run_start + run_length
+    for group_start, group_end, members in groups:
+        next_pos = _place_text(positions, cursor, group_start, next_pos)
+        next_pos, group_extent = _place_group(positions, members, next_pos, spec)
+        end = max(end, group_extent)
+        cursor = group_end
     next_pos = _place_text(positions, cursor, ids.numel(), next_pos)
     return MRopePositions(positions, max(end, next_pos))
 
@@ -121,26 +126,59 @@ def _placeholder_runs(ids: torch.Tensor, spec: MRopeSpec) -> list[tuple[int, int
     )
 
 
-def _check_runs(
-    runs: list[tuple[int, int, int]], items: Sequence[MultiModalItem], spec: MRopeSpec
-) -> None:
-    if len(runs) != len(items):
-        raise ValueError(
-            f"the prompt has {len(runs)} placeholder runs but {len(items)} items were given; "
-            "each item needs its own run (runs of one placeholder must be separated by text)"
-        )
-    for index, (item, (_, length, token_id)) in enumerate(zip(items, runs, strict=True)):
-        expected = spec.video_token_id if item.kind == "video" else spec.image_token_id
-        if token_id != expected:
+def _placements_from_runs(
+    runs: list[tuple[int, int, int]], items: Sequence[MultiModalItem]
+) -> list[tuple[int, int]]:
+    """Fill each run with the next items, in order; their token counts must add up to it."""
+    placements, index = [], 0
+    for run_number, (run_start, run_length, _) in enumerate(runs):
+        filled = 0
+        while filled < run_length and index < len(items):
+            placements.append((run_start + filled, items[index].num_tokens))
+            filled += items[index].num_tokens
+            index += 1
+        if filled != run_length:
             raise ValueError(
-                f"item {index} ({item.kind}) sits in a run of token {token_id}; "
-                f"its placeholder token is {expected}"
+                f"placeholder run {run_number} has {run_length} tokens but its items have "
+                f"{filled}; the two counts must be equal"
             )
+    if index != len(items):
+        raise ValueError(
+            f"the prompt has placeholder runs for {index} items but {len(items)} items were given"
+        )
+    return placements
+
+
+def _logical_items(
+    ids: torch.Tensor,
+    items: Sequence[MultiModalItem],
+    placements: Sequence[tuple[int, int]],
+    spec: MRopeSpec,
+) -> list[tuple[int, int, list[tuple[int, MultiModalItem]]]]:
+    """Group items whose placements touch: (first index, end index, [(offset, item)])."""
+    if len(placements) != len(items):
+        raise ValueError(f"{len(placements)} placements given for {len(items)} items")
+    groups: list[tuple[int, int, list[tuple[int, MultiModalItem]]]] = []
+    for index, (item, (offset, length)) in enumerate(zip(items, placements, strict=True)):
         if length != item.num_tokens:
             raise ValueError(
                 f"item {index} ({item.kind}) has {item.num_tokens} tokens but its placeholder "
                 f"run has {length}; the two counts must be equal"
             )
+        expected = spec.video_token_id if item.kind == "video" else spec.image_token_id
+        if not bool((ids[offset : offset + length] == expected).all()):
+            raise ValueError(
+                f"item {index} ({item.kind}) must sit on {length} tokens of its placeholder "
+                f"{expected} from index {offset}"
+            )
+        if groups and groups[-1][1] == offset and item.kind == "video" == groups[-1][2][-1][1].kind:
+            first, _, members = groups[-1]
+            groups[-1] = (first, offset + length, [*members, (offset, item)])
+        else:
+            if groups and offset < groups[-1][1]:
+                raise ValueError(f"item {index} overlaps the item before it")
+            groups.append((offset, offset + length, [(offset, item)]))
+    return groups
 
 
 def _place_text(positions: torch.Tensor, begin: int, stop: int, next_pos: int) -> int:
@@ -150,22 +188,30 @@ def _place_text(positions: torch.Tensor, begin: int, stop: int, next_pos: int) -
     return next_pos + num_text
 
 
-def _place_item(
-    positions: torch.Tensor, begin: int, item: MultiModalItem, start: int, spec: MRopeSpec
+def _place_group(
+    positions: torch.Tensor,
+    members: list[tuple[int, MultiModalItem]],
+    start: int,
+    spec: MRopeSpec,
 ) -> tuple[int, int]:
-    """Write an item's positions from its kept coordinates.
+    """Write the positions of one logical item from its members' kept coordinates.
 
     Returns the next text position and one past the dense grid's largest position.
     """
-    grid_t, grid_h, grid_w = item.llm_grid
-    kept = item.coords.to("cpu", torch.long)  # [num_kept, 3]
-    assert bool((kept >= 0).all()) and bool((kept < kept.new_tensor(item.llm_grid)).all()), (
-        f"coords outside the post-merge grid {item.llm_grid}"
-    )
-    temporal = _temporal_positions(item, spec)  # [grid_t]
-    relative = kept.T.clone()  # [3, num_kept]
-    relative[0] = temporal[kept[:, 0]]
-    positions[:, begin : begin + item.num_tokens] = relative + start
+    first = members[0][1]
+    grid_t = max(item.llm_grid[0] for _, item in members)
+    grid_h, grid_w = first.llm_grid[1:]
+    temporal = _temporal_positions(first, grid_t, spec)  # [grid_t]
+    for offset, item in members:
+        assert item.llm_grid[1:] == (grid_h, grid_w), "one logical video has one frame size"
+        assert item.second_per_grid_ts == first.second_per_grid_ts, "and one frame rate"
+        kept = item.coords.to("cpu", torch.long)  # [num_kept, 3]
+        assert bool((kept >= 0).all()) and bool((kept < kept.new_tensor(item.llm_grid)).all()), (
+            f"coords outside the post-merge grid {item.llm_grid}"
+        )
+        relative = kept.T.clone()  # [3, num_kept]
+        relative[0] = temporal[kept[:, 0]]
+        positions[:, offset : offset + item.num_tokens] = relative + start
     # temporal is non-decreasing, so its last entry is the dense grid's temporal maximum
     dense_extent = max(int(temporal[-1]) + 1, grid_h, grid_w)
     if spec.text_after_vision == "grid_max":
@@ -173,9 +219,9 @@ def _place_item(
     return start + max(grid_h, grid_w), start + dense_extent
 
 
-def _temporal_positions(item: MultiModalItem, spec: MRopeSpec) -> torch.Tensor:
+def _temporal_positions(item: MultiModalItem, grid_t: int, spec: MRopeSpec) -> torch.Tensor:
     """Relative temporal position of each tubelet of the dense grid: [grid_t] long."""
-    steps = torch.arange(item.llm_grid[0])  # [grid_t]
+    steps = torch.arange(grid_t)  # [grid_t]
     if item.kind == "image" or spec.tokens_per_second is None:
         return steps
     # transformers scales in float32 (the processor hands `second_per_grid_ts` over as float32)

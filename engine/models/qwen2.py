@@ -208,10 +208,14 @@ class Qwen2LanguageModel(nn.Module):
         return self.config.num_layers
 
     def prompt_positions(
-        self, token_ids: torch.Tensor, items: Sequence[MultiModalItem]
+        self,
+        token_ids: torch.Tensor,
+        items: Sequence[MultiModalItem],
+        placements: Sequence[tuple[int, int]] | None = None,
     ) -> MRopePositions:
-        """M-RoPE positions [3, prompt_len] of a prompt, and where the tokens after it go."""
-        return mrope_positions(token_ids, items, self.rope_spec)
+        """M-RoPE positions [3, prompt_len] of a prompt, and where the tokens after it go.
+        `placements` (offset, length) per item; by default read off the placeholder runs."""
+        return mrope_positions(token_ids, items, self.rope_spec, placements)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         """Shape of one layer's KV cache: [2 (k, v), num_blocks, block_size, Hkv, D]."""

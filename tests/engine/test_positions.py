@@ -198,18 +198,18 @@ def test_text_only_prompt_counts_up():
 def test_placeholder_count_mismatch_names_item_and_counts():
     items = [make_item("image", (1, 2, 2), 1.0), make_item("video", (3, 4, 4), 1.0)]
     ids = [1, IMAGE_PAD, 2] + [VIDEO_PAD] * 10 + [3]
-    with pytest.raises(ValueError, match=r"item 1 \(video\) has 12 tokens .* run has 10"):
+    with pytest.raises(ValueError, match=r"placeholder run 1 has 10 tokens but its items have 12"):
         mrope_positions(ids, items, spec_for(2))
 
 
 @pytest.mark.parametrize(
     "ids,match",
     [
-        ([1, IMAGE_PAD, 2], "1 placeholder runs but 2 items"),
-        ([IMAGE_PAD, 1, VIDEO_PAD, 2, VIDEO_PAD], "3 placeholder runs but 2 items"),
+        ([1, IMAGE_PAD, 2], "placeholder runs for 1 items but 2 items were given"),
+        ([IMAGE_PAD, 1, VIDEO_PAD, 2, VIDEO_PAD], "placeholder run 2 has 1 tokens but its items"),
         (
             [VIDEO_PAD, 1, IMAGE_PAD],
-            r"item 0 \(image\) sits in a run of token 151656; its placeholder token is 151655",
+            r"item 0 \(image\) must sit on 1 tokens of its placeholder 151655 from index 0",
         ),
     ],
 )
@@ -239,3 +239,35 @@ def test_dense_coords_are_row_major():
     assert coords.shape == (12, 3) and coords.dtype == torch.long
     assert coords[:4].tolist() == [[0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0]]
     assert coords[6].tolist() == [1, 0, 0]
+
+
+@pytest.mark.parametrize("text_after_vision", ["spatial_extent", "grid_max"])
+def test_stream_tubelets_in_one_run_equal_one_video(text_after_vision):
+    """A live stream's tubelets are separate items whose placements touch; with each tubelet's
+    grid spanning the stream so far (an empty last tubelet still counts), they must get the
+    positions of one video holding the same kept tokens."""
+    spec = spec_for(2, text_after_vision)
+    t, h, w = 5, 4, 6  # pre-merge h, w; 2 x 3 merged tokens per tubelet
+    keep = torch.rand(t * 6, generator=torch.Generator().manual_seed(3)) < 0.5
+    keep[:6] = True  # the first tubelet is kept whole
+    keep[-6:] = False  # the last one is fully pruned
+    whole = make_item("video", (t, h, w), 0.5, keep)
+    tubelets = []
+    for k in range(t):
+        coords = whole.coords[whole.coords[:, 0] == k]
+        tubelets.append(
+            MultiModalItem(
+                kind="video",
+                embeds=torch.zeros(coords.shape[0], 1),
+                coords=coords,
+                grid_thw=(k + 1, h, w),  # the logical video's grid up to this tubelet
+                second_per_grid_ts=0.5,
+            )
+        )
+    ids = [1, 2] + [VIDEO_PAD] * whole.num_tokens + [3, 4, 5]
+    offsets = [2 + sum(item.num_tokens for item in tubelets[:k]) for k in range(t)]
+    placements = [(o, item.num_tokens) for o, item in zip(offsets, tubelets, strict=True)]
+    expected = mrope_positions(ids, [whole], spec)
+    streamed = mrope_positions(ids, tubelets, spec, placements)
+    assert torch.equal(streamed.positions, expected.positions)
+    assert streamed.next_position == expected.next_position

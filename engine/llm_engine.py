@@ -1,0 +1,316 @@
+"""LLMEngine: requests in, tokens and text out, many requests at once.
+
+`step()` is schedule → run → postprocess, as in nano-vllm: the scheduler picks the tokens, the
+runner computes them and samples, the scheduler applies the results, and the engine turns new
+tokens into text (incremental detokenizer, stop strings) and per-request metrics. Prompts
+arrive as token ids with their multimodal items already encoded (see `PromptProcessor` and
+the vision pipeline): the engine never imports the vision side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from os import PathLike
+
+import torch
+
+from stillcut.engine.config import EngineConfig, num_blocks_for_budget
+from stillcut.engine.detokenizer import IncrementalDetokenizer
+from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.models import MODEL_CLASSES
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.processor import Prompt, PromptProcessor
+from stillcut.engine.request import (
+    PlaceholderRange,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    placeholder_ranges,
+)
+from stillcut.engine.runner import ModelRunner
+from stillcut.engine.scheduler import Scheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestMetrics:
+    """Times (monotonic seconds) and token counts of one request."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    video_tokens_kept: int
+    video_tokens_total: int
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return _span(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def ttft(self) -> float | None:
+        return _span(self.arrival_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _span(self.first_token_time, self.finished_time)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (cumulative token ids and text, plus deltas)."""
+
+    request_id: str
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    delta: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort", or "held" for a finished prefill
+    stop_reason: str | int | None
+    metrics: RequestMetrics
+    logprobs: list[tuple[list[int], list[float], float]] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    logprobs: list = field(default_factory=list)
+
+
+class LLMEngine:
+    """One language model over a paged KV cache; `step()` advances every live request."""
+
+    def __init__(self, model: str | PathLike, config: EngineConfig = EngineConfig()) -> None:
+        self.path = resolve_checkpoint(model)
+        self.config = config
+        self.model_config = load_model_config(self.path)
+        self.processor = PromptProcessor.from_checkpoint(self.path)
+        dtype = _DTYPES[config.dtype]
+        model_class = MODEL_CLASSES[self.model_config.family]
+        self.model = model_class.from_checkpoint(self.path, dtype=dtype, device=config.device)
+        self.block_size = config.cache.block_size
+        num_blocks = self._num_blocks(dtype)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.runner = ModelRunner(
+            self.model,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            # rows of requests that finished this step are dropped only at the next one
+            max_num_reqs=2 * config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_model_len=config.scheduler.max_model_len,
+            device=config.device,
+            kv_dtype=dtype,
+        )
+        self.eos_token_ids = self.processor.special.eos_token_ids
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
+        hold: bool = False,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queue a request (admission errors raise here); returns its id.
+
+        `prompt` is a `Prompt` from the processor, or token ids whose placeholder runs match
+        `mm_items` in order. `hold=True` makes a prefill-only held prefix (see `extend_held`).
+        """
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        token_ids, items, positions = self._placed(prompt, mm_items)
+        params = sampling_params or SamplingParams()
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            mm_items=items,
+            mm_positions=positions,
+            sampling_params=_with_eos(params, self.eos_token_ids),
+            cache_salt=cache_salt,
+            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            hold=hold,
+        )
+        self.scheduler.add_request(request)
+        detokenizer = IncrementalDetokenizer(
+            self.processor.tokenizer, token_ids, stop=tuple(params.stop)
+        )
+        video = [item for item in items if item.kind == "video"]
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time,
+            num_prompt_tokens=len(token_ids),
+            video_tokens_kept=sum(item.num_tokens for item in video),
+            video_tokens_total=sum(item.num_dense_tokens for item in video),
+        )
+        self._tracked[request_id] = _Tracked(request, detokenizer, metrics)
+        return request_id
+
+    def extend_held(
+        self, request_id: str, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem] = ()
+    ) -> None:
+        """Append tokens (and the items they hold) to a held prefix; only they are prefilled."""
+        ids, items, positions = self._placed(list(token_ids), mm_items)
+        self.scheduler.extend_held(request_id, ids, items, positions)
+        tracked = self._tracked[request_id]
+        tracked.metrics.num_prompt_tokens += len(ids)
+
+    def release_held(self, request_id: str) -> None:
+        """Free a held prefix; requests started from it keep the blocks they share."""
+        self.scheduler.release_held(request_id)
+        self._tracked.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request in any state and free its blocks; False if it is unknown."""
+        self._tracked.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- stepping ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns an output for every request that produced something."""
+        scheduled = self.scheduler.schedule()
+        now = time.monotonic()
+        for new in scheduled.scheduled_new:
+            tracked = self._tracked.get(new.request_id)
+            if tracked is not None and tracked.metrics.first_scheduled_time is None:
+                tracked.metrics.first_scheduled_time = now
+                tracked.metrics.num_cached_tokens = tracked.request.num_cached_tokens
+        result = self.runner.execute(scheduled)
+        updates = self.scheduler.update_from_output(scheduled, result.sampled)
+        now = time.monotonic()
+        outputs = []
+        for update in updates:
+            tracked = self._tracked.get(update.request_id)
+            if tracked is None:
+                continue
+            if update.request_id in result.logprobs:
+                tracked.logprobs.append(result.logprobs[update.request_id])
+            outputs.append(self._postprocess(tracked, update.new_token_ids, update.status, now))
+        return outputs
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt | Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion together; final outputs in prompt order."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        ids = [self.add_request(p, s) for p, s in zip(prompts, sampling_params, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[i] for i in ids]
+
+    def _postprocess(
+        self, tracked: _Tracked, new_token_ids: list[int], status: RequestStatus, now: float
+    ) -> RequestOutput:
+        request, metrics = tracked.request, tracked.metrics
+        if new_token_ids and metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.num_generated_tokens = len(request.output_token_ids)
+        delta = tracked.detokenizer.push(new_token_ids)
+        finish_reason, stop_reason = _finish_reason(status, request, new_token_ids)
+        if tracked.detokenizer.finished and finish_reason not in ("stop", "held"):
+            # a stop string completed: end the request here, whatever the tokens said
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            finish_reason, stop_reason = "stop", tracked.detokenizer.stop_reason
+        elif finish_reason in ("stop", "length", "abort"):
+            delta += tracked.detokenizer.flush()
+        finished = finish_reason is not None
+        if finished:
+            metrics.finished_time = now
+            if finish_reason != "held":
+                self._tracked.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            token_ids=list(request.output_token_ids),
+            new_token_ids=list(new_token_ids),
+            text=tracked.detokenizer.text,
+            delta=delta,
+            finished=finished,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            metrics=metrics,
+            logprobs=list(tracked.logprobs),
+        )
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _placed(
+        self, prompt: Prompt | Sequence[int], mm_items: Sequence[MultiModalItem]
+    ) -> tuple[list[int], list[MultiModalItem], list[PlaceholderRange]]:
+        if isinstance(prompt, Prompt):
+            return list(prompt.token_ids), list(prompt.items), list(prompt.mm_positions)
+        special = self.processor.special
+        placeholders = (special.image_token_id, special.video_token_id)
+        token_ids = [int(t) for t in prompt]
+        return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
+
+    def _num_blocks(self, dtype: torch.dtype) -> int:
+        cache, sched = self.config.cache, self.config.scheduler
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        per_block = dict(
+            num_layers=self.model.num_layers,
+            num_kv_heads=self.model.config.num_kv_heads,
+            head_dim=self.model.config.head_dim,
+            block_size=self.block_size,
+            dtype_bytes=torch.finfo(dtype).bits // 8,
+        )
+        # never more than every seat filled to max_model_len could use
+        needed = 2 * sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
+        budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
+        return min(num_blocks_for_budget(budget, **per_block), needed)
+
+
+def _free_memory(config: EngineConfig) -> int:
+    if config.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _with_eos(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+    """Every eos id of the checkpoint stops the request (unless `ignore_eos`)."""
+    if params.ignore_eos or len(eos_token_ids) < 2:
+        return params
+    extra = tuple(t for t in eos_token_ids[1:] if t not in params.stop_token_ids)
+    return replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
+
+
+def _finish_reason(
+    status: RequestStatus, request: Request, new_token_ids: list[int]
+) -> tuple[str | None, str | int | None]:
+    if status is RequestStatus.HELD:
+        return "held", None
+    if not status.is_finished:
+        return None, None
+    reason = status.value
+    stop_reason = new_token_ids[-1] if reason == "stop" and new_token_ids else None
+    return reason, stop_reason
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start

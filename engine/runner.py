@@ -1,0 +1,280 @@
+"""The model runner: persistent request rows in, sampled tokens out.
+
+In the style of vLLM's Model Runner V2, each request the runner knows owns one row of
+persistent tensors for its lifetime (token ids, block table) plus its position table, items and
+sampling state. A step gathers only what the scheduler asked for into preallocated input
+buffers, builds the attention metadata once (slot mapping, block tables, bidirectional item
+ranges), runs the model over the flat batch, computes logits only for the requests that sample,
+and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.request import PlaceholderRange, SamplingParams
+from stillcut.engine.sampler import LogprobsTensors, Sampler, build_sampling_batch
+from stillcut.engine.scheduler_output import NewRequestData, SchedulerOutput
+from stillcut.kernels.attention import AttentionMetadata
+
+
+@dataclass
+class RowState:
+    """What the runner keeps for one request between steps (beside its tensor row)."""
+
+    row: int
+    prompt_len: int
+    num_tokens: int  # tokens written into the row (prompt + sampled)
+    positions: torch.Tensor  # [num_position_rows, prompt_len] long, from the model
+    next_position: int  # position of the first token after the prompt
+    items: list[MultiModalItem]
+    placements: list[PlaceholderRange]
+    params: SamplingParams
+    hold: bool
+    num_blocks: int = 0
+    output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Sampled tokens (one per sampling request) and, when asked for, their logprobs."""
+
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, tuple[list[int], list[float], float]]
+
+
+class ModelRunner:
+    """Runs one model over a paged KV cache for the scheduler's steps."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        device: torch.device | str = "cpu",
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_caches = [
+            torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=kv_dtype, device=device)
+            for _ in range(model.num_layers)
+        ]
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)
+        self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
+        self.free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self.rows: dict[str, RowState] = {}
+        # Seeded generators outlive preemption, so a resumed request keeps drawing where it was.
+        self.generators: dict[str, torch.Generator] = {}
+        self.sampler = Sampler()
+        # Preallocated per-step input buffers (host side; copied to the device in one go).
+        self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
+        self.positions = torch.zeros(
+            model.num_position_rows, max_num_batched_tokens, dtype=torch.long
+        )
+        self.slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.long)
+
+    @property
+    def num_kv_bytes(self) -> int:
+        return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
+
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        """Apply the scheduler's row changes, run the scheduled tokens, sample."""
+        self._update_rows(output)
+        if not output.num_scheduled_tokens:
+            return StepResult({}, {})
+        batch = self._prepare(output)
+        with torch.inference_mode():
+            hidden = self.model(
+                batch.input_ids,
+                batch.positions,
+                self.kv_caches,
+                batch.metadata,
+                mm_embeds=batch.mm_embeds,
+                mm_mask=batch.mm_mask,
+            )  # [N, hidden]
+            if not batch.sample_ids:
+                return StepResult({}, {})
+            logits = self.model.compute_logits(hidden[batch.sample_index])  # [S, vocab]
+            return self._sample(batch.sample_ids, logits)
+
+    # ---- rows ------------------------------------------------------------------------------
+
+    def _update_rows(self, output: SchedulerOutput) -> None:
+        for request_id in output.finished_ids:
+            self._drop_row(request_id)
+            self.generators.pop(request_id, None)
+        for request_id in output.preempted_ids:
+            self._drop_row(request_id)
+        for new in output.scheduled_new:
+            self._drop_row(new.request_id)  # an extended held prefix re-enters with a new prompt
+            self._add_row(new)
+        for cached in output.scheduled_cached:
+            state = self.rows[cached.request_id]
+            self._append_blocks(state, cached.new_block_ids)
+
+    def _add_row(self, new: NewRequestData) -> None:
+        row = self.free_rows.pop()
+        prompt = torch.tensor(new.prompt_token_ids, dtype=torch.long)
+        positions, next_position = self.model.prompt_positions(
+            prompt, new.mm_items, new.mm_positions
+        )
+        all_ids = new.prompt_token_ids + new.output_token_ids
+        self.token_ids[row, : len(all_ids)] = torch.tensor(all_ids, dtype=torch.long)
+        state = RowState(
+            row=row,
+            prompt_len=len(new.prompt_token_ids),
+            num_tokens=len(all_ids),
+            positions=positions,
+            next_position=next_position,
+            items=new.mm_items,
+            placements=new.mm_positions,
+            params=new.sampling_params,
+            hold=new.hold,
+            output_ids=list(new.output_token_ids),
+        )
+        self.rows[new.request_id] = state
+        self._append_blocks(state, new.block_ids)
+        seed = new.sampling_params.seed
+        if seed is not None and new.request_id not in self.generators:
+            self.generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
+
+    def _append_blocks(self, state: RowState, block_ids: list[int]) -> None:
+        end = state.num_blocks + len(block_ids)
+        self.block_table[state.row, state.num_blocks : end] = torch.tensor(
+            block_ids, dtype=torch.int32
+        )
+        state.num_blocks = end
+
+    def _drop_row(self, request_id: str) -> None:
+        state = self.rows.pop(request_id, None)
+        if state is not None:
+            self.free_rows.append(state.row)
+
+    # ---- inputs ------------------------------------------------------------------------------
+
+    def _prepare(self, output: SchedulerOutput) -> _Batch:
+        request_ids = list(output.num_scheduled_tokens)
+        computed = {c.request_id: c.num_computed_tokens for c in output.scheduled_cached}
+        computed.update({n.request_id: n.num_computed_tokens for n in output.scheduled_new})
+        query_start = [0]
+        seq_lens, mm_pieces, mm_ranges, sample_ids, sample_index = [], [], [], [], []
+        mm_mask = torch.zeros(output.total_num_scheduled_tokens, dtype=torch.bool)
+        for b, request_id in enumerate(request_ids):
+            state = self.rows[request_id]
+            start = computed[request_id]
+            end = start + output.num_scheduled_tokens[request_id]
+            q0, q1 = query_start[-1], query_start[-1] + end - start
+            self.input_ids[q0:q1] = self.token_ids[state.row, start:end]
+            self.positions[:, q0:q1] = self._positions(state, start, end)
+            token_index = torch.arange(start, end)
+            blocks = self.block_table[state.row, token_index // self.block_size].long()
+            self.slot_mapping[q0:q1] = blocks * self.block_size + token_index % self.block_size
+            self._gather_items(state, start, end, q0, b, mm_pieces, mm_mask, mm_ranges)
+            query_start.append(q1)
+            seq_lens.append(end)
+            if end == state.num_tokens and not state.hold:
+                sample_ids.append(request_id)
+                sample_index.append(q1 - 1)
+        rows = [self.rows[r].row for r in request_ids]
+        max_blocks = max(self.rows[r].num_blocks for r in request_ids)
+        device = self.device
+        num_tokens = query_start[-1]
+        metadata = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=self.block_table[rows, :max_blocks].to(device),
+            slot_mapping=self.slot_mapping[:num_tokens].to(device),
+            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
+            max_seq_len=max(seq_lens),
+            mm_ranges=torch.tensor(mm_ranges, dtype=torch.int32, device=device)
+            if mm_ranges
+            else None,
+            query_start_loc_cpu=query_start,
+            seq_lens_cpu=seq_lens,
+        )
+        return _Batch(
+            input_ids=self.input_ids[:num_tokens].to(device),
+            positions=self.positions[:, :num_tokens].to(device),
+            metadata=metadata,
+            mm_embeds=torch.cat(mm_pieces).to(device) if mm_pieces else None,
+            mm_mask=mm_mask.to(device) if mm_pieces else None,
+            sample_ids=sample_ids,
+            sample_index=torch.tensor(sample_index, dtype=torch.long, device=device),
+        )
+
+    def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens [start, end): the prompt's from its table, later ones count on."""
+        split = min(max(start, state.prompt_len), end)
+        prompt_part = state.positions[:, start:split]
+        after = torch.arange(split, end) - state.prompt_len + state.next_position
+        return torch.cat([prompt_part, after.expand(prompt_part.shape[0], -1)], dim=1)
+
+    def _gather_items(self, state, start, end, q0, b, mm_pieces, mm_mask, mm_ranges) -> None:
+        """Embeddings of item tokens in [start, end), and the bidirectional ranges to honour."""
+        for item, place in zip(state.items, state.placements, strict=True):
+            lo, hi = max(start, place.offset), min(end, place.end)
+            if lo < hi:
+                mm_pieces.append(item.embeds[lo - place.offset : hi - place.offset])
+                mm_mask[q0 + lo - start : q0 + hi - start] = True
+                if item.bidirectional:
+                    mm_ranges.append((b, place.offset, place.end))
+
+    # ---- sampling ----------------------------------------------------------------------------
+
+    def _sample(self, request_ids: list[str], logits: torch.Tensor) -> StepResult:
+        states = [self.rows[r] for r in request_ids]
+        batch = build_sampling_batch(
+            [s.params for s in states],
+            [self.token_ids[s.row, : s.prompt_len] for s in states],
+            [s.output_ids for s in states],
+            [self.generators.get(r) for r in request_ids],
+            self.device,
+        )
+        output = self.sampler(logits, batch)
+        token_ids = output.token_ids.tolist()
+        for state, token_id in zip(states, token_ids, strict=True):
+            self.token_ids[state.row, state.num_tokens] = token_id
+            state.num_tokens += 1
+            state.output_ids.append(token_id)
+        sampled = {r: [t] for r, t in zip(request_ids, token_ids, strict=True)}
+        return StepResult(sampled, _logprobs_by_request(request_ids, states, output.logprobs))
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [num_position_rows, N]
+    metadata: AttentionMetadata
+    mm_embeds: torch.Tensor | None  # [M, hidden]
+    mm_mask: torch.Tensor | None  # [N] bool
+    sample_ids: list[str]
+    sample_index: torch.Tensor  # [S]
+
+
+def _logprobs_by_request(
+    request_ids: list[str], states: list[RowState], logprobs: LogprobsTensors | None
+) -> dict[str, tuple[list[int], list[float], float]]:
+    if logprobs is None:
+        return {}
+    result = {}
+    for i, (request_id, state) in enumerate(zip(request_ids, states, strict=True)):
+        n = state.params.logprobs
+        if n is None:
+            continue
+        result[request_id] = (
+            logprobs.top_token_ids[i, :n].tolist(),
+            logprobs.top_logprobs[i, :n].tolist(),
+            float(logprobs.sampled_logprobs[i]),
+        )
+    return result
