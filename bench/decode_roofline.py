@@ -1,0 +1,105 @@
+"""Decode step time against the memory-bandwidth floor.
+
+A batch-1 decode step of a small model is bound by reading its weights: every step reads each
+layer's weights and the LM head once (the embedding table is only gathered, a few rows). The
+floor is those bytes divided by the read bandwidth measured in this run, with the same thread
+count (summing a buffer as large as the weights). The table shows the engine's full decode step
+(schedule, inputs, forward, logits, sampling) at batch 1 and 8 next to that floor; the target at
+batch 1, for a model of at least 100M parameters, is a ratio of 1.25 or less.
+
+    python bench/decode_roofline.py [--model PATH] [--threads 1] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from stillcut.engine.checkpoints import demo_checkpoint
+from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.request import SamplingParams
+
+TARGET = 1.25
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes read per decode step, parameter count). An untied embedding table is only
+    gathered, so it is left out; a tied model reads its head, which doubles as the table."""
+    total_params = sum(p.numel() for p in model.parameters())
+    read = sum(p.numel() * p.element_size() for p in model.parameters())
+    if getattr(model, "embed_tokens", None) is not None:
+        read -= model.embed_tokens.numel() * model.embed_tokens.element_size()
+    return read, total_params
+
+
+def read_bandwidth(num_bytes: int, repeats: int = 7) -> float:
+    """Bytes per second summing a float32 buffer of `num_bytes` (median of `repeats`)."""
+    buffer = torch.ones(num_bytes // 4)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - start)
+    return num_bytes / statistics.median(times)
+
+
+def decode_step_time(engine: LLMEngine, batch: int, steps: int) -> float:
+    """Median seconds of one engine step while `batch` requests are all decoding."""
+    prompt = engine.processor.build_text("Tell me about the sea.")
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for _ in range(batch)]
+    while any(
+        engine.scheduler.requests[i].num_computed_tokens < len(prompt.token_ids) for i in ids
+    ):
+        engine.step()  # prefill (and the first decodes)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for request_id in ids:
+        engine.abort(request_id)
+    engine.step()
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="checkpoint (default: the demo checkpoint, 110M params)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512),
+        cache=CacheConfig(num_blocks=512),
+    )
+    engine = LLMEngine(args.model or demo_checkpoint(), config)
+    num_bytes, num_params = weight_bytes_per_step(engine.model)
+    rows = []
+    for batch in (1, 8):
+        decode_step_time(engine, batch, 5)  # warm up
+        bandwidth = read_bandwidth(num_bytes)
+        step = decode_step_time(engine, batch, args.steps)
+        rows.append((batch, step, num_bytes / bandwidth, bandwidth))
+    print(
+        f"model: {num_params / 1e6:.1f}M parameters, {num_bytes / 1e6:.0f} MB read per step, "
+        f"{args.threads} thread(s)"
+    )
+    print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'ratio':>8}{'read GB/s':>11}")
+    for batch, step, floor, bandwidth in rows:
+        print(
+            f"{batch:>6}{step * 1e3:>10.2f}{floor * 1e3:>10.2f}{step / floor:>8.2f}"
+            f"{bandwidth / 1e9:>11.1f}"
+        )
+    ratio = rows[0][1] / rows[0][2]
+    verdict = "met" if ratio <= TARGET else "MISSED"
+    print(f"batch 1: {ratio:.2f}x the floor (target <= {TARGET}: {verdict})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""Throughput and time to first token: stillcut's engine against transformers' `generate`.
+
+A random checkpoint shaped like Qwen2.5-VL-7B scaled down to run in minutes on 2 cores. The
+scaling keeps the 7B model's ratio of vision-tower to language-model FLOPs per token (both
+non-embedding; the tower runs on 4 patches per language token): 642.5M / 6525M = 0.098 for
+the 7B, 3.84M / 38.3M = 0.100 here. 16 requests ask about sample clips of 4 to 16 frames with
+max_tokens from 32 to 256 (random weights never stop early, so every request runs to its
+max_tokens and lengths must vary for continuous batching to matter). All requests arrive at
+once at t0; TTFT is measured from t0. Modes, side by side in one run:
+
+  a1  transformers generate, one request at a time
+  a2  transformers generate, all requests in one padded batch (each kept to its max_tokens)
+  b   stillcut, all requests submitted at once
+  c   the same with EVS rate 0.75
+  d   the same as b, asking a second question about the same videos (prefix + encoder cache)
+
+Time breakdown: decode (video decode + preprocess), encode (vision tower), prefill (steps
+that hold prefill tokens) and generation (decode-only steps); transformers' prefill is
+measured as time to its first token minus the tower.
+
+    python bench/engine.py [--requests 16] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from stillcut.engine.checkpoints import cached_checkpoint
+from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.request import SamplingParams
+from stillcut.kernels.evs import EVSConfig
+from stillcut.vision.decode import DecodeConfig, decode_video
+from stillcut.vision.pipeline import VisionPipeline
+from stillcut.vision.preprocess import preprocess_video
+
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+CLIPS = ("moving_object.mp4", "pan.mp4", "scene_cut.mp4", "motion_mask.mp4")
+TEXT = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 2688,
+}
+VISION = {
+    "depth": 4,
+    "hidden_size": 256,
+    "num_heads": 4,
+    "intermediate_size": 684,
+    "fullatt_block_indexes": (3,),
+}
+QUESTIONS = ("What happens in this video?", "Which object moves the most, and where to?")
+
+
+@dataclass(frozen=True)
+class Job:
+    clip: Path
+    num_frames: int
+    max_tokens: int
+
+
+@dataclass
+class Timings:
+    decode: float = 0.0
+    encode: float = 0.0
+    prefill: float = 0.0
+    generation: float = 0.0
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    wall: float = 0.0
+
+
+def jobs(count: int) -> list[Job]:
+    return [
+        Job(SAMPLES / CLIPS[i % len(CLIPS)], 4 + 2 * (i % 7), 32 + (i * 53) % 225)
+        for i in range(count)
+    ]
+
+
+def run_stillcut(engine, pipeline, work, evs, question) -> Timings:
+    timings = Timings()
+    t0 = time.perf_counter()
+    for job in work:
+        item = pipeline.video(job.clip, evs=evs, max_frames=job.num_frames, end=job.num_frames / 2)
+        timings.decode += item.stats.get("decode_s", 0.0) + item.stats.get("preprocess_s", 0.0)
+        timings.encode += 0.0 if item.stats["cache_hit"] else item.stats["encode_s"]
+        prompt = engine.processor.build_text(question, [item])
+        engine.add_request(prompt, SamplingParams(max_tokens=job.max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        has_prefill = bool(engine.scheduler.waiting) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+        )
+        start = time.perf_counter()
+        outputs = engine.step()
+        spent = time.perf_counter() - start
+        if has_prefill:
+            timings.prefill += spent
+        else:
+            timings.generation += spent
+        for output in outputs:
+            if output.finished:
+                timings.tokens += len(output.token_ids)
+                timings.ttfts.append(output.metrics.first_token_time - t0_monotonic(t0))
+    timings.wall = time.perf_counter() - t0
+    return timings
+
+
+def t0_monotonic(t0_perf: float) -> float:
+    """The monotonic clock's reading at perf_counter `t0_perf` (metrics use monotonic)."""
+    return time.monotonic() - (time.perf_counter() - t0_perf)
+
+
+class _FirstToken:
+    """A streamer that records when the first generated token appears."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # the first call carries the prompt
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_inputs(engine, preprocess, work, question):
+    """Decode and preprocess each clip (the same ops and output as transformers' processor),
+    and the prompt token ids with one placeholder per merged token."""
+    prompts, videos, grids, seconds, decode_s = [], [], [], [], 0.0
+    for job in work:
+        start = time.perf_counter()
+        decoded = decode_video(
+            job.clip, DecodeConfig(max_frames=job.num_frames), end=job.num_frames / 2
+        )
+        prepared = preprocess_video(decoded.frames, decoded.sample_fps, preprocess)
+        decode_s += time.perf_counter() - start
+        merged = prepared.grid_thw[0] * prepared.grid_thw[1] * prepared.grid_thw[2] // 4
+        prompts.append(engine.processor.build_text(question, [_Stub(merged)]).token_ids)
+        videos.append(prepared.patches)
+        grids.append(prepared.grid_thw)
+        seconds.append(prepared.second_per_grid_ts)
+    return prompts, videos, grids, seconds, decode_s
+
+
+class _Stub:
+    """Stands in for an item when only the placeholder count matters."""
+
+    kind = "video"
+    identifier = "stub"
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+
+
+def timed_tower(model) -> list[float]:
+    spent: list[float] = []
+    tower = model.model.visual
+    tower.register_forward_pre_hook(lambda *_: spent.append(-time.perf_counter()))
+    tower.register_forward_hook(lambda *_: spent.append(time.perf_counter()))
+    return spent
+
+
+def run_hf_sequential(model, engine, preprocess, work, question) -> Timings:
+    timings, spent = Timings(), timed_tower(model)
+    t0 = time.perf_counter()
+    prompts, videos, grids, seconds, timings.decode = hf_inputs(engine, preprocess, work, question)
+    for job, ids, video, grid, sec in zip(work, prompts, videos, grids, seconds, strict=True):
+        streamer = _FirstToken()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                input_ids=torch.tensor([ids]),
+                pixel_values_videos=video,
+                video_grid_thw=torch.tensor([grid]),
+                second_per_grid_ts=torch.tensor([sec]),
+                max_new_tokens=job.max_tokens,
+                min_new_tokens=job.max_tokens,
+                do_sample=False,
+                streamer=streamer,
+                pad_token_id=0,
+            )
+        timings.ttfts.append(streamer.first - t0)
+        timings.prefill += streamer.first - start
+        timings.generation += time.perf_counter() - streamer.first
+        timings.tokens += job.max_tokens
+    timings.encode = sum(spent)
+    timings.prefill -= timings.encode
+    timings.wall = time.perf_counter() - t0
+    return timings
+
+
+def run_hf_batched(model, engine, preprocess, work, question) -> Timings:
+    timings, spent = Timings(), timed_tower(model)
+    t0 = time.perf_counter()
+    prompts, videos, grids, seconds, timings.decode = hf_inputs(engine, preprocess, work, question)
+    longest = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])  # left padding
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    streamer = _FirstToken()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            pixel_values_videos=torch.cat(videos),
+            video_grid_thw=torch.tensor(grids),
+            second_per_grid_ts=torch.tensor(seconds),
+            max_new_tokens=max(job.max_tokens for job in work),
+            min_new_tokens=max(job.max_tokens for job in work),
+            do_sample=False,
+            streamer=streamer,
+            pad_token_id=pad,
+        )
+    timings.ttfts = [streamer.first - t0] * len(work)
+    timings.encode = sum(spent)
+    timings.prefill = streamer.first - start - timings.encode
+    timings.generation = time.perf_counter() - streamer.first
+    timings.tokens = sum(job.max_tokens for job in work)  # what the requests asked for
+    timings.wall = time.perf_counter() - t0
+    return timings
+
+
+def make_engine(path) -> LLMEngine:
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=4096),
+        cache=CacheConfig(num_blocks=2048, held_share=0.0),
+    )
+    return LLMEngine(path, config)
+
+
+def print_table(rows: dict[str, Timings]) -> None:
+    print(
+        f"{'mode':<34}{'tok/s':>8}{'TTFT p50':>10}{'decode':>8}{'encode':>8}"
+        f"{'prefill':>9}{'generate':>10}{'wall':>8}"
+    )
+    for name, t in rows.items():
+        print(
+            f"{name:<34}{t.tokens / t.wall:>8.1f}{statistics.median(t.ttfts):>9.2f}s"
+            f"{t.decode:>7.1f}s{t.encode:>7.1f}s{t.prefill:>8.1f}s{t.generation:>9.1f}s"
+            f"{t.wall:>7.1f}s"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--skip-hf", action="store_true", help="only the stillcut modes")
+    args = parser.parse_args()
+    path = cached_checkpoint("demo", seed=0, dtype="float32", text=TEXT, vision=VISION)
+    work = jobs(args.requests)
+    rows: dict[str, Timings] = {}
+
+    engine = make_engine(path)
+    pipeline = VisionPipeline(path, decode_config=DecodeConfig())
+    if not args.skip_hf:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+        rows["a1 transformers, one at a time"] = run_hf_sequential(
+            model, engine, pipeline.video_preprocess, work, QUESTIONS[0]
+        )
+        rows["a2 transformers, padded batch"] = run_hf_batched(
+            model, engine, pipeline.video_preprocess, work, QUESTIONS[0]
+        )
+        del model
+    rows["b  stillcut, all at once"] = run_stillcut(engine, pipeline, work, None, QUESTIONS[0])
+    rows["d  b + second question (cached)"] = run_stillcut(
+        engine, pipeline, work, None, QUESTIONS[1]
+    )
+    pipeline.cache.clear()
+    engine.scheduler.kv_cache.reset_prefix_cache()
+    rows["c  stillcut, EVS rate 0.75"] = run_stillcut(
+        engine, pipeline, work, EVSConfig(mode="rate", rate=0.75), QUESTIONS[0]
+    )
+    print(
+        f"{args.requests} requests, clips of 4-16 frames, max_tokens 32-256, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print_table(rows)
+    print_targets(rows)
+
+
+def print_targets(rows: dict[str, Timings]) -> None:
+    ttft = {name[:2].strip(): statistics.median(t.ttfts) for name, t in rows.items()}
+    tput = {name[:2].strip(): t.tokens / t.wall for name, t in rows.items()}
+    targets = [
+        ("throughput b / a1", ("b", "a1"), tput, ">=", 2.5),
+        ("throughput b / a2", ("b", "a2"), tput, ">=", 1.3),
+        ("median TTFT c / b", ("c", "b"), ttft, "<=", 0.5),
+        ("median TTFT d / b", ("d", "b"), ttft, "<=", 0.1),
+    ]
+    for label, (top, bottom), values, op, bound in targets:
+        if top not in values or bottom not in values:
+            continue
+        ratio = values[top] / values[bottom]
+        met = ratio >= bound if op == ">=" else ratio <= bound
+        print(f"{label:<20}{ratio:>7.2f}  target {op} {bound}: {'met' if met else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
