@@ -19,6 +19,7 @@ from tokenizers.decoders import DecodeStream
 # Prompt tokens the stream starts from: decoders that drop a leading space at the start of a
 # text (SentencePiece's) need a little context; the rest of the prompt never matters.
 NUM_CONTEXT_TOKENS = 6
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
 class IncrementalDetokenizer:
@@ -62,8 +63,8 @@ class IncrementalDetokenizer:
         if self.finished:
             return ""
         for token_id in [token_ids] if isinstance(token_ids, int) else token_ids:
+            chunk = self._step(int(token_id))
             self._output_ids.append(int(token_id))
-            chunk = self._stream.step(self._tokenizer, int(token_id))
             if chunk is None:
                 self._num_pending_ids += 1
             else:
@@ -88,6 +89,21 @@ class IncrementalDetokenizer:
                 self._decoded = full
             self._num_pending_ids = 0
         return self._advance(final=True)
+
+    def _step(self, token_id: int) -> str | None:
+        """The stream's next chunk. Byte-fallback decoders (SentencePiece's, Gemma's) render a
+        run of byte tokens that is not valid UTF-8 as one U+FFFD per token, so a byte shown on
+        its own ("+") can turn into U+FFFD once a stray byte follows, and `DecodeStream` then
+        refuses its changed prefix. As vLLM does, restart the stream after the tokens so far
+        (the text already shown stands) and decode the new token from there."""
+        try:
+            return self._stream.step(self._tokenizer, token_id)
+        except Exception as error:  # tokenizers raises a bare Exception
+            if _INVALID_PREFIX not in str(error):
+                raise
+        context = (self._context_ids + self._output_ids)[-NUM_CONTEXT_TOKENS:]
+        self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip_special_tokens)
+        return self._stream.step(self._tokenizer, token_id)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)

@@ -18,7 +18,8 @@ from os import PathLike
 
 import torch
 
-from stillcut.engine.config import EngineConfig, num_blocks_for_budget
+from stillcut.engine.admission import BidirectionalItemTooLong
+from stillcut.engine.config import EngineConfig, SchedulerConfig, num_blocks_for_budget
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.models import MODEL_CLASSES
@@ -99,6 +100,7 @@ class LLMEngine:
         dtype = _DTYPES[config.dtype]
         model_class = MODEL_CLASSES[self.model_config.family]
         self.model = model_class.from_checkpoint(self.path, dtype=dtype, device=config.device)
+        _check_item_budget(self.model.bidirectional_item_tokens, config.scheduler)
         self.block_size = config.cache.block_size
         num_blocks = self._num_blocks(dtype)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
@@ -283,6 +285,17 @@ class LLMEngine:
         needed = 2 * sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
         budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
         return min(num_blocks_for_budget(budget, **per_block), needed)
+
+
+def _check_item_budget(num_item_tokens: int, config: SchedulerConfig) -> None:
+    """A bidirectional item is computed in one step, so the step budget must hold the largest."""
+    if num_item_tokens > config.max_num_batched_tokens:
+        raise BidirectionalItemTooLong(
+            f"this model's images hold up to {num_item_tokens} tokens that attend to each other "
+            f"both ways and cannot be split across prefill chunks, more than "
+            f"max_num_batched_tokens={config.max_num_batched_tokens}; allowed: "
+            f"max_num_batched_tokens >= {num_item_tokens}"
+        )
 
 
 def _free_memory(config: EngineConfig) -> int:

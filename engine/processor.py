@@ -7,12 +7,14 @@ copies. Pads are special tokens, so BPE never merges across them and expanding a
 tokenizing gives the ids that tokenizing the expanded text would. Live sessions split the same
 prompt in two: `vision_prefix` (everything up to and including the video pads, held and
 extended tubelet by tubelet) and `ask_suffix` (from `<|vision_end|>` to the assistant header).
+Gemma 3 checkpoints (no video pad) expand images and video frames as Gemma 3 image sequences
+instead (`gemma3_prompt`); they have no live sessions.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from stillcut.engine.chat_template import ChatTemplate
+from stillcut.engine.gemma3_prompt import ImageSequence, videos_as_frames
 from stillcut.engine.loader import resolve_checkpoint
 from stillcut.engine.model_config import CheckpointError, load_model_config
 from stillcut.engine.multimodal import MultiModalItem
@@ -43,18 +46,23 @@ class PromptError(ValueError):
 
 @dataclass(frozen=True)
 class SpecialTokenIds:
-    """The token ids the processor places or the engine stops on."""
+    """The token ids the processor places or the engine stops on.
+
+    `video_token_id` is None for Gemma 3, whose videos are frames of images; its vision start
+    and end are `<start_of_image>` and `<end_of_image>`, its image token the soft token.
+    """
 
     image_token_id: int
-    video_token_id: int
+    video_token_id: int | None
     vision_start_token_id: int
     vision_end_token_id: int
     eos_token_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
         for name in _VISION_TOKEN_FIELDS:
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+            value = getattr(self, name)
+            if (value is None and name != "video_token_id") or (value is not None and value < 0):
+                raise ValueError(f"{name}={value} must be >= 0")
         if self.image_token_id == self.video_token_id:
             raise ValueError(
                 f"image_token_id={self.image_token_id} must differ from video_token_id"
@@ -80,12 +88,24 @@ class PromptProcessor:
         self.chat_template = chat_template
         self.special = special
         self._pad_kinds = {special.image_token_id: "image", special.video_token_id: "video"}
+        self._pad_kinds.pop(None, None)
         # Text that would smuggle placeholders or vision markers into the prompt.
         vision_ids = (*self._pad_kinds, special.vision_start_token_id, special.vision_end_token_id)
         self._reserved_text = tuple(
             text for text in map(tokenizer.id_to_token, vision_ids) if text is not None
         )
-        self._video_prefix_ids, _ = self._split_at_video_pad("")
+        # Gemma 3: no video pad; images and frames are expanded as image sequences.
+        self._image_sequence = None
+        self._video_prefix_ids: list[int] = []
+        if special.video_token_id is None:
+            marker_ids = (
+                special.vision_start_token_id,
+                special.image_token_id,
+                special.vision_end_token_id,
+            )
+            self._image_sequence = ImageSequence(*map(tokenizer.id_to_token, marker_ids))
+        else:
+            self._video_prefix_ids, _ = self._split_at_video_pad("")
 
     @classmethod
     def from_checkpoint(cls, path: str | PathLike[str]) -> PromptProcessor:
@@ -113,7 +133,14 @@ class PromptProcessor:
         of parts `{"type": "text", "text": ...}`, `{"type": "video"}`, `{"type": "image"}`.
         `items` are the encoded media, in the order their parts appear.
         """
-        return self._expand(self._tokenize(messages), list(items))
+        if self._image_sequence is None:
+            return self._expand(self._tokenize(messages), list(items))
+        plain = self._plain_messages(messages)
+        _check_media(_media_kinds(plain), list(items))
+        plain, placed = videos_as_frames(plain, items)
+        text = self.chat_template.render(plain, add_generation_prompt=True)
+        text = self._image_sequence.expand(text, len(placed))
+        return _place(self.encode(text), placed, {self.special.image_token_id})
 
     def build_text(self, prompt: str, items: Sequence[MultiModalItem] = ()) -> Prompt:
         """One user message: the items first, then `prompt`."""
@@ -122,13 +149,17 @@ class PromptProcessor:
 
     def vision_prefix(self, items: Sequence[MultiModalItem] = ()) -> Prompt:
         """A live session's held prefix: the template up to `<|vision_start|>`, then the pads
-        of `items` (the session's tubelets so far) as one video."""
+        of `items` (the session's tubelets so far) as one video. A tubelet EVS pruned away
+        entirely is a 0-token item: it still extends the logical video's grid."""
+        self._require_video_pad()
         if any(item.kind != "video" for item in items):
             raise PromptError("a live session's items must all be videos")
-        pads = self._expand([self.special.video_token_id] * len(items), list(items))
-        offset = len(self._video_prefix_ids)
-        positions = [PlaceholderRange(p.offset + offset, p.length) for p in pads.mm_positions]
-        return Prompt(self._video_prefix_ids + pads.token_ids, list(items), positions)
+        positions, offset = [], len(self._video_prefix_ids)
+        for item in items:
+            positions.append(PlaceholderRange(offset, item.num_tokens))
+            offset += item.num_tokens
+        pads = [self.special.video_token_id] * (offset - len(self._video_prefix_ids))
+        return Prompt(self._video_prefix_ids + pads, list(items), positions)
 
     def ask_suffix(self, question: str) -> list[int]:
         """What follows a live session's pads to ask `question`: `<|vision_end|>`, the question,
@@ -140,12 +171,24 @@ class PromptProcessor:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _tokenize(self, messages: Sequence[Message]) -> list[int]:
+        plain = self._plain_messages(messages)
+        return self.encode(self.chat_template.render(plain, add_generation_prompt=True))
+
+    def _plain_messages(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
         plain = [self._plain_message(index, message) for index, message in enumerate(messages)]
         if not plain:
             raise PromptError("messages must hold at least one message")
-        return self.encode(self.chat_template.render(plain, add_generation_prompt=True))
+        return plain
+
+    def _require_video_pad(self) -> None:
+        if self.special.video_token_id is None:
+            raise PromptError(
+                "live sessions need a video placeholder token; this checkpoint's videos are "
+                "frames of images (Gemma 3)"
+            )
 
     def _split_at_video_pad(self, question: str) -> tuple[list[int], list[int]]:
+        self._require_video_pad()
         parts = [{"type": "video"}, {"type": "text", "text": question}]
         token_ids = self._tokenize([{"role": "user", "content": parts}])
         video_pads = [i for i, t in enumerate(token_ids) if t == self.special.video_token_id]
@@ -157,32 +200,11 @@ class PromptProcessor:
         return token_ids[: video_pads[0]], token_ids[video_pads[0] + 1 :]
 
     def _expand(self, token_ids: list[int], items: list[MultiModalItem]) -> Prompt:
-        pad_kinds = [self._pad_kinds[t] for t in token_ids if t in self._pad_kinds]
-        item_kinds = [item.kind for item in items]
-        if len(pad_kinds) != len(item_kinds):
-            raise PromptError(
-                f"the messages hold {len(pad_kinds)} media parts ({', '.join(pad_kinds)}) but "
-                f"{len(item_kinds)} items were given ({', '.join(item_kinds)})"
-            )
-        for index, (part_kind, item) in enumerate(zip(pad_kinds, items, strict=True)):
-            if part_kind != item.kind:
-                raise PromptError(
-                    f"media part {index} is {part_kind!r} but item {index} is {item.kind!r}; "
-                    "give the items in the order of their parts"
-                )
+        _check_media([self._pad_kinds[t] for t in token_ids if t in self._pad_kinds], items)
+        for index, item in enumerate(items):
             if item.num_tokens < 1:
                 raise PromptError(f"item {index} has no tokens; every item needs at least one")
-        expanded: list[int] = []
-        positions: list[PlaceholderRange] = []
-        remaining = iter(items)
-        for token_id in token_ids:
-            if token_id not in self._pad_kinds:
-                expanded.append(token_id)
-                continue
-            num_tokens = next(remaining).num_tokens
-            positions.append(PlaceholderRange(len(expanded), num_tokens))
-            expanded.extend([token_id] * num_tokens)
-        return Prompt(expanded, items, positions)
+        return _place(token_ids, items, self._pad_kinds)
 
     def _plain_message(self, index: int, message: Message) -> dict[str, Any]:
         where = f"messages[{index}]"
@@ -215,6 +237,51 @@ class PromptProcessor:
                     f"{where} contains {reserved!r}; media go in video/image parts, not in text"
                 )
         return text
+
+
+def _media_kinds(messages: Sequence[Message]) -> list[str]:
+    """The kinds of the media parts of plain messages, in order."""
+    return [
+        part["type"]
+        for message in messages
+        if not isinstance(message["content"], str)
+        for part in message["content"]
+        if part["type"] != "text"
+    ]
+
+
+def _check_media(part_kinds: list[str], items: list[MultiModalItem]) -> None:
+    """The items must match the media parts one to one, in kind and order."""
+    item_kinds = [item.kind for item in items]
+    if len(part_kinds) != len(item_kinds):
+        raise PromptError(
+            f"the messages hold {len(part_kinds)} media parts ({', '.join(part_kinds)}) but "
+            f"{len(item_kinds)} items were given ({', '.join(item_kinds)})"
+        )
+    for index, (part_kind, item_kind) in enumerate(zip(part_kinds, item_kinds, strict=True)):
+        if part_kind != item_kind:
+            raise PromptError(
+                f"media part {index} is {part_kind!r} but item {index} is {item_kind!r}; "
+                "give the items in the order of their parts"
+            )
+
+
+def _place(
+    token_ids: list[int], items: list[MultiModalItem], placeholder_ids: Collection[int]
+) -> Prompt:
+    """Repeat each placeholder token `item.num_tokens` times for the next item (0 drops it)."""
+    expanded: list[int] = []
+    positions: list[PlaceholderRange] = []
+    remaining = iter(items)
+    for token_id in token_ids:
+        if token_id not in placeholder_ids:
+            expanded.append(token_id)
+            continue
+        num_tokens = next(remaining).num_tokens
+        positions.append(PlaceholderRange(len(expanded), num_tokens))
+        expanded.extend([token_id] * num_tokens)
+    assert next(remaining, None) is None, "one placeholder token per item"
+    return Prompt(expanded, items, positions)
 
 
 def _read_json(file: Path) -> dict[str, Any]:

@@ -2,14 +2,15 @@
 
 K/V live in blocks `[2, num_blocks, block_size, num_kv_heads, head_dim]` addressed by block
 tables. A step mixes prefill chunks and decodes; query token k of request b sits at sequence
-position `seq_len_b - q_len_b + k`. Query i sees key j iff `(j <= i and i - j < window)` or
-i and j lie in the same bidirectional multimodal item (Gemma 3's "causal and window, or same
-image"). Only the key span some query can see is gathered (by slot, so unwritten slots are never
-read): a window bounds it from below. Decodes run as one padded batch with the grouped query
-heads folded into SDPA's query axis. A prefill chunk is one `is_causal` SDPA call when it starts
-at position 0 with a plain causal mask, else query tiles with explicit masks, each over only the
-keys it can see. `auto` picks the Triton kernel on CUDA (`paged_attention_triton`) and this torch
-backend elsewhere.
+position `seq_len_b - q_len_b + k`. Query i sees key j iff `i - j < window` and (`j <= i` or
+i and j lie in the same bidirectional multimodal item): Gemma 3's mask as transformers composes
+it, window AND (causal OR same image), so an image longer than the window does not see its own
+tokens beyond it. Only the key span some query can see is gathered (by slot, so unwritten slots
+are never read): a window bounds it from below. Decodes run as one padded batch with the grouped
+query heads folded into SDPA's query axis. A prefill chunk is one `is_causal` SDPA call when it
+starts at position 0 with a plain causal mask, else query tiles with explicit masks, each over
+only the keys it can see. `auto` picks the Triton kernel on CUDA (`paged_attention_triton`) and
+this torch backend elsewhere.
 """
 
 from __future__ import annotations
@@ -187,10 +188,10 @@ def _items_by_request(
 def _span(
     query_start: int, query_end: int, items: list[tuple[int, int]], window: int | None
 ) -> _Span:
-    # Items holding no query change nothing (an item in the past is seen causally).
+    # Items holding no query change nothing (an item in the past is seen causally). An item
+    # only adds later keys: the window bounds every key from below, items included.
     live = [(s, e) for s, e in items if s < query_end and e > query_start]
     key_start = 0 if window is None else max(0, query_start - window + 1)
-    key_start = min([key_start] + [s for s, _ in live])
     key_end = max([query_end] + [e for _, e in live])
     return _Span(query_start, query_end, key_start, key_end, live)
 
@@ -277,10 +278,10 @@ def _gather_kv(
 def _visible(query_pos, item_start, item_end, key_pos, window: int | None) -> torch.Tensor:
     """Which keys each query sees: `[..., Q, 1]` query positions and item bounds against
     `[..., 1, K]` key positions give `[..., Q, K]` bool."""
-    visible = key_pos <= query_pos
+    visible = (key_pos <= query_pos) | ((item_start <= key_pos) & (key_pos < item_end))
     if window is not None:
         visible &= query_pos - key_pos < window
-    return visible | ((item_start <= key_pos) & (key_pos < item_end))
+    return visible
 
 
 def _attend(q, k, v, mask, *, scale: float, soft_cap: float | None) -> torch.Tensor:

@@ -6,8 +6,9 @@ K/V tile once. Programs are numbered request after request (`query_start_loc[b] 
 is request b's first), so the grid needs only host-known sizes and each program finds its
 request by binary search. It walks the keys its rows can see, reading them through the block
 table one key at a time (any block size), with an online softmax accumulated in fp32. Masks:
-causal, sliding window, soft cap and bidirectional items (passed per request in CSR form; a
-row's item, if any, is found once before the key loop). Import lazily: this module needs triton.
+window AND (causal OR same bidirectional item), then the soft cap. Items are passed per request
+in CSR form; a row's item, if any, is found once before the key loop. Import lazily: this
+module needs triton.
 """
 
 from __future__ import annotations
@@ -117,11 +118,10 @@ def _paged_attention_kernel(
             item_start = tl.where(inside, start, item_start)
             item_end = tl.where(inside, end, item_end)
 
-    # The span of keys any row sees: from its window (or 0) or item start, to it or item end.
+    # The span of keys any row sees: from its window start (or 0) to it or its item's end.
     lowest = tl.zeros_like(query_pos)
     if HAS_WINDOW:
         lowest = query_pos - window + 1
-    lowest = tl.where(item_end > item_start, tl.minimum(lowest, item_start), lowest)
     key_begin = tl.maximum(tl.min(tl.where(row_valid, lowest, context_len), 0), 0)
     key_end = tl.max(tl.where(row_valid, tl.maximum(query_pos + 1, item_end), 0), 0)
 
@@ -143,13 +143,14 @@ def _paged_attention_kernel(
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFT_CAP:
             scores = soft_cap * _tanh(scores / soft_cap)
-        visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
-        if HAS_WINDOW:
-            visible &= query_pos[:, None] - key_pos[None, :] < window
+        visible = key_pos[None, :] <= query_pos[:, None]
         if HAS_ITEMS:
             visible |= (item_start[:, None] <= key_pos[None, :]) & (
                 key_pos[None, :] < item_end[:, None]
             )
+        if HAS_WINDOW:
+            visible &= query_pos[:, None] - key_pos[None, :] < window
+        visible &= key_valid[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # Rows with nothing visible yet keep m = -inf; shift them by 0 to avoid inf - inf.

@@ -4,6 +4,9 @@ decode → preprocess → tower → EVS. The encoder cache sits between the towe
 `media_key` (the model, the media bytes and every decode/preprocess parameter), so changing
 EVS settings never re-runs the encoder. The item's `identifier` adds the EVS setting; that is
 what the prefix cache hashes. Several videos asked for together are encoded in one tower pass.
+What differs by family is preprocessing and encoding (`QwenMedia`, `Gemma3Media`): Qwen towers
+take tubelet patches and merge 2x2; Gemma 3 encodes each frame as an image, and its items are
+bidirectional.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from stillcut.engine.gemma3_config import GEMMA3_FAMILY
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import dense_coords
@@ -28,12 +32,14 @@ from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
 from stillcut.vision.errors import NotAnImage, VideoTooLarge
+from stillcut.vision.gemma3_media import Gemma3Media, PreprocessedFrames
 from stillcut.vision.preprocess import (
     PreprocessedVideo,
     VideoPreprocessConfig,
     preprocess_image,
     preprocess_video,
 )
+from stillcut.vision.qwen2_vl import Qwen2VLVisionTower
 from stillcut.vision.towers import load_vision_tower
 
 VideoSource = str | os.PathLike | bytes | BinaryIO | np.ndarray
@@ -67,6 +73,33 @@ class ImageInput:
     source: ImageSource
 
 
+class QwenMedia:
+    """Preprocessing and batched encoding for Qwen2-VL / Qwen2.5-VL checkpoints."""
+
+    merge_size = 2  # the merger turns 2x2 patches into one token
+    bidirectional = False
+
+    def __init__(self, path: Path) -> None:
+        self.video_preprocess = VideoPreprocessConfig.from_checkpoint(path, "video")
+        self.image_preprocess = VideoPreprocessConfig.from_checkpoint(path, "image")
+
+    def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedVideo:
+        return preprocess_video(frames, sample_fps, self.video_preprocess)
+
+    def prepare_image(self, image: np.ndarray) -> PreprocessedVideo:
+        return preprocess_image(image, self.image_preprocess)
+
+    def encode(
+        self,
+        tower: Qwen2VLVisionTower,
+        prepared: list[PreprocessedVideo],
+        device: torch.device,
+    ) -> list[torch.Tensor]:
+        return tower.encode(
+            [p.patches.to(device) for p in prepared], [p.grid_thw for p in prepared]
+        )
+
+
 class VisionPipeline:
     """The vision half of a checkpoint: tower, preprocessing, encoder cache and EVS."""
 
@@ -83,8 +116,13 @@ class VisionPipeline:
         self.model_config = load_model_config(self.path)
         self.tower = load_vision_tower(self.path, dtype=dtype, device=device)
         self.device = torch.device(device)
-        self.video_preprocess = VideoPreprocessConfig.from_checkpoint(self.path, "video")
-        self.image_preprocess = VideoPreprocessConfig.from_checkpoint(self.path, "image")
+        if self.model_config.family == GEMMA3_FAMILY:
+            self.media = Gemma3Media(self.path, self.model_config.vision)
+            self.video_preprocess = self.image_preprocess = self.media.preprocess
+        else:
+            self.media = QwenMedia(self.path)
+            self.video_preprocess = self.media.video_preprocess
+            self.image_preprocess = self.media.image_preprocess
         self.decode_config = decode_config
         self.cache = EncoderCache(cache_bytes)
         self.model_key = model_fingerprint(self.path)
@@ -104,16 +142,18 @@ class VisionPipeline:
         if misses:
             started = time.perf_counter()
             with torch.inference_mode():
-                embeds = self.tower.encode(
-                    [entry.prepared.patches.to(self.device) for entry in misses],
-                    [entry.prepared.grid_thw for entry in misses],
+                embeds = self.media.encode(
+                    self.tower, [entry.prepared for entry in misses], self.device
                 )
             encode_s = time.perf_counter() - started
             for entry, item_embeds in zip(misses, embeds, strict=True):
                 # Batched outputs are views of one tensor; a cached view would pin the batch.
                 entry.finish(item_embeds.clone() if len(misses) > 1 else item_embeds, encode_s)
                 self.cache.put(entry.media_key, entry.encoded)
-        return [entry.to_item(spec) for entry, spec in zip(loaded, inputs, strict=True)]
+        return [
+            entry.to_item(spec, self.media.merge_size, self.media.bidirectional)
+            for entry, spec in zip(loaded, inputs, strict=True)
+        ]
 
     def _load(self, spec: VideoInput | ImageInput) -> _Loaded:
         spec_source = None
@@ -153,7 +193,7 @@ class _Loaded:
         self.media_key = media_key
         self.encoded = encoded
         self.cache_hit = encoded is not None
-        self.prepared: PreprocessedVideo | None = None
+        self.prepared: PreprocessedVideo | PreprocessedFrames | None = None
         self.timings: dict[str, float] = {}
         self._timestamps: tuple[float, ...] = ()
         self._info: dict = {}
@@ -167,13 +207,13 @@ class _Loaded:
                 {"width": frame.shape[1], "height": frame.shape[0]},
             )
             decoded_s = time.perf_counter()
-            self.prepared = preprocess_image(frame, pipeline.image_preprocess)
+            self.prepared = pipeline.media.prepare_image(frame)
         elif isinstance(spec.source, np.ndarray):
             frames, fps = spec.source, spec.frames_fps
             self._timestamps = spec.timestamps or tuple(k / fps for k in range(len(frames)))
             self._info = {"width": frames.shape[2], "height": frames.shape[1], "sample_fps": fps}
             decoded_s = time.perf_counter()
-            self.prepared = preprocess_video(frames, fps, pipeline.video_preprocess)
+            self.prepared = pipeline.media.prepare_video(frames, fps)
         else:
             config = pipeline._decode_config(spec)
             decoded = decode_video(data, config, start=spec.start, end=spec.end)
@@ -187,9 +227,7 @@ class _Loaded:
                 "duration": decoded.duration,
             }
             decoded_s = time.perf_counter()
-            self.prepared = preprocess_video(
-                decoded.frames, decoded.sample_fps, pipeline.video_preprocess
-            )
+            self.prepared = pipeline.media.prepare_video(decoded.frames, decoded.sample_fps)
         done = time.perf_counter()
         self.timings = {"decode_s": decoded_s - started, "preprocess_s": done - decoded_s}
         self._info.update(
@@ -203,9 +241,10 @@ class _Loaded:
             embeds, prepared.grid_thw, prepared.second_per_grid_ts, self._timestamps, self._info
         )
 
-    def to_item(self, spec: VideoInput | ImageInput) -> MultiModalItem:
+    def to_item(
+        self, spec: VideoInput | ImageInput, merge: int, bidirectional: bool
+    ) -> MultiModalItem:
         encoded = self.encoded
-        merge = 2  # Qwen2-VL / Qwen2.5-VL merge 2x2 patches into one token
         t, h, w = encoded.grid_thw
         grid = (t, h // merge, w // merge)
         evs = spec.evs if isinstance(spec, VideoInput) else None
@@ -238,6 +277,7 @@ class _Loaded:
             timestamps=encoded.timestamps,
             media_key=self.media_key,
             identifier=identifier,
+            bidirectional=bidirectional,
             kept_per_tubelet=kept_per_tubelet,
             stats=stats,
         )

@@ -5,7 +5,7 @@ their placeholder rows), then decoder layers of GQA attention over the paged KV 
 SwiGLU MLP, each behind an RMSNorm and a residual. Positions are M-RoPE (t, h, w) triples. Batch-1
 decode is bound by reading the weights, so linear weights are fused (q/k/v, gate/up), applied
 as `x @ w` with `w` `[in, out]`, and stored in whichever memory order a CPU matvec reads faster
-(`_matmul_layout`); the residual add rides along in `addmm`. The head is `[hidden, vocab]`
+(`matmul_layout`); the residual add rides along in `addmm`. The head is `[hidden, vocab]`
 contiguous, and a tied model gathers its embeddings from the head's columns instead of keeping a
 second vocab x hidden copy.
 """
@@ -21,30 +21,22 @@ from torch import nn
 
 from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
 from stillcut.engine.model_config import TextConfig, text_config
+from stillcut.engine.models.layers import (
+    checkpoint_layer,
+    checkpoint_layout,
+    empty_weight,
+    fuse_projections,
+    matmul_layout,
+    rotary_tables,
+    rotate,
+    set_weight,
+)
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 LM_HEAD_PREFIX = "lm_head."
-
-
-def _matmul_layout(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [in, out] stored for a fast `x @ weight`.
-
-    Measured on the 2-core CPU, batch-1 fp32 matvecs read a contiguous `[in, out]` weight up to
-    2x faster than its transpose when out >= in (qkv, gate/up, the head), and the contiguous
-    `[out, in]` one (`F.linear`'s order, here a transposed view) up to 1.6x faster when in > out
-    (down). On GPU both orders are plain GEMM layouts.
-    """
-    if weight.shape[1] >= weight.shape[0]:
-        return weight.contiguous()
-    return weight.T.contiguous().T
-
-
-def _weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
-    """An uninitialised frozen parameter; `from_checkpoint` replaces it."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class MRoPE(nn.Module):
@@ -64,21 +56,9 @@ class MRoPE(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`positions` [3, N] long -> cos and signed sin `[N, 1, D]`, shared by every layer.
-
-        The sin table is negated on its first half so that rotating is
-        `x * cos + roll(x, D/2) * sin` (roll swaps the halves).
-        """
+        """`positions` [3, N] long -> cos and signed sin `[N, 1, D]`, shared by every layer."""
         angles = positions[self.section].T.float() * self.inv_freq  # [N, D/2]
-        cos, sin = angles.cos(), angles.sin()
-        cos = torch.cat((cos, cos), dim=-1)  # [N, D]
-        sin = torch.cat((-sin, sin), dim=-1)  # [N, D]
-        return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of `x` [N, heads, D] with MRoPE's tables [N, 1, D]."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+        return rotary_tables(angles, dtype)
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -94,13 +74,15 @@ class Qwen2DecoderLayer(nn.Module):
         self.scale = head_dim**-0.5
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * head_dim
         new = {"dtype": dtype, "device": device}
-        self.input_layernorm = _weight(hidden, **new)
-        self.qkv_weight = _weight(hidden, qkv_width, **new)  # [in, out]: [q | k | v] columns
-        self.qkv_bias = _weight(qkv_width, **new)
-        self.o_weight = _weight(config.num_heads * head_dim, hidden, **new)
-        self.post_attention_layernorm = _weight(hidden, **new)
-        self.gate_up_weight = _weight(hidden, 2 * config.intermediate_size, **new)  # [gate | up]
-        self.down_weight = _weight(config.intermediate_size, hidden, **new)
+        self.input_layernorm = empty_weight(hidden, **new)
+        self.qkv_weight = empty_weight(hidden, qkv_width, **new)  # [in, out]: [q | k | v] columns
+        self.qkv_bias = empty_weight(qkv_width, **new)
+        self.o_weight = empty_weight(config.num_heads * head_dim, hidden, **new)
+        self.post_attention_layernorm = empty_weight(hidden, **new)
+        self.gate_up_weight = empty_weight(
+            hidden, 2 * config.intermediate_size, **new
+        )  # [gate | up]
+        self.down_weight = empty_weight(config.intermediate_size, hidden, **new)
 
     def forward(
         self,
@@ -117,7 +99,7 @@ class Qwen2DecoderLayer(nn.Module):
         qkv = torch.addmm(self.qkv_bias, normed, self.qkv_weight)  # [N, (Hq + 2 Hkv) * D]
         # q and k heads are adjacent columns, so one rotation covers both.
         qk = qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim)
-        qk = _rotate(qk, cos, sin)  # [N, Hq + Hkv, D]
+        qk = rotate(qk, cos, sin)  # [N, Hq + Hkv, D]
         query, key = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         value = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, -1, self.head_dim)
         write_kv(key, value, kv_cache, metadata.slot_mapping)
@@ -142,6 +124,7 @@ class Qwen2LanguageModel(nn.Module):
     """
 
     num_position_rows = 3  # M-RoPE: temporal, height, width
+    bidirectional_item_tokens = 0  # every token attends causally
 
     def __init__(
         self,
@@ -157,13 +140,13 @@ class Qwen2LanguageModel(nn.Module):
         self.embed_tokens = (
             None
             if config.tie_word_embeddings
-            else _weight(config.vocab_size, config.hidden_size, **new)
+            else empty_weight(config.vocab_size, config.hidden_size, **new)
         )
         self.layers = nn.ModuleList(
             Qwen2DecoderLayer(config, dtype, device) for _ in range(config.num_layers)
         )
-        self.norm = _weight(config.hidden_size, **new)
-        self.lm_head = _weight(config.hidden_size, config.vocab_size, **new)
+        self.norm = empty_weight(config.hidden_size, **new)
+        self.lm_head = empty_weight(config.hidden_size, config.vocab_size, **new)
         self.rotary = MRoPE(config, device)
 
     def forward(
@@ -247,60 +230,41 @@ class Qwen2LanguageModel(nn.Module):
         model = cls(config, rope_spec, dtype=dtype, device=device)
         for layer in model.layers:
             _fuse_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
-        _set(model, "norm", stored.norm.weight)
+        set_weight(model, "norm", stored.norm.weight)
         if config.tie_word_embeddings:
-            _set(model, "lm_head", _matmul_layout(stored.embed_tokens.weight.T))
+            set_weight(model, "lm_head", matmul_layout(stored.embed_tokens.weight.T))
         else:
             with torch.device("meta"):
                 head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             load_weights(head, folder, LM_HEAD_PREFIX, dtype=dtype, device=device)
-            _set(model, "embed_tokens", stored.embed_tokens.weight)
-            _set(model, "lm_head", _matmul_layout(head.weight.T))
+            set_weight(model, "embed_tokens", stored.embed_tokens.weight)
+            set_weight(model, "lm_head", matmul_layout(head.weight.T))
         return model.eval()
-
-
-def _set(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    setattr(module, name, nn.Parameter(tensor, requires_grad=False))
 
 
 def _fuse_layer(layer: Qwen2DecoderLayer, stored: nn.Module) -> None:
     """Fill `layer` from a checkpoint-named layer: [in, out] shapes, q/k/v and gate/up fused."""
-    attn, mlp = stored.self_attn, stored.mlp
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-    _set(layer, "input_layernorm", stored.input_layernorm.weight)
-    _set(layer, "qkv_weight", _matmul_layout(torch.cat([p.weight.T for p in projections], 1)))
-    _set(layer, "qkv_bias", torch.cat([p.bias for p in projections]))
-    _set(layer, "o_weight", _matmul_layout(attn.o_proj.weight.T))
-    _set(layer, "post_attention_layernorm", stored.post_attention_layernorm.weight)
-    gate_up = torch.cat([mlp.gate_proj.weight.T, mlp.up_proj.weight.T], dim=1)
-    _set(layer, "gate_up_weight", _matmul_layout(gate_up))
-    _set(layer, "down_weight", _matmul_layout(mlp.down_proj.weight.T))
+    attn = stored.self_attn
+    fuse_projections(layer, stored)
+    set_weight(
+        layer, "qkv_bias", torch.cat([p.bias for p in (attn.q_proj, attn.k_proj, attn.v_proj)])
+    )
+    set_weight(layer, "input_layernorm", stored.input_layernorm.weight)
+    set_weight(layer, "post_attention_layernorm", stored.post_attention_layernorm.weight)
 
 
 def _checkpoint_layout(config: TextConfig) -> nn.Module:
     """Meta-device modules named like a checkpoint's `language_model.*` tensors."""
-    with torch.device("meta"):
-        root = nn.Module()
-        root.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        root.layers = nn.ModuleList(_checkpoint_layer(config) for _ in range(config.num_layers))
-        root.norm = nn.RMSNorm(config.hidden_size)
-    return root
-
-
-def _checkpoint_layer(config: TextConfig) -> nn.Module:
-    hidden, intermediate = config.hidden_size, config.intermediate_size
     q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    attn = nn.Module()
-    attn.q_proj = nn.Linear(hidden, q_width, bias=True)
-    attn.k_proj = nn.Linear(hidden, kv_width, bias=True)
-    attn.v_proj = nn.Linear(hidden, kv_width, bias=True)
-    attn.o_proj = nn.Linear(q_width, hidden, bias=False)
-    mlp = nn.Module()
-    mlp.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-    mlp.up_proj = nn.Linear(hidden, intermediate, bias=False)
-    mlp.down_proj = nn.Linear(intermediate, hidden, bias=False)
-    layer = nn.Module()
-    layer.self_attn, layer.mlp = attn, mlp
-    layer.input_layernorm = nn.RMSNorm(hidden)
-    layer.post_attention_layernorm = nn.RMSNorm(hidden)
-    return layer
+    layers = [
+        checkpoint_layer(
+            config.hidden_size,
+            config.intermediate_size,
+            q_width,
+            kv_width,
+            qkv_bias=True,
+            norms=("input_layernorm", "post_attention_layernorm"),
+        )
+        for _ in range(config.num_layers)
+    ]
+    return checkpoint_layout(config.vocab_size, config.hidden_size, layers)

@@ -99,11 +99,11 @@ def reference(batch: Batch, scale: float, window=None, soft_cap=None) -> torch.T
         i = torch.arange(ctx - (end - start), ctx)[:, None]  # [Q, 1]
         j = torch.arange(ctx)[None, :]  # [1, ctx]
         mask = j <= i
-        if window is not None:
-            mask &= i - j < window
         for rb, s, e in ranges:
             if rb == b:
                 mask |= (s <= i) & (i < e) & (s <= j) & (j < e)
+        if window is not None:  # transformers' Gemma 3: window AND (causal OR same item)
+            mask &= i - j < window
         q = batch.query[start:end].double().transpose(0, 1)  # [H, Q, D]
         group = q.shape[0] // key.shape[1]
         k = key.double().repeat_interleave(group, 1).transpose(0, 1)  # [H, ctx, D]
@@ -223,7 +223,8 @@ def test_sliding_window(backend, requests):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sliding_window_with_items(backend):
-    # Items longer than the window: an item's early tokens stay visible to its last ones.
+    # Items longer than the window: the window hides an item's early tokens from its last
+    # ones, while its later tokens stay visible to its first ones.
     ranges = [(0, 10, 18), (1, 2, 14), (2, 1, 4), (2, 5, 16)]
     requests = [(20, 8), (14, 1), (18, 18)]
     check(make_batch(requests, mm_ranges=ranges), backend, window=3)
