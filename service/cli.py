@@ -1,8 +1,10 @@
 """The `stillcut` command line.
 
-`stillcut inspect VIDEO` runs the vision half of the pipeline — decode, preprocess, encode,
-EVS — on the built-in demo checkpoint (or `--model`) and prints what was decoded, the token
-grid and what EVS kept.
+`stillcut describe VIDEO` answers a prompt about a video (`cli_describe`); `stillcut serve`
+runs the HTTP service (`cli_serve`); `stillcut inspect VIDEO` runs only the vision half of the
+pipeline — decode, preprocess, encode, EVS — and prints what was decoded, the token grid and
+what EVS kept. All use the built-in demo checkpoint unless given `--model`. Heavy imports
+wait until a command runs, so `stillcut --help` is instant.
 """
 
 from __future__ import annotations
@@ -21,16 +23,28 @@ RANDOM_WEIGHTS_NOTICE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from stillcut.service import cli_describe, cli_serve
+
     parser = argparse.ArgumentParser(prog="stillcut", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    cli_describe.add_parser(commands)
+    cli_serve.add_parser(commands)
     inspect = commands.add_parser("inspect", help="decode, encode and prune a video; print it")
-    inspect.add_argument("video", type=Path, help="a video file")
-    inspect.add_argument("--model", help="checkpoint folder or hub id (default: the demo model)")
-    inspect.add_argument("--fps", type=float, default=2.0, help="sampling rate (default 2)")
-    inspect.add_argument("--max-frames", type=int, default=64, help="frame cap (default 64)")
-    inspect.add_argument("--start", type=float, help="start of the range, seconds")
-    inspect.add_argument("--end", type=float, help="end of the range, seconds")
-    evs = inspect.add_mutually_exclusive_group()
+    inspect.set_defaults(run=_inspect)
+    add_video_arguments(inspect)
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def add_video_arguments(parser: argparse.ArgumentParser) -> None:
+    """The video, the model, sampling and EVS options that `inspect` and `describe` share."""
+    parser.add_argument("video", type=Path, help="a video file")
+    parser.add_argument("--model", help="checkpoint folder or hub id (default: the demo model)")
+    parser.add_argument("--fps", type=float, default=2.0, help="sampling rate (default 2)")
+    parser.add_argument("--max-frames", type=int, default=64, help="frame cap (default 64)")
+    parser.add_argument("--start", type=float, help="start of the range, seconds")
+    parser.add_argument("--end", type=float, help="end of the range, seconds")
+    evs = parser.add_mutually_exclusive_group()
     evs.add_argument(
         "--evs-rate",
         type=float,
@@ -39,20 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evs.add_argument("--evs-threshold", type=float, help="causal EVS threshold tau in [0, 2]")
     evs.add_argument("--no-evs", action="store_true", help="keep every token")
-    inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _inspect(args)
+        return args.run(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"stillcut: error: {error}", file=sys.stderr)
         return 2
 
 
-def _evs_config(args: argparse.Namespace):
+def evs_config(args: argparse.Namespace):
+    """The EVS setting the command line asks for (None: EVS off)."""
     from stillcut.kernels.evs import EVSConfig
 
     if args.no_evs:
@@ -70,7 +83,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
-    evs = _evs_config(args)
+    evs = evs_config(args)
     model = args.model or demo_checkpoint()
     started = time.perf_counter()
     pipeline = VisionPipeline(

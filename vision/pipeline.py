@@ -162,7 +162,13 @@ class VisionPipeline:
             params = {"kind": "image", "preprocess": self.image_preprocess.key()}
         elif isinstance(spec.source, np.ndarray):
             data = _frames_payload(spec.source, spec.frames_fps, spec.timestamps)
-            params = {"kind": "frames", "preprocess": self.video_preprocess.key()}
+            params = {
+                "kind": "frames",
+                # the frame rate and times set the temporal positions, so they are part of it
+                "frames_fps": spec.frames_fps,
+                "timestamps": spec.timestamps,
+                "preprocess": self.video_preprocess.key(),
+            }
         else:
             data, spec_source = _video_payload(spec.source, self.decode_config.max_bytes)
             params = {

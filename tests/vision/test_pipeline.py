@@ -72,6 +72,10 @@ def test_any_decode_or_preprocess_change_misses_the_cache(pipeline, counting, sa
     assert len(keys) == 5 and len(counting) == 5
     pipeline.video(path, fps=1.0)
     assert len(counting) == 5
+    frames = np.zeros((4, 56, 56, 3), dtype=np.uint8)
+    at_two, at_one = pipeline.video(frames, frames_fps=2.0), pipeline.video(frames, frames_fps=1.0)
+    assert at_two.media_key != at_one.media_key
+    assert at_two.second_per_grid_ts == 1.0 and at_one.second_per_grid_ts == 2.0
 
 
 def test_evs_runs_on_the_cached_embeddings_and_changes_the_identifier(

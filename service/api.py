@@ -1,0 +1,206 @@
+"""The Python API: `VideoLLM` loads a model once; `describe_video` asks about one video.
+
+A `VideoLLM` is the vision pipeline (decode, encoder, EVS) plus the language engine of one
+checkpoint. Used directly, `describe` encodes the video, builds the prompt and steps the engine
+on the calling thread; the server instead hands the engine to an `AsyncEngine` (`start_async`)
+and calls only `encode` from its encode worker. The pipeline and the engine are not
+thread-safe, so each sits behind its own lock. `describe_video` keeps one `VideoLLM` per model.
+
+Describe prunes with EVS rate 0.75 unless told otherwise (see `DEFAULT_EVS`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections.abc import Sequence
+from os import PathLike
+from pathlib import Path
+
+import torch
+
+from stillcut.engine.config import CacheConfig, EngineConfig
+from stillcut.engine.llm_engine import LLMEngine, RequestOutput
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.processor import Prompt
+from stillcut.engine.request import SamplingParams
+from stillcut.kernels.evs import EVSConfig
+from stillcut.service.async_engine import AsyncEngine
+from stillcut.service.progress import TokenBar, run_with_bar
+from stillcut.service.result import DescribeResult, describe_result
+from stillcut.vision.decode import DecodeConfig
+from stillcut.vision.pipeline import ImageInput, VideoInput, VideoSource, VisionPipeline
+
+DEFAULT_PROMPT = "Describe this video."
+# Rate mode bounds a clip's token count (and so its KV and admission cost) whatever its
+# content, and 0.75 is the pruning the EVS paper reports as nearly free in accuracy. A
+# threshold is in units of the model's embedding dissimilarity, so it needs tuning per model.
+DEFAULT_EVS = EVSConfig(mode="rate", rate=0.75)
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+# A bounded KV pool: the engine's own default takes half the free memory, too much for a tool.
+DEFAULT_ENGINE_CONFIG = EngineConfig(cache=CacheConfig(kv_cache_memory=DEFAULT_KV_CACHE_BYTES))
+DEMO_MODEL_NAME = "stillcut-demo"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class VideoLLM:
+    """The model loaded once: vision pipeline + engine (+ AsyncEngine for the server)."""
+
+    def __init__(
+        self,
+        model: str | PathLike | None = None,
+        *,
+        engine_config: EngineConfig = DEFAULT_ENGINE_CONFIG,
+        decode_config: DecodeConfig = DecodeConfig(),
+        encoder_cache_bytes: int = 1 << 30,
+        name: str | None = None,
+    ) -> None:
+        """`model` is a checkpoint folder or hub id; None builds (once) the random-weight demo
+        checkpoint. `name` is the id the server reports (default: the folder name)."""
+        from stillcut.engine.checkpoints import demo_checkpoint
+
+        self.engine = LLMEngine(demo_checkpoint() if model is None else model, engine_config)
+        self.path: Path = self.engine.path
+        self.pipeline = VisionPipeline(
+            self.path,
+            dtype=_DTYPES[engine_config.dtype],
+            device=engine_config.device,
+            decode_config=decode_config,
+            cache_bytes=encoder_cache_bytes,
+        )
+        self.processor = self.engine.processor
+        self.is_random_demo = bool(self.engine.model_config.raw.get("stillcut_random_weights"))
+        self.name = name or (DEMO_MODEL_NAME if model is None else _model_name(model))
+        self._vision_lock = threading.Lock()
+        self._engine_lock = threading.Lock()
+        self._async_engine: AsyncEngine | None = None
+
+    def encode(self, inputs: Sequence[VideoInput | ImageInput]) -> list[MultiModalItem]:
+        """Decode, encode and prune media (thread-safe; one pipeline call at a time)."""
+        with self._vision_lock:
+            return self.pipeline.encode(list(inputs))
+
+    def start_async(self, *, max_queue: int = 64) -> AsyncEngine:
+        """Hand the engine to a background `AsyncEngine`; `describe` is refused from then on."""
+        with self._engine_lock:
+            if self._async_engine is not None:
+                raise RuntimeError("this VideoLLM's engine is already driven by an AsyncEngine")
+            self._async_engine = AsyncEngine(self.engine, max_queue=max_queue)
+            return self._async_engine
+
+    def describe(
+        self, video: VideoSource, prompt: str = DEFAULT_PROMPT, **options
+    ) -> DescribeResult:
+        """Describe one video: a path, bytes, a binary file object or a `[T, H, W, 3]` uint8
+        frame array. Options are those of `describe_many`."""
+        return self.describe_many([video], prompt, **options)[0]
+
+    def describe_many(
+        self,
+        videos: Sequence[VideoSource],
+        prompt: str = DEFAULT_PROMPT,
+        *,
+        evs: EVSConfig | None = DEFAULT_EVS,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        fps: float | None = None,
+        start: float | None = None,
+        end: float | None = None,
+        max_frames: int | None = None,
+        frames_fps: float = 2.0,
+        timestamps: Sequence[float] | None = None,
+        progress: bool = False,
+    ) -> list[DescribeResult]:
+        """Describe several videos with one prompt; they are encoded one after another and
+        generated together. `evs=None` keeps every token. `fps`, `start`, `end` and
+        `max_frames` apply to files; a frame array is taken as sampled at `frames_fps`
+        (or at `timestamps`). `progress` shows bars on stderr."""
+        arrival = time.monotonic()
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=tuple(stop),
+        )
+        stamps = None if timestamps is None else tuple(float(t) for t in timestamps)
+        specs = [
+            VideoInput(
+                video,
+                evs=evs,
+                start=start,
+                end=end,
+                fps=fps,
+                max_frames=max_frames,
+                frames_fps=frames_fps,
+                timestamps=stamps,
+            )
+            for video in videos
+        ]
+        items = run_with_bar("decode + encode", lambda: self.encode(specs), enabled=progress)
+        prompts = [self.processor.build_text(prompt, [item]) for item in items]
+        outputs = self._generate(prompts, params, progress=progress)
+        setting = "off" if evs is None or evs.is_off else evs.key()
+        return [
+            describe_result([item], output, arrival, setting)
+            for item, output in zip(items, outputs, strict=True)
+        ]
+
+    def _generate(
+        self, prompts: list[Prompt], params: SamplingParams, *, progress: bool
+    ) -> list[RequestOutput]:
+        """Run the prompts to completion on this thread; final outputs in prompt order."""
+        with self._engine_lock:
+            if self._async_engine is not None:
+                raise RuntimeError(
+                    "this VideoLLM serves requests through its AsyncEngine; "
+                    "send them to the server instead of calling describe"
+                )
+            request_ids = [self.engine.add_request(prompt, params) for prompt in prompts]
+            final: dict[str, RequestOutput] = {}
+            bar = TokenBar(params.max_tokens * len(prompts), enabled=progress)
+            try:
+                while len(final) < len(request_ids):
+                    for output in self.engine.step():
+                        bar.advance(len(output.new_token_ids))
+                        if output.finished:
+                            final[output.request_id] = output
+            finally:
+                bar.close()
+                for request_id in request_ids:
+                    if request_id not in final:
+                        self.engine.abort(request_id)
+            return [final[request_id] for request_id in request_ids]
+
+
+def describe_video(
+    video: VideoSource,
+    prompt: str = DEFAULT_PROMPT,
+    *,
+    model: str | PathLike | None = None,
+    **options,
+) -> DescribeResult:
+    """Describe a video with the model `model` (None: the demo checkpoint), loaded on first use
+    and kept for later calls. Options are those of `VideoLLM.describe_many`."""
+    return _cached_llm(None if model is None else os.fspath(model)).describe(
+        video, prompt, **options
+    )
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_llm(model: str | None) -> VideoLLM:
+    return VideoLLM(model)
+
+
+def _model_name(model: str | PathLike) -> str:
+    """A local folder is named by its last part (never a machine path); a hub id as given."""
+    path = Path(model)
+    return path.name if path.is_dir() else os.fspath(model)

@@ -1,0 +1,101 @@
+"""`POST /v1/chat/completions` and `GET /v1/models`, as OpenAI clients expect them.
+
+A chat request's media (`video_url` / `image_url` parts) are fetched or decoded from their
+URLs, encoded together on the encode worker, and placed in the conversation where their
+parts were; earlier assistant turns are part of the prompt like any other message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from stillcut.service.chat_request import ChatRequest, parse_chat_request
+from stillcut.service.media import read_body, resolve_media_url, unsupported_type
+from stillcut.service.openai_format import ChatFormatter
+from stillcut.service.result import evs_summary
+from stillcut.service.sse import sse_response
+from stillcut.service.state import (
+    ServiceState,
+    last_output,
+    record_of,
+    seconds_left,
+    until_disconnect,
+)
+from stillcut.vision.pipeline import ImageInput, VideoInput
+
+JSON_OVERHEAD_BYTES = 1 << 20  # the conversation's text around its data URLs
+
+
+def chat_body_limit(max_upload_bytes: int) -> int:
+    """A body may hold one upload's worth of media as base64 (4/3 larger), plus text."""
+    return max_upload_bytes * 4 // 3 + JSON_OVERHEAD_BYTES
+
+
+async def models_endpoint(request: Request) -> Response:
+    state: ServiceState = request.app.state.service
+    model = {
+        "id": state.llm.name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "stillcut",
+        "max_model_len": state.llm.engine.config.scheduler.max_model_len,
+    }
+    return JSONResponse({"object": "list", "data": [model]})
+
+
+async def chat_endpoint(request: Request) -> Response:
+    state: ServiceState = request.app.state.service
+    budget = seconds_left(request, state.config)
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise unsupported_type(
+            f"Content-Type {content_type or '(none)'!r} is not supported; send application/json"
+        )
+    body = await read_body(request, chat_body_limit(state.config.max_upload_bytes))
+    chat = parse_chat_request(body)
+    state.check_model(chat.model)
+    async with asyncio.timeout(budget):
+        return await until_disconnect(request, _complete(request, state, chat, budget))
+
+
+async def _complete(
+    request: Request, state: ServiceState, chat: ChatRequest, budget: float
+) -> Response:
+    record = record_of(request)
+    config = state.config
+    inputs = []
+    for part in chat.media:
+        source = await resolve_media_url(part.url, part.kind, part.where, config, state.http)
+        if part.kind == "image":
+            inputs.append(ImageInput(source))
+        else:
+            inputs.append(
+                VideoInput(source, evs=chat.evs, fps=chat.fps, max_frames=chat.max_frames)
+            )
+    items = await state.encode(inputs, record) if inputs else []
+    prompt = state.llm.processor.build(chat.messages, items)
+    setting = "off" if chat.evs is None or chat.evs.is_off else chat.evs.key()
+    formatter = ChatFormatter(
+        request_id=record.request_id,
+        model=state.llm.name,
+        tokenizer=state.llm.processor.tokenizer,
+        logprobs=chat.logprobs,
+        include_usage=chat.include_usage,
+        evs=evs_summary(items, setting) if any(i.kind == "video" for i in items) else None,
+    )
+    outputs = state.generate(prompt, chat.params, items, record)
+    first = await anext(outputs)
+    if not chat.stream:
+        return JSONResponse(formatter.completion(await last_output(first, outputs)))
+    return sse_response(
+        first,
+        outputs,
+        seconds_left=budget - (time.monotonic() - record.arrival),
+        record=record,
+        retry_after=config.retry_after_s,
+        events=formatter.chunks,
+    )

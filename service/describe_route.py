@@ -1,0 +1,184 @@
+"""`POST /v1/videos/describe`: one uploaded video and a prompt in, a description out.
+
+The form holds `file` (the video) and optionally `prompt`, `model`, `evs` (JSON, as in chat
+requests, or "off"), the sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`,
+`min_p`, `seed`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `stop`, which
+may repeat), the decode fields (`fps`, `max_frames`, `start`, `end`) and `stream`. The answer
+is the `DescribeResult` as JSON, or with `stream=true` server-sent events: `{"type": "token",
+"text"}` per piece of text, then `{"type": "result", ...}` with the whole result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.datastructures import FormData, UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from stillcut.engine.llm_engine import RequestOutput
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.request import SamplingParams
+from stillcut.kernels.evs import EVSConfig
+from stillcut.service.api import DEFAULT_PROMPT
+from stillcut.service.chat_request import check_sampling_rate, parse_evs, sampling_params
+from stillcut.service.errors import bad_request
+from stillcut.service.media import check_content_type, read_upload_form
+from stillcut.service.result import describe_result
+from stillcut.service.sse import sse_response
+from stillcut.service.state import (
+    ServiceState,
+    last_output,
+    record_of,
+    seconds_left,
+    until_disconnect,
+)
+from stillcut.vision.pipeline import VideoInput
+
+_NUMBERS = {
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "seed": int,
+    "repetition_penalty": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "fps": float,
+    "max_frames": int,
+    "start": float,
+    "end": float,
+}
+_FIELDS = {"file", "prompt", "model", "evs", "stop", "stream", *_NUMBERS}
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty")
+_PENALTIES = ("presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class DescribeForm:
+    """A checked describe request."""
+
+    data: bytes
+    prompt: str
+    model: str | None
+    evs: EVSConfig | None
+    params: SamplingParams
+    video: dict[str, Any]  # VideoInput's decode options
+    stream: bool
+
+
+async def describe_endpoint(request: Request) -> Response:
+    state: ServiceState = request.app.state.service
+    record = record_of(request)
+    budget = seconds_left(request, state.config)
+    form = await read_upload_form(request, state.config)
+    try:
+        checked = await _check_form(form)
+    finally:
+        await form.close()
+    state.check_model(checked.model)
+    spec = VideoInput(checked.data, evs=checked.evs, **checked.video)
+    setting = "off" if checked.evs is None or checked.evs.is_off else checked.evs.key()
+
+    def result_body(items: list[MultiModalItem], output: RequestOutput) -> dict:
+        result = describe_result(items, output, record.arrival, setting).to_dict()
+        meta = {"id": record.request_id, "object": "video.description", "model": state.llm.name}
+        return {**meta, "created": int(time.time()), **result}
+
+    async def run() -> Response:
+        items = await state.encode([spec], record)
+        prompt = state.llm.processor.build_text(checked.prompt, items)
+        outputs = state.generate(prompt, checked.params, items, record)
+        first = await anext(outputs)
+        if not checked.stream:
+            return JSONResponse(result_body(items, await last_output(first, outputs)))
+
+        def events(output: RequestOutput) -> list[dict]:
+            text = [{"type": "token", "text": output.delta}] if output.delta else []
+            if not output.finished:
+                return text
+            return [*text, {"type": "result", **result_body(items, output)}]
+
+        return sse_response(
+            first,
+            outputs,
+            seconds_left=budget - (time.monotonic() - record.arrival),
+            record=record,
+            retry_after=state.config.retry_after_s,
+            events=events,
+        )
+
+    async with asyncio.timeout(budget):
+        return await until_disconnect(request, run())
+
+
+async def _check_form(form: FormData) -> DescribeForm:
+    unknown = sorted(set(form.keys()) - _FIELDS)
+    if unknown:
+        raise bad_request(f"unknown form field(s): {', '.join(unknown)}", "unsupported_parameter")
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise bad_request("the form needs the video as a file in its 'file' field", "missing_file")
+    check_content_type(upload.content_type, "video", "the uploaded file")
+    numbers = {name: _number(form, name, kind) for name, kind in _NUMBERS.items()}
+    fields = {
+        name: numbers[name] for name in (*_SAMPLING, *_PENALTIES) if numbers[name] is not None
+    }
+    params = sampling_params(fields, numbers["max_tokens"], form.getlist("stop") or None, None)
+    evs_text = _text(form, "evs")
+    try:
+        evs = (
+            "default" if evs_text is None else "off" if evs_text == "off" else json.loads(evs_text)
+        )
+    except ValueError:
+        raise bad_request(
+            'evs must be JSON such as {"mode": "rate", "rate": 0.75}, or "off"', "invalid_evs"
+        ) from None
+    return DescribeForm(
+        data=await upload.read(),
+        prompt=_text(form, "prompt") or DEFAULT_PROMPT,
+        model=_text(form, "model"),
+        evs=parse_evs(evs, "evs"),
+        params=params,
+        video={
+            **check_sampling_rate(numbers["fps"], numbers["max_frames"]),
+            "start": numbers["start"],
+            "end": numbers["end"],
+        },
+        stream=_flag(form, "stream"),
+    )
+
+
+def _text(form: FormData, name: str) -> str | None:
+    value = form.get(name)
+    if value is not None and not isinstance(value, str):
+        raise bad_request(f"form field {name!r} must be text, not a file", "invalid_type")
+    return value
+
+
+def _number(form: FormData, name: str, kind: type) -> int | float | None:
+    text = _text(form, name)
+    if text is None or text == "":
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise bad_request(
+            f"form field {name}={text!r} must be {kind.__name__}", "invalid_type"
+        ) from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad_request(f"form field {name}={text!r} must be finite", "invalid_type")
+    return value
+
+
+def _flag(form: FormData, name: str) -> bool:
+    text = (_text(form, name) or "false").lower()
+    if text not in ("true", "false", "1", "0"):
+        raise bad_request(f"form field {name}={text!r} must be true or false", "invalid_type")
+    return text in ("true", "1")

@@ -1,0 +1,90 @@
+"""What the server remembers about one request, for its log line and its metrics.
+
+The middleware opens a record when a request arrives and closes it when the last byte is sent
+(or the WebSocket closes); handlers fill in tokens, EVS counts, timings and errors as they
+learn them. One JSON log line per request comes from `log_fields`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stillcut.engine.llm_engine import RequestOutput
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.service.result import evs_summary, media_seconds, timings_of, usage_of
+
+
+@dataclass
+class RequestRecord:
+    """One request's facts; `arrival` is `time.monotonic()` when it came in."""
+
+    request_id: str
+    endpoint: str
+    method: str
+    arrival: float
+    status: int | None = None
+    ended: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    evs_kept: int = 0
+    evs_total: int = 0
+    decode_s: float | None = None
+    encode_s: float | None = None
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    finish_reason: str | None = None
+    error_code: str | None = None
+
+    @property
+    def elapsed_s(self) -> float:
+        return (self.ended or time.monotonic()) - self.arrival
+
+    def add_media(self, items: Sequence[MultiModalItem]) -> None:
+        """Count encoded media: decode/encode seconds and EVS tokens."""
+        summary = evs_summary(items, "")
+        self.evs_kept += summary.tokens_after
+        self.evs_total += summary.tokens_before
+        decode_s, encode_s = media_seconds(items)
+        self.decode_s = (self.decode_s or 0.0) + decode_s
+        self.encode_s = (self.encode_s or 0.0) + encode_s
+
+    def add_output(self, items: Sequence[MultiModalItem], output: RequestOutput) -> None:
+        """Count a finished generation (tokens, queue time, time to first token)."""
+        usage = usage_of(output)
+        self.prompt_tokens += usage.prompt_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.cached_tokens += usage.cached_tokens
+        timings = timings_of(items, output, self.arrival)
+        self.queue_s = timings.queue_s
+        if self.ttft_s is None and output.token_ids:
+            self.ttft_s = timings.ttft_s
+        self.finish_reason = output.finish_reason
+
+    def log_fields(self) -> dict:
+        """The structured log line's fields (None ones left out)."""
+        fields = {
+            "request_id": self.request_id,
+            "endpoint": self.endpoint,
+            "method": self.method,
+            "status": self.status,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "evs_kept": self.evs_kept,
+            "evs_total": self.evs_total,
+            "finish_reason": self.finish_reason,
+            "error": self.error_code,
+            "decode_s": self.decode_s,
+            "encode_s": self.encode_s,
+            "queue_s": self.queue_s,
+            "ttft_s": self.ttft_s,
+            "total_s": self.elapsed_s,
+        }
+        return {
+            key: round(value, 4) if isinstance(value, float) else value
+            for key, value in fields.items()
+            if value is not None
+        }

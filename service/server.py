@@ -1,0 +1,69 @@
+"""Running the app under uvicorn, in the foreground (`stillcut serve`) or in a thread (tests,
+benchmarks).
+
+uvicorn enforces the WebSocket message limit itself (`ws_max_size`, closing with 1009 before
+a too-big message is buffered), so it gets the server's `max_message_bytes`. Its own access
+log is off: the service writes one structured line per request instead.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from stillcut.service.api import VideoLLM
+from stillcut.service.app import create_app
+from stillcut.service.config import ServerConfig
+
+_STARTUP_POLL_S = 0.02
+
+
+def uvicorn_config(
+    llm: VideoLLM, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 8000
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        create_app(llm, config),
+        host=host,
+        port=port,
+        ws_max_size=config.max_message_bytes,
+        access_log=False,
+        log_config=None,
+        lifespan="on",
+        timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
+    )
+
+
+def serve(llm: VideoLLM, config: ServerConfig, *, host: str, port: int) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM: a graceful shutdown)."""
+    uvicorn.Server(uvicorn_config(llm, config, host=host, port=port)).run()
+
+
+class BackgroundServer:
+    """A uvicorn server on 127.0.0.1 at a free port, in a daemon thread; `stop()` shuts it
+    down gracefully. `url` is its base URL, `app` the FastAPI app it serves."""
+
+    def __init__(self, llm: VideoLLM, config: ServerConfig, *, startup_timeout: float = 60.0):
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind(("127.0.0.1", 0))
+        port = self._socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn_config(llm, config, port=port))
+        self.app = self.server.config.app
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + startup_timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(_STARTUP_POLL_S)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join()
+        self._socket.close()

@@ -1,0 +1,312 @@
+"""`WebSocket /v1/stream`: the protocol around a `LiveSession`.
+
+The client's first message is text, `{"type": "start", ...options}` (and `api_key` when the
+server has one and no `Authorization` header was sent). Frames are binary: 8 bytes of
+little-endian float64 timestamp (seconds), then PNG or JPEG bytes. `{"type": "ask", "prompt"}`
+may come at any time (one answer at a time) and frames keep flowing while it is answered;
+`{"type": "stop"}` ends the session. The server sends `started`, then `frame` per encoded
+tubelet, `token` while answering, `answer` at the end of one, and `error`. Fatal errors close
+with 1003 (unsupported data), 1008 (policy: auth, limits, protocol order), 1009 (message too
+big) or 1011 (internal); others are reported and the session goes on. Whatever ends the
+session, its held prefix is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import struct
+import time
+import uuid
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+from tokenizers import Tokenizer
+
+from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
+from stillcut.engine.processor import PromptError
+from stillcut.service.async_engine import EngineStopped, QueueFull
+from stillcut.service.config import ServerConfig
+from stillcut.service.live_options import LiveError, LiveLimits, LiveOptions
+from stillcut.service.live_session import LiveSession
+from stillcut.service.middleware import bearer_token, key_matches
+from stillcut.service.openai_format import logprobs_body
+from stillcut.service.record import RequestRecord
+from stillcut.service.result import timings_of, usage_of
+from stillcut.service.state import ServiceState, record_of
+
+CLOSE_NORMAL = 1000
+CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_INTERNAL = 1011
+_TIMESTAMP = struct.Struct("<d")
+_RECOVERABLE = (RequestTooLong, TooManyVisualTokens, ResourceExhausted, PromptError, QueueFull)
+logger = logging.getLogger("stillcut.service")
+
+
+class SessionEnd(Exception):
+    """Close the session with `code`, after telling the client why (when `error_code`)."""
+
+    def __init__(self, code: int, message: str = "", error_code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.error_code = error_code
+
+
+class _Connection:
+    """One WebSocket: serialized sends (answers and frame events interleave) and the record."""
+
+    def __init__(self, websocket: WebSocket, record: RequestRecord) -> None:
+        self.websocket = websocket
+        self.record = record
+        self._send_lock = asyncio.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        return self.websocket.application_state is WebSocketState.CONNECTED
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """Send a JSON message; a client that already left is not an error here (the receive
+        loop sees it leave and ends the session)."""
+        async with self._send_lock:
+            if not self.is_open:
+                return
+            try:
+                await self.websocket.send_text(json.dumps(message))
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                pass
+
+    async def error(self, code: str, message: str) -> None:
+        self.record.error_code = code
+        await self.send({"type": "error", "code": code, "message": message})
+
+
+async def stream_endpoint(websocket: WebSocket) -> None:
+    state: ServiceState = websocket.app.state.service
+    connection = _Connection(websocket, record_of(websocket))
+    await websocket.accept(headers=[(b"x-request-id", connection.record.request_id.encode())])
+    code, reason = CLOSE_NORMAL, ""
+    if state.live_sessions >= state.config.max_sessions:
+        code, reason = CLOSE_POLICY, f"max_sessions={state.config.max_sessions} already open"
+        await connection.error("too_many_sessions", reason)
+    else:
+        state.live_sessions += 1
+        try:
+            await _serve(state, connection)
+        except SessionEnd as end:
+            code, reason = end.code, end.message[:120]  # a close reason holds <= 123 bytes
+            if end.error_code is not None:
+                await connection.error(end.error_code, end.message)
+        except WebSocketDisconnect as gone:
+            code = gone.code
+        except Exception:
+            logger.exception("live session %s failed", connection.record.request_id)
+            code, reason = CLOSE_INTERNAL, "internal error"
+            await connection.error("internal_error", "internal server error")
+        finally:
+            state.live_sessions -= 1
+    connection.record.status = code
+    if connection.is_open:
+        try:
+            await websocket.close(code, reason)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass  # the client left first
+
+
+async def _serve(state: ServiceState, connection: _Connection) -> None:
+    config = state.config
+    deadline = time.monotonic() + config.max_session_s
+    options = await _start(state, connection, deadline)
+    # engine request ids must be unique; a client's X-Request-Id need not be
+    session_id = f"live-{uuid.uuid4().hex}"
+    try:
+        session = LiveSession(state.llm.pipeline, state.engine, options, session_id)
+    except ValueError as error:  # a model that cannot stream
+        raise SessionEnd(CLOSE_POLICY, str(error), "unsupported_model") from None
+    answering: asyncio.Task | None = None
+    try:
+        await connection.send(
+            {
+                "type": "started",
+                "session_id": session_id,
+                "request_id": connection.record.request_id,
+            }
+        )
+        while True:
+            waiting_for_answer = answering is not None and not answering.done()
+            idle = None if waiting_for_answer else config.session_idle_s
+            message = await _receive(connection.websocket, idle, deadline, config)
+            if isinstance(message, bytes):
+                await _frame(session, connection, message)
+            elif message.get("type") == "stop":
+                if answering is not None:
+                    await answering  # the answer asked for before stop is still delivered
+                return
+            elif message.get("type") == "ask":
+                if waiting_for_answer:
+                    await connection.error("busy", "an answer is still streaming; ask again after")
+                else:
+                    tokenizer = state.llm.processor.tokenizer
+                    answering = asyncio.create_task(
+                        _answer(session, connection, message, tokenizer)
+                    )
+            else:
+                await connection.error(
+                    "bad_message", f"type={message.get('type')!r}: allowed ask, stop (or a frame)"
+                )
+    finally:
+        if answering is not None:
+            answering.cancel()
+        await session.close()
+
+
+async def _start(state: ServiceState, connection: _Connection, deadline: float) -> LiveOptions:
+    config = state.config
+    message = await _receive(connection.websocket, config.session_idle_s, deadline, config)
+    if isinstance(message, bytes) or message.get("type") != "start":
+        raise SessionEnd(
+            CLOSE_POLICY, 'the first message must be {"type": "start", ...}', "bad_start"
+        )
+    token = message.pop("api_key", None) or bearer_token(connection.websocket.scope)
+    if not key_matches(config.api_key, token if isinstance(token, str) else None):
+        raise SessionEnd(CLOSE_POLICY, "a valid API key is required", "invalid_api_key")
+    limits = LiveLimits(
+        max_frames=config.max_session_frames, max_frame_bytes=config.max_message_bytes
+    )
+    try:
+        return LiveOptions.from_message(message, limits)
+    except (TypeError, ValueError) as error:
+        raise SessionEnd(CLOSE_POLICY, f"bad start options: {error}", "bad_start") from None
+
+
+async def _receive(
+    websocket: WebSocket, idle_s: float | None, deadline: float, config: ServerConfig
+) -> bytes | dict[str, Any]:
+    """The next frame (bytes) or text message (a JSON object); `WebSocketDisconnect` once the
+    client left.
+    Waits at most `idle_s` (None: no idle limit) and never past the session's `deadline`."""
+    left = deadline - time.monotonic()
+    try:
+        async with asyncio.timeout(left if idle_s is None else min(idle_s, left)):
+            message = await websocket.receive()
+    except TimeoutError:
+        if time.monotonic() >= deadline:
+            limit = f"max_session_s={config.max_session_s:g}"
+            raise SessionEnd(
+                CLOSE_POLICY, f"the session reached {limit}", "session_expired"
+            ) from None
+        limit = f"session_idle_s={config.session_idle_s:g}"
+        raise SessionEnd(CLOSE_POLICY, f"no message for {limit}", "idle_timeout") from None
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", CLOSE_NORMAL))
+    data = message.get("bytes")
+    if data is None:
+        data = message.get("text") or ""
+    if len(data) > config.max_message_bytes:
+        limit = config.max_message_bytes
+        raise SessionEnd(CLOSE_TOO_BIG, f"a message exceeds {limit} bytes", "message_too_big")
+    if isinstance(data, bytes):
+        return data
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise SessionEnd(
+            CLOSE_UNSUPPORTED_DATA, "text messages must be JSON objects", "bad_message"
+        )
+    return parsed
+
+
+async def _frame(session: LiveSession, connection: _Connection, data: bytes) -> None:
+    if len(data) <= _TIMESTAMP.size:
+        raise SessionEnd(
+            CLOSE_UNSUPPORTED_DATA,
+            "a frame is 8 bytes of little-endian float64 timestamp, then PNG or JPEG bytes",
+            "bad_frame",
+        )
+    (timestamp,) = _TIMESTAMP.unpack_from(data)
+    try:
+        event = await session.add_frame(timestamp, data[_TIMESTAMP.size :])
+    except LiveError as error:
+        await _live_error(connection, error)
+        return
+    except _RECOVERABLE as error:
+        await connection.error(_error_code(error), str(error))
+        return
+    if event is not None:
+        connection.record.evs_kept += event.kept
+        connection.record.evs_total += event.total
+        await connection.send(
+            {
+                "type": "frame",
+                "t": event.t,
+                "tubelet": event.tubelet,
+                "kept": event.kept,
+                "total": event.total,
+            }
+        )
+
+
+async def _answer(
+    session: LiveSession, connection: _Connection, message: dict, tokenizer: Tokenizer
+) -> None:
+    prompt = message.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        await connection.error("bad_message", "ask needs a non-empty 'prompt' string")
+        return
+    arrival = time.monotonic()
+    final = None
+    try:
+        async for output in session.ask(prompt):
+            if output.delta:
+                await connection.send({"type": "token", "text": output.delta})
+            final = output
+    except (LiveError, *_RECOVERABLE, EngineStopped) as error:  # the session goes on
+        await connection.error(_error_code(error), str(error))
+        return
+    except Exception:
+        logger.exception("an answer in live session %s failed", connection.record.request_id)
+        await connection.error("internal_error", "internal server error while answering")
+        return
+    assert final is not None and final.finished
+    connection.record.add_output([], final)
+    usage, timings = usage_of(final), timings_of([], final, arrival)
+    extra = {}
+    if session.options.logprobs is not None:  # OpenAI's shape, as chat completions give them
+        extra["logprobs"] = logprobs_body(tokenizer, final, 0, len(final.token_ids))
+    await connection.send(
+        {
+            **extra,
+            "type": "answer",
+            "text": final.text,
+            "finish_reason": final.finish_reason,
+            "usage": {
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "cached_tokens": usage.cached_tokens,
+                "total_tokens": usage.total_tokens,
+            },
+            "timings": {
+                "queue_s": timings.queue_s,
+                "ttft_s": timings.ttft_s,
+                "total_s": timings.total_s,
+            },
+        }
+    )
+
+
+async def _live_error(connection: _Connection, error: LiveError) -> None:
+    """Report a session error; a fatal one ends the session with its close code."""
+    if error.close_code is not None:
+        raise SessionEnd(error.close_code, str(error), _error_code(error))
+    await connection.error(_error_code(error), str(error))
+
+
+def _error_code(error: Exception) -> str:
+    """`BadFrame` -> "bad_frame", `QueueFull` -> "queue_full"."""
+    name = type(error).__name__
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_")

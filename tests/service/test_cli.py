@@ -1,0 +1,72 @@
+"""`stillcut describe` prints the answer, the EVS summary, timings and the random-weights
+notice (or one JSON object); `stillcut serve` turns its flags into the server's settings."""
+
+import json
+
+import pytest
+
+from stillcut.service import cli, server
+from stillcut.service.cli_describe import DEFAULT_MAX_TOKENS
+
+MiB = 2**20
+
+
+@pytest.fixture
+def clip_path(tiny_clip, tmp_path):
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(tiny_clip)
+    return path
+
+
+def test_describe_prints_the_answer_and_its_costs(tiny_checkpoint, clip_path, capsys):
+    argv = ["describe", str(clip_path), "--model", str(tiny_checkpoint), "--max-tokens", "3"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert "kept" in lines["EVS"] and "evs:rate:q=0.75" in lines["EVS"]
+    assert "generated 3" in lines["tokens"]
+    for stage in ("load model", "decode", "encode", "queue", "ttft", "total"):
+        assert f"{stage} " in lines["timings"]
+    assert cli.RANDOM_WEIGHTS_NOTICE in err
+
+
+def test_describe_json_with_threshold_evs(tiny_checkpoint, clip_path, capsys):
+    argv = [
+        *("describe", str(clip_path), "--model", str(tiny_checkpoint), "--json"),
+        *("--evs-threshold", "0.05", "--max-tokens", "2", "--prompt", "What moves?"),
+    ]
+    assert cli.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["evs"]["setting"].startswith("evs:threshold:tau=0.05")
+    assert report["usage"]["completion_tokens"] == 2
+    assert len(report["frame_timestamps"]) == report["evs"]["frames"] == 6
+
+
+def test_describe_reports_bad_input(tmp_path, capsys):
+    assert cli.main(["describe", str(tmp_path / "missing.mp4")]) == 2
+    assert "is not a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["describe", "x.mp4", "--evs-rate", "0.5", "--evs-threshold", "0.1"])
+    args = cli.build_parser().parse_args(["describe", "x.mp4"])
+    assert args.max_tokens == DEFAULT_MAX_TOKENS and args.prompt == "Describe this video."
+
+
+def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch):
+    served = {}
+    monkeypatch.setattr(
+        server, "serve", lambda llm, config, **where: served.update(where, llm=llm, config=config)
+    )
+    argv = [
+        *("serve", "--model", str(tiny_checkpoint), "--port", "9999", "--api-key", "k"),
+        *("--media-dir", str(tmp_path), "--allowed-hosts", "a.example, b.example:8080"),
+        *("--max-upload-mb", "2", "--max-queue", "5", "--kv-cache-memory", "4"),
+        *("--max-model-len", "1024", "--max-sessions", "2"),
+    ]
+    assert cli.main(argv) == 0
+    config, llm = served["config"], served["llm"]
+    assert (served["host"], served["port"]) == ("127.0.0.1", 9999)
+    assert config.api_key == "k" and config.media_dir == tmp_path
+    assert config.allowed_hosts == ("a.example", "b.example:8080")
+    assert (config.max_upload_bytes, config.max_queue, config.max_sessions) == (2 * MiB, 5, 2)
+    assert llm.engine.config.cache.kv_cache_memory == 4 * MiB
+    assert llm.engine.config.scheduler.max_model_len == 1024
