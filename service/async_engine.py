@@ -38,6 +38,10 @@ class EngineStopped(RuntimeError):
     """The engine loop is shut down (or died on an internal error); nothing more is served."""
 
 
+class RequestAborted(RuntimeError):
+    """The request was aborted (by `abort`) while someone was still reading its outputs."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's counters, published by the engine thread after each step."""
@@ -78,6 +82,8 @@ class _Stream:
 
     async def get(self) -> RequestOutput:
         item = await self.queue.get()
+        if isinstance(item, RequestAborted):
+            raise item
         if isinstance(item, BaseException):
             raise EngineStopped(f"the engine stopped: {item}") from item
         return item
@@ -309,8 +315,10 @@ class AsyncEngine:
                 return
 
     def _abort_now(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
         self.engine.abort(request_id)
+        if stream is not None:  # a reader still waits: end its iteration
+            stream.put(RequestAborted(f"request {request_id!r} was aborted"))
 
     def _publish_stats(self) -> None:
         scheduler = self.engine.scheduler

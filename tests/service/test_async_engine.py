@@ -11,7 +11,7 @@ from stillcut.engine.admission import RequestTooLong
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
-from stillcut.service.async_engine import AsyncEngine, EngineStopped, QueueFull
+from stillcut.service.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestAborted
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(max_tokens=1500, ignore_eos=True)
@@ -152,4 +152,21 @@ def test_graceful_shutdown_finishes_and_hard_shutdown_aborts(llm_engine):
     assert finished[-1].finish_reason == "length"
     (aborted,) = asyncio.run(run(graceful=False, params=LONG))
     assert isinstance(aborted, EngineStopped)
+    _assert_idle_and_free(llm_engine)
+
+
+def test_abort_ends_a_reader_still_waiting(engine, llm_engine):
+    """`abort` from elsewhere must end the iteration of whoever still reads that request."""
+
+    async def run():
+        stream = engine.generate(_prompt(engine, "Go on."), LONG, request_id="to-abort")
+        first = await stream.__anext__()
+        assert not first.finished
+        await engine.abort("to-abort")
+        with pytest.raises(RequestAborted):
+            async for _ in stream:
+                pass
+
+    asyncio.run(asyncio.wait_for(run(), timeout=60))
+    engine.shutdown()
     _assert_idle_and_free(llm_engine)
