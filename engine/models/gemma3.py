@@ -34,10 +34,11 @@ from stillcut.engine.models.layers import (
     checkpoint_layout,
     empty_weight,
     fuse_projections,
-    matmul_layout,
+    head_layout,
     rotary_tables,
     rotate,
     set_weight,
+    vocab_logits,
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
@@ -215,11 +216,11 @@ class Gemma3LanguageModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Unscaled token embeddings: [N] ids -> [N, hidden], gathered from the head's columns."""
-        return self.lm_head.index_select(1, input_ids).T.contiguous()  # [N, hidden]
+        return F.embedding(input_ids, self.lm_head.T)  # the head's rows, see `head_layout`
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, soft-capped if the config says so."""
-        logits = (hidden_states @ self.lm_head).float()  # [S, vocab]
+        logits = vocab_logits(hidden_states, self.lm_head)  # [S, vocab]
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -279,7 +280,7 @@ class Gemma3LanguageModel(nn.Module):
         for layer in model.layers:
             _fuse_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
         set_weight(model, "norm", _scale(stored.norm))
-        set_weight(model, "lm_head", matmul_layout(stored.embed_tokens.weight.T))
+        set_weight(model, "lm_head", head_layout(stored.embed_tokens.weight))
         return model.eval()
 
 

@@ -24,6 +24,38 @@ def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.T.contiguous().T
 
 
+def head_layout(weight: torch.Tensor) -> torch.Tensor:
+    """An LM head `[vocab, hidden]` (or a tied embedding) stored for `vocab_logits`: returned as
+    the `[hidden, vocab]` view of a contiguous `[vocab, hidden]` tensor, so its rows double as
+    the embedding table (`head.T` is contiguous)."""
+    return weight.contiguous().T
+
+
+def vocab_logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """fp32 logits `[S, vocab]` of `hidden` `[S, hidden]` through a `head_layout` head.
+
+    Measured on the 2-core CPU, the skinny GEMMs of a 150k-vocabulary head are fastest as
+    `table @ hidden.T` for S > 1 (up to 1.7x faster than `hidden @ head`) and, for S = 1, as a
+    batched matvec over vocabulary blocks (about 1.4x faster), near the memory-read floor.
+    """
+    table = head.T  # [vocab, hidden], contiguous
+    if hidden.device.type != "cpu":
+        return (hidden @ head).float()
+    if hidden.shape[0] > 1:
+        return (table @ hidden.T).T.float()
+    num_blocks = table.shape[0] // _VOCAB_BLOCK
+    main = num_blocks * _VOCAB_BLOCK
+    column = hidden.T.contiguous()  # [hidden, 1]
+    blocks = table[:main].view(num_blocks, _VOCAB_BLOCK, table.shape[1])  # [nb, block, hidden]
+    head_part = torch.bmm(blocks, column.expand(num_blocks, *column.shape)).view(1, main)
+    if main == table.shape[0]:
+        return head_part.float()
+    return torch.cat([head_part, (table[main:] @ column).T], dim=1).float()
+
+
+_VOCAB_BLOCK = 8192
+
+
 def empty_weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     """An uninitialised frozen parameter; `from_checkpoint` replaces it."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)

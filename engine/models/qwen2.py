@@ -26,10 +26,11 @@ from stillcut.engine.models.layers import (
     checkpoint_layout,
     empty_weight,
     fuse_projections,
-    matmul_layout,
+    head_layout,
     rotary_tables,
     rotate,
     set_weight,
+    vocab_logits,
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
@@ -177,14 +178,13 @@ class Qwen2LanguageModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: [N] ids -> [N, hidden]."""
         if self.embed_tokens is None:
-            # Gathering columns costs ~10 us a token on CPU (rows: far less), little beside a
-            # prefill's matmuls, and spares a second vocab x hidden copy.
-            return self.lm_head.index_select(1, input_ids).T.contiguous()  # [N, hidden]
+            # the tied head's rows are the embedding table (see `head_layout`)
+            return F.embedding(input_ids, self.lm_head.T)
         return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
-        return (hidden_states @ self.lm_head).float()
+        return vocab_logits(hidden_states, self.lm_head)
 
     @property
     def num_layers(self) -> int:
@@ -232,13 +232,13 @@ class Qwen2LanguageModel(nn.Module):
             _fuse_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
         set_weight(model, "norm", stored.norm.weight)
         if config.tie_word_embeddings:
-            set_weight(model, "lm_head", matmul_layout(stored.embed_tokens.weight.T))
+            set_weight(model, "lm_head", head_layout(stored.embed_tokens.weight))
         else:
             with torch.device("meta"):
                 head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             load_weights(head, folder, LM_HEAD_PREFIX, dtype=dtype, device=device)
             set_weight(model, "embed_tokens", stored.embed_tokens.weight)
-            set_weight(model, "lm_head", matmul_layout(head.weight.T))
+            set_weight(model, "lm_head", head_layout(head.weight))
         return model.eval()
 
 
