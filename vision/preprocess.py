@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -219,8 +220,9 @@ def _preprocess(
     grid_h, grid_w = resized_height // ps, resized_width // ps
     lut = _normalization_lut(config)  # [3, 256]
     out = np.empty((grid_t, grid_h // ms, grid_w // ms, ms, ms, 3, tp, ps, ps), np.float32)
-    tubelet = np.empty((tp, resized_height, resized_width, 3), np.uint8)
-    for t in range(grid_t):
+
+    def prepare(t: int) -> None:
+        tubelet = np.empty((tp, resized_height, resized_width, 3), np.uint8)
         for k in range(tp):
             index = t * tp + k
             if index < num_frames:
@@ -228,6 +230,14 @@ def _preprocess(
             else:  # pad to a whole tubelet with the last frame, as transformers does
                 tubelet[k] = tubelet[k - 1]
         _patchify_tubelet(tubelet, lut, out[t])
+
+    # PIL's resize and numpy's lookups release the GIL: tubelets run on every core.
+    num_workers = min(len(os.sched_getaffinity(0)), grid_t)
+    if num_workers > 1:
+        with ThreadPoolExecutor(num_workers, thread_name_prefix="preprocess") as pool:
+            list(pool.map(prepare, range(grid_t)))
+    else:
+        prepare(0)
     patches = torch.from_numpy(out.reshape(grid_t * grid_h * grid_w, 3 * tp * ps * ps))
     return PreprocessedVideo(
         patches=patches,
