@@ -1,6 +1,7 @@
 """The video → MultiModalItem pipeline: identities, the encoder cache and EVS on its output."""
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -72,6 +73,14 @@ def test_any_decode_or_preprocess_change_misses_the_cache(pipeline, counting, sa
     assert len(keys) == 5 and len(counting) == 5
     pipeline.video(path, fps=1.0)
     assert len(counting) == 5
+    original = pipeline.video_preprocess
+    for change in ({"max_pixels": 64 * 28 * 28}, {"image_mean": (0.5, 0.5, 0.5)}):
+        pipeline.video_preprocess = replace(original, **change)
+        try:
+            assert pipeline.video(path).media_key not in keys
+        finally:
+            pipeline.video_preprocess = original
+    assert len(counting) == 7
     frames = np.zeros((4, 56, 56, 3), dtype=np.uint8)
     at_two, at_one = pipeline.video(frames, frames_fps=2.0), pipeline.video(frames, frames_fps=1.0)
     assert at_two.media_key != at_one.media_key
