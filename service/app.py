@@ -27,6 +27,7 @@ from stillcut.service.encode_worker import EncodeWorker
 from stillcut.service.errors import APIError, api_error
 from stillcut.service.metrics import CONTENT_TYPE, ServiceMetrics
 from stillcut.service.middleware import RequestContextMiddleware
+from stillcut.service.page_routes import add_page_routes
 from stillcut.service.state import ClientGone, ServiceState, record_of
 from stillcut.service.stream_route import stream_endpoint
 
@@ -62,6 +63,7 @@ def create_app(llm: VideoLLM, config: ServerConfig = ServerConfig()) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])
+    add_page_routes(app)
     for kind in (APIError, ValueError, RuntimeError, TimeoutError, HTTPException, Exception):
         app.add_exception_handler(kind, _error_response)
     app.add_exception_handler(ClientGone, lambda request, error: Response(status_code=499))

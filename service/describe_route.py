@@ -3,9 +3,11 @@
 The form holds `file` (the video) and optionally `prompt`, `model`, `evs` (JSON, as in chat
 requests, or "off"), the sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`,
 `min_p`, `seed`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `stop`, which
-may repeat), the decode fields (`fps`, `max_frames`, `start`, `end`) and `stream`. The answer
-is the `DescribeResult` as JSON, or with `stream=true` server-sent events: `{"type": "token",
-"text"}` per piece of text, then `{"type": "result", ...}` with the whole result.
+may repeat), the decode fields (`fps`, `max_frames`, `start`, `end`), `stream` and
+`include_frames` (adds `frames`: base64 JPEG thumbnails of the sampled frames and each
+tubelet's retention mask, for the web page). The answer is the `DescribeResult` as JSON, or
+with `stream=true` server-sent events: `{"type": "token", "text"}` per piece of text, then
+`{"type": "result", ...}` with the whole result.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_PROMPT
 from stillcut.service.chat_request import check_sampling_rate, parse_evs, sampling_params
 from stillcut.service.errors import bad_request
+from stillcut.service.frames_view import frames_view, thumbnails
 from stillcut.service.media import check_content_type, read_upload_form
 from stillcut.service.result import describe_result
 from stillcut.service.sse import sse_response
@@ -55,7 +58,7 @@ _NUMBERS = {
     "start": float,
     "end": float,
 }
-_FIELDS = {"file", "prompt", "model", "evs", "stop", "stream", *_NUMBERS}
+_FIELDS = {"file", "prompt", "model", "evs", "stop", "stream", "include_frames", *_NUMBERS}
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty")
 _PENALTIES = ("presence_penalty", "frequency_penalty")
 
@@ -71,6 +74,7 @@ class DescribeForm:
     params: SamplingParams
     video: dict[str, Any]  # VideoInput's decode options
     stream: bool
+    include_frames: bool
 
 
 async def describe_endpoint(request: Request) -> Response:
@@ -86,13 +90,19 @@ async def describe_endpoint(request: Request) -> Response:
     spec = VideoInput(checked.data, evs=checked.evs, **checked.video)
     setting = "off" if checked.evs is None or checked.evs.is_off else checked.evs.key()
 
+    frames: dict = {}
+
     def result_body(items: list[MultiModalItem], output: RequestOutput) -> dict:
         result = describe_result(items, output, record.arrival, setting).to_dict()
         meta = {"id": record.request_id, "object": "video.description", "model": state.llm.name}
-        return {**meta, "created": int(time.time()), **result}
+        return {**meta, "created": int(time.time()), **result, **frames}
 
     async def run() -> Response:
         items = await state.encode([spec], record)
+        if checked.include_frames:
+            decode_config = state.llm.pipeline.decode_config
+            thumbs = await asyncio.to_thread(thumbnails, checked.data, decode_config, checked.video)
+            frames["frames"] = frames_view(items[0], thumbs)
         prompt = state.llm.processor.build_text(checked.prompt, items)
         outputs = state.generate(prompt, checked.params, items, record)
         first = await anext(outputs)
@@ -152,6 +162,7 @@ async def _check_form(form: FormData) -> DescribeForm:
             "end": numbers["end"],
         },
         stream=_flag(form, "stream"),
+        include_frames=_flag(form, "include_frames"),
     )
 
 

@@ -25,7 +25,8 @@ from stillcut.service.metrics import ServiceMetrics
 from stillcut.service.record import RequestRecord
 
 REQUEST_ID_HEADER = "x-request-id"
-OPEN_PATHS = ("/health",)  # answered without the API key
+OPEN_PATHS = ("/health", "/")  # answered without the API key
+OPEN_PREFIXES = ("/static/",)  # the page's files: it asks for the key itself
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 access_log = logging.getLogger("stillcut.access")
 
@@ -105,7 +106,9 @@ class RequestContextMiddleware:
                 record.ended = time.monotonic()
             await send(message)
 
-        if scope["path"] not in OPEN_PATHS and not key_matches(self.api_key, bearer_token(scope)):
+        path = scope["path"]
+        is_open = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+        if not is_open and not key_matches(self.api_key, bearer_token(scope)):
             error = APIError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer <key>'",
