@@ -55,6 +55,8 @@ async function loadSamples() {
     select.replaceChildren(new Option("(none)", ""));
     for (const name of names) select.add(new Option(name, name));
   }
+  if (navigator.mediaDevices?.getUserMedia) $("live-sample").add(new Option("webcam", WEBCAM));
+  $("live-picker").hidden = $("live-sample").options.length < 2;
   if (names.length) $("live-sample").value = names[0];
 }
 
@@ -191,20 +193,27 @@ function barOf(kept, total, index) {
 // Live mode: play the chosen sample in a hidden <video>, grab frames at `fps` through a canvas
 // and send each as 8 bytes of little-endian float64 seconds followed by the JPEG bytes.
 const live = { socket: null, running: false };
+const WEBCAM = "__webcam__";
 const LIVE_FPS = 2;
 
 async function startLive(event) {
   event.preventDefault();
   showError("");
-  const sample = $("live-sample").value;
-  if (!sample) return showError("Choose a sample to stream.");
+  const source = $("live-sample").value;
+  if (!source) return showError("Choose a sample or the webcam to stream.");
   const video = $("live-video");
   try {
-    video.src = URL.createObjectURL(await sampleBlob(sample));
-    await new Promise((resolve, reject) => {
-      video.onloadeddata = resolve;
-      video.onerror = () => reject(new Error("this browser cannot decode the sample"));
-    });
+    if (source === WEBCAM) {
+      video.srcObject = await navigator.mediaDevices.getUserMedia({ video: true });
+      await video.play();
+    } else {
+      video.srcObject = null;
+      video.src = URL.createObjectURL(await sampleBlob(source));
+      await new Promise((resolve, reject) => {
+        video.onloadeddata = resolve;
+        video.onerror = () => reject(new Error("this browser cannot decode the sample"));
+      });
+    }
   } catch (error) {
     return showError(error.message);
   }
@@ -250,18 +259,27 @@ async function sendFrames(video) {
   canvas.width = video.videoWidth;
   canvas.height = video.videoHeight;
   const context = canvas.getContext("2d");
-  for (let k = 0; live.running && k / LIVE_FPS < video.duration; k += 1) {
+  const webcam = video.srcObject !== null;
+  for (let k = 0; live.running && (webcam || k / LIVE_FPS < video.duration); k += 1) {
     const t = k / LIVE_FPS;
-    video.currentTime = t;
-    await new Promise((resolve) => { video.onseeked = resolve; });
+    if (webcam) {  // a camera runs in real time: take a frame every 1 / fps seconds
+      await new Promise((resolve) => setTimeout(resolve, k ? 1000 / LIVE_FPS : 0));
+    } else {  // a file is seeked frame by frame, as fast as the server takes them
+      video.currentTime = t;
+      await new Promise((resolve) => { video.onseeked = resolve; });
+    }
     context.drawImage(video, 0, 0);
     const jpeg = await new Promise((resolve) => canvas.toBlob(resolve, "image/jpeg", 0.85));
     const stamp = new DataView(new ArrayBuffer(8));
     stamp.setFloat64(0, t, true);
-    if (live.socket.readyState !== WebSocket.OPEN) return;
+    if (live.socket.readyState !== WebSocket.OPEN) break;
     live.socket.send(await new Blob([stamp.buffer, jpeg]).arrayBuffer());
   }
-  $("live-status").textContent += " (all frames sent; ask away)";
+  if (webcam) {
+    for (const track of video.srcObject.getTracks()) track.stop();
+  } else {
+    $("live-status").textContent += " (all frames sent; ask away)";
+  }
 }
 
 function setLiveButtons(running) {

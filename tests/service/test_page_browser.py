@@ -25,6 +25,9 @@ CHROMIUM_ARGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    # a synthetic camera, granted without a prompt, for the webcam source of live mode
+    "--use-fake-device-for-media-stream",
+    "--use-fake-ui-for-media-stream",
 ]
 SCREENSHOT_DIR = Path(__file__).resolve().parents[2] / "bench" / "out"
 VIEWPORTS = {"page.png": (1280, 800), "page_phone.png": (390, 844)}
@@ -129,6 +132,25 @@ def test_live_mode_streams_a_sample_and_answers(browser, main_server):
     page.click("#live-start")
     page.wait_for_selector("#live-bars .bar >> nth=1", timeout=TIMEOUT_MS)
     page.fill("#live-prompt", "What moves?")
+    page.click("#live-ask")
+    page.wait_for_function(
+        "document.querySelector('#live-answer').textContent.length > 0", timeout=TIMEOUT_MS
+    )
+    page.click("#live-stop")
+    page.wait_for_selector("#live-start:not([disabled])", timeout=TIMEOUT_MS)
+    assert page.locator("#error").is_hidden(), page.locator("#error").inner_text()
+    assert errors == []
+    page.close()
+
+
+def test_live_mode_streams_the_webcam(browser, main_server):
+    page, errors = _open_page(browser, main_server.url + "/", (1280, 800))
+    page.click("#tab-live")
+    page.wait_for_function("document.querySelector('#live-sample').options.length > 1")
+    page.select_option("#live-sample", label="webcam")
+    page.click("#live-start")
+    page.wait_for_selector("#live-bars .bar >> nth=1", timeout=TIMEOUT_MS)
+    page.fill("#live-prompt", "What do you see?")
     page.click("#live-ask")
     page.wait_for_function(
         "document.querySelector('#live-answer').textContent.length > 0", timeout=TIMEOUT_MS
