@@ -1,5 +1,6 @@
 """A plain (non-editable) install lays the top-level folders out as `stillcut.*` and works."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -9,8 +10,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
+    # Build from a copy: setuptools writes build/ and egg-info beside the sources.
+    source = tmp_path / "source"
+    junk = (".git", ".venv", ".cache", "build", "*.egg-info", "__pycache__", "bench", "samples")
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*junk))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
          "-q", "-w", str(tmp_path / "dist")],
         check=True,
         cwd=tmp_path,

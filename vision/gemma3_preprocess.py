@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from stillcut.vision.preprocess import _describe, _normalization_lut
+from stillcut.vision.preprocess import check_frames, describe_array, normalization_lut
 
 CONFIG_FILE = "preprocessor_config.json"
 IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
@@ -102,17 +102,10 @@ def preprocess_frames(
     frames: np.ndarray, config: Gemma3PreprocessConfig = Gemma3PreprocessConfig()
 ) -> torch.Tensor:
     """Frames (or images) [T, H, W, 3] uint8 RGB -> pixel values [T, 3, S, S] float32."""
-    if not (
-        isinstance(frames, np.ndarray)
-        and frames.dtype == np.uint8
-        and frames.ndim == 4
-        and frames.shape[0] >= 1
-        and frames.shape[3] == 3
-    ):
-        raise ValueError(f"frames must be uint8 RGB [T>=1, H, W, 3], got {_describe(frames)}")
+    check_frames(frames)
     size = config.image_size
     resample = _RESAMPLE_FILTERS[config.resample]
-    lut = _normalization_lut(config)  # [3, 256]
+    lut = normalization_lut(config)  # [3, 256]
     channels = np.arange(3)[:, None, None]  # [3, 1, 1]
     out = np.empty((frames.shape[0], 3, size, size), np.float32)
     for index, frame in enumerate(frames):
@@ -127,5 +120,5 @@ def preprocess_image(
 ) -> torch.Tensor:
     """One image [H, W, 3] uint8 RGB -> pixel values [3, S, S] float32."""
     if not isinstance(image, np.ndarray) or image.ndim != 3:
-        raise ValueError(f"image must be a numpy array [H, W, 3], got {_describe(image)}")
+        raise ValueError(f"image must be a numpy array [H, W, 3], got {describe_array(image)}")
     return preprocess_frames(image[None], config)[0]

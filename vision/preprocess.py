@@ -190,11 +190,23 @@ def preprocess_image(
     time, and M-RoPE never scales the temporal index of an image.
     """
     if not isinstance(image, np.ndarray) or image.ndim != 3:
-        raise ValueError(f"image must be a numpy array [H, W, 3], got {_describe(image)}")
+        raise ValueError(f"image must be a numpy array [H, W, 3], got {describe_array(image)}")
     return _preprocess(image[None], config, 0.0)
 
 
-def _describe(array: object) -> str:
+def check_frames(frames: object) -> None:
+    """Raise a ValueError unless `frames` is a uint8 RGB array [T >= 1, H, W, 3]."""
+    if not (
+        isinstance(frames, np.ndarray)
+        and frames.dtype == np.uint8
+        and frames.ndim == 4
+        and frames.shape[0] >= 1
+        and frames.shape[3] == 3
+    ):
+        raise ValueError(f"frames must be uint8 RGB [T>=1, H, W, 3], got {describe_array(frames)}")
+
+
+def describe_array(array: object) -> str:
     if isinstance(array, np.ndarray):
         return f"shape {list(array.shape)} dtype {array.dtype}"
     return type(array).__name__
@@ -203,14 +215,7 @@ def _describe(array: object) -> str:
 def _preprocess(
     frames: np.ndarray, config: VideoPreprocessConfig, second_per_grid_ts: float
 ) -> PreprocessedVideo:
-    if not (
-        isinstance(frames, np.ndarray)
-        and frames.dtype == np.uint8
-        and frames.ndim == 4
-        and frames.shape[0] >= 1
-        and frames.shape[3] == 3
-    ):
-        raise ValueError(f"frames must be uint8 RGB [T>=1, H, W, 3], got {_describe(frames)}")
+    check_frames(frames)
     num_frames, height, width, _ = frames.shape
     resized_height, resized_width = smart_resize(
         height, width, config.factor, config.min_pixels, config.max_pixels
@@ -218,7 +223,7 @@ def _preprocess(
     tp, ps, ms = config.temporal_patch_size, config.patch_size, config.merge_size
     grid_t = -(-num_frames // tp)
     grid_h, grid_w = resized_height // ps, resized_width // ps
-    lut = _normalization_lut(config)  # [3, 256]
+    lut = normalization_lut(config)  # [3, 256]
     out = np.empty((grid_t, grid_h // ms, grid_w // ms, ms, ms, 3, tp, ps, ps), np.float32)
 
     def prepare(t: int) -> None:
@@ -258,7 +263,7 @@ def _patchify_tubelet(tubelet: np.ndarray, lut: np.ndarray, out: np.ndarray) -> 
         out[:, :, :, :, c] = lut[c][blocks[:, :, :, :, c]]
 
 
-def _normalization_lut(config: VideoPreprocessConfig) -> np.ndarray:
+def normalization_lut(config: VideoPreprocessConfig) -> np.ndarray:
     """[3, 256] float32: normalized value of every uint8 level per channel, computed in
     transformers' order (uint8 -> float64 * scale -> float32, then float32 (x - mean) / std),
     so the lookup is bit-identical to its arithmetic.
