@@ -34,14 +34,14 @@ from stillcut.engine.models.layers import (
     checkpoint_layout,
     empty_weight,
     fuse_projections,
+    fused_qkv_attention,
     head_layout,
     rotary_tables,
-    rotate,
     set_weight,
     vocab_logits,
 )
 from stillcut.engine.multimodal import MultiModalItem
-from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from stillcut.kernels.attention import AttentionMetadata
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 # A checkpoint layer's norms -> ours (their `1 + weight`, float32).
@@ -97,7 +97,6 @@ class Gemma3DecoderLayer(nn.Module):
         self.sliding_window = config.sliding_window if layer_type == SLIDING else None
         self.soft_cap = config.attn_logit_softcapping
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = head_dim
         self.eps = config.rms_norm_eps
         self.scale = config.query_pre_attn_scalar**-0.5
         new = {"dtype": dtype, "device": device}
@@ -122,24 +121,21 @@ class Gemma3DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """`hidden` [N, hidden] (the residual stream) -> the next layer's residual stream."""
-        num_tokens = hidden.shape[0]
-        num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = _norm(hidden, self.input_norm, self.eps) @ self.qkv_weight  # [N, (Hq+2Hkv) * D]
-        # q and k heads are adjacent columns: one norm (per-head scales) and one rotation.
-        qk = qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim)
-        qk = rotate(_norm(qk, self.qk_norm, self.eps), cos, sin)  # [N, Hq + Hkv, D]
-        query, key = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        value = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, -1, self.head_dim)
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
-        attended = paged_attention(
-            query,
+        attended = fused_qkv_attention(
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            cos,
+            sin,
             kv_cache,
             metadata,
+            qk_transform=lambda qk: _norm(qk, self.qk_norm, self.eps),  # per-head scales
             scale=self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.soft_cap,
-        )  # [N, Hq, D]
-        attended = attended.reshape(num_tokens, -1) @ self.o_weight  # [N, hidden]
+        )  # [N, Hq * D]
+        attended = attended @ self.o_weight  # [N, hidden]
         hidden = hidden + _norm(attended, self.post_attention_norm, self.eps)
 
         gate_up = _norm(hidden, self.pre_feedforward_norm, self.eps) @ self.gate_up_weight

@@ -7,8 +7,12 @@ come as cos and a signed sin, `[N, 1, D]`, so that rotating q and k heads is one
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
 
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -81,6 +85,36 @@ def rotary_tables(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tenso
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of `x` [N, heads, D] with `rotary_tables`' [N, 1, D] tables."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin)
+
+
+def fused_qkv_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    *,
+    qk_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    **attention_options,
+) -> torch.Tensor:
+    """Attention from a fused projection `qkv` [N, (Hq + 2 Hkv) * D] -> [N, Hq * D].
+
+    q and k heads are adjacent columns, so one `qk_transform` (e.g. a per-head norm) and one
+    rotation cover both; the new k/v go into the paged cache before attending.
+    """
+    num_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    num_qk_heads = num_heads + num_kv_heads
+    qk = qkv[:, : num_qk_heads * head_dim].view(num_tokens, num_qk_heads, head_dim)
+    if qk_transform is not None:
+        qk = qk_transform(qk)
+    query, key = rotate(qk, cos, sin).split((num_heads, num_kv_heads), dim=1)
+    value = qkv[:, num_qk_heads * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    write_kv(key, value, kv_cache, metadata.slot_mapping)
+    attended = paged_attention(query, kv_cache, metadata, **attention_options)  # [N, Hq, D]
+    return attended.reshape(num_tokens, -1)
 
 
 def checkpoint_layout(vocab_size: int, hidden_size: int, layers: list[nn.Module]) -> nn.Module:

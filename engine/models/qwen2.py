@@ -26,15 +26,15 @@ from stillcut.engine.models.layers import (
     checkpoint_layout,
     empty_weight,
     fuse_projections,
+    fused_qkv_attention,
     head_layout,
     rotary_tables,
-    rotate,
     set_weight,
     vocab_logits,
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
-from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from stillcut.kernels.attention import AttentionMetadata
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 LM_HEAD_PREFIX = "lm_head."
@@ -70,7 +70,6 @@ class Qwen2DecoderLayer(nn.Module):
         hidden, head_dim = config.hidden_size, config.head_dim
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
-        self.head_dim = head_dim
         self.eps = config.rms_norm_eps
         self.scale = head_dim**-0.5
         qkv_width = (config.num_heads + 2 * config.num_kv_heads) * head_dim
@@ -94,18 +93,12 @@ class Qwen2DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """`hidden` [N, hidden] (the residual stream) -> the next layer's residual stream."""
-        num_tokens = hidden.shape[0]
-        num_qk_heads = self.num_heads + self.num_kv_heads
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
         qkv = torch.addmm(self.qkv_bias, normed, self.qkv_weight)  # [N, (Hq + 2 Hkv) * D]
-        # q and k heads are adjacent columns, so one rotation covers both.
-        qk = qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim)
-        qk = rotate(qk, cos, sin)  # [N, Hq + Hkv, D]
-        query, key = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        value = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, -1, self.head_dim)
-        write_kv(key, value, kv_cache, metadata.slot_mapping)
-        attended = paged_attention(query, kv_cache, metadata, scale=self.scale)  # [N, Hq, D]
-        hidden = torch.addmm(hidden, attended.reshape(num_tokens, -1), self.o_weight)
+        attended = fused_qkv_attention(
+            qkv, self.num_heads, self.num_kv_heads, cos, sin, kv_cache, metadata, scale=self.scale
+        )  # [N, Hq * D]
+        hidden = torch.addmm(hidden, attended, self.o_weight)
 
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
         gate_up = normed @ self.gate_up_weight  # [N, 2 * intermediate]
