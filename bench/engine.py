@@ -86,7 +86,7 @@ def jobs(count: int) -> list[Job]:
 
 def run_stillcut(engine, pipeline, work, evs, question) -> Timings:
     timings = Timings()
-    t0 = time.perf_counter()
+    t0, t0_monotonic = time.perf_counter(), time.monotonic()  # request metrics use monotonic
     for job in work:
         item = pipeline.video(job.clip, evs=evs, max_frames=job.num_frames, end=job.num_frames / 2)
         timings.decode += item.stats.get("decode_s", 0.0) + item.stats.get("preprocess_s", 0.0)
@@ -107,14 +107,9 @@ def run_stillcut(engine, pipeline, work, evs, question) -> Timings:
         for output in outputs:
             if output.finished:
                 timings.tokens += len(output.token_ids)
-                timings.ttfts.append(output.metrics.first_token_time - t0_monotonic(t0))
+                timings.ttfts.append(output.metrics.first_token_time - t0_monotonic)
     timings.wall = time.perf_counter() - t0
     return timings
-
-
-def t0_monotonic(t0_perf: float) -> float:
-    """The monotonic clock's reading at perf_counter `t0_perf` (metrics use monotonic)."""
-    return time.monotonic() - (time.perf_counter() - t0_perf)
 
 
 class _FirstToken:
