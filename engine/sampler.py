@@ -186,7 +186,7 @@ class Sampler:
         )
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_ids = None if batch.all_random else logits.argmax(dim=-1)  # ties: lowest index
+        greedy_ids = None if batch.all_random else first_argmax(logits)
         if batch.all_greedy:
             return greedy_ids
         logits = apply_temperature(logits, batch.temperature)
@@ -276,6 +276,22 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
+def first_argmax(values: torch.Tensor) -> torch.Tensor:
+    """`values.argmax(-1)` of `[S, V]` (ties: the lowest index), faster on CPU for a vocabulary.
+
+    torch's CPU argmax reads a 150k row at ~2 GB/s, its max reduction ~10x faster: take each
+    block's max, the first block holding the row's max, then the argmax inside that block.
+    """
+    num_rows, vocab = values.shape
+    num_blocks = next((b for b in (512, 256, 128, 64) if vocab % b == 0 and vocab >= 16 * b), 1)
+    if values.device.type != "cpu" or num_blocks == 1:
+        return values.argmax(dim=-1)
+    blocks = values.view(num_rows, num_blocks, vocab // num_blocks)
+    best_block = blocks.amax(dim=-1).argmax(dim=-1)  # [S]: the first block with the max
+    inside = blocks[torch.arange(num_rows, device=values.device), best_block].argmax(dim=-1)
+    return best_block * (vocab // num_blocks) + inside
+
+
 def exponential_race(
     probs: torch.Tensor, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
@@ -293,7 +309,7 @@ def exponential_race(
     # -log(u) ~ Exp(1) and is several times cheaper than exponential_() on CPU. u < 1 keeps q > 0;
     # the clamp keeps q finite, so a filtered token (p = 0) can never win.
     q = uniform.clamp_(min=torch.finfo(probs.dtype).tiny).log_().neg_()
-    return (probs / q).argmax(dim=-1)
+    return first_argmax(probs / q)
 
 
 def gather_logprobs(

@@ -15,7 +15,7 @@ this torch backend elsewhere.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import pairwise
 from typing import Literal, NamedTuple
@@ -46,6 +46,8 @@ class AttentionMetadata:
     mm_ranges: torch.Tensor | None = None  # [R, 3] int32 (b, start, end), or None
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # What the torch backend derives from this metadata once and every layer reuses.
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         num_requests = self.seq_lens.shape[0]
@@ -144,14 +146,19 @@ def paged_attention_torch(
     seq_lens = metadata.seq_lens_cpu
     seq_lens = metadata.seq_lens.tolist() if seq_lens is None else seq_lens
     assert starts[-1] <= query.shape[0], (starts[-1], query.shape)  # padding rows stay unset
-    items = _items_by_request(metadata.mm_ranges, seq_lens)
     dtype = torch.float32 if query.device.type == "cpu" else query.dtype
     attend = partial(_attend, scale=scale, soft_cap=logits_soft_cap)
+    key = ("decode", sliding_window, kv_cache.shape[2], kv_cache.shape[3], query.device)
+    if key not in metadata.plans:
+        metadata.plans[key] = _decode_plan(metadata, starts, seq_lens, kv_cache, sliding_window)
+    plan: _DecodePlan | None = metadata.plans[key]
+    if plan is not None and plan.num_decodes == len(seq_lens) == query.shape[0]:
+        return _decode(query.to(dtype), kv_cache, plan, attend).to(query.dtype)  # decodes only
+    items = _items_by_request(metadata.mm_ranges, seq_lens)
     out = torch.empty_like(query)  # [N, num_heads, head_dim]
-    decodes: list[int] = []
     for b, (start, end) in enumerate(pairwise(starts)):
-        context_len = seq_lens[b]
         if end - start > 1:
+            context_len = seq_lens[b]
             chunk = _span(
                 context_len - (end - start), context_len, items.get(b, []), sliding_window
             )
@@ -161,18 +168,60 @@ def paged_attention_torch(
             _prefill_chunk(
                 q, kv_cache, block_table, chunk, sliding_window, attend, tiled, out[start:end]
             )
-        elif end - start == 1:
-            decodes.append(b)
-    if decodes:
-        spans = [
-            _span(seq_lens[b] - 1, seq_lens[b], items.get(b, []), sliding_window) for b in decodes
-        ]
-        rows = torch.tensor([starts[b] for b in decodes], device=query.device)  # [num_decodes]
-        q = query.index_select(0, rows).to(dtype)  # [num_decodes, num_heads, head_dim]
-        block_tables = metadata.block_tables[torch.tensor(decodes, device=query.device)]
-        decoded = _decode_batch(q, kv_cache, block_tables, spans, sliding_window, attend)
-        out.index_copy_(0, rows, decoded.to(out.dtype))
+    if plan is not None:
+        q = query.index_select(0, plan.rows).to(dtype)  # [num_decodes, num_heads, head_dim]
+        out.index_copy_(0, plan.rows, _decode(q, kv_cache, plan, attend).to(out.dtype))
     return out
+
+
+class _DecodePlan(NamedTuple):
+    """The single-token queries of a step, as one padded batch: query `rows` [B], the KV-cache
+    rows to gather `[B * Hkv * K]` (see `_kv_rows`) and the visibility `mask` `[B, 1, K]`,
+    None when every decode sees every gathered key."""
+
+    num_decodes: int
+    rows: torch.Tensor
+    kv_rows: torch.Tensor
+    num_keys: int
+    mask: torch.Tensor | None
+
+
+def _decode_plan(metadata, starts, seq_lens, kv_cache, window) -> _DecodePlan | None:
+    decodes = [b for b, (start, end) in enumerate(pairwise(starts)) if end - start == 1]
+    if not decodes:
+        return None
+    device = metadata.block_tables.device
+    items = _items_by_request(metadata.mm_ranges, seq_lens)
+    spans = [_span(seq_lens[b] - 1, seq_lens[b], items.get(b, []), window) for b in decodes]
+    key_start = torch.tensor([s.key_start for s in spans], device=device)  # [B]
+    last = torch.tensor([s.query_start for s in spans], device=device)  # [B]
+    # Each decode is its own query position, so it lies in at most one item.
+    item_bounds = [s.items[0] if s.items else (0, 0) for s in spans]
+    item_start, item_end = torch.tensor(item_bounds, device=device).T  # [B] each
+    num_keys = max(s.key_end - s.key_start for s in spans)
+    key_pos = key_start[:, None] + torch.arange(num_keys, device=device)  # [B, K]
+    # Padding keys past a request's context re-read its last token: written, hence finite.
+    gather_pos = torch.minimum(key_pos, last[:, None])  # [B, K]
+    block_tables = metadata.block_tables[torch.tensor(decodes, device=device)]
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    kv_rows = _kv_rows(block_tables, gather_pos, block_size, num_kv_heads)  # [B, Hkv, K]
+    bounds = (x[:, None] for x in (last, item_start, item_end))
+    mask = _visible(*bounds, key_pos, window)[:, None]  # [B, 1, K]
+    rows = torch.tensor([starts[b] for b in decodes], device=device)
+    return _DecodePlan(
+        len(decodes), rows, kv_rows.flatten(), num_keys, None if bool(mask.all()) else mask
+    )
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, attend) -> torch.Tensor:
+    """Attention of the decodes' queries `[B, H, D]` -> `[B, H, D]`, with grouped heads folded
+    into SDPA's query axis (no repeated K/V)."""
+    num_decodes, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    kv = torch.index_select(kv_cache.view(2, -1, head_dim), 1, plan.kv_rows)
+    kv = kv.view(2, num_decodes, num_kv_heads, plan.num_keys, head_dim).to(q.dtype)
+    q = q.view(num_decodes, num_kv_heads, -1, 1, head_dim)  # [B, Hkv, G, 1, D]
+    return attend(q, kv[0], kv[1], plan.mask).reshape(num_decodes, num_heads, head_dim)
 
 
 def _items_by_request(
@@ -239,23 +288,16 @@ def _tile_mask(span: _Span, window: int | None, device: torch.device) -> torch.T
     return _visible(*bounds, key_pos[None], window)[None]
 
 
-def _decode_batch(q, kv_cache, block_tables, spans: list[_Span], window: int | None, attend):
-    num_decodes, num_heads, head_dim = q.shape
-    device = q.device
-    key_start = torch.tensor([s.key_start for s in spans], device=device)  # [B]
-    last = torch.tensor([s.query_start for s in spans], device=device)  # [B]
-    # Each decode is its own query position, so it lies in at most one item.
-    item_bounds = [s.items[0] if s.items else (0, 0) for s in spans]
-    item_start, item_end = torch.tensor(item_bounds, device=device).T  # [B] each
-    num_keys = max(s.key_end - s.key_start for s in spans)
-    key_pos = key_start[:, None] + torch.arange(num_keys, device=device)  # [B, K]
-    # Padding keys past a request's context re-read its last token: written, hence finite.
-    gather_pos = torch.minimum(key_pos, last[:, None])  # [B, K]
-    k, v = _gather_kv(kv_cache, block_tables, gather_pos, q.dtype)  # [B, Hkv, K, D]
-    bounds = (x[:, None] for x in (last, item_start, item_end))
-    mask = _visible(*bounds, key_pos, window)[:, None]  # [B, 1, K]
-    q = q.view(num_decodes, k.shape[1], -1, 1, head_dim)  # [B, Hkv, G, 1, D]
-    return attend(q, k, v, mask).reshape(num_decodes, num_heads, head_dim)
+def _kv_rows(
+    block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, num_kv_heads: int
+) -> torch.Tensor:
+    """Rows `[R, Hkv, K]` of a layer's `kv_cache.view(2, -1, head_dim)` holding the heads of
+    sequence `positions` `[R, K]` of the `block_tables` rows, head-major (the layout matmul
+    wants)."""
+    block_ids = block_tables.gather(1, positions // block_size)  # [R, K]
+    slots = block_ids.long() * block_size + positions % block_size  # [R, K]
+    heads = torch.arange(num_kv_heads, device=positions.device)[:, None]  # [Hkv, 1]
+    return slots[:, None] * num_kv_heads + heads  # [R, Hkv, K]
 
 
 def _gather_kv(
@@ -264,11 +306,7 @@ def _gather_kv(
     """K and V `[R, Hkv, K, D]`, contiguous, at sequence `positions` `[R, K]` of the
     `block_tables` rows."""
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    block_ids = block_tables.gather(1, positions // block_size)  # [R, K]
-    slots = block_ids.long() * block_size + positions % block_size  # [R, K]
-    heads = torch.arange(num_kv_heads, device=positions.device)[:, None]  # [Hkv, 1]
-    # Gathering one row per (slot, head) lands K/V head-major, the layout matmul wants.
-    rows = slots[:, None] * num_kv_heads + heads  # [R, Hkv, K]
+    rows = _kv_rows(block_tables, positions, block_size, num_kv_heads)  # [R, Hkv, K]
     # index_select copies whole rows; advanced indexing copies element by element (2x slower).
     kv = torch.index_select(kv_cache.view(2, -1, head_dim), 1, rows.flatten())  # [2, R*Hkv*K, D]
     kv = kv.view(2, *rows.shape, head_dim).to(dtype)  # [2, R, Hkv, K, D]

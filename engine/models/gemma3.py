@@ -36,6 +36,7 @@ from stillcut.engine.models.layers import (
     fuse_projections,
     fused_qkv_attention,
     head_layout,
+    linear,
     rotary_tables,
     set_weight,
     vocab_logits,
@@ -121,7 +122,9 @@ class Gemma3DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """`hidden` [N, hidden] (the residual stream) -> the next layer's residual stream."""
-        qkv = _norm(hidden, self.input_norm, self.eps) @ self.qkv_weight  # [N, (Hq+2Hkv) * D]
+        qkv = linear(
+            _norm(hidden, self.input_norm, self.eps), self.qkv_weight
+        )  # [N, (Hq+2Hkv) * D]
         attended = fused_qkv_attention(
             qkv,
             self.num_heads,
@@ -135,13 +138,13 @@ class Gemma3DecoderLayer(nn.Module):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.soft_cap,
         )  # [N, Hq * D]
-        attended = attended @ self.o_weight  # [N, hidden]
+        attended = linear(attended, self.o_weight)  # [N, hidden]
         hidden = hidden + _norm(attended, self.post_attention_norm, self.eps)
 
-        gate_up = _norm(hidden, self.pre_feedforward_norm, self.eps) @ self.gate_up_weight
+        gate_up = linear(_norm(hidden, self.pre_feedforward_norm, self.eps), self.gate_up_weight)
         gate, up = gate_up.chunk(2, dim=-1)  # [N, intermediate] each
         activated = F.gelu(gate, approximate="tanh").mul_(up)  # [N, intermediate]
-        mlp_out = activated @ self.down_weight  # [N, hidden]
+        mlp_out = linear(activated, self.down_weight)  # [N, hidden]
         return hidden + _norm(mlp_out, self.post_feedforward_norm, self.eps)
 
 

@@ -16,12 +16,10 @@ from stillcut.kernels.attention import AttentionMetadata, paged_attention, write
 
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [in, out] stored for a fast `x @ weight`.
-
-    Measured on the 2-core CPU, batch-1 fp32 matvecs read a contiguous `[in, out]` weight up to
-    2x faster than its transpose when out >= in (qkv, gate/up, the head), and the contiguous
-    `[out, in]` one (`F.linear`'s order, here a transposed view) up to 1.6x faster when in > out
-    (down). On GPU both orders are plain GEMM layouts.
+    """`weight` [in, out] stored for `linear`: a contiguous `[in, out]` when out >= in (qkv,
+    gate/up), else the `[in, out]` view of a contiguous `[out, in]` (down). Measured on the
+    2-core CPU, these are the orders `linear`'s banded matvecs read fastest; on GPU both are
+    plain GEMM layouts.
     """
     if weight.shape[1] >= weight.shape[0]:
         return weight.contiguous()
@@ -29,35 +27,58 @@ def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
 
 
 def head_layout(weight: torch.Tensor) -> torch.Tensor:
-    """An LM head `[vocab, hidden]` (or a tied embedding) stored for `vocab_logits`: returned as
-    the `[hidden, vocab]` view of a contiguous `[vocab, hidden]` tensor, so its rows double as
-    the embedding table (`head.T` is contiguous)."""
-    return weight.contiguous().T
+    """An LM head `[vocab, hidden]` (or a tied embedding) stored for `vocab_logits`: a contiguous
+    `[hidden, vocab]` tensor, read in column bands by one matvec per thread. Its transpose is
+    the embedding table of a tied model (a strided gather, a few rows per step)."""
+    return weight.T.contiguous()
 
 
 def vocab_logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """fp32 logits `[S, vocab]` of `hidden` `[S, hidden]` through a `head_layout` head.
+    """fp32 logits `[S, vocab]` of `hidden` `[S, hidden]` through a `head_layout` head."""
+    return linear(hidden, head).float()
 
-    Measured on the 2-core CPU, the skinny GEMMs of a 150k-vocabulary head are fastest as
-    `table @ hidden.T` for S > 1 (up to 1.7x faster than `hidden @ head`) and, for S = 1, as a
-    batched matvec over vocabulary blocks (about 1.4x faster), near the memory-read floor.
+
+def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` `[N, in]` @ `weight` `[in, out]` (a `matmul_layout` or `head_layout` tensor), plus
+    `add` (a bias `[out]` or a residual `[N, out]`) -> `[N, out]`.
+
+    A few rows on CPU (decode) are bound by reading the weight. Measured on the 2-core CPU,
+    MKL's gemm reads a weight 1.3-1.8x slower than memory allows there, while a `bmm` that
+    gives each thread its own band of the weight (columns of a contiguous `[in, out]`, rows of
+    a contiguous `[out, in]`) runs near the read floor. Longer batches are plain gemms.
     """
-    table = head.T  # [vocab, hidden], contiguous
-    if hidden.device.type != "cpu":
-        return (hidden @ head).float()
-    if hidden.shape[0] > 1:
-        return (table @ hidden.T).T.float()
-    num_blocks = table.shape[0] // _VOCAB_BLOCK
-    main = num_blocks * _VOCAB_BLOCK
-    column = hidden.T.contiguous()  # [hidden, 1]
-    blocks = table[:main].view(num_blocks, _VOCAB_BLOCK, table.shape[1])  # [nb, block, hidden]
-    head_part = torch.bmm(blocks, column.expand(num_blocks, *column.shape)).view(1, main)
-    if main == table.shape[0]:
-        return head_part.float()
-    return torch.cat([head_part, (table[main:] @ column).T], dim=1).float()
+    if x.device.type != "cpu" or x.shape[0] > BANDED_MAX_ROWS:
+        return x @ weight if add is None else torch.addmm(add, x, weight)
+    num_rows, (num_in, num_out) = x.shape[0], weight.shape
+    by_columns = weight.is_contiguous()
+    if by_columns:  # column bands: [k, N, in] @ [k, in, out/k] -> [k, N, out/k]
+        k = _bands(num_out, torch.get_num_threads())
+        left = x.expand(k, num_rows, num_in)
+        right = weight.view(num_in, k, num_out // k).transpose(0, 1)
+    else:  # row bands of [out, in]: [k, out/k, in] @ [k, in, N] -> [k, out/k, N]
+        k = _bands(num_out, 2 * torch.get_num_threads())
+        left = weight.T.reshape(k, num_out // k, num_in)  # a view: weight.T is contiguous
+        right = x.T.expand(k, num_in, num_rows)
+    if add is None:
+        banded = torch.bmm(left, right)
+    else:
+        add = add.expand(num_rows, num_out)
+        if by_columns:
+            add = add.reshape(num_rows, k, num_out // k).transpose(0, 1)
+        else:
+            add = add.T.reshape(k, num_out // k, num_rows)
+        banded = torch.baddbmm(add, left, right)
+    if by_columns:
+        return banded.transpose(0, 1).reshape(num_rows, num_out)  # a view when N == 1
+    return banded.reshape(num_out, num_rows).T
 
 
-_VOCAB_BLOCK = 8192
+BANDED_MAX_ROWS = 16
+
+
+def _bands(num_out: int, wanted: int) -> int:
+    """The largest band count <= `wanted` that divides `num_out`."""
+    return next(k for k in range(max(wanted, 1), 0, -1) if num_out % k == 0)
 
 
 def empty_weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

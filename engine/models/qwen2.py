@@ -28,6 +28,7 @@ from stillcut.engine.models.layers import (
     fuse_projections,
     fused_qkv_attention,
     head_layout,
+    linear,
     rotary_tables,
     set_weight,
     vocab_logits,
@@ -94,18 +95,18 @@ class Qwen2DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`hidden` [N, hidden] (the residual stream) -> the next layer's residual stream."""
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
-        qkv = torch.addmm(self.qkv_bias, normed, self.qkv_weight)  # [N, (Hq + 2 Hkv) * D]
+        qkv = linear(normed, self.qkv_weight, self.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
         attended = fused_qkv_attention(
             qkv, self.num_heads, self.num_kv_heads, cos, sin, kv_cache, metadata, scale=self.scale
         )  # [N, Hq * D]
-        hidden = torch.addmm(hidden, attended, self.o_weight)
+        hidden = linear(attended, self.o_weight, hidden)
 
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
-        gate_up = normed @ self.gate_up_weight  # [N, 2 * intermediate]
+        gate_up = linear(normed, self.gate_up_weight)  # [N, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
         # In place on our own temporary: the decode step allocates nothing more for SwiGLU.
         activated = F.silu(gate, inplace=True).mul_(up)  # [N, intermediate]
-        return torch.addmm(hidden, activated, self.down_weight)  # [N, hidden]
+        return linear(activated, self.down_weight, hidden)  # [N, hidden]
 
 
 class Qwen2LanguageModel(nn.Module):

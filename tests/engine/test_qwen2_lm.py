@@ -276,17 +276,17 @@ def test_two_requests_in_one_batch_equal_each_alone(checkpoints):
 
 def test_weights_are_fused_in_the_fast_matvec_layout(checkpoints):
     """What CPU decode speed depends on: [in, out] shapes, contiguous along out when out >= in
-    (qkv, gate/up) and along in otherwise (down, and the head, whose rows are the embedding
-    table); a tied model keeps one vocab copy."""
+    (qkv, gate/up, and the head, whose columns are the embedding table) and along in otherwise
+    (down); a tied model keeps one vocab copy."""
     for tied in (True, False):
         model = Qwen2LanguageModel.from_checkpoint(checkpoints["qwen2_5_vl", tied][1])
         layer = model.layers[0]
         assert layer.qkv_weight.shape == (64, (4 + 2 * 2) * 16)
         assert layer.gate_up_weight.shape == (64, 2 * 96) and layer.down_weight.shape == (96, 64)
         assert model.lm_head.shape == (64, VOCAB)
-        for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight):
+        for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, model.lm_head):
             assert weight.is_contiguous()
-        assert layer.down_weight.T.is_contiguous() and model.lm_head.T.is_contiguous()
+        assert layer.down_weight.T.is_contiguous()
         assert (model.embed_tokens is None) == tied
 
 
