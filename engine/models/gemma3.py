@@ -30,6 +30,8 @@ from stillcut.engine.models.gemma3_text_config import (
     gemma3_text_config,
 )
 from stillcut.engine.models.layers import (
+    Bands,
+    band_weights,
     checkpoint_layer,
     checkpoint_layout,
     empty_weight,
@@ -111,6 +113,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_norm = empty_weight(hidden, **norm)
         self.gate_up_weight = empty_weight(hidden, 2 * config.intermediate_size, **new)
         self.down_weight = empty_weight(config.intermediate_size, hidden, **new)
+        self.bands: dict[str, Bands] = {}  # see `band_weights`
         self.post_feedforward_norm = empty_weight(hidden, **norm)
 
     def forward(
@@ -138,13 +141,19 @@ class Gemma3DecoderLayer(nn.Module):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.soft_cap,
         )  # [N, Hq * D]
-        attended = linear(attended, self.o_weight)  # [N, hidden]
+        attended = linear(attended, self.o_weight, banded=self.bands.get("o_weight"))  # [N, hidden]
         hidden = hidden + _norm(attended, self.post_attention_norm, self.eps)
 
-        gate_up = linear(_norm(hidden, self.pre_feedforward_norm, self.eps), self.gate_up_weight)
+        gate_up = linear(
+            _norm(hidden, self.pre_feedforward_norm, self.eps),
+            self.gate_up_weight,
+            banded=self.bands.get("gate_up_weight"),
+        )
         gate, up = gate_up.chunk(2, dim=-1)  # [N, intermediate] each
         activated = F.gelu(gate, approximate="tanh").mul_(up)  # [N, intermediate]
-        mlp_out = linear(activated, self.down_weight)  # [N, hidden]
+        mlp_out = linear(
+            activated, self.down_weight, banded=self.bands.get("down_weight")
+        )  # [N, hidden]
         return hidden + _norm(mlp_out, self.post_feedforward_norm, self.eps)
 
 
@@ -182,6 +191,7 @@ class Gemma3LanguageModel(nn.Module):
         self.lm_head = empty_weight(
             config.hidden_size, config.vocab_size, dtype=dtype, device=device
         )
+        self.head_bands: Bands | None = None  # see `band_weights`
         self.rotary = Gemma3Rope(config, device)
         # transformers rounds sqrt(hidden) to the weights' dtype before scaling (55.5 in bf16).
         self.embed_scale = nn.Buffer(
@@ -219,7 +229,7 @@ class Gemma3LanguageModel(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, soft-capped if the config says so."""
-        logits = vocab_logits(hidden_states, self.lm_head)  # [S, vocab]
+        logits = vocab_logits(hidden_states, self.lm_head, self.head_bands)  # [S, vocab]
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -280,6 +290,7 @@ class Gemma3LanguageModel(nn.Module):
             _fuse_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
         set_weight(model, "norm", _scale(stored.norm))
         set_weight(model, "lm_head", head_layout(stored.embed_tokens.weight))
+        band_weights(model)
         return model.eval()
 
 

@@ -8,6 +8,7 @@ come as cos and a signed sin, `[N, 1, D]`, so that rotating q and k heads is one
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -33,50 +34,86 @@ def head_layout(weight: torch.Tensor) -> torch.Tensor:
     return weight.T.contiguous()
 
 
-def vocab_logits(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+def vocab_logits(
+    hidden: torch.Tensor, head: torch.Tensor, banded: Bands | None = None
+) -> torch.Tensor:
     """fp32 logits `[S, vocab]` of `hidden` `[S, hidden]` through a `head_layout` head."""
-    return linear(hidden, head).float()
+    return linear(hidden, head, banded=banded).float()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+class Bands(NamedTuple):
+    """A weight cut into one band per thread for `linear`'s matvec: `[k, in, out/k]` column
+    bands of a contiguous `[in, out]`, or `[k, out/k, in]` row bands of a contiguous `[out, in]`
+    (views, no copy)."""
+
+    by_columns: bool
+    view: torch.Tensor
+
+
+def bands(weight: torch.Tensor) -> Bands:
+    """`weight` (`matmul_layout` / `head_layout`) as `Bands` for the current thread count."""
+    num_in, num_out = weight.shape
+    if weight.is_contiguous():
+        k = _band_count(num_out, torch.get_num_threads())
+        return Bands(True, weight.view(num_in, k, num_out // k).transpose(0, 1))
+    k = _band_count(num_out, 2 * torch.get_num_threads())
+    return Bands(False, weight.T.reshape(k, num_out // k, num_in))  # weight.T is contiguous
+
+
+PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+
+def band_weights(model: nn.Module) -> None:
+    """Give each decoder layer `bands` of its `PROJECTIONS` and the model `head_bands`, kept on
+    the modules beside the weights (on a weight itself, a view would keep it alive)."""
+    for layer in model.layers:
+        layer.bands = {name: bands(getattr(layer, name)) for name in PROJECTIONS}
+    model.head_bands = bands(model.lm_head)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    add: torch.Tensor | None = None,
+    banded: Bands | None = None,
+) -> torch.Tensor:
     """`x` `[N, in]` @ `weight` `[in, out]` (a `matmul_layout` or `head_layout` tensor), plus
-    `add` (a bias `[out]` or a residual `[N, out]`) -> `[N, out]`.
+    `add` (a bias `[out]` or a residual `[N, out]`) -> `[N, out]`; `banded` is the weight's
+    `bands`, made once (made here when not given).
 
     A few rows on CPU (decode) are bound by reading the weight. Measured on the 2-core CPU,
     MKL's gemm reads a weight 1.3-1.8x slower than memory allows there, while a `bmm` that
-    gives each thread its own band of the weight (columns of a contiguous `[in, out]`, rows of
-    a contiguous `[out, in]`) runs near the read floor. Longer batches are plain gemms.
+    gives each thread its own band of the weight runs near the read floor. Longer batches are
+    plain gemms.
     """
-    if x.device.type != "cpu" or x.shape[0] > BANDED_MAX_ROWS:
+    if not x.is_cpu or x.shape[0] > BANDED_MAX_ROWS:
         return x @ weight if add is None else torch.addmm(add, x, weight)
-    num_rows, (num_in, num_out) = x.shape[0], weight.shape
-    by_columns = weight.is_contiguous()
-    if by_columns:  # column bands: [k, N, in] @ [k, in, out/k] -> [k, N, out/k]
-        k = _bands(num_out, torch.get_num_threads())
-        left = x.expand(k, num_rows, num_in)
-        right = weight.view(num_in, k, num_out // k).transpose(0, 1)
-    else:  # row bands of [out, in]: [k, out/k, in] @ [k, in, N] -> [k, out/k, N]
-        k = _bands(num_out, 2 * torch.get_num_threads())
-        left = weight.T.reshape(k, num_out // k, num_in)  # a view: weight.T is contiguous
-        right = x.T.expand(k, num_in, num_rows)
+    by_columns, view = bands(weight) if banded is None else banded
+    num_rows, num_out, k = x.shape[0], weight.shape[1], view.shape[0]
+    if by_columns:  # [k, N, in] @ [k, in, out/k] -> [k, N, out/k]
+        left, right, shape = x.expand(k, -1, -1), view, (k, num_rows, num_out // k)
+    else:  # [k, out/k, in] @ [k, in, N] -> [k, out/k, N]
+        left, right, shape = view, x.T.expand(k, -1, -1), (k, num_out // k, num_rows)
     if add is None:
-        banded = torch.bmm(left, right)
+        result = torch.bmm(left, right)
+    elif num_rows == 1:
+        result = torch.baddbmm(add.reshape(shape), left, right)
+    elif by_columns:
+        add = add.expand(num_rows, num_out).reshape(num_rows, k, -1).transpose(0, 1)
+        result = torch.baddbmm(add, left, right)
     else:
-        add = add.expand(num_rows, num_out)
-        if by_columns:
-            add = add.reshape(num_rows, k, num_out // k).transpose(0, 1)
-        else:
-            add = add.T.reshape(k, num_out // k, num_rows)
-        banded = torch.baddbmm(add, left, right)
+        result = torch.baddbmm(add.expand(num_rows, num_out).T.reshape(shape), left, right)
+    if num_rows == 1:
+        return result.view(1, num_out)  # the bands lie in order in memory
     if by_columns:
-        return banded.transpose(0, 1).reshape(num_rows, num_out)  # a view when N == 1
-    return banded.reshape(num_out, num_rows).T
+        return result.transpose(0, 1).reshape(num_rows, num_out)
+    return result.reshape(num_out, num_rows).T
 
 
 BANDED_MAX_ROWS = 16
 
 
-def _bands(num_out: int, wanted: int) -> int:
+def _band_count(num_out: int, wanted: int) -> int:
     """The largest band count <= `wanted` that divides `num_out`."""
     return next(k for k in range(max(wanted, 1), 0, -1) if num_out % k == 0)
 

@@ -22,6 +22,8 @@ from torch import nn
 from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
 from stillcut.engine.model_config import TextConfig, text_config
 from stillcut.engine.models.layers import (
+    Bands,
+    band_weights,
     checkpoint_layer,
     checkpoint_layout,
     empty_weight,
@@ -84,6 +86,7 @@ class Qwen2DecoderLayer(nn.Module):
             hidden, 2 * config.intermediate_size, **new
         )  # [gate | up]
         self.down_weight = empty_weight(config.intermediate_size, hidden, **new)
+        self.bands: dict[str, Bands] = {}  # see `band_weights`
 
     def forward(
         self,
@@ -95,18 +98,24 @@ class Qwen2DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`hidden` [N, hidden] (the residual stream) -> the next layer's residual stream."""
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
-        qkv = linear(normed, self.qkv_weight, self.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
+        qkv = linear(
+            normed, self.qkv_weight, self.qkv_bias, self.bands.get("qkv_weight")
+        )  # [N, (Hq + 2 Hkv) * D]
         attended = fused_qkv_attention(
             qkv, self.num_heads, self.num_kv_heads, cos, sin, kv_cache, metadata, scale=self.scale
         )  # [N, Hq * D]
-        hidden = linear(attended, self.o_weight, hidden)
+        hidden = linear(attended, self.o_weight, hidden, self.bands.get("o_weight"))
 
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
-        gate_up = linear(normed, self.gate_up_weight)  # [N, 2 * intermediate]
+        gate_up = linear(
+            normed, self.gate_up_weight, banded=self.bands.get("gate_up_weight")
+        )  # [N, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
         # In place on our own temporary: the decode step allocates nothing more for SwiGLU.
         activated = F.silu(gate, inplace=True).mul_(up)  # [N, intermediate]
-        return linear(activated, self.down_weight, hidden)  # [N, hidden]
+        return linear(
+            activated, self.down_weight, hidden, self.bands.get("down_weight")
+        )  # [N, hidden]
 
 
 class Qwen2LanguageModel(nn.Module):
@@ -142,6 +151,7 @@ class Qwen2LanguageModel(nn.Module):
         )
         self.norm = empty_weight(config.hidden_size, **new)
         self.lm_head = empty_weight(config.hidden_size, config.vocab_size, **new)
+        self.head_bands: Bands | None = None  # see `band_weights`
         self.rotary = MRoPE(config, device)
 
     def forward(
@@ -178,7 +188,7 @@ class Qwen2LanguageModel(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
-        return vocab_logits(hidden_states, self.lm_head)
+        return vocab_logits(hidden_states, self.lm_head, self.head_bands)
 
     @property
     def num_layers(self) -> int:
@@ -233,6 +243,7 @@ class Qwen2LanguageModel(nn.Module):
             load_weights(head, folder, LM_HEAD_PREFIX, dtype=dtype, device=device)
             set_weight(model, "embed_tokens", stored.embed_tokens.weight)
             set_weight(model, "lm_head", head_layout(head.weight))
+        band_weights(model)
         return model.eval()
 
 
