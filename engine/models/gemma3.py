@@ -191,7 +191,7 @@ class Gemma3LanguageModel(nn.Module):
         self.lm_head = empty_weight(
             config.hidden_size, config.vocab_size, dtype=dtype, device=device
         )
-        self.head_bands: Bands | None = None  # see `band_weights`
+        self.head_bands: tuple[Bands, Bands] | None = None  # see `band_weights`
         self.rotary = Gemma3Rope(config, device)
         # transformers rounds sqrt(hidden) to the weights' dtype before scaling (55.5 in bf16).
         self.embed_scale = nn.Buffer(

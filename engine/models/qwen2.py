@@ -151,7 +151,7 @@ class Qwen2LanguageModel(nn.Module):
         )
         self.norm = empty_weight(config.hidden_size, **new)
         self.lm_head = empty_weight(config.hidden_size, config.vocab_size, **new)
-        self.head_bands: Bands | None = None  # see `band_weights`
+        self.head_bands: tuple[Bands, Bands] | None = None  # see `band_weights`
         self.rotary = MRoPE(config, device)
 
     def forward(

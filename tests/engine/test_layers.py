@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stillcut.engine.models.layers import head_layout, linear, matmul_layout, vocab_logits
+from stillcut.engine.models.layers import bands, head_layout, linear, matmul_layout, vocab_logits
 from stillcut.engine.sampler import first_argmax
 
 
@@ -36,9 +36,11 @@ def test_vocab_logits_equal_the_head_product():
     table = torch.randn(1000, 32)  # [vocab, hidden], as a checkpoint stores it
     head = head_layout(table)
     assert head.shape == (32, 1000) and head.is_contiguous()
-    for num_rows in (1, 4, 40):
-        hidden = torch.randn(num_rows, 32)
-        torch.testing.assert_close(vocab_logits(hidden, head), hidden @ table.T)
+    for banded in (None, (bands(head), bands(head, 64))):
+        for num_rows in (1, 4, 40):
+            hidden = torch.randn(num_rows, 32)
+            logits = vocab_logits(hidden, head, banded)
+            torch.testing.assert_close(logits, hidden @ table.T)
 
 
 @pytest.mark.parametrize("vocab", [151936, 4096, 1000, 7])
