@@ -7,10 +7,11 @@ i and j lie in the same bidirectional multimodal item): Gemma 3's mask as transf
 it, window AND (causal OR same image), so an image longer than the window does not see its own
 tokens beyond it. Only the key span some query can see is gathered (by slot, so unwritten slots
 are never read): a window bounds it from below. Decodes run as one padded batch with the grouped
-query heads folded into SDPA's query axis. A prefill chunk is one `is_causal` SDPA call when it
-starts at position 0 with a plain causal mask, else query tiles with explicit masks, each over
-only the keys it can see. `auto` picks the Triton kernel on CUDA (`paged_attention_triton`) and
-this torch backend elsewhere.
+query heads folded into SDPA's query axis; what to gather and mask for them is worked out once
+per step (kept in the metadata's `plans`) and reused by every layer. A prefill chunk is one
+`is_causal` SDPA call when it starts at position 0 with a plain causal mask, else query tiles
+with explicit masks, each over only the keys it can see. `auto` picks the Triton kernel on CUDA
+(`paged_attention_triton`) and this torch backend elsewhere.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Pieces every language model here shares: weight layout, frozen parameters, rotary embedding.
 
 Batch-1 decode is bound by reading the weights, so linear weights are applied as `x @ w` with
-`w` `[in, out]` and stored in whichever memory order a CPU matvec reads faster. Rotary tables
+`w` `[in, out]` by `linear`, which gives each CPU thread its own band of the weight when only a
+few rows go through it, and stored in the memory order that reads fastest. Rotary tables
 come as cos and a signed sin, `[N, 1, D]`, so that rotating q and k heads is one fused op.
 """
 

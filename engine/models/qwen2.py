@@ -4,10 +4,10 @@ One step runs N tokens of any mix of requests: embeddings (video/image embedding
 their placeholder rows), then decoder layers of GQA attention over the paged KV cache and a
 SwiGLU MLP, each behind an RMSNorm and a residual. Positions are M-RoPE (t, h, w) triples. Batch-1
 decode is bound by reading the weights, so linear weights are fused (q/k/v, gate/up), applied
-as `x @ w` with `w` `[in, out]`, and stored in whichever memory order a CPU matvec reads faster
-(`matmul_layout`); the residual add rides along in `addmm`. The head is `[hidden, vocab]`
-contiguous, and a tied model gathers its embeddings from the head's columns instead of keeping a
-second vocab x hidden copy.
+as `x @ w` with `w` `[in, out]` through `layers.linear` (banded matvecs for a few rows on CPU),
+and stored in whichever memory order it reads faster (`matmul_layout`); the residual add rides
+along in the product. The head is `[hidden, vocab]` contiguous, and a tied model gathers its
+embeddings from the head's columns instead of keeping a second vocab x hidden copy.
 """
 
 from __future__ import annotations
