@@ -44,6 +44,26 @@ def read_seconds(buffer: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+class PartTimer:
+    """Seconds spent in the model's decoder layers (`forward`) and head (`compute_logits`),
+    recorded by wrapping the two methods of one model instance."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.parts: dict[str, list[float]] = {"forward": [], "compute_logits": []}
+        for name, spent in self.parts.items():
+            setattr(model, name, self._timed(getattr(model, name), spent))
+
+    @staticmethod
+    def _timed(method, spent: list[float]):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = method(*args, **kwargs)
+            spent.append(time.perf_counter() - start)
+            return result
+
+        return timed
+
+
 def paired_rounds(engine: LLMEngine, batch: int, rounds: int, num_bytes: int) -> list[tuple]:
     """`rounds` pairs of (median seconds of 3 engine steps while `batch` requests all decode,
     seconds to read `num_bytes`) measured back to back, so that both see the same machine: on a
@@ -85,9 +105,14 @@ def main() -> None:
     )
     engine = LLMEngine(args.model or demo_checkpoint(), config)
     num_bytes, num_params = weight_bytes_per_step(engine.model)
-    rows = []
+    head_bytes = engine.model.lm_head.numel() * engine.model.lm_head.element_size()
+    rows, parts = [], {}
     for batch in (1, 8):
+        timer = PartTimer(engine.model) if batch == 1 else None
         pairs = paired_rounds(engine, batch, args.rounds, num_bytes)
+        if timer is not None:
+            del engine.model.forward, engine.model.compute_logits  # back to the class methods
+            parts = {name: statistics.median(spent) for name, spent in timer.parts.items()}
         step = statistics.median(p[0] for p in pairs)
         floor = statistics.median(p[1] for p in pairs)
         ratio = statistics.median(p[0] / p[1] for p in pairs)
@@ -102,6 +127,14 @@ def main() -> None:
             f"{batch:>6}{step * 1e3:>10.2f}{floor * 1e3:>10.2f}{ratio:>8.2f}"
             f"{bandwidth / 1e9:>11.1f}"
         )
+    step, bandwidth = rows[0][1], rows[0][4]
+    layers, head = parts["forward"], parts["compute_logits"]
+    print(
+        f"batch 1, where a step goes: layers {layers * 1e3:.2f} ms (their weights' floor "
+        f"{(num_bytes - head_bytes) / bandwidth * 1e3:.2f}), head {head * 1e3:.2f} ms (floor "
+        f"{head_bytes / bandwidth * 1e3:.2f}), outside the model {(step - layers - head) * 1e3:.2f}"
+        " ms"
+    )
     ratio = rows[0][3]
     verdict = "met" if ratio <= TARGET else "MISSED"
     print(
