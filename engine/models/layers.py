@@ -49,9 +49,9 @@ HEAD_BANDS_FOR_ROWS = 64  # measured: 8 rows through a 150k head 1.4x faster tha
 
 
 class Bands(NamedTuple):
-    """A weight cut into one band per thread for `linear`'s matvec: `[k, in, out/k]` column
-    bands of a contiguous `[in, out]`, or `[k, out/k, in]` row bands of a contiguous `[out, in]`
-    (views, no copy)."""
+    """A weight cut into k bands for `linear`'s matvec (by default one per thread):
+    `[k, in, out/k]` column bands of a contiguous `[in, out]`, or `[k, out/k, in]` row bands of
+    a contiguous `[out, in]` (views, no copy)."""
 
     by_columns: bool
     view: torch.Tensor
