@@ -49,9 +49,16 @@ class PartTimer:
     recorded by wrapping the two methods of one model instance."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         self.parts: dict[str, list[float]] = {"forward": [], "compute_logits": []}
         for name, spent in self.parts.items():
             setattr(model, name, self._timed(getattr(model, name), spent))
+
+    def stop(self) -> dict[str, float]:
+        """Unwrap the methods; the median seconds of each part."""
+        for name in self.parts:
+            delattr(self.model, name)  # back to the class's method
+        return {name: statistics.median(spent) for name, spent in self.parts.items()}
 
     @staticmethod
     def _timed(method, spent: list[float]):
@@ -111,8 +118,7 @@ def main() -> None:
         timer = PartTimer(engine.model) if batch == 1 else None
         pairs = paired_rounds(engine, batch, args.rounds, num_bytes)
         if timer is not None:
-            del engine.model.forward, engine.model.compute_logits  # back to the class methods
-            parts = {name: statistics.median(spent) for name, spent in timer.parts.items()}
+            parts = timer.stop()
         step = statistics.median(p[0] for p in pairs)
         floor = statistics.median(p[1] for p in pairs)
         ratio = statistics.median(p[0] / p[1] for p in pairs)

@@ -47,7 +47,8 @@ class AttentionMetadata:
     mm_ranges: torch.Tensor | None = None  # [R, 3] int32 (b, start, end), or None
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    # What the torch backend derives from this metadata once and every layer reuses.
+    # What the torch backend derives from this metadata once and every layer reuses: each
+    # request's bidirectional items ("items") and the decode batch per window and cache shape.
     plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -149,13 +150,17 @@ def paged_attention_torch(
     assert starts[-1] <= query.shape[0], (starts[-1], query.shape)  # padding rows stay unset
     dtype = torch.float32 if query.device.type == "cpu" else query.dtype
     attend = partial(_attend, scale=scale, soft_cap=logits_soft_cap)
+    if "items" not in metadata.plans:
+        metadata.plans["items"] = _items_by_request(metadata.mm_ranges, seq_lens)
+    items: dict[int, list[tuple[int, int]]] = metadata.plans["items"]
     key = ("decode", sliding_window, kv_cache.shape[2], kv_cache.shape[3], query.device)
     if key not in metadata.plans:
-        metadata.plans[key] = _decode_plan(metadata, starts, seq_lens, kv_cache, sliding_window)
+        metadata.plans[key] = _decode_plan(
+            metadata, starts, seq_lens, items, kv_cache, sliding_window
+        )
     plan: _DecodePlan | None = metadata.plans[key]
     if plan is not None and plan.num_decodes == len(seq_lens) == query.shape[0]:
         return _decode(query.to(dtype), kv_cache, plan, attend).to(query.dtype)  # decodes only
-    items = _items_by_request(metadata.mm_ranges, seq_lens)
     out = torch.empty_like(query)  # [N, num_heads, head_dim]
     for b, (start, end) in enumerate(pairwise(starts)):
         if end - start > 1:
@@ -187,12 +192,11 @@ class _DecodePlan(NamedTuple):
     mask: torch.Tensor | None
 
 
-def _decode_plan(metadata, starts, seq_lens, kv_cache, window) -> _DecodePlan | None:
+def _decode_plan(metadata, starts, seq_lens, items, kv_cache, window) -> _DecodePlan | None:
     decodes = [b for b, (start, end) in enumerate(pairwise(starts)) if end - start == 1]
     if not decodes:
         return None
     device = metadata.block_tables.device
-    items = _items_by_request(metadata.mm_ranges, seq_lens)
     spans = [_span(seq_lens[b] - 1, seq_lens[b], items.get(b, []), window) for b in decodes]
     key_start = torch.tensor([s.key_start for s in spans], device=device)  # [B]
     last = torch.tensor([s.query_start for s in spans], device=device)  # [B]

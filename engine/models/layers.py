@@ -103,20 +103,16 @@ def linear(
         left, right, shape = x.expand(k, -1, -1), view, (k, num_rows, num_out // k)
     else:  # [k, out/k, in] @ [k, in, N] -> [k, out/k, N]
         left, right, shape = view, x.T.expand(k, -1, -1), (k, num_out // k, num_rows)
-    if add is None:
-        result = torch.bmm(left, right)
-    elif num_rows == 1:
-        result = torch.baddbmm(add.reshape(shape), left, right)
-    elif by_columns:
-        add = add.expand(num_rows, num_out).reshape(num_rows, k, -1).transpose(0, 1)
-        result = torch.baddbmm(add, left, right)
-    else:
-        result = torch.baddbmm(add.expand(num_rows, num_out).T.reshape(shape), left, right)
-    if num_rows == 1:
-        return result.view(1, num_out)  # the bands lie in order in memory
+    if num_rows == 1:  # the bands lie in order in memory: the result is a view
+        if add is None:
+            return torch.bmm(left, right).view(1, num_out)
+        return torch.baddbmm(add.reshape(shape), left, right).view(1, num_out)
+    result = torch.bmm(left, right)
     if by_columns:
-        return result.transpose(0, 1).reshape(num_rows, num_out)
-    return result.reshape(num_out, num_rows).T
+        result = result.transpose(0, 1).reshape(num_rows, num_out)
+    else:
+        result = result.reshape(num_out, num_rows).T
+    return result if add is None else result + add
 
 
 BANDED_MAX_ROWS = 16
