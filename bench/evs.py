@@ -16,25 +16,11 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from stillcut.kernels.evs import EVSConfig, prune
+from stillcut.kernels.evs.reference import published_rate_mask
 
 TIE_TOLERANCE = 1e-6
-
-
-def published_retention(embeds: torch.Tensor, grid: tuple[int, int, int], rate: float):
-    """vLLM's compute_retention_mask, step by step; returns the mask and ranking values."""
-    t, h, w = grid
-    video = embeds.reshape(t, h, w, embeds.shape[-1])
-    dissimilarity = 1 - F.cosine_similarity(video[1:], video[:-1], dim=-1)
-    dissimilarity = torch.cat([255 * torch.ones_like(video[:1, :, :, 0]), dissimilarity], dim=0)
-    flat = dissimilarity.view(-1)
-    order = torch.argsort(flat, dim=-1, descending=True, stable=True)
-    count = max(h * w, int(t * h * w * (1 - rate)))
-    mask = torch.zeros_like(flat, dtype=torch.bool)
-    mask[order[:count]] = True
-    return mask, flat
 
 
 def synthetic_clip(grid: tuple[int, int, int], dim: int, device: str) -> torch.Tensor:
@@ -88,7 +74,7 @@ def main() -> None:
     rate_config = EVSConfig(mode="rate", rate=args.rate)
     threshold_config = EVSConfig(mode="threshold", threshold=args.threshold)
     paths = {
-        "published (vLLM)": lambda: published_retention(embeds, grid, args.rate),
+        "published (vLLM)": lambda: published_rate_mask(embeds, grid, args.rate),
         "ours rate": lambda: prune(embeds, grid, rate_config),
         "ours threshold": lambda: prune(embeds, grid, threshold_config),
     }

@@ -1,4 +1,5 @@
-"""Torch reference for the EVS hot loop: row-wise cosine dissimilarity.
+"""Torch references for EVS: the row-wise cosine dissimilarity of the hot loop, and the
+published rate rule as written (`published_rate_mask`), the yardstick of tests and benches.
 
 `1 - cos` follows `torch.nn.functional.cosine_similarity` (each norm clamped to eps, so a zero
 vector has cosine 0) but is computed as `dot / |a| / |b|` in row chunks of a few MiB: the
@@ -10,6 +11,7 @@ inputs give bit-identical dissimilarities wherever they sit.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 COSINE_EPS = 1e-8  # torch.nn.functional.cosine_similarity's default
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,3 +57,24 @@ def _chunk_bounds(num_rows: int, rows_per_chunk: int) -> list[tuple[int, int]]:
     if len(starts) > 1 and num_rows - starts[-1] == 1:
         starts.pop()
     return list(zip(starts, starts[1:] + [num_rows], strict=True))
+
+
+def published_rate_mask(
+    embeds: torch.Tensor, grid: tuple[int, int, int], rate: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's `compute_retention_mask`, transcribed step by step (cosine_similarity, cat with a
+    255 sentinel for the first tubelet, stable argsort, mask), with its clip-sized temporaries.
+
+    `embeds` `[t * h * w, dim]` -> the kept mask `[t * h * w]` bool and the ranked
+    dissimilarities `[t * h * w]`.
+    """
+    t, h, w = grid
+    video = embeds.reshape(t, h, w, embeds.shape[-1])
+    dissimilarity = 1 - F.cosine_similarity(video[1:], video[:-1], dim=-1)
+    dissimilarity = torch.cat([255 * torch.ones_like(video[:1, :, :, 0]), dissimilarity], dim=0)
+    flat = dissimilarity.view(-1)
+    order = torch.argsort(flat, dim=-1, descending=True, stable=True)
+    count = max(h * w, int(t * h * w * (1 - rate)))
+    mask = torch.zeros_like(flat, dtype=torch.bool)
+    mask[order[:count]] = True
+    return mask, flat

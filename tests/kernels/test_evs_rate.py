@@ -2,24 +2,10 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.kernels.evs.reference import pair_dissimilarity_torch
-
-
-def published_mask(embeds, grid, rate):
-    """vLLM's compute_retention_mask, transcribed step by step (fp32)."""
-    t, h, w = grid
-    video = embeds.reshape(t, h, w, embeds.shape[-1])
-    dissimilarity = 1 - F.cosine_similarity(video[1:], video[:-1], dim=-1)
-    dissimilarity = torch.cat([255 * torch.ones_like(video[:1, :, :, 0]), dissimilarity], dim=0)
-    flat = dissimilarity.view(-1)
-    order = torch.argsort(flat, dim=-1, descending=True, stable=True)
-    count = max(h * w, int(t * h * w * (1 - rate)))
-    mask = torch.zeros_like(flat, dtype=torch.bool)
-    mask[order[:count]] = True
-    return mask, flat
+from stillcut.kernels.evs.reference import published_rate_mask as published_mask
 
 
 def assert_separated(dissimilarity, min_gap=1e-6):
