@@ -31,6 +31,7 @@ from stillcut.engine.models.gemma3_text_config import (
 )
 from stillcut.engine.models.layers import (
     Bands,
+    PagedLanguageModel,
     band_weights,
     checkpoint_layer,
     checkpoint_layout,
@@ -157,7 +158,7 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden + _norm(mlp_out, self.post_feedforward_norm, self.eps)
 
 
-class Gemma3LanguageModel(nn.Module):
+class Gemma3LanguageModel(PagedLanguageModel):
     """Gemma 3 decoder over a flat batch of tokens with paged KV; build with `from_checkpoint`.
 
     The embedding lives only as the tied head `lm_head` `[hidden, vocab]`. `image_token_id` is
@@ -191,7 +192,6 @@ class Gemma3LanguageModel(nn.Module):
         self.lm_head = empty_weight(
             config.hidden_size, config.vocab_size, dtype=dtype, device=device
         )
-        self.head_bands: tuple[Bands, Bands] | None = None  # see `band_weights`
         self.rotary = Gemma3Rope(config, device)
         # transformers rounds sqrt(hidden) to the weights' dtype before scaling (55.5 in bf16).
         self.embed_scale = nn.Buffer(
@@ -233,10 +233,6 @@ class Gemma3LanguageModel(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
-
     def prompt_positions(
         self,
         token_ids: torch.Tensor,
@@ -253,10 +249,6 @@ class Gemma3LanguageModel(nn.Module):
             image_token_id=self.image_token_id,
             boi_token_id=self.boi_token_id,
         )
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
-        """Shape of one layer's KV cache: [2 (k, v), num_blocks, block_size, Hkv, D]."""
-        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
 
     @classmethod
     def from_checkpoint(

@@ -123,6 +123,23 @@ def _band_count(num_out: int, wanted: int) -> int:
     return next(k for k in range(max(wanted, 1), 0, -1) if num_out % k == 0)
 
 
+class PagedLanguageModel(nn.Module):
+    """What the runner asks of every language model beside `forward`, `compute_logits` and
+    `prompt_positions`: its layer count and the shape of one layer's paged KV cache. `config`
+    has `num_layers`, `num_kv_heads` and `head_dim`; `head_bands` is set by `band_weights`."""
+
+    config: object
+    head_bands: tuple[Bands, Bands] | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        """Shape of one layer's KV cache: [2 (k, v), num_blocks, block_size, Hkv, D]."""
+        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+
+
 def empty_weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     """An uninitialised frozen parameter; `from_checkpoint` replaces it."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)

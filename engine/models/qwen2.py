@@ -23,6 +23,7 @@ from stillcut.engine.loader import load_model_config, load_weights, resolve_chec
 from stillcut.engine.model_config import TextConfig, text_config
 from stillcut.engine.models.layers import (
     Bands,
+    PagedLanguageModel,
     band_weights,
     checkpoint_layer,
     checkpoint_layout,
@@ -118,7 +119,7 @@ class Qwen2DecoderLayer(nn.Module):
         )  # [N, hidden]
 
 
-class Qwen2LanguageModel(nn.Module):
+class Qwen2LanguageModel(PagedLanguageModel):
     """Qwen2 decoder over a flat batch of tokens with paged KV; build with `from_checkpoint`.
 
     A tied model holds the embedding only as `lm_head` `[hidden, vocab]` (`embed_tokens` is
@@ -151,7 +152,6 @@ class Qwen2LanguageModel(nn.Module):
         )
         self.norm = empty_weight(config.hidden_size, **new)
         self.lm_head = empty_weight(config.hidden_size, config.vocab_size, **new)
-        self.head_bands: tuple[Bands, Bands] | None = None  # see `band_weights`
         self.rotary = MRoPE(config, device)
 
     def forward(
@@ -190,10 +190,6 @@ class Qwen2LanguageModel(nn.Module):
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
         return vocab_logits(hidden_states, self.lm_head, self.head_bands)
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
-
     def prompt_positions(
         self,
         token_ids: torch.Tensor,
@@ -203,10 +199,6 @@ class Qwen2LanguageModel(nn.Module):
         """M-RoPE positions [3, prompt_len] of a prompt, and where the tokens after it go.
         `placements` (offset, length) per item; by default read off the placeholder runs."""
         return mrope_positions(token_ids, items, self.rope_spec, placements)
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
-        """Shape of one layer's KV cache: [2 (k, v), num_blocks, block_size, Hkv, D]."""
-        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
 
     @classmethod
     def from_checkpoint(
