@@ -38,6 +38,7 @@ from stillcut.engine.models.layers import (
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
+from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
 
 LANGUAGE_MODEL_PREFIX = "language_model."
@@ -130,6 +131,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
 
     num_position_rows = 3  # M-RoPE: temporal, height, width
     bidirectional_item_tokens = 0  # every token attends causally
+    cpu_decoder: cpu_decode.Qwen2CpuDecoder | None = None  # set by `from_checkpoint` when built
 
     def __init__(
         self,
@@ -175,8 +177,12 @@ class Qwen2LanguageModel(PagedLanguageModel):
         if mm_embeds is not None:
             hidden[mm_mask] = mm_embeds.to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)  # [N, 1, D] each
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        native = self.cpu_decoder
+        if native is not None and native.supports(hidden, kv_caches, metadata):
+            hidden = native(hidden, cos, sin, kv_caches, metadata)  # every layer, one call
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden = layer(hidden, cos, sin, kv_cache, metadata)
         return F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -236,6 +242,11 @@ class Qwen2LanguageModel(PagedLanguageModel):
             set_weight(model, "embed_tokens", stored.embed_tokens.weight)
             set_weight(model, "lm_head", head_layout(head.weight))
         band_weights(model)
+        library = cpu_decode.load() if model.norm.is_cpu and dtype == torch.float32 else None
+        if library is not None:
+            model.cpu_decoder = cpu_decode.Qwen2CpuDecoder(
+                library, model.layers, config.rms_norm_eps
+            )
         return model.eval()
 
 

@@ -1,0 +1,256 @@
+/* Decode steps of a Qwen2 decoder stack on CPU, all layers in one OpenMP parallel region.
+ *
+ * A step of a few single-token rows is bound by reading the weights, but run op by op it also
+ * pays a fixed cost per op (dispatch, allocation, waking the thread pool) about forty times per
+ * layer. Here the threads stay in one parallel region for every layer of the step and meet at
+ * barriers between phases:
+ *
+ *   RMSNorm -> qkv = x @ Wqkv + b -> rotary(q, k), k/v into the paged cache -> attention
+ *   -> x += attn @ Wo -> RMSNorm -> gate|up = x @ Wgu -> silu(gate) * up -> x += act @ Wdown
+ *
+ * A weight `[in, out]` is read either as a contiguous [in, out] (each thread streams its own
+ * contiguous band of input rows into a private partial sum; the partials are then added by
+ * column) or as a contiguous [out, in] (each thread owns a band of output rows: dot products).
+ * Rotary tables come from the caller as cos and signed sin [rows, head_dim] (rotate_half form);
+ * the KV cache is [2, num_blocks, block_size, num_kv_heads, head_dim]; row r is the single new
+ * token of request r, at position seq_lens[r] - 1, and attends to every key before it.
+ * Everything is float32.
+ */
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_BLOCK 256
+
+typedef struct {
+    const float *input_norm;    /* [hidden] */
+    const float *qkv_weight;    /* [hidden, qkv_width] or its [out, in] transpose */
+    const float *qkv_bias;      /* [qkv_width] */
+    const float *o_weight;      /* [heads * head_dim, hidden] */
+    const float *post_norm;     /* [hidden] */
+    const float *gate_up_weight; /* [hidden, 2 * intermediate]: gate columns, then up */
+    const float *down_weight;   /* [intermediate, hidden] */
+    float *kv_cache;            /* [2, num_blocks, block_size, kv_heads, head_dim] */
+    int32_t qkv_out_in, o_out_in, gate_up_out_in, down_out_in; /* 1: stored [out, in] */
+} Layer;
+
+typedef struct {
+    int32_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int32_t num_blocks, block_size, block_table_stride;
+    float eps, scale;
+} Shape;
+
+/* Rows [begin, end) of `count` split evenly over `parts`: part `index`'s share. */
+static void share(int count, int parts, int index, int *begin, int *end) {
+    int base = count / parts, extra = count % parts;
+    *begin = index * base + (index < extra ? index : extra);
+    *end = *begin + base + (index < extra ? 1 : 0);
+}
+
+static void rms_norm(const float *x, const float *weight, float *out, int n, float eps) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int i = 0; i < n; i++) sum += x[i] * x[i];
+    float inv = 1.0f / sqrtf(sum / (float)n + eps);
+#pragma omp simd
+    for (int i = 0; i < n; i++) out[i] = x[i] * inv * weight[i];
+}
+
+/* partial[r][c] = sum over input rows i in [i0, i1) of x[r][i] * w[i][c], w contiguous
+ * [in, out]: the thread streams its band of w once for all rows, four input rows at a time. */
+static void band_product(const float *x, size_t stride, int rows, const float *w, int out,
+                         int i0, int i1, float *partial) {
+    for (int r = 0; r < rows; r++) memset(partial + (size_t)r * out, 0, sizeof(float) * out);
+    int i = i0;
+    for (; i + 4 <= i1; i += 4) {
+        const float *w0 = w + (size_t)i * out, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * stride + i;
+            float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
+            float *acc = partial + (size_t)r * out;
+#pragma omp simd
+            for (int c = 0; c < out; c++) acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+        }
+    }
+    for (; i < i1; i++) {
+        const float *w0 = w + (size_t)i * out;
+        for (int r = 0; r < rows; r++) {
+            float x0 = x[r * stride + i];
+            float *acc = partial + (size_t)r * out;
+#pragma omp simd
+            for (int c = 0; c < out; c++) acc[c] += x0 * w0[c];
+        }
+    }
+}
+
+/* y[r][c] = dot(w[c], x[r]) (+ add[r][c]) for output rows c in [c0, c1), w contiguous [out, in]. */
+static void row_products(const float *x, size_t stride, int rows, int in, const float *w,
+                         int out, int c0, int c1, const float *add, float *y) {
+    for (int c = c0; c < c1; c++) {
+        const float *wc = w + (size_t)c * in;
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + r * stride;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < in; i++) sum += wc[i] * xr[i];
+            y[(size_t)r * out + c] = add ? add[(size_t)r * out + c] + sum : sum;
+        }
+    }
+}
+
+/* y = x @ w (+ add), x [rows, in] with rows `stride` apart, y [rows, out], w in either layout.
+ * Every thread of the region calls it; it ends with a barrier. `partials` holds
+ * threads * rows * out floats. */
+static void linear(const float *x, size_t stride, int rows, int in, const float *w, int out_in,
+                   int out, const float *add, float *y, float *partials) {
+    int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
+    if (out_in) {
+        share(out, threads, thread, &begin, &end);
+        row_products(x, stride, rows, in, w, out, begin, end, add, y);
+#pragma omp barrier
+        return;
+    }
+    share(in, threads, thread, &begin, &end);
+    size_t size = (size_t)rows * out;
+    band_product(x, stride, rows, w, out, begin, end, partials + (size_t)thread * size);
+#pragma omp barrier
+    share(out, threads, thread, &begin, &end);
+    for (int r = 0; r < rows; r++) {
+        for (int c = begin; c < end; c++) {
+            size_t at = (size_t)r * out + c;
+            float sum = add ? add[at] : 0.0f;
+            for (int t = 0; t < threads; t++) sum += partials[(size_t)t * size + at];
+            y[at] = sum;
+        }
+    }
+#pragma omp barrier
+}
+
+/* x [head_dim] rotated in place: x * cos + rotate_half(x) * signed sin. */
+static void rotate(float *x, const float *cos, const float *sin, int dim) {
+    float rotated[dim];
+    int half = dim / 2;
+    for (int d = 0; d < dim; d++) rotated[d] = x[d] * cos[d] + x[(d + half) % dim] * sin[d];
+    memcpy(x, rotated, sizeof(float) * dim);
+}
+
+/* One query head over its request's paged keys, online softmax block by block. */
+static void attend(const float *q, const float *keys, const float *values,
+                   const int32_t *block_table, int seq_len, int kv_head, const Shape *s,
+                   float *out) {
+    int dim = s->head_dim, bs = s->block_size;
+    size_t slot_stride = (size_t)s->num_kv_heads * dim;
+    float scores[MAX_BLOCK], acc[dim], running_max = -INFINITY, total = 0.0f;
+    memset(acc, 0, sizeof(float) * dim);
+    for (int start = 0; start < seq_len; start += bs) {
+        int count = seq_len - start < bs ? seq_len - start : bs;
+        size_t base = ((size_t)block_table[start / bs] * bs) * slot_stride + (size_t)kv_head * dim;
+        float block_max = -INFINITY;
+        for (int j = 0; j < count; j++) {
+            const float *k = keys + base + j * slot_stride;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < dim; d++) dot += q[d] * k[d];
+            scores[j] = dot * s->scale;
+            block_max = scores[j] > block_max ? scores[j] : block_max;
+        }
+        float new_max = block_max > running_max ? block_max : running_max;
+        float rescale = expf(running_max - new_max);
+        total *= rescale;
+        for (int d = 0; d < dim; d++) acc[d] *= rescale;
+        for (int j = 0; j < count; j++) {
+            float p = expf(scores[j] - new_max);
+            const float *v = values + base + j * slot_stride;
+            total += p;
+#pragma omp simd
+            for (int d = 0; d < dim; d++) acc[d] += p * v[d];
+        }
+        running_max = new_max;
+    }
+    for (int d = 0; d < dim; d++) out[d] = acc[d] / total;
+}
+
+/* scratch: rows * (hidden + qkv_width + heads * head_dim + 2 * intermediate) floats, then
+ * threads * rows * max(qkv_width, hidden, 2 * intermediate) for partial sums. */
+int decode_layers(const Layer *layers, int num_layers, const Shape *s, int rows,
+                  int num_threads, float *hidden, const float *cos, const float *sin,
+                  const int32_t *block_tables, const int32_t *seq_lens,
+                  const int64_t *slot_mapping, float *scratch) {
+    if (s->block_size > MAX_BLOCK || s->head_dim % 2) return 1;
+    int H = s->hidden, D = s->head_dim, Hq = s->num_heads, Hkv = s->num_kv_heads;
+    int I = s->intermediate, qkv_width = (Hq + 2 * Hkv) * D, group = Hq / Hkv;
+    float *normed = scratch;
+    float *qkv = normed + (size_t)rows * H;
+    float *attn = qkv + (size_t)rows * qkv_width;
+    float *gate_up = attn + (size_t)rows * Hq * D;
+    float *partials = gate_up + (size_t)rows * 2 * I;
+    size_t cache_half = (size_t)s->num_blocks * s->block_size * Hkv * D;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
+        for (int l = 0; l < num_layers; l++) {
+            const Layer *layer = layers + l;
+            float *keys = layer->kv_cache, *values = layer->kv_cache + cache_half;
+
+            share(rows, threads, thread, &begin, &end);
+            for (int r = begin; r < end; r++)
+                rms_norm(hidden + (size_t)r * H, layer->input_norm, normed + (size_t)r * H, H,
+                         s->eps);
+#pragma omp barrier
+            linear(normed, H, rows, H, layer->qkv_weight, layer->qkv_out_in, qkv_width,
+                   NULL, qkv, partials);
+            /* bias, rotary of q and k heads, k and v into their slots */
+            share(rows * (Hq + Hkv), threads, thread, &begin, &end);
+            for (int unit = begin; unit < end; unit++) {
+                int r = unit / (Hq + Hkv), head = unit % (Hq + Hkv);
+                float *row = qkv + (size_t)r * qkv_width;
+                float *x = row + (size_t)head * D, *v = NULL;
+                const float *bias = layer->qkv_bias + (size_t)head * D;
+                for (int d = 0; d < D; d++) x[d] += bias[d];
+                rotate(x, cos + (size_t)r * D, sin + (size_t)r * D, D);
+                if (head >= Hq) {
+                    int kv_head = head - Hq;
+                    v = row + (size_t)(Hq + Hkv + kv_head) * D;
+                    bias = layer->qkv_bias + (size_t)(Hq + Hkv + kv_head) * D;
+                    for (int d = 0; d < D; d++) v[d] += bias[d];
+                    size_t at = ((size_t)slot_mapping[r] * Hkv + kv_head) * D;
+                    memcpy(keys + at, x, sizeof(float) * D);
+                    memcpy(values + at, v, sizeof(float) * D);
+                }
+            }
+#pragma omp barrier
+            share(rows * Hq, threads, thread, &begin, &end);
+            for (int unit = begin; unit < end; unit++) {
+                int r = unit / Hq, head = unit % Hq;
+                attend(qkv + (size_t)r * qkv_width + (size_t)head * D, keys, values,
+                       block_tables + (size_t)r * s->block_table_stride, seq_lens[r],
+                       head / group, s, attn + ((size_t)r * Hq + head) * D);
+            }
+#pragma omp barrier
+            linear(attn, (size_t)Hq * D, rows, Hq * D, layer->o_weight, layer->o_out_in, H, hidden, hidden,
+                   partials);
+            share(rows, threads, thread, &begin, &end);
+            for (int r = begin; r < end; r++)
+                rms_norm(hidden + (size_t)r * H, layer->post_norm, normed + (size_t)r * H, H,
+                         s->eps);
+#pragma omp barrier
+            linear(normed, H, rows, H, layer->gate_up_weight, layer->gate_up_out_in, 2 * I, NULL,
+                   gate_up, partials);
+            /* silu(gate) * up into the gate half of each row */
+            share(rows * I, threads, thread, &begin, &end);
+            for (int unit = begin; unit < end; unit++) {
+                float *row = gate_up + (size_t)(unit / I) * 2 * I;
+                int c = unit % I;
+                float g = row[c];
+                row[c] = g / (1.0f + expf(-g)) * row[I + c];
+            }
+#pragma omp barrier
+            linear(gate_up, (size_t)2 * I, rows, I, layer->down_weight, layer->down_out_in, H,
+                   hidden, hidden, partials);
+        }
+    }
+    return 0;
+}
