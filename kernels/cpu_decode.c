@@ -71,7 +71,8 @@ static void band_product(const float *x, size_t stride, int rows, const float *w
             float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
             float *acc = partial + (size_t)r * out;
 #pragma omp simd
-            for (int c = 0; c < out; c++) acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+            for (int c = 0; c < out; c++)
+                acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
         }
     }
     for (; i < i1; i++) {
@@ -230,8 +231,8 @@ int decode_layers(const Layer *layers, int num_layers, const Shape *s, int rows,
                        head / group, s, attn + ((size_t)r * Hq + head) * D);
             }
 #pragma omp barrier
-            linear(attn, (size_t)Hq * D, rows, Hq * D, layer->o_weight, layer->o_out_in, H, hidden, hidden,
-                   partials);
+            linear(attn, (size_t)Hq * D, rows, Hq * D, layer->o_weight, layer->o_out_in, H,
+                   hidden, hidden, partials);
             share(rows, threads, thread, &begin, &end);
             for (int r = begin; r < end; r++)
                 rms_norm(hidden + (size_t)r * H, layer->post_norm, normed + (size_t)r * H, H,

@@ -25,7 +25,7 @@ def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
     packages = {name.split("/")[0] for name in names if name.endswith(".py")}
     assert packages == {"stillcut"}, packages  # never bare `vision`, `engine`, ...
     for module in ("vision/decode.py", "kernels/evs/__init__.py", "engine/models/qwen2.py",
-                   "service/cli.py", "__init__.py"):  # fmt: skip
+                   "service/cli.py", "__init__.py", "kernels/cpu_decode.c"):  # fmt: skip
         assert f"stillcut/{module}" in names
     assert not any(name.startswith(("stillcut/tests/", "stillcut/bench/")) for name in names)
 

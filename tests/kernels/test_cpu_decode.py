@@ -1,0 +1,182 @@
+"""The native CPU decode step against the model's own torch layers, and its fallbacks.
+
+The tiny checkpoint's norms, biases and weights are redrawn in place (the kernel keeps their
+addresses), so a dropped bias, a norm read from the wrong layer or a swapped projection shows.
+Requests sit in scattered blocks, with contexts ending inside and exactly at block boundaries.
+Where CI sets `STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead
+of skipping.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from stillcut.engine.models import Qwen2LanguageModel
+from stillcut.kernels import cpu_decode
+from stillcut.kernels.attention import AttentionMetadata
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 128
+BLOCKS_PER_REQUEST = 6  # room for the longest prompt and six decode steps
+SCATTERED = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(5)).tolist()
+PROMPT_LENS = [1, 3, 4, 7, 8, 13, 16, 2, 5, 9, 11, 12, 15, 6, 10, 14, 3]  # 17 requests
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    if cpu_decode.load() is None:
+        if os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):
+            pytest.fail("the native CPU decode kernel did not build here")
+        pytest.skip("no C compiler: the native CPU decode kernel is not built")
+    model = Qwen2LanguageModel.from_checkpoint(tiny_checkpoint)
+    assert model.cpu_decoder is not None
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.layers.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)  # in place
+    return model
+
+
+def _blocks(request: int) -> list[int]:
+    """Scattered block ids of one request, disjoint from every other request's."""
+    return SCATTERED[request * BLOCKS_PER_REQUEST : (request + 1) * BLOCKS_PER_REQUEST]
+
+
+def _metadata(requests: list[int], cached: list[int], new: list[int]) -> AttentionMetadata:
+    starts = [0]
+    for count in new:
+        starts.append(starts[-1] + count)
+    seq_lens = [c + n for c, n in zip(cached, new, strict=True)]
+    slots = [
+        _blocks(r)[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+        for r, c, n in zip(requests, cached, new, strict=True)
+        for p in range(c, c + n)
+    ]
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([_blocks(r) for r in requests], dtype=torch.int32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        max_query_len=max(new),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def _positions(starts: list[int]) -> torch.Tensor:
+    return torch.tensor(starts).expand(3, -1)  # text tokens: t = h = w
+
+
+@torch.inference_mode()
+def _prefilled(model, requests: list[int]) -> list[torch.Tensor]:
+    """KV caches holding each request's prompt, prefilled by the torch layers."""
+    kv_caches = [torch.zeros(model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)) for _ in model.layers]
+    lens = [PROMPT_LENS[r] for r in requests]
+    ids = torch.cat([torch.arange(n) * 7 % 300 + r for r, n in zip(requests, lens, strict=True)])
+    positions = torch.cat([_positions(list(range(n))) for n in lens], dim=1)
+    model(ids, positions, kv_caches, _metadata(requests, [0] * len(lens), lens))
+    return kv_caches
+
+
+@torch.inference_mode()
+def _decode(model, requests, kv_caches, steps: int, native: bool) -> list[torch.Tensor]:
+    """`steps` decode steps of every request: the final hidden states of each step."""
+    kept, outputs = model.cpu_decoder, []
+    model.cpu_decoder = kept if native else None
+    try:
+        for step in range(steps):
+            cached = [PROMPT_LENS[r] + step for r in requests]
+            metadata = _metadata(requests, cached, [1] * len(requests))
+            if native:
+                assert kept.supports(torch.zeros(len(requests), 1), kv_caches, metadata)
+            ids = torch.tensor([(41 * r + step) % 300 for r in requests])
+            outputs.append(model(ids, _positions(cached), kv_caches, metadata))
+    finally:
+        model.cpu_decoder = kept
+    return outputs
+
+
+@pytest.mark.parametrize("num_requests", [1, 2, 5, 16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_decode_matches_the_torch_layers(model, num_requests, threads):
+    requests = list(range(num_requests))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native_caches = _prefilled(model, requests)
+        torch_caches = [cache.clone() for cache in native_caches]
+        native = _decode(model, requests, native_caches, steps=6, native=True)
+        reference = _decode(model, requests, torch_caches, steps=6, native=False)
+    finally:
+        torch.set_num_threads(before)
+    for ours, theirs in zip(native, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+    # the new tokens' keys and values went to the same slots, and nothing else was written
+    for ours, theirs in zip(native_caches, torch_caches, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+    assert not torch.equal(native[0], native[1])  # the steps really differ
+
+
+def test_native_decode_takes_only_small_decode_steps(model):
+    decoder = model.cpu_decoder
+    kv_caches = [torch.zeros(model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)) for _ in model.layers]
+    rows = torch.zeros(16, 1)
+    assert decoder.supports(rows, kv_caches, _metadata(list(range(16)), [3] * 16, [1] * 16))
+    too_many = _metadata(list(range(17)), [3] * 17, [1] * 17)
+    assert not decoder.supports(torch.zeros(17, 1), kv_caches, too_many)
+    mixed = _metadata([0, 1], [3, 0], [1, 4])  # a decode beside a prefill chunk
+    assert not decoder.supports(torch.zeros(5, 1), kv_caches, mixed)
+    half = [cache.half() for cache in kv_caches]
+    assert not decoder.supports(rows, half, _metadata(list(range(16)), [3] * 16, [1] * 16))
+
+
+@pytest.fixture
+def fresh_load(monkeypatch, tmp_path):
+    """`cpu_decode.load` with its memo cleared and an empty cache folder; cleared again after."""
+    monkeypatch.setenv("STILLCUT_CACHE", str(tmp_path))
+    cpu_decode.load.cache_clear()
+    yield tmp_path
+    cpu_decode.load.cache_clear()
+
+
+def test_without_a_compiler_the_torch_layers_run(fresh_load, monkeypatch, tiny_checkpoint):
+    monkeypatch.setenv("CC", str(fresh_load / "no-such-compiler"))
+    assert cpu_decode.load() is None
+    model = Qwen2LanguageModel.from_checkpoint(tiny_checkpoint)
+    assert model.cpu_decoder is None
+    requests = [0, 1]
+    kv_caches = _prefilled(model, requests)
+    (hidden,) = _decode(model, requests, kv_caches, steps=1, native=False)
+    assert torch.isfinite(hidden).all()
+
+
+def test_a_failed_compile_leaves_nothing_behind(fresh_load, monkeypatch):
+    compiler = fresh_load / "broken-cc"
+    compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho broken >&2; exit 1\n')
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    assert cpu_decode.load() is None
+    assert not any((fresh_load / "native").iterdir())  # no partial library left
+
+
+def test_it_can_be_switched_off(fresh_load, monkeypatch):
+    monkeypatch.setenv("STILLCUT_NATIVE_DECODE", "0")
+    assert cpu_decode.load() is None
+    assert not (fresh_load / "native").exists()
+
+
+def test_the_library_is_built_once_into_the_cache(fresh_load):
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler")
+    (built,) = (fresh_load / "native").iterdir()
+    assert built.suffix == ".so"
+    cpu_decode.load.cache_clear()
+    modified = built.stat().st_mtime_ns
+    assert cpu_decode.load() is not None
+    assert built.stat().st_mtime_ns == modified  # found, not compiled again
