@@ -2,17 +2,20 @@
  *
  * A step of a few single-token rows is bound by reading the weights, but run op by op it also
  * pays a fixed cost per op (dispatch, allocation, waking the thread pool) about forty times per
- * layer. Here the threads stay in one parallel region for every layer of the step and meet at
+ * layer, and the first ops after the weights have streamed through the caches run cold. Here
+ * the threads stay in one parallel region from the token ids to the final norm and meet at
  * barriers between phases:
  *
- *   RMSNorm -> qkv = x @ Wqkv + b -> rotary(q, k), k/v into the paged cache -> attention
- *   -> x += attn @ Wo -> RMSNorm -> gate|up = x @ Wgu -> silu(gate) * up -> x += act @ Wdown
+ *   embedding rows, rotary tables (M-RoPE: angle j from position row section[j])
+ *   per layer: RMSNorm -> qkv = x @ Wqkv + b -> rotary(q, k), k/v into the paged cache
+ *     -> attention -> x += attn @ Wo -> RMSNorm -> gate|up = x @ Wgu -> silu(gate) * up
+ *     -> x += act @ Wdown
+ *   final RMSNorm
  *
  * A weight `[in, out]` is read either as a contiguous [in, out] (each thread streams its own
  * contiguous band of input rows into a private partial sum; the partials are then added by
  * column) or as a contiguous [out, in] (each thread owns a band of output rows: dot products).
- * Rotary tables come from the caller as cos and signed sin [rows, head_dim] (rotate_half form);
- * the KV cache is [2, num_blocks, block_size, num_kv_heads, head_dim]; row r is the single new
+ * Rotation is rotate_half's: x * cos + (x[d + D/2], with the first half negated) * sin; the KV cache is [2, num_blocks, block_size, num_kv_heads, head_dim]; row r is the single new
  * token of request r, at position seq_lens[r] - 1, and attends to every key before it.
  * Everything is float32.
  */
@@ -37,8 +40,17 @@ typedef struct {
 } Layer;
 
 typedef struct {
+    const float *embedding;     /* [vocab, hidden] with the strides below (a tied head's view) */
+    const float *final_norm;    /* [hidden] */
+    const float *inv_freq;      /* [head_dim / 2] */
+    const int32_t *section;     /* [head_dim / 2]: the position row of each rotary frequency */
+    int64_t embedding_row_stride, embedding_column_stride;
+} Model;
+
+typedef struct {
     int32_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int32_t num_blocks, block_size, block_table_stride;
+    int64_t positions_stride; /* elements between the position rows (t, h, w) */
     float eps, scale;
 } Shape;
 
@@ -59,20 +71,26 @@ static void rms_norm(const float *x, const float *weight, float *out, int n, flo
 }
 
 /* partial[r][c] = sum over input rows i in [i0, i1) of x[r][i] * w[i][c], w contiguous
- * [in, out]: the thread streams its band of w once for all rows, four input rows at a time. */
+ * [in, out]: the thread streams its band of w once for all rows, four input rows at a time, in
+ * column tiles small enough that the four rows' tile stays in L1 while every row uses it. */
+#define TILE 512
 static void band_product(const float *x, size_t stride, int rows, const float *w, int out,
                          int i0, int i1, float *partial) {
     for (int r = 0; r < rows; r++) memset(partial + (size_t)r * out, 0, sizeof(float) * out);
     int i = i0;
     for (; i + 4 <= i1; i += 4) {
-        const float *w0 = w + (size_t)i * out, *w1 = w0 + out, *w2 = w1 + out, *w3 = w2 + out;
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + r * stride + i;
-            float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
-            float *acc = partial + (size_t)r * out;
+        for (int c0 = 0; c0 < out; c0 += TILE) {
+            int c1 = c0 + TILE < out ? c0 + TILE : out;
+            const float *w0 = w + (size_t)i * out, *w1 = w0 + out, *w2 = w1 + out;
+            const float *w3 = w2 + out;
+            for (int r = 0; r < rows; r++) {
+                const float *xr = x + r * stride + i;
+                float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
+                float *acc = partial + (size_t)r * out;
 #pragma omp simd
-            for (int c = 0; c < out; c++)
-                acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+                for (int c = c0; c < c1; c++)
+                    acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+            }
         }
     }
     for (; i < i1; i++) {
@@ -173,17 +191,22 @@ static void attend(const float *q, const float *keys, const float *values,
     for (int d = 0; d < dim; d++) out[d] = acc[d] / total;
 }
 
-/* scratch: rows * (hidden + qkv_width + heads * head_dim + 2 * intermediate) floats, then
- * threads * rows * max(qkv_width, hidden, 2 * intermediate) for partial sums. */
-int decode_layers(const Layer *layers, int num_layers, const Shape *s, int rows,
-                  int num_threads, float *hidden, const float *cos, const float *sin,
-                  const int32_t *block_tables, const int32_t *seq_lens,
-                  const int64_t *slot_mapping, float *scratch) {
+/* `out` [rows, hidden]: the final-normed hidden states of the rows' tokens `ids` at M-RoPE
+ * `positions` [3, rows]. scratch: rows * (2 * hidden + 2 * head_dim + qkv_width
+ * + heads * head_dim + 2 * intermediate) floats, then threads * rows * max(qkv_width, hidden,
+ * 2 * intermediate) for partial sums. */
+int decode_step(const Model *model, const Layer *layers, int num_layers, const Shape *s,
+                int rows, int num_threads, const int64_t *ids, const int64_t *positions,
+                const int32_t *block_tables, const int32_t *seq_lens,
+                const int64_t *slot_mapping, float *scratch, float *out) {
     if (s->block_size > MAX_BLOCK || s->head_dim % 2) return 1;
     int H = s->hidden, D = s->head_dim, Hq = s->num_heads, Hkv = s->num_kv_heads;
     int I = s->intermediate, qkv_width = (Hq + 2 * Hkv) * D, group = Hq / Hkv;
-    float *normed = scratch;
-    float *qkv = normed + (size_t)rows * H;
+    float *hidden = scratch;
+    float *normed = hidden + (size_t)rows * H;
+    float *cos = normed + (size_t)rows * H;
+    float *sin = cos + (size_t)rows * D;
+    float *qkv = sin + (size_t)rows * D;
     float *attn = qkv + (size_t)rows * qkv_width;
     float *gate_up = attn + (size_t)rows * Hq * D;
     float *partials = gate_up + (size_t)rows * 2 * I;
@@ -192,6 +215,21 @@ int decode_layers(const Layer *layers, int num_layers, const Shape *s, int rows,
 #pragma omp parallel num_threads(num_threads)
     {
         int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
+        share(rows, threads, thread, &begin, &end);
+        for (int r = begin; r < end; r++) {
+            const float *row = model->embedding + ids[r] * model->embedding_row_stride;
+            for (int i = 0; i < H; i++)
+                hidden[(size_t)r * H + i] = row[i * model->embedding_column_stride];
+            for (int j = 0; j < D / 2; j++) {
+                float angle = (float)positions[model->section[j] * s->positions_stride + r] *
+                              model->inv_freq[j];
+                float c = cosf(angle), n = sinf(angle);
+                cos[(size_t)r * D + j] = cos[(size_t)r * D + j + D / 2] = c;
+                sin[(size_t)r * D + j] = -n;
+                sin[(size_t)r * D + j + D / 2] = n;
+            }
+        }
+#pragma omp barrier
         for (int l = 0; l < num_layers; l++) {
             const Layer *layer = layers + l;
             float *keys = layer->kv_cache, *values = layer->kv_cache + cache_half;
@@ -252,6 +290,9 @@ int decode_layers(const Layer *layers, int num_layers, const Shape *s, int rows,
             linear(gate_up, (size_t)2 * I, rows, I, layer->down_weight, layer->down_out_in, H,
                    hidden, hidden, partials);
         }
+        share(rows, threads, thread, &begin, &end);
+        for (int r = begin; r < end; r++)
+            rms_norm(hidden + (size_t)r * H, model->final_norm, out + (size_t)r * H, H, s->eps);
     }
     return 0;
 }

@@ -1,10 +1,12 @@
 """Decode steps of a Qwen2 decoder stack on CPU in one native call (`cpu_decode.c`).
 
 A batch-1 decode step is bound by reading the weights, but op by op in torch each of a layer's
-~40 small ops also costs a fixed few microseconds, and every parallel op wakes the thread pool
-again; on the 2-core CPU that overhead was larger than the layers' own weight reads. The C
-kernel runs every layer of a step inside one OpenMP parallel region (the threads meet at
-barriers), reading each weight once in contiguous per-thread bands.
+~40 small ops also costs a fixed few microseconds, every parallel op wakes the thread pool
+again, and the first ops after the weights have streamed through the caches run cold (the
+final norm took 0.3 ms there, 0.07 ms when repeated); on the 2-core CPU that overhead was larger
+than the layers' own weight reads. The C kernel goes from token ids to the final norm (embedding
+rows, M-RoPE tables, every layer) inside one OpenMP parallel region, the threads meeting at
+barriers, reading each weight once in contiguous per-thread bands.
 
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into the
 stillcut cache, keyed by the source, the compiler and the CPU; it links the OpenMP runtime
@@ -50,12 +52,21 @@ class _Layer(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in ("embedding", "final_norm", "inv_freq", "section")),
+        ("embedding_row_stride", ctypes.c_int64),
+        ("embedding_column_stride", ctypes.c_int64),
+    ]
+
+
 class _Shape(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_int32) for name in (
             "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "num_blocks",
             "block_size", "block_table_stride",
         )),
+        ("positions_stride", ctypes.c_int64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
     ]  # fmt: skip
@@ -88,7 +99,7 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", None) or error
         log.warning("native CPU decode unavailable, using torch ops: %s", detail)
         return None
-    library.decode_layers.restype = ctypes.c_int
+    library.decode_step.restype = ctypes.c_int
     return library
 
 
@@ -132,15 +143,28 @@ def _out_in(weight: torch.Tensor) -> int:
 
 
 class Qwen2CpuDecoder:
-    """The decoder layers of a Qwen2 model (`engine.models.qwen2`) bound to the C kernel.
+    """A Qwen2 language model (`engine.models.qwen2`) from token ids to its final norm, bound to
+    the C kernel for steps of decodes only (see `supports`).
 
-    `layers` are the model's decoder layers (fused `[in, out]` weights, float32, CPU); they must
-    outlive this object, which keeps only their addresses."""
+    `layers` are the model's decoder layers (fused `[in, out]` weights), `embedding` its
+    `[vocab, hidden]` table (any strides: a tied model's is the head's transpose), `final_norm`
+    its last RMSNorm weight and `inv_freq`, `section` its M-RoPE frequencies and their position
+    rows. All float32 on CPU; they must outlive this object, which keeps only their addresses.
+    """
 
-    def __init__(self, library: ctypes.CDLL, layers: Sequence[torch.nn.Module], eps: float):
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        layers: Sequence[torch.nn.Module],
+        embedding: torch.Tensor,
+        final_norm: torch.Tensor,
+        inv_freq: torch.Tensor,
+        section: torch.Tensor,
+        eps: float,
+    ) -> None:
         self.library = library
         first = layers[0]
-        self.hidden = first.input_layernorm.shape[0]
+        self.hidden = final_norm.shape[0]
         self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
         self.head_dim = first.o_weight.shape[0] // self.num_heads
         self.intermediate = first.down_weight.shape[0]
@@ -148,24 +172,33 @@ class Qwen2CpuDecoder:
         self.layers = (_Layer * len(layers))()
         for slot, layer in zip(self.layers, layers, strict=True):
             for name in ("qkv_weight", "qkv_bias", "o_weight", "gate_up_weight", "down_weight"):
-                tensor = getattr(layer, name)
-                if tensor.dtype != torch.float32 or not tensor.is_cpu:
-                    raise ValueError(f"{name} must be a float32 CPU tensor, got {tensor.dtype}")
+                tensor = _float32_cpu(name, getattr(layer, name))
                 setattr(slot, name, tensor.data_ptr())
                 if name != "qkv_bias":
                     setattr(slot, name.replace("weight", "out_in"), _out_in(tensor))
-            slot.input_norm = layer.input_layernorm.data_ptr()
-            slot.post_norm = layer.post_attention_layernorm.data_ptr()
+            slot.input_norm = _float32_cpu("norm", layer.input_layernorm).data_ptr()
+            slot.post_norm = _float32_cpu("norm", layer.post_attention_layernorm).data_ptr()
+        self.section = section.to(torch.int32).contiguous()  # kept: the kernel reads it
+        self.inv_freq = _float32_cpu("inv_freq", inv_freq).contiguous()
+        self.model = _Model(
+            _float32_cpu("embedding", embedding).data_ptr(),
+            _float32_cpu("final_norm", final_norm).data_ptr(),
+            self.inv_freq.data_ptr(),
+            self.section.data_ptr(),
+            embedding.stride(0),
+            embedding.stride(1),
+        )
         self.kv_caches: tuple[int, ...] = ()
         self.scratch = torch.empty(0)
 
-    def supports(self, hidden: torch.Tensor, kv_caches: Sequence[torch.Tensor], metadata) -> bool:
-        """Whether this step can run here: float32 CPU rows, each the single new token of its
-        own request (a step of decodes only), no more than `MAX_ROWS`, a plain KV cache."""
-        rows = hidden.shape[0]
+    def supports(
+        self, input_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], metadata
+    ) -> bool:
+        """Whether this step can run here: on CPU, each row the single new token of its own
+        request (a step of decodes only), no more than `MAX_ROWS`, a float32 KV cache."""
+        rows = input_ids.shape[0]
         return (
-            hidden.dtype == torch.float32
-            and hidden.is_cpu
+            input_ids.is_cpu
             and 0 < rows <= MAX_ROWS
             and metadata.max_query_len == 1
             and metadata.seq_lens.shape[0] == rows
@@ -177,29 +210,33 @@ class Qwen2CpuDecoder:
 
     def __call__(
         self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
         kv_caches: Sequence[torch.Tensor],
         metadata,
     ) -> torch.Tensor:
-        """Run every decoder layer on `hidden` [rows, hidden] (the residual stream, updated in
-        place and returned) with rotary tables `cos`/`sin` [rows, 1, head_dim]."""
-        rows = hidden.shape[0]
-        hidden = hidden.contiguous()
-        cos, sin = cos.contiguous(), sin.contiguous()
+        """The final-normed hidden states [rows, hidden] of `input_ids` [rows] at M-RoPE
+        `positions` [3, rows]; their keys and values go into `kv_caches` like the model's own
+        layers put them."""
+        rows = input_ids.shape[0]
+        input_ids = input_ids.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64)
+        if positions.stride(1) != 1:
+            positions = positions.contiguous()
         addresses = tuple(cache.data_ptr() for cache in kv_caches)
         if addresses != self.kv_caches:
             for slot, address in zip(self.layers, addresses, strict=True):
                 slot.kv_cache = address
             self.kv_caches = addresses
         threads = torch.get_num_threads()
+        qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         needed = rows * (
-            self.hidden
-            + self.qkv_width
+            2 * self.hidden
+            + 2 * self.head_dim
+            + qkv_width
             + self.num_heads * self.head_dim
             + 2 * self.intermediate
-            + threads * max(self.qkv_width, self.hidden, 2 * self.intermediate)
+            + threads * max(qkv_width, self.hidden, 2 * self.intermediate)
         )
         if self.scratch.numel() < needed:
             self.scratch = torch.empty(needed)
@@ -218,27 +255,37 @@ class Qwen2CpuDecoder:
             cache.shape[1],
             cache.shape[2],
             block_tables.stride(0),
+            positions.stride(0),
             self.eps,
             self.scale,
         )
-        status = self.library.decode_layers(
+        out = torch.empty(rows, self.hidden)
+        status = self.library.decode_step(
+            ctypes.byref(self.model),
             self.layers,
             len(self.layers),
             ctypes.byref(shape),
             rows,
             threads,
-            ctypes.c_void_p(hidden.data_ptr()),
-            ctypes.c_void_p(cos.data_ptr()),
-            ctypes.c_void_p(sin.data_ptr()),
-            ctypes.c_void_p(block_tables.data_ptr()),
-            ctypes.c_void_p(seq_lens.data_ptr()),
-            ctypes.c_void_p(slot_mapping.data_ptr()),
-            ctypes.c_void_p(self.scratch.data_ptr()),
+            *(
+                ctypes.c_void_p(tensor.data_ptr())
+                for tensor in (
+                    input_ids,
+                    positions,
+                    block_tables,
+                    seq_lens,
+                    slot_mapping,
+                    self.scratch,
+                    out,
+                )
+            ),
         )
         if status:
             raise RuntimeError(f"native decode rejected its inputs (status {status})")
-        return hidden
+        return out
 
-    @property
-    def qkv_width(self) -> int:
-        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+def _float32_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype != torch.float32 or not tensor.is_cpu:
+        raise ValueError(f"{name} must be a float32 CPU tensor, got {tensor.dtype}")
+    return tensor

@@ -173,16 +173,19 @@ class Qwen2LanguageModel(PagedLanguageModel):
         """
         if (mm_embeds is None) != (mm_mask is None):
             raise ValueError("mm_embeds and mm_mask must be given together")
+        native = self.cpu_decoder
+        if (
+            mm_embeds is None
+            and native is not None
+            and native.supports(input_ids, kv_caches, metadata)
+        ):
+            return native(input_ids, positions, kv_caches, metadata)  # a decode step, one call
         hidden = self.embed(input_ids)  # [N, hidden]
         if mm_embeds is not None:
             hidden[mm_mask] = mm_embeds.to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)  # [N, 1, D] each
-        native = self.cpu_decoder
-        if native is not None and native.supports(hidden, kv_caches, metadata):
-            hidden = native(hidden, cos, sin, kv_caches, metadata)  # every layer, one call
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
         return F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -245,7 +248,13 @@ class Qwen2LanguageModel(PagedLanguageModel):
         library = cpu_decode.load() if model.norm.is_cpu and dtype == torch.float32 else None
         if library is not None:
             model.cpu_decoder = cpu_decode.Qwen2CpuDecoder(
-                library, model.layers, config.rms_norm_eps
+                library,
+                model.layers,
+                model.lm_head.T if model.embed_tokens is None else model.embed_tokens,
+                model.norm,
+                model.rotary.inv_freq,
+                model.rotary.section,
+                config.rms_norm_eps,
             )
         return model.eval()
 

@@ -1,7 +1,8 @@
 """The native CPU decode step against the model's own torch layers, and its fallbacks.
 
 The tiny checkpoint's norms, biases and weights are redrawn in place (the kernel keeps their
-addresses), so a dropped bias, a norm read from the wrong layer or a swapped projection shows.
+addresses), so a dropped bias, a norm read from the wrong layer or a swapped projection shows;
+decode positions differ between the three M-RoPE rows.
 Requests sit in scattered blocks, with contexts ending inside and exactly at block boundaries.
 Where CI sets `STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead
 of skipping.
@@ -36,7 +37,9 @@ def model(tiny_checkpoint):
     assert model.cpu_decoder is not None
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for name, param in model.layers.named_parameters():
+        for name, param in model.named_parameters():
+            if name == "lm_head":
+                continue  # the (tied) embedding: random already, and read as it is
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)  # in place
     return model
@@ -69,8 +72,11 @@ def _metadata(requests: list[int], cached: list[int], new: list[int]) -> Attenti
     )
 
 
-def _positions(starts: list[int]) -> torch.Tensor:
-    return torch.tensor(starts).expand(3, -1)  # text tokens: t = h = w
+def _positions(starts: list[int], spread: bool = False) -> torch.Tensor:
+    """M-RoPE positions [3, N]: t = h = w, or (`spread`) three different rows, so that a
+    frequency read from the wrong row shows."""
+    positions = torch.tensor(starts).expand(3, -1)
+    return positions + torch.tensor([[0], [5], [11]]) if spread else positions
 
 
 @torch.inference_mode()
@@ -96,7 +102,7 @@ def _decode(model, requests, kv_caches, steps: int, native: bool) -> list[torch.
             if native:
                 assert kept.supports(torch.zeros(len(requests), 1), kv_caches, metadata)
             ids = torch.tensor([(41 * r + step) % 300 for r in requests])
-            outputs.append(model(ids, _positions(cached), kv_caches, metadata))
+            outputs.append(model(ids, _positions(cached, spread=True), kv_caches, metadata))
     finally:
         model.cpu_decoder = kept
     return outputs
