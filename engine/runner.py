@@ -36,6 +36,7 @@ class RowState:
     hold: bool
     num_blocks: int = 0
     output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the row of `block_table`, in Python
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,7 @@ class ModelRunner:
         self.block_table[state.row, state.num_blocks : end] = torch.tensor(
             block_ids, dtype=torch.int32
         )
+        state.block_ids.extend(block_ids)
         state.num_blocks = end
 
     def _drop_row(self, request_id: str) -> None:
@@ -170,22 +172,36 @@ class ModelRunner:
         query_start = [0]
         seq_lens, mm_pieces, mm_ranges, sample_ids, sample_index = [], [], [], [], []
         mm_mask = torch.zeros(output.total_num_scheduled_tokens, dtype=torch.bool)
+        decodes: list[tuple[int, int, int, int]] = []  # (row in the batch, id, position, slot)
+        size = self.block_size
         for b, request_id in enumerate(request_ids):
             state = self.rows[request_id]
             start = computed[request_id]
             end = start + output.num_scheduled_tokens[request_id]
             q0, q1 = query_start[-1], query_start[-1] + end - start
-            self.input_ids[q0:q1] = self.token_ids[state.row, start:end]
-            self.positions[:, q0:q1] = self._positions(state, start, end)
-            token_index = torch.arange(start, end)
-            blocks = self.block_table[state.row, token_index // self.block_size].long()
-            self.slot_mapping[q0:q1] = blocks * self.block_size + token_index % self.block_size
-            self._gather_items(state, start, end, q0, b, mm_pieces, mm_mask, mm_ranges)
+            if end - start == 1 and start >= state.prompt_len:
+                # one sampled token: its values are Python ints, written for all decodes at once
+                after = start - state.prompt_len
+                slot = state.block_ids[start // size] * size + start % size
+                decodes.append((q0, state.output_ids[after], state.next_position + after, slot))
+            else:
+                self.input_ids[q0:q1] = self.token_ids[state.row, start:end]
+                self.positions[:, q0:q1] = self._positions(state, start, end)
+                token_index = torch.arange(start, end)
+                blocks = self.block_table[state.row, token_index // size].long()
+                self.slot_mapping[q0:q1] = blocks * size + token_index % size
+                self._gather_items(state, start, end, q0, b, mm_pieces, mm_mask, mm_ranges)
             query_start.append(q1)
             seq_lens.append(end)
             if end == state.num_tokens and not state.hold:
                 sample_ids.append(request_id)
                 sample_index.append(q1 - 1)
+        if decodes:
+            columns = zip(*decodes, strict=True)
+            batch_rows, ids, positions, slots = (torch.tensor(c) for c in columns)
+            self.input_ids[batch_rows] = ids
+            self.positions[:, batch_rows] = positions  # a text token: t = h = w
+            self.slot_mapping[batch_rows] = slots
         rows = [self.rows[r].row for r in request_ids]
         max_blocks = max(self.rows[r].num_blocks for r in request_ids)
         device = self.device

@@ -277,19 +277,12 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def first_argmax(values: torch.Tensor) -> torch.Tensor:
-    """`values.argmax(-1)` of `[S, V]` (ties: the lowest index), faster on CPU for a vocabulary.
-
-    torch's CPU argmax reads a 150k row at ~2 GB/s, its max reduction ~10x faster: take each
-    block's max, the first block holding the row's max, then the argmax inside that block.
-    """
-    num_rows, vocab = values.shape
-    num_blocks = next((b for b in (512, 256, 128, 64) if vocab % b == 0 and vocab >= 16 * b), 1)
-    if values.device.type != "cpu" or num_blocks == 1:
+    """`values.argmax(-1)` of `[S, V]` (ties: the lowest index; NaN counts as the largest),
+    faster on CPU for a vocabulary: torch's CPU argmax reads a 150k row at ~2 GB/s, numpy's
+    vectorised one (same ties, same NaN rule) 20x faster."""
+    if values.device.type != "cpu" or values.dtype == torch.bfloat16:  # numpy has no bfloat16
         return values.argmax(dim=-1)
-    blocks = values.view(num_rows, num_blocks, vocab // num_blocks)
-    best_block = blocks.amax(dim=-1).argmax(dim=-1)  # [S]: the first block with the max
-    inside = blocks[torch.arange(num_rows, device=values.device), best_block].argmax(dim=-1)
-    return best_block * (vocab // num_blocks) + inside
+    return torch.from_numpy(values.detach().numpy().argmax(axis=-1))
 
 
 def exponential_race(

@@ -51,5 +51,8 @@ def test_first_argmax_equals_argmax_with_ties(vocab, num_rows):
         torch.randn(num_rows, vocab),
         torch.randint(0, 3, (num_rows, vocab)).float(),  # ties everywhere: lowest index wins
         torch.full((num_rows, vocab), -1.0).index_fill_(1, torch.tensor([vocab - 1, 0]), 2.0),
+        torch.randn(num_rows, vocab).index_fill_(1, torch.tensor([vocab // 2]), float("nan")),
+        torch.randn(num_rows, 2 * vocab)[:, ::2],  # strided rows
+        torch.randn(num_rows, vocab).to(torch.bfloat16),
     ):
         assert torch.equal(first_argmax(values), values.argmax(dim=-1))
