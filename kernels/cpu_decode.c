@@ -1,4 +1,4 @@
-/* Decode steps of a Qwen2 decoder stack on CPU, all layers in one OpenMP parallel region.
+/* Decode steps of a Qwen2 or Gemma 3 decoder stack on CPU, in one OpenMP parallel region.
  *
  * A step of a few single-token rows is bound by reading the weights, but run op by op it also
  * pays a fixed cost per op (dispatch, allocation, waking the thread pool) about forty times per
@@ -6,17 +6,23 @@
  * the threads stay in one parallel region from the token ids to the final norm and meet at
  * barriers between phases:
  *
- *   embedding rows, rotary tables (M-RoPE: angle j from position row section[j])
- *   per layer: RMSNorm -> qkv = x @ Wqkv + b -> rotary(q, k), k/v into the paged cache
- *     -> attention -> x += attn @ Wo -> RMSNorm -> gate|up = x @ Wgu -> silu(gate) * up
- *     -> x += act @ Wdown
+ *   embedding rows (times a scale), rotary tables (angle j from position row section[j])
+ *   per layer: RMSNorm -> qkv = x @ Wqkv (+ b) -> per-head RMSNorm of q, k (optional)
+ *     -> rotary(q, k), k/v into the paged cache -> attention (optional sliding window, soft
+ *     cap) -> x += [RMSNorm](attn @ Wo) -> RMSNorm -> gate|up = x @ Wgu
+ *     -> act(gate) * up (SiLU or tanh GELU) -> x += [RMSNorm](act @ Wdown)
  *   final RMSNorm
+ *
+ * Qwen2 has the bias, no q/k norms and no norms on the two residual branches; Gemma 3 has the
+ * norms (their scales stored as 1 + weight already), GELU, local layers with a window and its
+ * own rotary table per layer type. RMSNorm is x / sqrt(mean(x^2) + eps) * scale.
  *
  * A weight `[in, out]` is read either as a contiguous [in, out] (each thread streams its own
  * contiguous band of input rows into a private partial sum; the partials are then added by
  * column) or as a contiguous [out, in] (each thread owns a band of output rows: dot products).
- * Rotation is rotate_half's: x * cos + (x[d + D/2], with the first half negated) * sin; the KV cache is [2, num_blocks, block_size, num_kv_heads, head_dim]; row r is the single new
- * token of request r, at position seq_lens[r] - 1, and attends to every key before it.
+ * Rotation is rotate_half's: x * cos + (x[d + D/2], the first half negated) * sin. The KV cache
+ * is [2, num_blocks, block_size, num_kv_heads, head_dim]; row r is the single new token of
+ * request r, at position seq_lens[r] - 1, and attends to the keys before it (within the window).
  * Everything is float32.
  */
 
@@ -26,25 +32,35 @@
 #include <string.h>
 
 #define MAX_BLOCK 256
+#define MAX_TABLES 2
 
 typedef struct {
-    const float *input_norm;    /* [hidden] */
-    const float *qkv_weight;    /* [hidden, qkv_width] or its [out, in] transpose */
-    const float *qkv_bias;      /* [qkv_width] */
-    const float *o_weight;      /* [heads * head_dim, hidden] */
-    const float *post_norm;     /* [hidden] */
+    const float *input_norm;     /* [hidden] */
+    const float *qkv_weight;     /* [hidden, qkv_width] or its [out, in] transpose */
+    const float *qkv_bias;       /* [qkv_width] or NULL */
+    const float *qk_norm;        /* [heads + kv_heads, head_dim] or NULL */
+    const float *o_weight;       /* [heads * head_dim, hidden] */
+    const float *attention_out_norm; /* [hidden] or NULL: the attention branch added as is */
+    const float *mlp_norm;       /* [hidden] */
     const float *gate_up_weight; /* [hidden, 2 * intermediate]: gate columns, then up */
-    const float *down_weight;   /* [intermediate, hidden] */
-    float *kv_cache;            /* [2, num_blocks, block_size, kv_heads, head_dim] */
+    const float *down_weight;    /* [intermediate, hidden] */
+    const float *mlp_out_norm;   /* [hidden] or NULL */
+    float *kv_cache;             /* [2, num_blocks, block_size, kv_heads, head_dim] */
     int32_t qkv_out_in, o_out_in, gate_up_out_in, down_out_in; /* 1: stored [out, in] */
+    int32_t window;              /* keys within this many positions, 0: all */
+    int32_t table;               /* which rotary table */
 } Layer;
 
 typedef struct {
-    const float *embedding;     /* [vocab, hidden] with the strides below (a tied head's view) */
-    const float *final_norm;    /* [hidden] */
-    const float *inv_freq;      /* [head_dim / 2] */
-    const int32_t *section;     /* [head_dim / 2]: the position row of each rotary frequency */
+    const float *embedding;      /* [vocab, hidden] with the strides below (a tied head's view) */
+    const float *final_norm;     /* [hidden] */
+    const float *inv_freq[MAX_TABLES]; /* [head_dim / 2] each */
+    const int32_t *section;      /* [head_dim / 2]: the position row of each rotary frequency */
     int64_t embedding_row_stride, embedding_column_stride;
+    float embedding_scale;
+    float soft_cap;              /* attention scores: cap * tanh(score / cap); 0: none */
+    int32_t num_tables;
+    int32_t gelu;                /* 1: tanh GELU, 0: SiLU */
 } Model;
 
 typedef struct {
@@ -155,31 +171,34 @@ static void rotate(float *x, const float *cos, const float *sin, int dim) {
     memcpy(x, rotated, sizeof(float) * dim);
 }
 
-/* One query head over its request's paged keys, online softmax block by block. */
+/* One query head over its request's paged keys from `first` on, online softmax block by
+ * block. */
 static void attend(const float *q, const float *keys, const float *values,
-                   const int32_t *block_table, int seq_len, int kv_head, const Shape *s,
-                   float *out) {
+                   const int32_t *block_table, int first, int seq_len, int kv_head,
+                   float soft_cap, const Shape *s, float *out) {
     int dim = s->head_dim, bs = s->block_size;
     size_t slot_stride = (size_t)s->num_kv_heads * dim;
     float scores[MAX_BLOCK], acc[dim], running_max = -INFINITY, total = 0.0f;
     memset(acc, 0, sizeof(float) * dim);
-    for (int start = 0; start < seq_len; start += bs) {
+    for (int start = first - first % bs; start < seq_len; start += bs) {
+        int skip = first > start ? first - start : 0;
         int count = seq_len - start < bs ? seq_len - start : bs;
         size_t base = ((size_t)block_table[start / bs] * bs) * slot_stride + (size_t)kv_head * dim;
         float block_max = -INFINITY;
-        for (int j = 0; j < count; j++) {
+        for (int j = skip; j < count; j++) {
             const float *k = keys + base + j * slot_stride;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int d = 0; d < dim; d++) dot += q[d] * k[d];
-            scores[j] = dot * s->scale;
+            float score = dot * s->scale;
+            scores[j] = soft_cap > 0.0f ? soft_cap * tanhf(score / soft_cap) : score;
             block_max = scores[j] > block_max ? scores[j] : block_max;
         }
         float new_max = block_max > running_max ? block_max : running_max;
         float rescale = expf(running_max - new_max);
         total *= rescale;
         for (int d = 0; d < dim; d++) acc[d] *= rescale;
-        for (int j = 0; j < count; j++) {
+        for (int j = skip; j < count; j++) {
             float p = expf(scores[j] - new_max);
             const float *v = values + base + j * slot_stride;
             total += p;
@@ -191,22 +210,42 @@ static void attend(const float *q, const float *keys, const float *values,
     for (int d = 0; d < dim; d++) out[d] = acc[d] / total;
 }
 
-/* `out` [rows, hidden]: the final-normed hidden states of the rows' tokens `ids` at M-RoPE
- * `positions` [3, rows]. scratch: rows * (2 * hidden + 2 * head_dim + qkv_width
- * + heads * head_dim + 2 * intermediate) floats, then threads * rows * max(qkv_width, hidden,
- * 2 * intermediate) for partial sums. */
+/* hidden[r] += RMSNorm(branch[r]) * scale, or += branch[r] without a scale, for this
+ * thread's rows. */
+static void add_branch(float *hidden, float *branch, const float *scale, int rows, int H,
+                       float eps, int thread, int threads) {
+    int begin, end;
+    share(rows, threads, thread, &begin, &end);
+    for (int r = begin; r < end; r++) {
+        float *x = branch + (size_t)r * H, *y = hidden + (size_t)r * H;
+        if (scale) rms_norm(x, scale, x, H, eps);
+        for (int i = 0; i < H; i++) y[i] += x[i];
+    }
+}
+
+static float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+/* `out` [rows, hidden]: the final-normed hidden states of the rows' tokens `ids` at
+ * `positions` [position rows, rows]. scratch: rows * (3 * hidden + 2 * tables * head_dim
+ * + qkv_width + heads * head_dim + 2 * intermediate) floats, then
+ * threads * rows * max(qkv_width, hidden, 2 * intermediate) for partial sums. */
 int decode_step(const Model *model, const Layer *layers, int num_layers, const Shape *s,
                 int rows, int num_threads, const int64_t *ids, const int64_t *positions,
                 const int32_t *block_tables, const int32_t *seq_lens,
                 const int64_t *slot_mapping, float *scratch, float *out) {
     if (s->block_size > MAX_BLOCK || s->head_dim % 2) return 1;
+    if (model->num_tables < 1 || model->num_tables > MAX_TABLES) return 2;
     int H = s->hidden, D = s->head_dim, Hq = s->num_heads, Hkv = s->num_kv_heads;
     int I = s->intermediate, qkv_width = (Hq + 2 * Hkv) * D, group = Hq / Hkv;
+    int tables = model->num_tables;
     float *hidden = scratch;
     float *normed = hidden + (size_t)rows * H;
-    float *cos = normed + (size_t)rows * H;
-    float *sin = cos + (size_t)rows * D;
-    float *qkv = sin + (size_t)rows * D;
+    float *branch = normed + (size_t)rows * H;
+    float *cos = branch + (size_t)rows * H; /* [tables, rows, D] */
+    float *sin = cos + (size_t)tables * rows * D;
+    float *qkv = sin + (size_t)tables * rows * D;
     float *attn = qkv + (size_t)rows * qkv_width;
     float *gate_up = attn + (size_t)rows * Hq * D;
     float *partials = gate_up + (size_t)rows * 2 * I;
@@ -219,20 +258,27 @@ int decode_step(const Model *model, const Layer *layers, int num_layers, const S
         for (int r = begin; r < end; r++) {
             const float *row = model->embedding + ids[r] * model->embedding_row_stride;
             for (int i = 0; i < H; i++)
-                hidden[(size_t)r * H + i] = row[i * model->embedding_column_stride];
-            for (int j = 0; j < D / 2; j++) {
-                float angle = (float)positions[model->section[j] * s->positions_stride + r] *
-                              model->inv_freq[j];
-                float c = cosf(angle), n = sinf(angle);
-                cos[(size_t)r * D + j] = cos[(size_t)r * D + j + D / 2] = c;
-                sin[(size_t)r * D + j] = -n;
-                sin[(size_t)r * D + j + D / 2] = n;
+                hidden[(size_t)r * H + i] =
+                    row[i * model->embedding_column_stride] * model->embedding_scale;
+            for (int t = 0; t < tables; t++) {
+                float *c_row = cos + ((size_t)t * rows + r) * D;
+                float *s_row = sin + ((size_t)t * rows + r) * D;
+                for (int j = 0; j < D / 2; j++) {
+                    float angle = (float)positions[model->section[j] * s->positions_stride + r] *
+                                  model->inv_freq[t][j];
+                    float c = cosf(angle), n = sinf(angle);
+                    c_row[j] = c_row[j + D / 2] = c;
+                    s_row[j] = -n;
+                    s_row[j + D / 2] = n;
+                }
             }
         }
 #pragma omp barrier
         for (int l = 0; l < num_layers; l++) {
             const Layer *layer = layers + l;
             float *keys = layer->kv_cache, *values = layer->kv_cache + cache_half;
+            const float *layer_cos = cos + (size_t)layer->table * rows * D;
+            const float *layer_sin = sin + (size_t)layer->table * rows * D;
 
             share(rows, threads, thread, &begin, &end);
             for (int r = begin; r < end; r++)
@@ -241,20 +287,22 @@ int decode_step(const Model *model, const Layer *layers, int num_layers, const S
 #pragma omp barrier
             linear(normed, H, rows, H, layer->qkv_weight, layer->qkv_out_in, qkv_width,
                    NULL, qkv, partials);
-            /* bias, rotary of q and k heads, k and v into their slots */
+            /* bias, q/k norms, rotary of q and k heads, k and v into their slots */
             share(rows * (Hq + Hkv), threads, thread, &begin, &end);
             for (int unit = begin; unit < end; unit++) {
                 int r = unit / (Hq + Hkv), head = unit % (Hq + Hkv);
                 float *row = qkv + (size_t)r * qkv_width;
-                float *x = row + (size_t)head * D, *v = NULL;
-                const float *bias = layer->qkv_bias + (size_t)head * D;
-                for (int d = 0; d < D; d++) x[d] += bias[d];
-                rotate(x, cos + (size_t)r * D, sin + (size_t)r * D, D);
+                float *x = row + (size_t)head * D;
+                if (layer->qkv_bias)
+                    for (int d = 0; d < D; d++) x[d] += layer->qkv_bias[(size_t)head * D + d];
+                if (layer->qk_norm) rms_norm(x, layer->qk_norm + (size_t)head * D, x, D, s->eps);
+                rotate(x, layer_cos + (size_t)r * D, layer_sin + (size_t)r * D, D);
                 if (head >= Hq) {
                     int kv_head = head - Hq;
-                    v = row + (size_t)(Hq + Hkv + kv_head) * D;
-                    bias = layer->qkv_bias + (size_t)(Hq + Hkv + kv_head) * D;
-                    for (int d = 0; d < D; d++) v[d] += bias[d];
+                    float *v = row + (size_t)(Hq + Hkv + kv_head) * D;
+                    if (layer->qkv_bias)
+                        for (int d = 0; d < D; d++)
+                            v[d] += layer->qkv_bias[(size_t)(Hq + Hkv + kv_head) * D + d];
                     size_t at = ((size_t)slot_mapping[r] * Hkv + kv_head) * D;
                     memcpy(keys + at, x, sizeof(float) * D);
                     memcpy(values + at, v, sizeof(float) * D);
@@ -263,32 +311,48 @@ int decode_step(const Model *model, const Layer *layers, int num_layers, const S
 #pragma omp barrier
             share(rows * Hq, threads, thread, &begin, &end);
             for (int unit = begin; unit < end; unit++) {
-                int r = unit / Hq, head = unit % Hq;
+                int r = unit / Hq, head = unit % Hq, seq_len = seq_lens[r];
+                int first = layer->window > 0 && seq_len > layer->window
+                                ? seq_len - layer->window : 0;
                 attend(qkv + (size_t)r * qkv_width + (size_t)head * D, keys, values,
-                       block_tables + (size_t)r * s->block_table_stride, seq_lens[r],
-                       head / group, s, attn + ((size_t)r * Hq + head) * D);
+                       block_tables + (size_t)r * s->block_table_stride, first, seq_len,
+                       head / group, model->soft_cap, s, attn + ((size_t)r * Hq + head) * D);
             }
 #pragma omp barrier
-            linear(attn, (size_t)Hq * D, rows, Hq * D, layer->o_weight, layer->o_out_in, H,
-                   hidden, hidden, partials);
+            if (layer->attention_out_norm) {
+                linear(attn, (size_t)Hq * D, rows, Hq * D, layer->o_weight, layer->o_out_in, H,
+                       NULL, branch, partials);
+                add_branch(hidden, branch, layer->attention_out_norm, rows, H, s->eps, thread,
+                           threads);
+            } else {
+                linear(attn, (size_t)Hq * D, rows, Hq * D, layer->o_weight, layer->o_out_in, H,
+                       hidden, hidden, partials);
+            }
             share(rows, threads, thread, &begin, &end);
             for (int r = begin; r < end; r++)
-                rms_norm(hidden + (size_t)r * H, layer->post_norm, normed + (size_t)r * H, H,
+                rms_norm(hidden + (size_t)r * H, layer->mlp_norm, normed + (size_t)r * H, H,
                          s->eps);
 #pragma omp barrier
             linear(normed, H, rows, H, layer->gate_up_weight, layer->gate_up_out_in, 2 * I, NULL,
                    gate_up, partials);
-            /* silu(gate) * up into the gate half of each row */
+            /* act(gate) * up into the gate half of each row */
             share(rows * I, threads, thread, &begin, &end);
             for (int unit = begin; unit < end; unit++) {
                 float *row = gate_up + (size_t)(unit / I) * 2 * I;
                 int c = unit % I;
                 float g = row[c];
-                row[c] = g / (1.0f + expf(-g)) * row[I + c];
+                row[c] = (model->gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * row[I + c];
             }
 #pragma omp barrier
-            linear(gate_up, (size_t)2 * I, rows, I, layer->down_weight, layer->down_out_in, H,
-                   hidden, hidden, partials);
+            if (layer->mlp_out_norm) {
+                linear(gate_up, (size_t)2 * I, rows, I, layer->down_weight, layer->down_out_in, H,
+                       NULL, branch, partials);
+                add_branch(hidden, branch, layer->mlp_out_norm, rows, H, s->eps, thread, threads);
+            } else {
+                linear(gate_up, (size_t)2 * I, rows, I, layer->down_weight, layer->down_out_in, H,
+                       hidden, hidden, partials);
+            }
+#pragma omp barrier
         }
         share(rows, threads, thread, &begin, &end);
         for (int r = begin; r < end; r++)

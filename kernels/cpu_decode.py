@@ -1,4 +1,4 @@
-"""Decode steps of a Qwen2 decoder stack on CPU in one native call (`cpu_decode.c`).
+"""Decode steps of a Qwen2 or Gemma 3 decoder stack on CPU in one native call (`cpu_decode.c`).
 
 A batch-1 decode step is bound by reading the weights, but op by op in torch each of a layer's
 ~40 small ops also costs a fixed few microseconds, every parallel op wakes the thread pool
@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -40,23 +41,33 @@ MAX_BLOCK_SIZE = 256  # `MAX_BLOCK` in the C file
 ENABLE_VARIABLE = "STILLCUT_NATIVE_DECODE"
 
 
+MAX_TABLES = 2  # rotary tables per model (Gemma 3: local and global)
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         *((name, ctypes.c_void_p) for name in (
-            "input_norm", "qkv_weight", "qkv_bias", "o_weight", "post_norm", "gate_up_weight",
-            "down_weight", "kv_cache",
+            "input_norm", "qkv_weight", "qkv_bias", "qk_norm", "o_weight", "attention_out_norm",
+            "mlp_norm", "gate_up_weight", "down_weight", "mlp_out_norm", "kv_cache",
         )),
         *((name, ctypes.c_int32) for name in (
-            "qkv_out_in", "o_out_in", "gate_up_out_in", "down_out_in",
+            "qkv_out_in", "o_out_in", "gate_up_out_in", "down_out_in", "window", "table",
         )),
     ]  # fmt: skip
 
 
 class _Model(ctypes.Structure):
     _fields_ = [
-        *((name, ctypes.c_void_p) for name in ("embedding", "final_norm", "inv_freq", "section")),
+        ("embedding", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("inv_freq", ctypes.c_void_p * MAX_TABLES),
+        ("section", ctypes.c_void_p),
         ("embedding_row_stride", ctypes.c_int64),
         ("embedding_column_stride", ctypes.c_int64),
+        ("embedding_scale", ctypes.c_float),
+        ("soft_cap", ctypes.c_float),
+        ("num_tables", ctypes.c_int32),
+        ("gelu", ctypes.c_int32),
     ]
 
 
@@ -70,6 +81,27 @@ class _Shape(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
     ]  # fmt: skip
+
+
+class LayerWeights(NamedTuple):
+    """One decoder layer as the kernel reads it: fused `[in, out]` projections (either memory
+    order, see `engine.models.layers.matmul_layout`), RMSNorm scales as they multiply, and
+    None for what a family does not have (Qwen2: no q/k norms, no norms on the residual
+    branches; Gemma 3: no bias). `window` 0 attends to every key; `table` picks the rotary
+    table."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv_weight: torch.Tensor  # [hidden, (Hq + 2 Hkv) * D]: q, k, v columns
+    o_weight: torch.Tensor  # [Hq * D, hidden]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up_weight: torch.Tensor  # [hidden, 2 * intermediate]: gate, up columns
+    down_weight: torch.Tensor  # [intermediate, hidden]
+    qkv_bias: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D]
+    qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D]: per q head, then per k head
+    attention_out_norm: torch.Tensor | None = None  # [hidden]
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]
+    window: int = 0
+    table: int = 0
 
 
 def enabled() -> bool:
@@ -101,6 +133,16 @@ def load() -> ctypes.CDLL | None:
         return None
     library.decode_step.restype = ctypes.c_int
     return library
+
+
+def bind(layers: Sequence[LayerWeights], **model) -> CpuDecoder | None:
+    """A `CpuDecoder` of these layers (`model`: its keyword arguments), or None where the
+    kernel cannot serve: not float32 on CPU, or no library here (see `load`)."""
+    first = layers[0].qkv_weight
+    if first.dtype != torch.float32 or not first.is_cpu:
+        return None
+    library = load()
+    return None if library is None else CpuDecoder(library, layers, **model)
 
 
 def _compile(compiler: str, target: Path) -> None:
@@ -142,54 +184,75 @@ def _out_in(weight: torch.Tensor) -> int:
     raise ValueError(f"weight of shape {tuple(weight.shape)} is in neither layout")
 
 
-class Qwen2CpuDecoder:
-    """A Qwen2 language model (`engine.models.qwen2`) from token ids to its final norm, bound to
-    the C kernel for steps of decodes only (see `supports`).
+class CpuDecoder:
+    """A decoder-only language model from token ids to its final norm, bound to the C kernel
+    for steps of decodes only (see `supports`); the model files say what their layers are.
 
-    `layers` are the model's decoder layers (fused `[in, out]` weights), `embedding` its
-    `[vocab, hidden]` table (any strides: a tied model's is the head's transpose), `final_norm`
-    its last RMSNorm weight and `inv_freq`, `section` its M-RoPE frequencies and their position
-    rows. All float32 on CPU; they must outlive this object, which keeps only their addresses.
+    `embedding` is the `[vocab, hidden]` table (any strides: a tied model's is the head's
+    transpose), scaled by `embedding_scale`; `inv_freqs` the rotary tables' frequencies `[D/2]`
+    and `section` `[D/2]` the position row each frequency turns with (M-RoPE; zeros for 1-D
+    positions); `scale` multiplies attention scores before the optional `soft_cap`; `gelu`
+    picks tanh GELU over SiLU. Everything float32 on CPU; the tensors must outlive this
+    object, which keeps only their addresses.
     """
 
     def __init__(
         self,
         library: ctypes.CDLL,
-        layers: Sequence[torch.nn.Module],
+        layers: Sequence[LayerWeights],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
         embedding: torch.Tensor,
         final_norm: torch.Tensor,
-        inv_freq: torch.Tensor,
+        inv_freqs: Sequence[torch.Tensor],
         section: torch.Tensor,
         eps: float,
+        scale: float,
+        embedding_scale: float = 1.0,
+        soft_cap: float | None = None,
+        gelu: bool = False,
     ) -> None:
+        if not 1 <= len(inv_freqs) <= MAX_TABLES:
+            raise ValueError(f"{len(inv_freqs)} rotary tables; the kernel takes 1 to {MAX_TABLES}")
         self.library = library
-        first = layers[0]
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.hidden = final_norm.shape[0]
-        self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
-        self.head_dim = first.o_weight.shape[0] // self.num_heads
-        self.intermediate = first.down_weight.shape[0]
-        self.eps, self.scale = eps, first.scale
+        self.head_dim = layers[0].o_weight.shape[0] // num_heads
+        self.intermediate = layers[0].down_weight.shape[0]
+        self.eps, self.scale = eps, scale
         self.layers = (_Layer * len(layers))()
         for slot, layer in zip(self.layers, layers, strict=True):
-            for name in ("qkv_weight", "qkv_bias", "o_weight", "gate_up_weight", "down_weight"):
-                tensor = _float32_cpu(name, getattr(layer, name))
-                setattr(slot, name, tensor.data_ptr())
-                if name != "qkv_bias":
-                    setattr(slot, name.replace("weight", "out_in"), _out_in(tensor))
-            slot.input_norm = _float32_cpu("norm", layer.input_layernorm).data_ptr()
-            slot.post_norm = _float32_cpu("norm", layer.post_attention_layernorm).data_ptr()
-        self.section = section.to(torch.int32).contiguous()  # kept: the kernel reads it
-        self.inv_freq = _float32_cpu("inv_freq", inv_freq).contiguous()
+            for name, tensor in layer._asdict().items():
+                if isinstance(tensor, torch.Tensor):
+                    setattr(slot, name, _float32_cpu(name, tensor).data_ptr())
+                    if name.endswith("_weight"):
+                        setattr(slot, name.replace("weight", "out_in"), _out_in(tensor))
+            slot.window, slot.table = layer.window, layer.table
+            if not 0 <= layer.table < len(inv_freqs):
+                raise ValueError(f"layer rotary table {layer.table} of {len(inv_freqs)}")
+        # kept: the kernel reads them
+        self.section = section.to(torch.int32).contiguous()
+        self.inv_freqs = [_float32_cpu("inv_freq", f).contiguous() for f in inv_freqs]
         self.model = _Model(
             _float32_cpu("embedding", embedding).data_ptr(),
             _float32_cpu("final_norm", final_norm).data_ptr(),
-            self.inv_freq.data_ptr(),
+            (ctypes.c_void_p * MAX_TABLES)(*(f.data_ptr() for f in self.inv_freqs)),
             self.section.data_ptr(),
             embedding.stride(0),
             embedding.stride(1),
+            embedding_scale,
+            soft_cap or 0.0,
+            len(self.inv_freqs),
+            int(gelu),
         )
         self.kv_caches: tuple[int, ...] = ()
         self.scratch = torch.empty(0)
+
+    def __reduce__(self):
+        """A copied or pickled model holds no decoder (this one keeps the original's weight
+        addresses): the copy runs its torch ops."""
+        return (type(None), ())
 
     def supports(
         self, input_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], metadata
@@ -215,8 +278,8 @@ class Qwen2CpuDecoder:
         kv_caches: Sequence[torch.Tensor],
         metadata,
     ) -> torch.Tensor:
-        """The final-normed hidden states [rows, hidden] of `input_ids` [rows] at M-RoPE
-        `positions` [3, rows]; their keys and values go into `kv_caches` like the model's own
+        """The final-normed hidden states [rows, hidden] of `input_ids` [rows] at `positions`
+        [position rows, rows]; their keys and values go into `kv_caches` like the model's own
         layers put them."""
         rows = input_ids.shape[0]
         input_ids = input_ids.to(torch.int64).contiguous()
@@ -231,8 +294,8 @@ class Qwen2CpuDecoder:
         threads = torch.get_num_threads()
         qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         needed = rows * (
-            2 * self.hidden
-            + 2 * self.head_dim
+            3 * self.hidden
+            + 2 * len(self.inv_freqs) * self.head_dim
             + qkv_width
             + self.num_heads * self.head_dim
             + 2 * self.intermediate

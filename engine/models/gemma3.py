@@ -46,6 +46,7 @@ from stillcut.engine.models.layers import (
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode import CpuDecoder, LayerWeights, bind
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 # A checkpoint layer's norms -> ours (their `1 + weight`, float32).
@@ -215,6 +216,9 @@ class Gemma3LanguageModel(PagedLanguageModel):
         """
         if (mm_embeds is None) != (mm_mask is None):
             raise ValueError("mm_embeds and mm_mask must be given together")
+        native = self.native_decode(input_ids, positions, kv_caches, metadata, mm_embeds)
+        if native is not None:
+            return native  # a step of decodes, in one native call
         hidden = self.embed(input_ids).mul_(self.embed_scale)  # [N, hidden]
         if mm_embeds is not None:
             hidden[mm_mask] = mm_embeds.to(hidden.dtype)
@@ -283,7 +287,43 @@ class Gemma3LanguageModel(PagedLanguageModel):
         set_weight(model, "norm", _scale(stored.norm))
         set_weight(model, "lm_head", head_layout(stored.embed_tokens.weight))
         band_weights(model)
+        model.cpu_decoder = _cpu_decoder(model)
         return model.eval()
+
+
+def _cpu_decoder(model: Gemma3LanguageModel) -> CpuDecoder | None:
+    """The native CPU decode step of `model` (see `kernels.cpu_decode`), or None."""
+    config = model.config
+    layers = [
+        LayerWeights(
+            input_norm=layer.input_norm,
+            qkv_weight=layer.qkv_weight,
+            qk_norm=layer.qk_norm,
+            o_weight=layer.o_weight,
+            attention_out_norm=layer.post_attention_norm,
+            mlp_norm=layer.pre_feedforward_norm,
+            gate_up_weight=layer.gate_up_weight,
+            down_weight=layer.down_weight,
+            mlp_out_norm=layer.post_feedforward_norm,
+            window=layer.sliding_window or 0,
+            table=LAYER_TYPES.index(layer.layer_type),
+        )
+        for layer in model.layers
+    ]
+    return bind(
+        layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        embedding=model.lm_head.T,  # the tied head's rows, see `head_layout`
+        final_norm=model.norm,
+        inv_freqs=[getattr(model.rotary, f"{kind}_inv_freq") for kind in LAYER_TYPES],
+        section=torch.zeros(config.head_dim // 2, dtype=torch.int32),  # 1-D positions
+        eps=config.rms_norm_eps,
+        scale=config.query_pre_attn_scalar**-0.5,
+        embedding_scale=float(model.embed_scale),
+        soft_cap=config.attn_logit_softcapping,
+        gelu=True,
+    )
 
 
 def _scale(norm: nn.Module) -> torch.Tensor:

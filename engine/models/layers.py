@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from stillcut.kernels.cpu_decode import CpuDecoder
 
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -126,10 +127,31 @@ def _band_count(num_out: int, wanted: int) -> int:
 class PagedLanguageModel(nn.Module):
     """What the runner asks of every language model beside `forward`, `compute_logits` and
     `prompt_positions`: its layer count and the shape of one layer's paged KV cache. `config`
-    has `num_layers`, `num_kv_heads` and `head_dim`; `head_bands` is set by `band_weights`."""
+    has `num_layers`, `num_kv_heads` and `head_dim`; `head_bands` is set by `band_weights`,
+    `cpu_decoder` by the model's `from_checkpoint` where the native kernel serves it."""
 
     config: object
     head_bands: tuple[Bands, Bands] | None = None
+    cpu_decoder: CpuDecoder | None = None  # the native CPU decode step, when it was built
+
+    def native_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        mm_embeds: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """`forward`'s result from the native CPU decode step when this step is one it takes
+        (decodes only, see `CpuDecoder.supports`), else None."""
+        native = self.cpu_decoder
+        if (
+            mm_embeds is None
+            and native is not None
+            and native.supports(input_ids, kv_caches, metadata)
+        ):
+            return native(input_ids, positions, kv_caches, metadata)
+        return None
 
     @property
     def num_layers(self) -> int:

@@ -38,8 +38,8 @@ from stillcut.engine.models.layers import (
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
-from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode import CpuDecoder, LayerWeights, bind
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 LM_HEAD_PREFIX = "lm_head."
@@ -131,7 +131,6 @@ class Qwen2LanguageModel(PagedLanguageModel):
 
     num_position_rows = 3  # M-RoPE: temporal, height, width
     bidirectional_item_tokens = 0  # every token attends causally
-    cpu_decoder: cpu_decode.Qwen2CpuDecoder | None = None  # set by `from_checkpoint` when built
 
     def __init__(
         self,
@@ -245,18 +244,36 @@ class Qwen2LanguageModel(PagedLanguageModel):
             set_weight(model, "embed_tokens", stored.embed_tokens.weight)
             set_weight(model, "lm_head", head_layout(head.weight))
         band_weights(model)
-        library = cpu_decode.load() if model.norm.is_cpu and dtype == torch.float32 else None
-        if library is not None:
-            model.cpu_decoder = cpu_decode.Qwen2CpuDecoder(
-                library,
-                model.layers,
-                model.lm_head.T if model.embed_tokens is None else model.embed_tokens,
-                model.norm,
-                model.rotary.inv_freq,
-                model.rotary.section,
-                config.rms_norm_eps,
-            )
+        model.cpu_decoder = _cpu_decoder(model)
         return model.eval()
+
+
+def _cpu_decoder(model: Qwen2LanguageModel) -> CpuDecoder | None:
+    """The native CPU decode step of `model` (see `kernels.cpu_decode`), or None."""
+    config = model.config
+    layers = [
+        LayerWeights(
+            input_norm=layer.input_layernorm,
+            qkv_weight=layer.qkv_weight,
+            qkv_bias=layer.qkv_bias,
+            o_weight=layer.o_weight,
+            mlp_norm=layer.post_attention_layernorm,
+            gate_up_weight=layer.gate_up_weight,
+            down_weight=layer.down_weight,
+        )
+        for layer in model.layers
+    ]
+    return bind(
+        layers,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        embedding=model.lm_head.T if model.embed_tokens is None else model.embed_tokens,
+        final_norm=model.norm,
+        inv_freqs=[model.rotary.inv_freq],
+        section=model.rotary.section,
+        eps=config.rms_norm_eps,
+        scale=config.head_dim**-0.5,
+    )
 
 
 def _fuse_layer(layer: Qwen2DecoderLayer, stored: nn.Module) -> None:

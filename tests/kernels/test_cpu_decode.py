@@ -1,8 +1,9 @@
 """The native CPU decode step against the model's own torch layers, and its fallbacks.
 
-The tiny checkpoint's norms, biases and weights are redrawn in place (the kernel keeps their
-addresses), so a dropped bias, a norm read from the wrong layer or a swapped projection shows;
-decode positions differ between the three M-RoPE rows.
+For Qwen2.5-VL and Gemma 3 (with and without a score soft cap), the tiny checkpoint's norms,
+biases and weights are redrawn in place (the kernel keeps their addresses), so a dropped bias,
+a norm read from the wrong layer or a swapped projection shows; Qwen's decode positions differ
+between the three M-RoPE rows, and Gemma's contexts outgrow its local layers' window of 8.
 Requests sit in scattered blocks, with contexts ending inside and exactly at block boundaries.
 Where CI sets `STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead
 of skipping.
@@ -10,12 +11,15 @@ of skipping.
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 
 import pytest
 import torch
 
-from stillcut.engine.models import Qwen2LanguageModel
+from stillcut.engine.checkpoints import cached_checkpoint
+from stillcut.engine.models import Gemma3LanguageModel, Qwen2LanguageModel
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
 
@@ -27,13 +31,24 @@ PROMPT_LENS = [1, 3, 4, 7, 8, 13, 16, 2, 5, 9, 11, 12, 15, 6, 10, 14, 3]  # 17 r
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def model(tiny_checkpoint):
+FAMILIES = {
+    "qwen2_5_vl": (Qwen2LanguageModel, {"family": "qwen2_5_vl"}),
+    "gemma3": (Gemma3LanguageModel, {"family": "gemma3"}),
+    "gemma3 soft cap": (
+        Gemma3LanguageModel,
+        {"family": "gemma3", "text": {"attn_logit_softcapping": 2.0}},
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request):
     if cpu_decode.load() is None:
         if os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):
             pytest.fail("the native CPU decode kernel did not build here")
         pytest.skip("no C compiler: the native CPU decode kernel is not built")
-    model = Qwen2LanguageModel.from_checkpoint(tiny_checkpoint)
+    model_class, spec = FAMILIES[request.param]
+    model = model_class.from_checkpoint(cached_checkpoint("tiny", **spec))
     assert model.cpu_decoder is not None
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -72,11 +87,12 @@ def _metadata(requests: list[int], cached: list[int], new: list[int]) -> Attenti
     )
 
 
-def _positions(starts: list[int], spread: bool = False) -> torch.Tensor:
-    """M-RoPE positions [3, N]: t = h = w, or (`spread`) three different rows, so that a
-    frequency read from the wrong row shows."""
-    positions = torch.tensor(starts).expand(3, -1)
-    return positions + torch.tensor([[0], [5], [11]]) if spread else positions
+def _positions(model, starts: list[int], spread: bool = False) -> torch.Tensor:
+    """Positions [rows, N]: 1-D, or M-RoPE's t = h = w, or (`spread`) M-RoPE's three rows
+    apart, so that a frequency read from the wrong row shows."""
+    rows = model.num_position_rows
+    positions = torch.tensor(starts).expand(rows, -1)
+    return positions + torch.tensor([[0], [5], [11]]) if spread and rows == 3 else positions
 
 
 @torch.inference_mode()
@@ -85,7 +101,7 @@ def _prefilled(model, requests: list[int]) -> list[torch.Tensor]:
     kv_caches = [torch.zeros(model.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)) for _ in model.layers]
     lens = [PROMPT_LENS[r] for r in requests]
     ids = torch.cat([torch.arange(n) * 7 % 300 + r for r, n in zip(requests, lens, strict=True)])
-    positions = torch.cat([_positions(list(range(n))) for n in lens], dim=1)
+    positions = torch.cat([_positions(model, list(range(n))) for n in lens], dim=1)
     model(ids, positions, kv_caches, _metadata(requests, [0] * len(lens), lens))
     return kv_caches
 
@@ -102,7 +118,7 @@ def _decode(model, requests, kv_caches, steps: int, native: bool) -> list[torch.
             if native:
                 assert kept.supports(torch.zeros(len(requests), 1), kv_caches, metadata)
             ids = torch.tensor([(41 * r + step) % 300 for r in requests])
-            outputs.append(model(ids, _positions(cached, spread=True), kv_caches, metadata))
+            outputs.append(model(ids, _positions(model, cached, spread=True), kv_caches, metadata))
     finally:
         model.cpu_decoder = kept
     return outputs
@@ -186,3 +202,17 @@ def test_the_library_is_built_once_into_the_cache(fresh_load):
     modified = built.stat().st_mtime_ns
     assert cpu_decode.load() is not None
     assert built.stat().st_mtime_ns == modified  # found, not compiled again
+
+
+def test_a_copied_model_runs_its_own_weights(model):
+    """The kernel holds the weights' addresses: a deep copy must not read the original's."""
+    copied = copy.deepcopy(model)
+    assert copied.cpu_decoder is None and model.cpu_decoder is not None
+    with torch.no_grad():
+        for param in copied.parameters():
+            param.mul_(0.5)
+    requests = [0, 1, 2]
+    (ours,) = _decode(model, requests, _prefilled(model, requests), steps=1, native=True)
+    (theirs,) = _decode(copied, requests, _prefilled(copied, requests), steps=1, native=False)
+    assert not torch.allclose(ours, theirs, atol=1e-3)
+    assert pickle.loads(pickle.dumps(model)).cpu_decoder is None
