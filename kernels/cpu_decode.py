@@ -9,9 +9,10 @@ rows, M-RoPE tables, every layer) inside one OpenMP parallel region, the threads
 barriers, reading each weight once in contiguous per-thread bands.
 
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into the
-stillcut cache, keyed by the source, the compiler and the CPU; it links the OpenMP runtime
-torch has already loaded, so both share one thread pool. Without a compiler, or with
-`STILLCUT_NATIVE_DECODE=0`, `load()` returns None and the model runs its torch ops instead.
+stillcut cache, keyed by the source, the compiler and the CPU. It links libgomp, the OpenMP
+runtime torch's Linux wheels have already loaded under the same name, so both share one thread
+pool. Without a compiler, or with `STILLCUT_NATIVE_DECODE=0`, `load()` returns None and the
+model runs its torch ops instead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -38,10 +40,9 @@ SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 16  # past this many rows a step is a gemm, torch's own territory
 MAX_BLOCK_SIZE = 256  # `MAX_BLOCK` in the C file
-ENABLE_VARIABLE = "STILLCUT_NATIVE_DECODE"
-
-
 MAX_TABLES = 2  # rotary tables per model (Gemma 3: local and global)
+ENABLE_VARIABLE = "STILLCUT_NATIVE_DECODE"
+COMPILE_TIMEOUT_S = 120
 
 
 class _Layer(ctypes.Structure):
@@ -118,16 +119,18 @@ def load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC", "cc")
     try:
         version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, check=True
+            [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
         ).stdout
         key = hashlib.sha256(
             "\0".join((SOURCE.read_text(), compiler, version, *FLAGS, _cpu())).encode()
         ).hexdigest()[:16]
         target = cache_dir() / "native" / f"cpu_decode-{key}.so"
         if not target.exists():
+            started = time.perf_counter()
             _compile(compiler, target)
+            log.info("compiled the native CPU decode step in %.1f s", time.perf_counter() - started)
         library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.CalledProcessError) as error:
+    except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", None) or error
         log.warning("native CPU decode unavailable, using torch ops: %s", detail)
         return None
@@ -157,6 +160,7 @@ def _compile(compiler: str, target: Path) -> None:
             capture_output=True,
             text=True,
             check=True,
+            timeout=COMPILE_TIMEOUT_S,
         )
         os.replace(partial, target)
     finally:
@@ -266,6 +270,8 @@ class CpuDecoder:
             and metadata.max_query_len == 1
             and metadata.seq_lens.shape[0] == rows
             and metadata.mm_ranges is None
+            and metadata.block_tables.dtype == metadata.seq_lens.dtype == torch.int32
+            and metadata.slot_mapping.dtype == torch.int64
             and kv_caches[0].dtype == torch.float32
             and kv_caches[0].shape[2] <= MAX_BLOCK_SIZE
             and all(cache.is_contiguous() for cache in kv_caches)
