@@ -7,10 +7,10 @@ i and j lie in the same bidirectional multimodal item): Gemma 3's mask as transf
 it, window AND (causal OR same image), so an image longer than the window does not see its own
 tokens beyond it. Only the key span some query can see is gathered (by slot, so unwritten slots
 are never read): a window bounds it from below. Decodes run as one padded batch with the grouped
-query heads folded into SDPA's query axis; what to gather and mask for them is worked out once
-per step (kept in the metadata's `plans`) and reused by every layer. A prefill chunk is one
-`is_causal` SDPA call when it starts at position 0 with a plain causal mask, else query tiles
-with explicit masks, each over only the keys it can see. `auto` picks the Triton kernel on CUDA
+query heads folded into SDPA's query axis. A prefill chunk is one `is_causal` SDPA call when it
+starts at position 0 with a plain causal mask, else query tiles with explicit masks, each over
+only the keys it can see. What to gather and mask, for decodes and chunks alike, is worked out
+once per step (kept in the metadata's `plans`) and reused by every layer. `auto` picks the Triton kernel on CUDA
 (`paged_attention_triton`) and this torch backend elsewhere.
 """
 
@@ -48,7 +48,8 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
     # What the torch backend derives from this metadata once and every layer reuses: each
-    # request's bidirectional items ("items") and the decode batch per window and cache shape.
+    # request's bidirectional items ("items"), and per window and cache shape the decode batch
+    # and the prefill chunks.
     plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -162,18 +163,16 @@ def paged_attention_torch(
     if plan is not None and plan.num_decodes == len(seq_lens) == query.shape[0]:
         return _decode(query.to(dtype), kv_cache, plan, attend).to(query.dtype)  # decodes only
     out = torch.empty_like(query)  # [N, num_heads, head_dim]
-    for b, (start, end) in enumerate(pairwise(starts)):
-        if end - start > 1:
-            context_len = seq_lens[b]
-            chunk = _span(
-                context_len - (end - start), context_len, items.get(b, []), sliding_window
-            )
-            q = query[start:end].to(dtype)  # [q_len, num_heads, head_dim]
-            block_table = metadata.block_tables[b : b + 1]  # [1, max_num_blocks]
-            tiled = logits_soft_cap is not None or not _is_plain_causal(chunk, sliding_window)
-            _prefill_chunk(
-                q, kv_cache, block_table, chunk, sliding_window, attend, tiled, out[start:end]
-            )
+    key = ("prefill", sliding_window, logits_soft_cap is not None, *key[2:])
+    if key not in metadata.plans:
+        metadata.plans[key] = [
+            _chunk_plan(metadata, b, start, end, seq_lens[b], items, kv_cache, *key[1:3])
+            for b, (start, end) in enumerate(pairwise(starts))
+            if end - start > 1
+        ]
+    for chunk in metadata.plans[key]:
+        rows = slice(chunk.start, chunk.end)
+        _prefill_chunk(query[rows].to(dtype), kv_cache, chunk, attend, out[rows])
     if plan is not None:
         q = query.index_select(0, plan.rows).to(dtype)  # [num_decodes, num_heads, head_dim]
         out.index_copy_(0, plan.rows, _decode(q, kv_cache, plan, attend).to(out.dtype))
@@ -250,26 +249,56 @@ def _span(
     return _Span(query_start, query_end, key_start, key_end, live)
 
 
-def _prefill_chunk(q, kv_cache, block_table, chunk: _Span, window, attend, tiled, out) -> None:
-    """Attention of one request's chunk `q` `[Q, H, D]` into `out` `[Q, H, D]`, in query
-    tiles that see only the keys they need when a single SDPA call could not skip any work
-    (its `is_causal` does, but an explicit mask or the soft-capped path cannot)."""
-    query_len, num_heads, head_dim = q.shape
-    device = q.device
+class _ChunkPlan(NamedTuple):
+    """One request's prefill chunk, rows `[start, end)` of the step: the KV-cache rows of the
+    keys it sees (`[Hkv * K]`, see `_kv_rows`) and its query tiles, each (query rows, key
+    columns, mask `[1, Q, K]` or None for SDPA's plain causal)."""
+
+    start: int
+    end: int
+    kv_rows: torch.Tensor
+    num_keys: int
+    tiles: list[tuple[slice, slice, torch.Tensor | None]]
+
+
+def _chunk_plan(metadata, b, start, end, context_len, items, kv_cache, window, soft_cap):
+    """What every layer needs for request `b`'s chunk: worked out once per step. Tiles see
+    only the keys they need when a single SDPA call could not skip any work (its `is_causal`
+    does, but an explicit mask or the soft-capped path cannot)."""
+    chunk = _span(context_len - (end - start), context_len, items.get(b, []), window)
+    device = metadata.block_tables.device
     key_pos = torch.arange(chunk.key_start, chunk.key_end, device=device)  # [K]
-    k, v = _gather_kv(kv_cache, block_table, key_pos[None], q.dtype)  # [1, Hkv, K, D]
-    # [Q, H, D] -> [1, Hkv, G, Q, D]: query head h reads kv head h // G
-    q = q.view(1, query_len, k.shape[1], -1, head_dim).permute(0, 2, 3, 1, 4)
-    tiles = [chunk]
-    if tiled:
+    block_table = metadata.block_tables[b : b + 1]  # [1, max_num_blocks]
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    kv_rows = _kv_rows(block_table, key_pos[None], block_size, num_kv_heads)  # [1, Hkv, K]
+    spans = [chunk]
+    if soft_cap or not _is_plain_causal(chunk, window):
         tile_starts = range(chunk.query_start, chunk.query_end, QUERY_TILE)
-        tiles = [
+        spans = [
             _span(s, min(s + QUERY_TILE, chunk.query_end), chunk.items, window) for s in tile_starts
         ]
-    for tile in tiles:
-        rows = slice(tile.query_start - chunk.query_start, tile.query_end - chunk.query_start)
-        keys = slice(tile.key_start - chunk.key_start, tile.key_end - chunk.key_start)
-        mask = None if _is_plain_causal(tile, window) else _tile_mask(tile, window, device)
+    tiles = [
+        (
+            slice(tile.query_start - chunk.query_start, tile.query_end - chunk.query_start),
+            slice(tile.key_start - chunk.key_start, tile.key_end - chunk.key_start),
+            None if _is_plain_causal(tile, window) else _tile_mask(tile, window, device),
+        )
+        for tile in spans
+    ]
+    return _ChunkPlan(start, end, kv_rows.flatten(), key_pos.numel(), tiles)
+
+
+def _prefill_chunk(q, kv_cache, chunk: _ChunkPlan, attend, out) -> None:
+    """Attention of one request's chunk `q` `[Q, H, D]` into `out` `[Q, H, D]`."""
+    query_len, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    # index_select copies whole rows; advanced indexing copies element by element (2x slower).
+    kv = torch.index_select(kv_cache.view(2, -1, head_dim), 1, chunk.kv_rows)
+    kv = kv.view(2, 1, num_kv_heads, chunk.num_keys, head_dim).to(q.dtype)  # [2, 1, Hkv, K, D]
+    k, v = kv[0], kv[1]
+    # [Q, H, D] -> [1, Hkv, G, Q, D]: query head h reads kv head h // G
+    q = q.view(1, query_len, num_kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)
+    for rows, keys, mask in chunk.tiles:
         tile_out = attend(q[:, :, :, rows], k[:, :, keys], v[:, :, keys], mask)  # [1,Hkv,G,Q,D]
         out[rows] = tile_out[0].permute(2, 0, 1, 3).reshape(-1, num_heads, head_dim)
 
@@ -303,19 +332,6 @@ def _kv_rows(
     slots = block_ids.long() * block_size + positions % block_size  # [R, K]
     heads = torch.arange(num_kv_heads, device=positions.device)[:, None]  # [Hkv, 1]
     return slots[:, None] * num_kv_heads + heads  # [R, Hkv, K]
-
-
-def _gather_kv(
-    kv_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor, dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V `[R, Hkv, K, D]`, contiguous, at sequence `positions` `[R, K]` of the
-    `block_tables` rows."""
-    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    rows = _kv_rows(block_tables, positions, block_size, num_kv_heads)  # [R, Hkv, K]
-    # index_select copies whole rows; advanced indexing copies element by element (2x slower).
-    kv = torch.index_select(kv_cache.view(2, -1, head_dim), 1, rows.flatten())  # [2, R*Hkv*K, D]
-    kv = kv.view(2, *rows.shape, head_dim).to(dtype)  # [2, R, Hkv, K, D]
-    return kv[0], kv[1]
 
 
 def _visible(query_pos, item_start, item_end, key_pos, window: int | None) -> torch.Tensor:
