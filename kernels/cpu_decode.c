@@ -208,43 +208,85 @@ static void rotate(float *x, const float *cos, const float *sin, int dim) {
     memcpy(x, rotated, sizeof(float) * dim);
 }
 
-/* One query head over its request's paged keys from `first` on, online softmax block by
- * block. */
-static void attend(const float *q, const float *keys, const float *values,
-                   const int32_t *block_table, int first, int seq_len, int kv_head,
-                   float soft_cap, const Shape *s, float *out) {
+/* The `group` query heads `q` [group, head_dim] that share one KV head, over the request's
+ * paged keys [first, last): each key and value is read once for the whole group. Online
+ * softmax block by block; `part` gets, per query head, its running max, its sum of
+ * exponentials and its unnormalised output [head_dim] (max -inf and sum 0 for no keys). */
+static void attend_group(const float *q, int group, const float *keys, const float *values,
+                         const int32_t *block_table, int first, int last, int kv_head,
+                         float soft_cap, const Shape *s, float *part) {
     int dim = s->head_dim, bs = s->block_size;
     size_t slot_stride = (size_t)s->num_kv_heads * dim;
-    float scores[MAX_BLOCK], acc[dim], running_max = -INFINITY, total = 0.0f;
-    memset(acc, 0, sizeof(float) * dim);
-    for (int start = first - first % bs; start < seq_len; start += bs) {
+    if (first >= last) { /* an empty slice */
+        for (int g = 0; g < group; g++) {
+            float *out = part + (size_t)g * (dim + 2);
+            out[0] = -INFINITY, out[1] = 0.0f;
+        }
+        return;
+    }
+    float scores[group][bs], acc[group][dim], running_max[group], total[group];
+    for (int g = 0; g < group; g++) {
+        running_max[g] = -INFINITY, total[g] = 0.0f;
+        memset(acc[g], 0, sizeof(float) * dim);
+    }
+    for (int start = first - first % bs; start < last; start += bs) {
         int skip = first > start ? first - start : 0;
-        int count = seq_len - start < bs ? seq_len - start : bs;
+        int count = last - start < bs ? last - start : bs;
         size_t base = ((size_t)block_table[start / bs] * bs) * slot_stride + (size_t)kv_head * dim;
-        float block_max = -INFINITY;
         for (int j = skip; j < count; j++) {
             const float *k = keys + base + j * slot_stride;
-            float dot = 0.0f;
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + (size_t)g * dim;
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < dim; d++) dot += q[d] * k[d];
-            float score = dot * s->scale;
-            scores[j] = soft_cap > 0.0f ? soft_cap * tanhf(score / soft_cap) : score;
-            block_max = scores[j] > block_max ? scores[j] : block_max;
+                for (int d = 0; d < dim; d++) dot += qg[d] * k[d];
+                float score = dot * s->scale;
+                scores[g][j] = soft_cap > 0.0f ? soft_cap * tanhf(score / soft_cap) : score;
+            }
         }
-        float new_max = block_max > running_max ? block_max : running_max;
-        float rescale = expf(running_max - new_max);
-        total *= rescale;
-        for (int d = 0; d < dim; d++) acc[d] *= rescale;
+        for (int g = 0; g < group; g++) {
+            float block_max = -INFINITY;
+            for (int j = skip; j < count; j++)
+                block_max = scores[g][j] > block_max ? scores[g][j] : block_max;
+            float new_max = block_max > running_max[g] ? block_max : running_max[g];
+            float rescale = expf(running_max[g] - new_max);
+            total[g] *= rescale;
+            for (int d = 0; d < dim; d++) acc[g][d] *= rescale;
+            for (int j = skip; j < count; j++) scores[g][j] = expf(scores[g][j] - new_max);
+            running_max[g] = new_max;
+        }
         for (int j = skip; j < count; j++) {
-            float p = expf(scores[j] - new_max);
             const float *v = values + base + j * slot_stride;
-            total += p;
+            for (int g = 0; g < group; g++) {
+                float p = scores[g][j];
+                total[g] += p;
 #pragma omp simd
-            for (int d = 0; d < dim; d++) acc[d] += p * v[d];
+                for (int d = 0; d < dim; d++) acc[g][d] += p * v[d];
+            }
         }
-        running_max = new_max;
     }
-    for (int d = 0; d < dim; d++) out[d] = acc[d] / total;
+    for (int g = 0; g < group; g++) {
+        float *out = part + (size_t)g * (dim + 2);
+        out[0] = running_max[g], out[1] = total[g];
+        memcpy(out + 2, acc[g], sizeof(float) * dim);
+    }
+}
+
+/* One query head's output [head_dim] from the `splits` parts of its key range, each `stride`
+ * floats apart (see `attend_group`). */
+static void merge_parts(const float *part, int splits, size_t stride, int dim, float *out) {
+    float top = -INFINITY, total = 0.0f;
+    for (int k = 0; k < splits; k++)
+        if (part[k * stride + 1] > 0.0f && part[k * stride] > top) top = part[k * stride];
+    for (int d = 0; d < dim; d++) out[d] = 0.0f;
+    for (int k = 0; k < splits; k++) {
+        const float *p = part + k * stride;
+        if (p[1] <= 0.0f) continue;
+        float weight = expf(p[0] - top);
+        total += p[1] * weight;
+        for (int d = 0; d < dim; d++) out[d] += p[2 + d] * weight;
+    }
+    for (int d = 0; d < dim; d++) out[d] /= total;
 }
 
 /* hidden[r] += RMSNorm(branch[r]) * scale, or += branch[r] without a scale, for this
@@ -266,8 +308,8 @@ static float gelu_tanh(float x) {
 
 /* `out` [rows, hidden]: the final-normed hidden states of the rows' tokens `ids` at
  * `positions` [position rows, rows]. scratch: rows * (3 * hidden + 2 * tables * head_dim
- * + qkv_width + heads * head_dim + 2 * intermediate) floats, then
- * threads * rows * max(qkv_width, hidden, 2 * intermediate) for partial sums. */
+ * + qkv_width + heads * head_dim + 2 * intermediate + heads * threads * (head_dim + 2))
+ * floats, then threads * rows * max(qkv_width, hidden, 2 * intermediate) for partial sums. */
 int decode_step(const Model *model, const Layer *layers, int num_layers, const Shape *s,
                 int rows, int num_threads, const int64_t *ids, const int64_t *positions,
                 const int32_t *block_tables, const int32_t *seq_lens,
@@ -285,7 +327,10 @@ int decode_step(const Model *model, const Layer *layers, int num_layers, const S
     float *qkv = sin + (size_t)tables * rows * D;
     float *attn = qkv + (size_t)rows * qkv_width;
     float *gate_up = attn + (size_t)rows * Hq * D;
-    float *partials = gate_up + (size_t)rows * 2 * I;
+    float *parts = gate_up + (size_t)rows * 2 * I; /* rows * heads * splits * (D + 2) */
+    /* key slices per (row, KV head): enough units to keep every thread busy */
+    int splits = (num_threads + rows * Hkv - 1) / (rows * Hkv);
+    float *partials = parts + (size_t)rows * Hq * splits * (D + 2);
     size_t cache_half = (size_t)s->num_blocks * s->block_size * Hkv * D;
 
 #pragma omp parallel num_threads(num_threads)
@@ -346,14 +391,29 @@ int decode_step(const Model *model, const Layer *layers, int num_layers, const S
                 }
             }
 #pragma omp barrier
-            share(rows * Hq, threads, thread, &begin, &end);
+            /* attention: one unit per (row, KV head, slice of its keys); then the slices of
+             * each query head are merged */
+            share(rows * Hkv * splits, threads, thread, &begin, &end);
             for (int unit = begin; unit < end; unit++) {
-                int r = unit / Hq, head = unit % Hq, seq_len = seq_lens[r];
+                int r = unit / (Hkv * splits), kv_head = unit / splits % Hkv;
+                int slice = unit % splits, seq_len = seq_lens[r];
                 int first = layer->window > 0 && seq_len > layer->window
                                 ? seq_len - layer->window : 0;
-                attend(qkv + (size_t)r * qkv_width + (size_t)head * D, keys, values,
-                       block_tables + (size_t)r * s->block_table_stride, first, seq_len,
-                       head / group, model->soft_cap, s, attn + ((size_t)r * Hq + head) * D);
+                int length = seq_len - first;
+                attend_group(qkv + (size_t)r * qkv_width + (size_t)kv_head * group * D, group,
+                             keys, values, block_tables + (size_t)r * s->block_table_stride,
+                             first + (int)((int64_t)length * slice / splits),
+                             first + (int)((int64_t)length * (slice + 1) / splits), kv_head,
+                             model->soft_cap, s, parts + (size_t)unit * group * (D + 2));
+            }
+#pragma omp barrier
+            share(rows * Hq, threads, thread, &begin, &end);
+            for (int unit = begin; unit < end; unit++) {
+                int r = unit / Hq, head = unit % Hq, kv_head = head / group, g = head % group;
+                const float *first_part =
+                    parts + ((size_t)(r * Hkv + kv_head) * splits * group + g) * (D + 2);
+                merge_parts(first_part, splits, (size_t)group * (D + 2), D,
+                            attn + ((size_t)r * Hq + head) * D);
             }
 #pragma omp barrier
             if (layer->attention_out_norm) {

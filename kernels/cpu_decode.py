@@ -305,6 +305,7 @@ class CpuDecoder:
             + qkv_width
             + self.num_heads * self.head_dim
             + 2 * self.intermediate
+            + self.num_heads * threads * (self.head_dim + 2)
             + threads * max(qkv_width, self.hidden, 2 * self.intermediate)
         )
         if self.scratch.numel() < needed:

@@ -24,10 +24,12 @@ from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
 
 BLOCK_SIZE = 4
-NUM_BLOCKS = 128
-BLOCKS_PER_REQUEST = 6  # room for the longest prompt and six decode steps
+# 17 short requests, then one long one (request 17) whose keys get split across threads
+PROMPT_LENS = [1, 3, 4, 7, 8, 13, 16, 2, 5, 9, 11, 12, 15, 6, 10, 14, 3, 301]
+BLOCK_COUNTS = [6] * 17 + [80]  # room for each prompt and six decode steps
+NUM_BLOCKS = sum(BLOCK_COUNTS)
 SCATTERED = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(5)).tolist()
-PROMPT_LENS = [1, 3, 4, 7, 8, 13, 16, 2, 5, 9, 11, 12, 15, 6, 10, 14, 3]  # 17 requests
+LONG = 17
 TOLERANCE = 1e-5
 
 
@@ -62,7 +64,8 @@ def model(request):
 
 def _blocks(request: int) -> list[int]:
     """Scattered block ids of one request, disjoint from every other request's."""
-    return SCATTERED[request * BLOCKS_PER_REQUEST : (request + 1) * BLOCKS_PER_REQUEST]
+    start = sum(BLOCK_COUNTS[:request])
+    return SCATTERED[start : start + BLOCK_COUNTS[request]]
 
 
 def _metadata(requests: list[int], cached: list[int], new: list[int]) -> AttentionMetadata:
@@ -78,7 +81,10 @@ def _metadata(requests: list[int], cached: list[int], new: list[int]) -> Attenti
     return AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([_blocks(r) for r in requests], dtype=torch.int32),
+        block_tables=torch.tensor(
+            [_blocks(r) + [0] * (max(BLOCK_COUNTS) - len(_blocks(r))) for r in requests],
+            dtype=torch.int32,
+        ),
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         max_query_len=max(new),
         max_seq_len=max(seq_lens),
@@ -124,10 +130,13 @@ def _decode(model, requests, kv_caches, steps: int, native: bool) -> list[torch.
     return outputs
 
 
-@pytest.mark.parametrize("num_requests", [1, 2, 5, 16])
+@pytest.mark.parametrize(
+    "requests", [[0], [0, 1], list(range(5)), list(range(16)), [LONG], [LONG, 3]], ids=str
+)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_native_decode_matches_the_torch_layers(model, num_requests, threads):
-    requests = list(range(num_requests))
+def test_native_decode_matches_the_torch_layers(model, requests, threads):
+    """Six decode steps; with one or two requests and three threads a request's keys are
+    split between threads (the long one's in slices that do not end at block boundaries)."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
