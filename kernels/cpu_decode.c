@@ -132,6 +132,30 @@ static inline float hsum8(vec8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+#define SPLAT(c) ((vec8){c, c, c, c, c, c, c, c})
+
+/* e^x in eight lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n;
+ * within 2 ulp of expf). Lanes below -87.3 (e^x < 2^-126) give 2^-126-ish, not 0: callers
+ * here only read lanes whose exponent is a score minus its running max. */
+static inline vec8 exp8(vec8 x) {
+    const vec8 low = SPLAT(-87.3365447f), high = SPLAT(88.3762626f);
+    ivec8 below = x < low, above = x > high;
+    x = (vec8)((below & (ivec8)low) | (~below & (ivec8)x));
+    x = (vec8)((above & (ivec8)high) | (~above & (ivec8)x));
+    vec8 n = x * 1.44269504088896341f + 12582912.0f; /* round to nearest by the 1.5 * 2^23 trick */
+    n = n - 12582912.0f;
+    x = x - n * 0.693359375f - n * -2.12194440e-4f;
+    vec8 y = x * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * x * x + x + 1.0f;
+    ivec8 bits = (__builtin_convertvector(n, ivec8) + 127) << 23;
+    return y * (vec8)bits;
+}
+
 /* y[r][c] = dot(w[c], x[r]) (+ add[r][c]) for output rows c in [c0, c1), w contiguous [out, in].
  * Whole blocks of 4 rows run 2 output rows x 4 rows of 8-float accumulators along `in`
  * together, so each loaded vector of w feeds 4 rows and each of x feeds 2 outputs; the rows
@@ -224,7 +248,9 @@ static void attend_group(const float *q, int group, const float *keys, const flo
         }
         return;
     }
-    float scores[group][bs], acc[group][dim], running_max[group], total[group];
+    int width = (bs + 7) / 8 * 8; /* a block's scores, whole vectors */
+    float scores[group][width], acc[group][dim], running_max[group], total[group];
+    memset(scores, 0, sizeof scores); /* lanes never scored stay finite */
     for (int g = 0; g < group; g++) {
         running_max[g] = -INFINITY, total[g] = 0.0f;
         memset(acc[g], 0, sizeof(float) * dim);
@@ -252,18 +278,27 @@ static void attend_group(const float *q, int group, const float *keys, const flo
             float rescale = expf(running_max[g] - new_max);
             total[g] *= rescale;
             for (int d = 0; d < dim; d++) acc[g][d] *= rescale;
-            for (int j = skip; j < count; j++) scores[g][j] = expf(scores[g][j] - new_max);
             running_max[g] = new_max;
-        }
-        for (int j = skip; j < count; j++) {
-            const float *v = values + base + j * slot_stride;
-            for (int g = 0; g < group; g++) {
-                float p = scores[g][j];
-                total[g] += p;
-#pragma omp simd
-                for (int d = 0; d < dim; d++) acc[g][d] += p * v[d];
+            for (int j = 0; j < width; j += 8) { /* lanes outside [skip, count) are not read */
+                vec8 p = exp8(load8(scores[g] + j) - new_max);
+                memcpy(scores[g] + j, &p, sizeof p);
             }
+            for (int j = skip; j < count; j++) total[g] += scores[g][j];
         }
+        /* acc[g] += p[g][j] * v[j]: eight dims of one query head in a register at a time, the
+         * block's values (in L1 after the first head) streamed past them */
+        const float *block_values = values + base;
+        for (int g = 0; g < group; g++)
+            for (int d = 0; d + 8 <= dim; d += 8) {
+                vec8 sum = load8(acc[g] + d);
+                for (int j = skip; j < count; j++)
+                    sum += scores[g][j] * load8(block_values + j * slot_stride + d);
+                memcpy(acc[g] + d, &sum, sizeof sum);
+            }
+        for (int g = 0; g < group; g++) /* dims past the last whole vector */
+            for (int d = dim - dim % 8; d < dim; d++)
+                for (int j = skip; j < count; j++)
+                    acc[g][d] += scores[g][j] * block_values[j * slot_stride + d];
     }
     for (int g = 0; g < group; g++) {
         float *out = part + (size_t)g * (dim + 2);
