@@ -169,7 +169,7 @@ def _hf_greedy_loop(reference, embeds, positions, next_position) -> list[int]:
             out = reference(
                 inputs_embeds=embeds,
                 position_ids=position_ids,
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             )
             token = int(out.logits[0, -1].argmax())
