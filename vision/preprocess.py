@@ -237,12 +237,13 @@ def _preprocess(
         _patchify_tubelet(tubelet, lut, out[t])
 
     # PIL's resize and numpy's lookups release the GIL: tubelets run on every core.
-    num_workers = min(len(os.sched_getaffinity(0)), grid_t)
+    num_workers = min(_usable_cpus(), grid_t)
     if num_workers > 1:
         with ThreadPoolExecutor(num_workers, thread_name_prefix="preprocess") as pool:
             list(pool.map(prepare, range(grid_t)))
     else:
-        prepare(0)
+        for t in range(grid_t):
+            prepare(t)
     patches = torch.from_numpy(out.reshape(grid_t * grid_h * grid_w, 3 * tp * ps * ps))
     return PreprocessedVideo(
         patches=patches,
@@ -251,6 +252,13 @@ def _preprocess(
         resized_height=resized_height,
         resized_width=resized_width,
     )
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _patchify_tubelet(tubelet: np.ndarray, lut: np.ndarray, out: np.ndarray) -> None:

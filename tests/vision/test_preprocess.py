@@ -285,3 +285,15 @@ def test_result_is_a_frozen_record() -> None:
     assert isinstance(video, PreprocessedVideo)
     with pytest.raises(AttributeError):
         video.resized_height = 1
+
+
+def test_one_usable_cpu_gives_the_same_patches_as_many(monkeypatch) -> None:
+    """Tubelets run on a thread pool when several CPUs are usable, one after another on one."""
+    import stillcut.vision.preprocess as preprocess
+
+    frames = random_frames(6, 56, 84)
+    many = preprocess_video(frames, sample_fps=1.0, config=SMALL)
+    monkeypatch.setattr(preprocess, "_usable_cpus", lambda: 1)
+    one = preprocess_video(frames, sample_fps=1.0, config=SMALL)
+    assert one.grid_thw == many.grid_thw == (3, 4, 6)
+    assert torch.equal(one.patches, many.patches)
