@@ -128,7 +128,9 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`hidden` [N, hidden] (the residual stream) -> the next layer's residual stream."""
         qkv = linear(
-            _norm(hidden, self.input_norm, self.eps), self.qkv_weight
+            _norm(hidden, self.input_norm, self.eps),
+            self.qkv_weight,
+            banded=self.bands.get("qkv_weight"),
         )  # [N, (Hq+2Hkv) * D]
         attended = fused_qkv_attention(
             qkv,
@@ -319,7 +321,7 @@ def _cpu_decoder(model: Gemma3LanguageModel) -> CpuDecoder | None:
         inv_freqs=[getattr(model.rotary, f"{kind}_inv_freq") for kind in LAYER_TYPES],
         section=torch.zeros(config.head_dim // 2, dtype=torch.int32),  # 1-D positions
         eps=config.rms_norm_eps,
-        scale=config.query_pre_attn_scalar**-0.5,
+        scale=model.layers[0].scale,
         embedding_scale=float(model.embed_scale),
         soft_cap=config.attn_logit_softcapping,
         gelu=True,

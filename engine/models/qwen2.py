@@ -172,13 +172,9 @@ class Qwen2LanguageModel(PagedLanguageModel):
         """
         if (mm_embeds is None) != (mm_mask is None):
             raise ValueError("mm_embeds and mm_mask must be given together")
-        native = self.cpu_decoder
-        if (
-            mm_embeds is None
-            and native is not None
-            and native.supports(input_ids, kv_caches, metadata)
-        ):
-            return native(input_ids, positions, kv_caches, metadata)  # a decode step, one call
+        native = self.native_decode(input_ids, positions, kv_caches, metadata, mm_embeds)
+        if native is not None:
+            return native  # a step of decodes, in one native call
         hidden = self.embed(input_ids)  # [N, hidden]
         if mm_embeds is not None:
             hidden[mm_mask] = mm_embeds.to(hidden.dtype)
@@ -272,7 +268,7 @@ def _cpu_decoder(model: Qwen2LanguageModel) -> CpuDecoder | None:
         inv_freqs=[model.rotary.inv_freq],
         section=model.rotary.section,
         eps=config.rms_norm_eps,
-        scale=config.head_dim**-0.5,
+        scale=model.layers[0].scale,
     )
 
 
