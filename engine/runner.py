@@ -34,7 +34,6 @@ class RowState:
     placements: list[PlaceholderRange]
     params: SamplingParams
     hold: bool
-    num_blocks: int = 0
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)  # the row of `block_table`, in Python
 
@@ -151,12 +150,11 @@ class ModelRunner:
             self.generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
 
     def _append_blocks(self, state: RowState, block_ids: list[int]) -> None:
-        end = state.num_blocks + len(block_ids)
-        self.block_table[state.row, state.num_blocks : end] = torch.tensor(
+        start = len(state.block_ids)
+        self.block_table[state.row, start : start + len(block_ids)] = torch.tensor(
             block_ids, dtype=torch.int32
         )
         state.block_ids.extend(block_ids)
-        state.num_blocks = end
 
     def _drop_row(self, request_id: str) -> None:
         state = self.rows.pop(request_id, None)
@@ -203,7 +201,7 @@ class ModelRunner:
             self.positions[:, batch_rows] = positions  # a text token: t = h = w
             self.slot_mapping[batch_rows] = slots
         rows = [self.rows[r].row for r in request_ids]
-        max_blocks = max(self.rows[r].num_blocks for r in request_ids)
+        max_blocks = max(len(self.rows[r].block_ids) for r in request_ids)
         device = self.device
         num_tokens = query_start[-1]
         metadata = AttentionMetadata(
