@@ -10,8 +10,8 @@ are never read): a window bounds it from below. Decodes run as one padded batch 
 query heads folded into SDPA's query axis. A prefill chunk is one `is_causal` SDPA call when it
 starts at position 0 with a plain causal mask, else query tiles with explicit masks, each over
 only the keys it can see. What to gather and mask, for decodes and chunks alike, is worked out
-once per step (kept in the metadata's `plans`) and reused by every layer. `auto` picks the Triton kernel on CUDA
-(`paged_attention_triton`) and this torch backend elsewhere.
+once per step (kept in the metadata's `plans`) and reused by every layer. `auto` picks the
+Triton kernel on CUDA (`paged_attention_triton`) and this torch backend elsewhere.
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def paged_attention_torch(
     if "items" not in metadata.plans:
         metadata.plans["items"] = _items_by_request(metadata.mm_ranges, seq_lens)
     items: dict[int, list[tuple[int, int]]] = metadata.plans["items"]
-    key = ("decode", sliding_window, kv_cache.shape[2], kv_cache.shape[3], query.device)
+    cache_shape = (kv_cache.shape[2], kv_cache.shape[3], query.device)  # block size, Hkv
+    key = ("decode", sliding_window, *cache_shape)
     if key not in metadata.plans:
         metadata.plans[key] = _decode_plan(
             metadata, starts, seq_lens, items, kv_cache, sliding_window
@@ -163,10 +164,13 @@ def paged_attention_torch(
     if plan is not None and plan.num_decodes == len(seq_lens) == query.shape[0]:
         return _decode(query.to(dtype), kv_cache, plan, attend).to(query.dtype)  # decodes only
     out = torch.empty_like(query)  # [N, num_heads, head_dim]
-    key = ("prefill", sliding_window, logits_soft_cap is not None, *key[2:])
+    tiled = logits_soft_cap is not None  # the soft-capped path has no is_causal shortcut
+    key = ("prefill", sliding_window, tiled, *cache_shape)
     if key not in metadata.plans:
         metadata.plans[key] = [
-            _chunk_plan(metadata, b, start, end, seq_lens[b], items, kv_cache, *key[1:3])
+            _chunk_plan(
+                metadata, b, start, end, seq_lens[b], items, kv_cache, sliding_window, tiled
+            )
             for b, (start, end) in enumerate(pairwise(starts))
             if end - start > 1
         ]
@@ -221,11 +225,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, attend) 
     """Attention of the decodes' queries `[B, H, D]` -> `[B, H, D]`, with grouped heads folded
     into SDPA's query axis (no repeated K/V)."""
     num_decodes, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[3]
-    kv = torch.index_select(kv_cache.view(2, -1, head_dim), 1, plan.kv_rows)
-    kv = kv.view(2, num_decodes, num_kv_heads, plan.num_keys, head_dim).to(q.dtype)
-    q = q.view(num_decodes, num_kv_heads, -1, 1, head_dim)  # [B, Hkv, G, 1, D]
-    return attend(q, kv[0], kv[1], plan.mask).reshape(num_decodes, num_heads, head_dim)
+    k, v = _gather(kv_cache, plan.kv_rows, num_decodes, plan.num_keys, q.dtype)
+    q = q.view(num_decodes, k.shape[1], -1, 1, head_dim)  # [B, Hkv, G, 1, D]
+    return attend(q, k, v, plan.mask).reshape(num_decodes, num_heads, head_dim)
 
 
 def _items_by_request(
@@ -261,10 +263,10 @@ class _ChunkPlan(NamedTuple):
     tiles: list[tuple[slice, slice, torch.Tensor | None]]
 
 
-def _chunk_plan(metadata, b, start, end, context_len, items, kv_cache, window, soft_cap):
+def _chunk_plan(metadata, b, start, end, context_len, items, kv_cache, window, tiled):
     """What every layer needs for request `b`'s chunk: worked out once per step. Tiles see
     only the keys they need when a single SDPA call could not skip any work (its `is_causal`
-    does, but an explicit mask or the soft-capped path cannot)."""
+    does, but an explicit mask or, with `tiled`, the soft-capped path cannot)."""
     chunk = _span(context_len - (end - start), context_len, items.get(b, []), window)
     device = metadata.block_tables.device
     key_pos = torch.arange(chunk.key_start, chunk.key_end, device=device)  # [K]
@@ -272,7 +274,7 @@ def _chunk_plan(metadata, b, start, end, context_len, items, kv_cache, window, s
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     kv_rows = _kv_rows(block_table, key_pos[None], block_size, num_kv_heads)  # [1, Hkv, K]
     spans = [chunk]
-    if soft_cap or not _is_plain_causal(chunk, window):
+    if tiled or not _is_plain_causal(chunk, window):
         tile_starts = range(chunk.query_start, chunk.query_end, QUERY_TILE)
         spans = [
             _span(s, min(s + QUERY_TILE, chunk.query_end), chunk.items, window) for s in tile_starts
@@ -291,13 +293,9 @@ def _chunk_plan(metadata, b, start, end, context_len, items, kv_cache, window, s
 def _prefill_chunk(q, kv_cache, chunk: _ChunkPlan, attend, out) -> None:
     """Attention of one request's chunk `q` `[Q, H, D]` into `out` `[Q, H, D]`."""
     query_len, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[3]
-    # index_select copies whole rows; advanced indexing copies element by element (2x slower).
-    kv = torch.index_select(kv_cache.view(2, -1, head_dim), 1, chunk.kv_rows)
-    kv = kv.view(2, 1, num_kv_heads, chunk.num_keys, head_dim).to(q.dtype)  # [2, 1, Hkv, K, D]
-    k, v = kv[0], kv[1]
+    k, v = _gather(kv_cache, chunk.kv_rows, 1, chunk.num_keys, q.dtype)  # [1, Hkv, K, D]
     # [Q, H, D] -> [1, Hkv, G, Q, D]: query head h reads kv head h // G
-    q = q.view(1, query_len, num_kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.view(1, query_len, k.shape[1], -1, head_dim).permute(0, 2, 3, 1, 4)
     for rows, keys, mask in chunk.tiles:
         tile_out = attend(q[:, :, :, rows], k[:, :, keys], v[:, :, keys], mask)  # [1,Hkv,G,Q,D]
         out[rows] = tile_out[0].permute(2, 0, 1, 3).reshape(-1, num_heads, head_dim)
@@ -332,6 +330,15 @@ def _kv_rows(
     slots = block_ids.long() * block_size + positions % block_size  # [R, K]
     heads = torch.arange(num_kv_heads, device=positions.device)[:, None]  # [Hkv, 1]
     return slots[:, None] * num_kv_heads + heads  # [R, Hkv, K]
+
+
+def _gather(kv_cache, kv_rows, num_requests, num_keys, dtype):
+    """K and V `[R, Hkv, K, D]` (contiguous, in `dtype`) at a plan's `kv_rows`."""
+    head_dim, num_kv_heads = kv_cache.shape[4], kv_cache.shape[3]
+    # index_select copies whole rows; advanced indexing copies element by element (2x slower).
+    kv = torch.index_select(kv_cache.view(2, -1, head_dim), 1, kv_rows)
+    kv = kv.view(2, num_requests, num_kv_heads, num_keys, head_dim).to(dtype)
+    return kv[0], kv[1]
 
 
 def _visible(query_pos, item_start, item_end, key_pos, window: int | None) -> torch.Tensor:
