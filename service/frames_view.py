@@ -3,7 +3,8 @@ merged-grid tokens EVS kept.
 
 The item does not keep its frames, so the thumbnails come from decoding the upload again with
 the same sampling; the decode is deterministic, so frame k here is frame k the model saw. Frame
-k belongs to tubelet k // temporal_patch (a tubelet covers two frames).
+k belongs to grid step k // frames_per_tubelet, read off the item: Qwen's tubelets cover two
+frames (the last one padded), Gemma 3's grid has one step per frame.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from stillcut.vision.decode import DecodeConfig, decode_video
 
 THUMBNAIL_WIDTH = 160
 THUMBNAIL_QUALITY = 70
-FRAMES_PER_TUBELET = 2
 
 
 def retention_masks(item: MultiModalItem) -> list[list[list[int]]]:
@@ -46,7 +46,7 @@ def frames_view(item: MultiModalItem, thumbs: list[str]) -> dict:
     t, h, w = item.llm_grid
     return {
         "grid": [t, h, w],
-        "frames_per_tubelet": FRAMES_PER_TUBELET,
+        "frames_per_tubelet": -(-len(thumbs) // t),  # ceil: a padded last tubelet counts
         "thumbnails": thumbs,
         "retention": retention_masks(item),
     }
