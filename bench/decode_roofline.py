@@ -6,9 +6,9 @@ floor is those bytes divided by the read bandwidth measured in this run, with th
 count (summing a buffer as large as the weights). The table shows the engine's full decode step
 (schedule, inputs, forward, logits, sampling) at batch 1 and 8 next to that floor, measured in
 back-to-back pairs (the ratio is the median of the pairs' ratios); the target at batch 1, for a
-model of at least 100M parameters, is a ratio of 1.25 or less. A Qwen2 model on CPU runs its
-decode steps as one native call (`kernels/cpu_decode`); the last row runs the same steps
-through the model's torch ops, for comparison.
+model of at least 100M parameters, is a ratio of 1.25 or less. On CPU a model runs its decode
+steps as one native call (`kernels/cpu_decode`) where the kernel builds; the last row runs the
+same steps through the model's torch ops, for comparison.
 
     python bench/decode_roofline.py [--model PATH] [--threads 1] [--rounds 25]
 """
@@ -115,7 +115,7 @@ def main() -> None:
     engine = LLMEngine(args.model or demo_checkpoint(), config)
     num_bytes, num_params = weight_bytes_per_step(engine.model)
     head_bytes = engine.model.lm_head.numel() * engine.model.lm_head.element_size()
-    native = getattr(engine.model, "cpu_decoder", None)
+    native = engine.model.cpu_decoder
     path = "native step" if native is not None else "torch ops"
     runs = [(1, path), (8, path)] + ([(1, "torch ops")] if native is not None else [])
     rows, parts = [], {}
