@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from stillcut.engine.checkpoints import demo_checkpoint
+from stillcut.engine.factory import demo_checkpoint
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.models import MODEL_CLASSES
 from stillcut.kernels.attention import AttentionMetadata

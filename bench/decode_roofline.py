@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from stillcut.engine.checkpoints import demo_checkpoint
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.factory import demo_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 

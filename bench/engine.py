@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from stillcut.engine.checkpoints import cached_checkpoint
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stillcut.engine.checkpoints import demo_checkpoint
+from stillcut.engine.factory import demo_checkpoint
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import VisionPipeline

@@ -60,7 +60,7 @@ class VideoLLM:
     ) -> None:
         """`model` is a checkpoint folder or hub id; None builds (once) the random-weight demo
         checkpoint. `name` is the id the server reports (default: the folder name)."""
-        from stillcut.engine.checkpoints import demo_checkpoint
+        from stillcut.engine.factory import demo_checkpoint
 
         self.engine = LLMEngine(demo_checkpoint() if model is None else model, engine_config)
         self.path: Path = self.engine.path

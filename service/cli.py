@@ -77,7 +77,7 @@ def evs_config(args: argparse.Namespace):
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from stillcut.engine.checkpoints import demo_checkpoint
+    from stillcut.engine.factory import demo_checkpoint
     from stillcut.vision.decode import DecodeConfig
     from stillcut.vision.pipeline import VisionPipeline
 

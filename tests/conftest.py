@@ -25,7 +25,7 @@ SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 @pytest.fixture(scope="session")
 def tiny_checkpoint() -> Path:
     """A tiny random Qwen2.5-VL checkpoint with the real Qwen2.5 tokenizer (built once)."""
-    from stillcut.engine.checkpoints import cached_checkpoint
+    from stillcut.engine.factory import cached_checkpoint
 
     return cached_checkpoint("tiny", seed=0)
 

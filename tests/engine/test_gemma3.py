@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from stillcut.engine.admission import BidirectionalItemTooLong
-from stillcut.engine.checkpoints import cached_checkpoint
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.attention import AttentionMetadata

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from stillcut.engine.chat_template import ChatTemplate
-from stillcut.engine.checkpoint_gemma3_tokenizer import CHAT_TEMPLATE
-from stillcut.engine.checkpoints import cached_checkpoint
 from stillcut.engine.detokenizer import IncrementalDetokenizer, detokenize
+from stillcut.engine.factory import cached_checkpoint
+from stillcut.engine.factory.gemma3_tokenizer import CHAT_TEMPLATE
 from stillcut.engine.loader import load_model_config
 from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.gemma3_positions import gemma3_positions

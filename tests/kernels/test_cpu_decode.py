@@ -18,7 +18,7 @@ import pickle
 import pytest
 import torch
 
-from stillcut.engine.checkpoints import cached_checkpoint
+from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.models import Gemma3LanguageModel, Qwen2LanguageModel
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata

@@ -109,7 +109,7 @@ class Blocker:
         if name.split(".")[0] in ("av", "fastapi", "starlette", "uvicorn"):
             raise ImportError(f"{name} is blocked")
 sys.meta_path.insert(0, Blocker())
-import stillcut.engine.llm_engine, stillcut.engine.checkpoints, stillcut.kernels.evs
+import stillcut.engine.llm_engine, stillcut.engine.factory, stillcut.kernels.evs
 import stillcut, stillcut.engine, stillcut.kernels
 assert not any(m.split(".")[0] in ("av", "fastapi") for m in sys.modules), sorted(sys.modules)
 try:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from stillcut.engine.checkpoints import cached_checkpoint
+from stillcut.engine.factory import cached_checkpoint
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.gemma3_preprocess import preprocess_frames
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline

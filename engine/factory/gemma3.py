@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from stillcut.engine.checkpoint_gemma3_tokenizer import (
+from stillcut.engine.factory.gemma3_tokenizer import (
     BOI_TOKEN_ID,
     BOS_TOKEN_ID,
     END_OF_TURN_ID,
@@ -27,14 +27,14 @@ from stillcut.engine.checkpoint_gemma3_tokenizer import (
     PAD_TOKEN_ID,
     VOCAB_SIZE,
 )
-from stillcut.engine.checkpoint_presets import Preset
+from stillcut.engine.factory.qwen_presets import Preset
 from stillcut.engine.gemma3_config import GEMMA3_FAMILY
 
 if TYPE_CHECKING:
     from torch import nn
     from transformers import Gemma3Config
 
-    from stillcut.engine.checkpoints import CheckpointSpec
+    from stillcut.engine.factory import CheckpointSpec
 
 GENERATION_IDS = MappingProxyType(
     {

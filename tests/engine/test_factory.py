@@ -5,6 +5,8 @@ and the reference tiny checkpoint are built once per session.
 """
 
 import json
+import subprocess
+import sys
 import threading
 import unicodedata
 
@@ -13,15 +15,28 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from stillcut.engine import checkpoints
-from stillcut.engine.checkpoints import (
+from stillcut.engine.factory import (
     build_checkpoint,
     cache_dir,
     cached_checkpoint,
     checkpoint_spec,
+    checkpoints,
     demo_checkpoint,
     hf_config,
 )
+
+CORE_WITHOUT_FACTORY = """
+import sys
+import stillcut.engine.llm_engine, stillcut.vision.pipeline, stillcut.service.app
+import stillcut.service.cli, stillcut.service.api
+assert not [m for m in sys.modules if m.startswith("stillcut.engine.factory")]
+"""
+
+
+def test_the_engine_service_and_cli_import_without_the_factory():
+    # the factory is reached only through the lazy import of the demo checkpoint
+    subprocess.run([sys.executable, "-c", CORE_WITHOUT_FACTORY], check=True)
+
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",

@@ -1,7 +1,7 @@
 """Random-init Qwen2.5-VL, Qwen2-VL and Gemma 3 checkpoints in Hugging Face layout.
 
 Qwen checkpoints carry the real Qwen2.5 tokenizer; Gemma 3 ones a tiny tokenizer trained
-offline (`checkpoint_gemma3_tokenizer`). A `CheckpointSpec` (family, preset, seed, dtype,
+offline (`gemma3_tokenizer`). A `CheckpointSpec` (family, preset, seed, dtype,
 text/vision config fields, pixel budgets or Gemma 3's tokens per image) fully determines a
 checkpoint: transformers builds the model after seeding torch, so the same
 spec gives the same weights. `build_checkpoint` writes one into a folder; `cached_checkpoint`
@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from stillcut.engine import checkpoint_gemma3_tokenizer
-from stillcut.engine.checkpoint_gemma3 import (
+from stillcut.engine.disk_cache import atomic_folder, cache_dir, short_hash
+from stillcut.engine.factory import gemma3_tokenizer
+from stillcut.engine.factory.gemma3 import (
     GENERATION_IDS,
     check_gemma3_spec,
     gemma3_hf_config,
@@ -32,7 +33,7 @@ from stillcut.engine.checkpoint_gemma3 import (
     gemma3_spec_fields,
     randomize_zero_init,
 )
-from stillcut.engine.checkpoint_presets import (
+from stillcut.engine.factory.qwen_presets import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     IMAGE_TOKEN_ID,
@@ -46,12 +47,11 @@ from stillcut.engine.checkpoint_presets import (
     mrope_section,
     preprocessor_configs,
 )
-from stillcut.engine.checkpoint_tokenizer import (
+from stillcut.engine.factory.qwen_tokenizer import (
     TOKENIZER_FILES,
     qwen_tokenizer_dir,
     tokenizer_cache_name,
 )
-from stillcut.engine.disk_cache import atomic_folder, cache_dir, short_hash
 from stillcut.engine.gemma3_config import GEMMA3_FAMILY
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ class CheckpointSpec:
             "spec": dataclasses.asdict(self),
             "format": FORMAT_VERSION,
             "tokenizer": (
-                checkpoint_gemma3_tokenizer.tokenizer_recipe_name()
+                gemma3_tokenizer.tokenizer_recipe_name()
                 if self.family == GEMMA3_FAMILY
                 else tokenizer_cache_name()
             ),
@@ -184,7 +184,7 @@ def checkpoint_spec(
     e.g. `embed_dim`/`mlp_ratio` for Qwen2-VL); `processor` overrides `ProcessorSpec` fields;
     `dtype` defaults to the preset's. Unless overridden, M-RoPE sections follow Qwen's 1:1.5:1.5
     split of head_dim / 2, and the vision output width follows the text hidden size. Gemma 3
-    has its own presets (`checkpoint_gemma3`), takes `mm_tokens_per_image` and no `processor`.
+    has its own presets (`factory.gemma3`), takes `mm_tokens_per_image` and no `processor`.
     """
     if family == GEMMA3_FAMILY:
         if processor:
@@ -329,7 +329,7 @@ def _write_checkpoint(spec: CheckpointSpec, folder: Path) -> None:
     for name, config in configs.items():
         (folder / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if gemma3:
-        checkpoint_gemma3_tokenizer.write_tokenizer_files(folder)
+        gemma3_tokenizer.write_tokenizer_files(folder)
         return
     tokenizer_folder = qwen_tokenizer_dir()
     for name in TOKENIZER_FILES:

@@ -1,0 +1,26 @@
+"""The random-checkpoint factory: demo and test checkpoints in Hugging Face layout.
+
+Apart from the engine's core: nothing under `stillcut.engine` imports it except through one
+lazy import of the demo checkpoint. `checkpoints` builds and caches a checkpoint per spec;
+each family's presets, configs and offline tokenizer live in their own module here.
+"""
+
+from stillcut.engine.factory.checkpoints import (
+    CheckpointSpec,
+    build_checkpoint,
+    cache_dir,
+    cached_checkpoint,
+    checkpoint_spec,
+    demo_checkpoint,
+    hf_config,
+)
+
+__all__ = [
+    "CheckpointSpec",
+    "build_checkpoint",
+    "cache_dir",
+    "cached_checkpoint",
+    "checkpoint_spec",
+    "demo_checkpoint",
+    "hf_config",
+]
