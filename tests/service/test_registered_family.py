@@ -20,6 +20,8 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.factory.qwen_presets import VIDEO_TOKEN_ID
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.loader import load_model_config
+from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.families import FAMILIES, QWEN2_5_VL
 from stillcut.engine.models.qwen2_vl_config import read_qwen2_5_vl
 from stillcut.engine.request import SamplingParams
@@ -50,6 +52,7 @@ TOY = dataclasses.replace(
     has_video_token=False,
     live_sessions=False,
     bidirectional_items=True,
+    native_evs_rate=lambda raw: float(raw["video_pruning_rate"]),
 )
 
 
@@ -60,9 +63,24 @@ def toy_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("toy") / "checkpoint"
     shutil.copytree(cached_checkpoint("tiny", seed=1), folder)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": MODEL_TYPE}))
+    relabelled = {**config, "model_type": MODEL_TYPE, "video_pruning_rate": 0.6}
+    (folder / "config.json").write_text(json.dumps(relabelled))
     with FAMILIES.registered(TOY):
         yield folder
+
+
+def test_config_and_flags_come_from_the_entry(toy_checkpoint, tmp_path):
+    config = load_model_config(toy_checkpoint)
+    assert config.family is TOY and config.video_token_id is None
+    assert config.native_evs_rate == 0.6  # the checkpoint's own rate, as the entry reads it
+    assert load_model_config(cached_checkpoint("tiny", seed=1)).native_evs_rate is None
+    # an entry whose positions kind disagrees with its language model is refused at start
+    one_d = shutil.copytree(toy_checkpoint, tmp_path / "one_d")
+    config = json.loads((one_d / "config.json").read_text())
+    (one_d / "config.json").write_text(json.dumps({**config, "model_type": "toy_1d"}))
+    with FAMILIES.registered(dataclasses.replace(TOY, model_type="toy_1d", positions="1d")):
+        with pytest.raises(CheckpointError, match="declares '1d' positions.* takes 3"):
+            LLMEngine(one_d, ENGINE_CONFIG)
 
 
 def test_images_attend_bidirectionally_as_transformers_does_with_that_mask(toy_checkpoint):
