@@ -30,7 +30,8 @@ class ModelConfig:
     """A checkpoint's config: its family's entry, its vision config, the media token ids, and
     read-only views of the text section and of the whole file (`raw`).
 
-    `video_token_id` is None for a family whose videos are frames of images.
+    `video_token_id` is None for a family whose videos are frames of images, the vision
+    start/end ids for one whose prompt format writes its delimiters as text.
     `native_evs_rate` is the checkpoint's own pruning rate (0.0: it asks for EVS off), None
     when its family has no such setting.
     """
@@ -41,8 +42,8 @@ class ModelConfig:
     text: Mapping[str, Any]
     image_token_id: int
     video_token_id: int | None
-    vision_start_token_id: int
-    vision_end_token_id: int
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
     tie_word_embeddings: bool
     raw: Mapping[str, Any]
     native_evs_rate: float | None = None

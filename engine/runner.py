@@ -23,6 +23,7 @@ from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.sampler import LogprobsTensors, Sampler, build_sampling_batch
 from stillcut.engine.scheduler_output import NewRequestData, SchedulerOutput
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.mamba2 import RecurrentMetadata
 
 
 @dataclass
@@ -229,6 +230,7 @@ class ModelRunner:
             else None,
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
+            recurrent=self._recurrent_metadata(output, request_ids, rows, computed),
         )
         return _Batch(
             input_ids=self.input_ids[:num_tokens].to(device),
@@ -238,6 +240,33 @@ class ModelRunner:
             mm_mask=mm_mask.to(device) if mm_pieces else None,
             sample_ids=sample_ids,
             sample_index=torch.tensor(sample_index, dtype=torch.long, device=device),
+        )
+
+    def _recurrent_metadata(
+        self,
+        output: SchedulerOutput,
+        request_ids: list[str],
+        rows: list[int],
+        computed: dict[str, int],
+    ) -> RecurrentMetadata | None:
+        """Each request's state row, whether its state starts fresh (its first computed
+        token is token 0: a new request, or one recomputed after preemption) and how many of
+        its scheduled tokens are prompt tokens. None for a model without recurrent layers."""
+        if not self.recurrent_states:
+            return None
+        starts = [computed[r] for r in request_ids]
+        # a recurrent state is never resumed from cached K/V (no prefix hits, no held prefixes)
+        assert all(computed[n.request_id] == 0 for n in output.scheduled_new), "resumed state"
+        num_prompt = [
+            min(max(self.rows[r].prompt_len - start, 0), output.num_scheduled_tokens[r])
+            for r, start in zip(request_ids, starts, strict=True)
+        ]
+        return RecurrentMetadata(
+            states=self.recurrent_states,
+            state_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
+            state_rows_cpu=rows,
+            fresh=[start == 0 for start in starts],
+            num_prompt_tokens=num_prompt,
         )
 
     def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:
