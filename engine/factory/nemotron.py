@@ -3,17 +3,19 @@
 `tiny` keeps what a Nemotron engine must get right and little else: all four layer kinds
 (Mamba2, MoE, attention, MLP) in a short stack, 8 experts in 2 groups (one kept) with top-2
 routing, a scaling factor and a shared expert, Mamba2 chunks of 16 tokens (so prompts span
-several), `time_step_min` high enough that the prompt-only dt clamp changes values, a RADIO
+several), time steps spread across `time_step_min` (its prompt-only clamp is in play), a RADIO
 tower on 16-pixel patches with cls and register tokens, EVS on by default
 (`video_pruning_rate` 0.5), and the trained tiny tokenizer. `bench` is a ~120M-parameter
 hybrid for speed work. transformers initialises the router's correction bias to zero and every
 norm scale and RADIO layer scale to one; the builder draws them at random instead, so that a
-bias, norm or scale left out shows.
+bias, norm or scale left out shows; it also spreads the Mamba2 time steps and shrinks the skip
+term, so the scan weighs in.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -40,6 +42,8 @@ GENERATION_IDS = MappingProxyType(
 )
 NORM_WEIGHT_STD = 0.1  # random norm and layer scales: 1 + N(0, 0.1)
 CORRECTION_BIAS_STD = 0.05  # the router's expert-choice bias: N(0, 0.05)
+DT_LOG_RANGE = (math.log(1e-3), math.log(1.0))
+SKIP_RANGE = (-0.2, 0.2)  # the Mamba2 skip D: small, so the scan, not the skip, dominates
 
 # Fields outside text_config / vision_config: the model's, then its processors' settings.
 _TOP_DEFAULTS = MappingProxyType(
@@ -84,7 +88,7 @@ NEMOTRON_PRESETS: Mapping[str, Preset] = MappingProxyType(
                 "moe_intermediate_size": 32,
                 "moe_shared_expert_intermediate_size": 48,
                 "routed_scaling_factor": 2.5,
-                "time_step_min": 0.01,
+                "time_step_min": 0.03,
             },
             vision={
                 "hidden_size": 32,
@@ -236,7 +240,8 @@ def nemotron_processor_configs(spec: CheckpointSpec) -> dict[str, dict[str, Any]
 
 def randomize_unit_init(model: nn.Module) -> None:
     """Draw the weights transformers leaves at one or zero (norm and layer scales, the
-    router's correction bias) from torch's global RNG (seed it first)."""
+    router's correction bias, the Mamba2 skip) and the Mamba2 time-step biases from torch's
+    global RNG (seed it first)."""
     import torch
 
     with torch.no_grad():
@@ -244,6 +249,13 @@ def randomize_unit_init(model: nn.Module) -> None:
             leaf = name.rsplit(".", 2)
             if leaf[-1] == "lambda1" or (leaf[-1] == "weight" and "norm" in leaf[-2]):
                 parameter.add_(torch.randn_like(parameter), alpha=NORM_WEIGHT_STD)
+            if name.endswith("dt_bias"):
+                # softplus(dt_bias) log-uniform over [1e-3, 1], some of it under the tiny
+                # preset's time_step_min, so the prompt-only clamp changes what the scan gives
+                dt = torch.exp(torch.empty_like(parameter).uniform_(*DT_LOG_RANGE))
+                parameter.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹
+            if name.endswith("mixer.D"):
+                parameter.uniform_(*SKIP_RANGE)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, CORRECTION_BIAS_STD)
