@@ -158,7 +158,12 @@ class PromptProcessor:
                     raise PromptError(f"item {index} has no tokens; every item needs one")
         else:
             plain, items = videos_as_frames(plain, items)
-        text = self.chat_template.render(plain, add_generation_prompt=True, extra=template_kwargs)
+        try:
+            text = self.chat_template.render(
+                plain, add_generation_prompt=True, extra=template_kwargs
+            )
+        except ValueError as error:
+            raise PromptError(str(error)) from None
         text, items = self.family.prompt_format.expand(text, items, self._markers)
         return _place(self.encode(text), items, self._pad_kinds)
 

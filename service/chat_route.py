@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from stillcut.service.chat_request import ChatRequest, parse_chat_request
 from stillcut.service.media import read_body, resolve_media_url, unsupported_type
 from stillcut.service.openai_format import ChatFormatter
+from stillcut.service.reasoning import ThinkSplitter
 from stillcut.service.result import evs_summary
 from stillcut.service.sse import sse_response
 from stillcut.service.state import (
@@ -77,15 +78,21 @@ async def _complete(
                 VideoInput(source, evs=chat.evs, fps=chat.fps, max_frames=chat.max_frames)
             )
     items = await state.encode(inputs, record) if inputs else []
-    prompt = state.llm.processor.build(chat.messages, items)
+    processor = state.llm.processor
+    prompt = processor.build(chat.messages, items, chat.template_kwargs)
     setting = "off" if chat.evs is None or chat.evs.is_off else chat.evs.key()
     formatter = ChatFormatter(
         request_id=record.request_id,
         model=state.llm.name,
-        tokenizer=state.llm.processor.tokenizer,
+        tokenizer=processor.tokenizer,
         logprobs=chat.logprobs,
         include_usage=chat.include_usage,
         evs=evs_summary(items, setting) if any(i.kind == "video" for i in items) else None,
+        reasoning=(
+            ThinkSplitter.for_prompt(processor.tokenizer, prompt.token_ids)
+            if config.reasoning_parser == "think"
+            else None
+        ),
     )
     outputs = state.generate(prompt, chat.params, items, record)
     first = await anext(outputs)

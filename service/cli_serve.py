@@ -11,6 +11,8 @@ import logging
 import os
 from pathlib import Path
 
+from stillcut.service.reasoning import REASONING_PARSERS
+
 API_KEY_ENV = "STILLCUT_API_KEY"
 
 
@@ -49,6 +51,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-sessions", type=int, default=4, help="live WebSocket sessions at once (default 4)"
     )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split a leading <think>...</think> of chat answers into reasoning_content",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
 
 
@@ -70,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         request_timeout_s=args.request_timeout,
         max_sessions=args.max_sessions,
+        reasoning_parser=args.reasoning_parser,
     )
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),

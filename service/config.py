@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from stillcut.service.reasoning import REASONING_PARSERS
+
 MIB = 2**20
 
 
@@ -21,6 +23,8 @@ class ServerConfig:
     `allowed_hosts` (exact host names, or `host:port`). `max_upload_bytes` bounds an upload, a
     JSON body and a fetched URL alike. `max_queue` bounds the requests waiting for the encoder
     and those waiting for the scheduler (each); past it, 503 with `Retry-After`.
+    `reasoning_parser` ("think" or None) splits chat answers' thinking into
+    `reasoning_content`.
     """
 
     api_key: str | None = None
@@ -37,6 +41,7 @@ class ServerConfig:
     max_session_s: float = 3600.0
     session_idle_s: float = 60.0
     max_message_bytes: int = 8 * MIB  # one WebSocket message
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -49,6 +54,10 @@ class ServerConfig:
         if not all(hosts):
             raise ValueError(f"allowed_hosts={self.allowed_hosts!r} must hold non-empty names")
         object.__setattr__(self, "allowed_hosts", hosts)
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"reasoning_parser={self.reasoning_parser!r}: allowed {REASONING_PARSERS} or None"
+            )
         for name in (
             "max_upload_bytes",
             "max_queue",

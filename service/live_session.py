@@ -44,7 +44,8 @@ _ENGINE_LIMITS = (RequestTooLong, TooManyVisualTokens, ResourceExhausted)
 
 
 class LiveSessionsUnsupported(ValueError):
-    """The served model's family does not serve live sessions (its registry entry says so)."""
+    """The served model serves no live sessions: its registry entry says so, or it keeps
+    recurrent state (see `ModelConfig.live_sessions_refusal`)."""
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,11 @@ class LiveSession:
         options: LiveOptions,
         session_id: str,
     ) -> None:
-        family = pipeline.family
-        if not family.live_sessions:
+        refusal = pipeline.model_config.live_sessions_refusal
+        if refusal is not None:
             raise LiveSessionsUnsupported(
-                f"live sessions are not supported for {family.model_type!r} checkpoints; "
-                "ask about a whole video with POST /v1/videos/describe or /v1/chat/completions"
+                f"{refusal}; ask about a whole video with POST /v1/videos/describe or "
+                "/v1/chat/completions"
             )
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id={session_id!r} must be a non-empty string")
