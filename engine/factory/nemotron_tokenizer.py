@@ -13,11 +13,10 @@ deterministic and takes milliseconds.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from stillcut.engine.disk_cache import short_hash
+from stillcut.engine.factory import trained_tokenizer
 from stillcut.engine.factory.gemma3_tokenizer import CORPUS
 
 RECIPE_VERSION = 1  # bump when the corpus, tokens or `_build_backend` change
@@ -58,8 +57,6 @@ CHAT_TEMPLATE = (
 
 def tokenizer_recipe_name() -> str:
     """A name that changes whenever the files `write_tokenizer_files` writes would change."""
-    import tokenizers
-
     recipe = {
         "version": RECIPE_VERSION,
         "corpus": CORPUS,
@@ -68,17 +65,15 @@ def tokenizer_recipe_name() -> str:
         "vocab_size": VOCAB_SIZE,
         "template": CHAT_TEMPLATE,
         "config": _tokenizer_config(),
-        "tokenizers": tokenizers.__version__,
     }
-    return f"nemotron-tiny-{short_hash(recipe)}"
+    return trained_tokenizer.recipe_name("nemotron-tiny", recipe)
 
 
 def write_tokenizer_files(folder: Path) -> None:
     """Train the tokenizer; write tokenizer.json, tokenizer_config.json, chat_template.jinja."""
-    _build_backend().save(str(folder / "tokenizer.json"))
-    config = json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False)
-    (folder / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
-    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    trained_tokenizer.write_tokenizer_files(
+        folder, _build_backend(), _tokenizer_config(), CHAT_TEMPLATE
+    )
 
 
 def _build_backend() -> Any:
