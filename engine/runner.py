@@ -7,7 +7,9 @@ buffers, builds the attention metadata once (slot mapping, block tables, bidirec
 ranges), runs the model over the flat batch, computes logits only for the requests that sample,
 and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`,
 and the caches are allocated from the family's cache groups: one paged K/V tensor per attention
-layer (handed to the model in layer order) and one recurrent state per row and recurrent layer.
+layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
+(handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
+starts fresh).
 """
 
 from __future__ import annotations
