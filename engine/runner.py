@@ -232,7 +232,7 @@ class ModelRunner:
             else None,
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
-            recurrent=self._recurrent_metadata(output, request_ids, rows, computed),
+            recurrent=self._recurrent_metadata(output, request_ids, rows, computed, query_start),
         )
         return _Batch(
             input_ids=self.input_ids[:num_tokens].to(device),
@@ -250,25 +250,27 @@ class ModelRunner:
         request_ids: list[str],
         rows: list[int],
         computed: dict[str, int],
+        query_start: list[int],
     ) -> RecurrentMetadata | None:
         """Each request's state row, whether its state starts fresh (its first computed
-        token is token 0: a new request, or one recomputed after preemption) and how many of
-        its scheduled tokens are prompt tokens. None for a model without recurrent layers."""
+        token is token 0: a new request, or one recomputed after preemption) and which
+        scheduled tokens are prompt tokens. None for a model without recurrent layers."""
         if not self.recurrent_states:
             return None
-        starts = [computed[r] for r in request_ids]
         # a recurrent state is never resumed from cached K/V (no prefix hits, no held prefixes)
         assert all(computed[n.request_id] == 0 for n in output.scheduled_new), "resumed state"
-        num_prompt = [
-            min(max(self.rows[r].prompt_len - start, 0), output.num_scheduled_tokens[r])
-            for r, start in zip(request_ids, starts, strict=True)
-        ]
+        prompt_token_mask = torch.zeros(query_start[-1], dtype=torch.bool)
+        for b, request_id in enumerate(request_ids):
+            # a request's prompt tokens come first among its scheduled ones
+            num_prompt = max(self.rows[request_id].prompt_len - computed[request_id], 0)
+            end = min(query_start[b] + num_prompt, query_start[b + 1])
+            prompt_token_mask[query_start[b] : end] = True
         return RecurrentMetadata(
             states=self.recurrent_states,
-            state_rows=torch.tensor(rows, dtype=torch.long, device=self.device),
             state_rows_cpu=rows,
-            fresh=[start == 0 for start in starts],
-            num_prompt_tokens=num_prompt,
+            fresh=[computed[r] == 0 for r in request_ids],
+            query_start_loc_cpu=query_start,
+            prompt_token_mask=prompt_token_mask.to(self.device),
         )
 
     def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -21,20 +22,39 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class RecurrentMetadata:
-    """Built by the runner once per step for models with recurrent layers; one entry per
-    scheduled request, in batch order.
+    """Built by the runner once per step for models with recurrent layers; shared by every
+    recurrent layer. Per scheduled request b, in batch order: its tokens are
+    `[query_start_loc_cpu[b], query_start_loc_cpu[b + 1])` of the flat batch, its state row
+    is `state_rows_cpu[b]`, and `fresh[b]` says its state starts from zero this step (its first
+    computed token is token 0).
 
     `states[layer_id]` are the runner's persistent state tensors of that layer, each
-    `[max_num_reqs, *shape]`; request b's row is `state_rows[b]`. `fresh[b]`: its state
-    starts from zero this step (its first computed token is token 0). `num_prompt_tokens[b]`:
-    how many of its scheduled tokens (they come first) belong to the prompt.
+    `[max_num_reqs, *shape]`. `prompt_token_mask` marks the scheduled tokens that belong to
+    their request's prompt (each request's come first).
     """
 
     states: Mapping[int, tuple[torch.Tensor, ...]]
-    state_rows: torch.Tensor  # [B] int64, on the model's device
     state_rows_cpu: list[int]
     fresh: list[bool]
-    num_prompt_tokens: list[int]
+    query_start_loc_cpu: list[int]
+    prompt_token_mask: torch.Tensor  # [N] bool, on the model's device
+
+    @cached_property
+    def one_token_steps(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The requests that advance a stored state by one token: their token indices and
+        state rows `[D]` (on the device), and the batch indices of every other request (prompt
+        chunks, fresh requests), which run the chunked scan."""
+        starts = self.query_start_loc_cpu
+        tokens, rows, chunks = [], [], []
+        for request, row in enumerate(self.state_rows_cpu):
+            if starts[request + 1] - starts[request] == 1 and not self.fresh[request]:
+                tokens.append(starts[request])
+                rows.append(row)
+            else:
+                chunks.append(request)
+        device = self.prompt_token_mask.device
+        tokens_and_rows = torch.tensor([tokens, rows], dtype=torch.long, device=device)  # [2, D]
+        return tokens_and_rows[0], tokens_and_rows[1], chunks
 
 
 def causal_conv1d(

@@ -21,7 +21,6 @@ from stillcut.engine.models.nemotron_blocks import NemotronBlock, frozen, rms_no
 from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.mamba2 import (
-    RecurrentMetadata,
     causal_conv1d,
     causal_conv1d_step,
     selective_state_step,
@@ -65,19 +64,17 @@ class Mamba2Block(NemotronBlock):
         )
         dt = F.softplus(dt + self.dt_bias)  # [N, heads]
         dt = torch.where(
-            _prompt_token_mask(metadata, recurrent, dt.device)[:, None],
-            dt.clamp(min=config.time_step_min),
-            dt,
+            recurrent.prompt_token_mask[:, None], dt.clamp(min=config.time_step_min), dt
         )
         scanned = torch.empty(
             hidden.shape[0], config.mamba_num_heads, config.mamba_head_dim, device=hidden.device
         )  # [N, heads, head_dim] float32
         conv_states, ssm_states = recurrent.states[self.layer_id]
-        steps, chunks = _split_steps(metadata, recurrent)
-        if steps:
-            self._step(steps, conv_in, dt, scanned, recurrent, conv_states, ssm_states)
+        step_tokens, step_rows, chunks = recurrent.one_token_steps
+        if step_tokens.numel():
+            self._step(step_tokens, step_rows, conv_in, dt, scanned, conv_states, ssm_states)
         for request in chunks:
-            self._chunk(request, metadata, recurrent, conv_in, dt, scanned, conv_states, ssm_states)
+            self._chunk(request, recurrent, conv_in, dt, scanned, conv_states, ssm_states)
         y = self._gated_norm(scanned.flatten(1), gate).to(hidden.dtype)  # [N, inner]
         out = linear(y, self.out_proj, self.out_proj_bias, self.bands.get("out_proj"))
         return hidden + out
@@ -91,10 +88,8 @@ class Mamba2Block(NemotronBlock):
         heads = (-1, config.mamba_num_heads, config.mamba_head_dim)
         return x.reshape(heads), B.reshape(groups), C.reshape(groups)
 
-    def _step(self, steps, conv_in, dt, scanned, recurrent, conv_states, ssm_states) -> None:
-        """One token for every decoding request at once."""
-        tokens = torch.tensor([token for token, _ in steps], device=conv_in.device)
-        rows = torch.tensor([row for _, row in steps], device=conv_in.device)
+    def _step(self, tokens, rows, conv_in, dt, scanned, conv_states, ssm_states) -> None:
+        """One token for every decoding request at once: `tokens` and state `rows` `[D]`."""
         conv_out, new_conv = causal_conv1d_step(
             conv_in[tokens], conv_states[rows], self.conv_weight, self.conv_bias
         )
@@ -104,11 +99,9 @@ class Mamba2Block(NemotronBlock):
         ssm_states[rows] = new_state.to(ssm_states.dtype)
         scanned[tokens] = y
 
-    def _chunk(
-        self, request, metadata, recurrent, conv_in, dt, scanned, conv_states, ssm_states
-    ) -> None:
+    def _chunk(self, request, recurrent, conv_in, dt, scanned, conv_states, ssm_states) -> None:
         """A prompt chunk (or a fresh request's tokens) through the chunked scan."""
-        starts = metadata.query_start_loc_cpu
+        starts = recurrent.query_start_loc_cpu
         tokens = slice(starts[request], starts[request + 1])
         row, fresh = recurrent.state_rows_cpu[request], recurrent.fresh[request]
         conv_out, new_conv = causal_conv1d(
@@ -137,34 +130,6 @@ class Mamba2Block(NemotronBlock):
         grouped = gated.view(gated.shape[0], groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.gate_norm.float() * grouped.view_as(gated)
-
-
-def _split_steps(
-    metadata: AttentionMetadata, recurrent: RecurrentMetadata
-) -> tuple[list[tuple[int, int]], list[int]]:
-    """(token index, state row) of every one-token request that resumes a state, and the
-    batch indices of the rest (prompt chunks, fresh requests)."""
-    starts = metadata.query_start_loc_cpu
-    assert starts is not None
-    steps, chunks = [], []
-    for request, row in enumerate(recurrent.state_rows_cpu):
-        if starts[request + 1] - starts[request] == 1 and not recurrent.fresh[request]:
-            steps.append((starts[request], row))
-        else:
-            chunks.append(request)
-    return steps, chunks
-
-
-def _prompt_token_mask(
-    metadata: AttentionMetadata, recurrent: RecurrentMetadata, device: torch.device
-) -> torch.Tensor:
-    """`[N]` bool: which scheduled tokens are prompt tokens (each request's come first)."""
-    starts = metadata.query_start_loc_cpu
-    assert starts is not None
-    mask = torch.zeros(starts[-1], dtype=torch.bool)
-    for request, num_prompt in enumerate(recurrent.num_prompt_tokens):
-        mask[starts[request] : starts[request] + num_prompt] = True
-    return mask.to(device)
 
 
 def stored_mamba(config: NemotronTextConfig) -> nn.Module:

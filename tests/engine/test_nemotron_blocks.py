@@ -83,6 +83,9 @@ def _metadata(query_lens, rows, fresh, num_prompt, states) -> AttentionMetadata:
     for length in query_lens:
         starts.append(starts[-1] + length)
     count = len(query_lens)
+    prompt_token_mask = torch.zeros(starts[-1], dtype=torch.bool)
+    for start, length in zip(starts, num_prompt, strict=False):
+        prompt_token_mask[start : start + length] = True
     return AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(query_lens, dtype=torch.int32),
@@ -93,10 +96,10 @@ def _metadata(query_lens, rows, fresh, num_prompt, states) -> AttentionMetadata:
         query_start_loc_cpu=starts,
         recurrent=RecurrentMetadata(
             states=states,
-            state_rows=torch.tensor(rows),
             state_rows_cpu=rows,
             fresh=fresh,
-            num_prompt_tokens=num_prompt,
+            query_start_loc_cpu=starts,
+            prompt_token_mask=prompt_token_mask,
         ),
     )
 
