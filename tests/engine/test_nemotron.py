@@ -149,3 +149,29 @@ def test_aborted_requests_free_their_blocks_and_state_slots(setup):
     for request_id in ids[1:]:
         engine.abort(request_id)
     _assert_all_free(engine)
+
+
+def test_no_prefix_hits_no_held_prefixes_and_states_within_the_budget(setup):
+    engine = setup.engine
+    prompt = engine.processor.build([{"role": "user", "content": "Describe the weather."}])
+    (first,) = engine.generate([prompt], GREEDY)
+    (again,) = engine.generate([prompt], GREEDY)  # its blocks are cached by now, unused
+    assert first.token_ids == again.token_ids
+    assert again.metrics.num_cached_tokens == 0  # K/V alone would miss the Mamba2 state
+    with pytest.raises(ValueError, match="held prefixes are not supported"):
+        engine.add_request(prompt, GREEDY, hold=True)
+    budget = 4 * 2**20
+    sized = LLMEngine(
+        engine.path,
+        EngineConfig(
+            scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=2048),
+            cache=CacheConfig(kv_cache_memory=budget),
+        ),
+    )
+    runner = sized.runner
+    state_bytes = sum(t.numel() * 4 for states in runner.recurrent_states.values() for t in states)
+    assert 0 < state_bytes < runner.num_kv_bytes <= budget  # one state slot per runner row
+    block_bytes = (runner.num_kv_bytes - state_bytes) // len(
+        sized.scheduler.kv_cache.block_pool.blocks
+    )
+    assert runner.num_kv_bytes > budget - block_bytes
