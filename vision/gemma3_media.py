@@ -15,8 +15,10 @@ from os import PathLike
 
 import numpy as np
 import torch
+from PIL import Image
 
 from stillcut.engine.gemma3_config import SiglipVisionConfig
+from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.gemma3_preprocess import Gemma3PreprocessConfig, preprocess_frames
 from stillcut.vision.siglip import Gemma3VisionEncoder
 
@@ -41,6 +43,17 @@ class Gemma3Media:
     def __init__(self, path: str | PathLike[str], vision: SiglipVisionConfig) -> None:
         self.preprocess = Gemma3PreprocessConfig.from_checkpoint(path)
         self.tokens_per_side = vision.tokens_per_side
+        size = self.preprocess.image_size
+        self.frame_resize = FrameResize(
+            lambda h, w: (size, size), Image.Resampling(self.preprocess.resample)
+        )
+
+    def token_grid(
+        self, kind: str, num_frames: int, height: int, width: int
+    ) -> tuple[int, int, int]:
+        """The token grid (t, h, w) of `num_frames` frames (or one image): a square per frame,
+        whatever the frame's size."""
+        return num_frames, self.tokens_per_side, self.tokens_per_side
 
     def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedFrames:
         """Frames [T, H, W, 3] uint8 sampled at `sample_fps` -> one square per frame."""

@@ -12,7 +12,6 @@ bidirectional.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import time
@@ -22,7 +21,7 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
 from stillcut.engine.gemma3_config import GEMMA3_FAMILY
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
@@ -31,16 +30,20 @@ from stillcut.engine.positions import dense_coords
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
-from stillcut.vision.errors import NotAnImage, VideoTooLarge
+from stillcut.vision.errors import VideoTooLarge
+from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.gemma3_media import Gemma3Media, PreprocessedFrames
+from stillcut.vision.image_file import decode_image
 from stillcut.vision.preprocess import (
     PreprocessedVideo,
     VideoPreprocessConfig,
     preprocess_image,
     preprocess_video,
+    smart_resize,
 )
 from stillcut.vision.qwen2_vl import Qwen2VLVisionTower
 from stillcut.vision.towers import load_vision_tower
+from stillcut.vision.work import VisionWork
 
 VideoSource = str | os.PathLike | bytes | BinaryIO | np.ndarray
 ImageSource = str | os.PathLike | bytes | BinaryIO | np.ndarray | Image.Image
@@ -82,6 +85,21 @@ class QwenMedia:
     def __init__(self, path: Path) -> None:
         self.video_preprocess = VideoPreprocessConfig.from_checkpoint(path, "video")
         self.image_preprocess = VideoPreprocessConfig.from_checkpoint(path, "image")
+        config = self.video_preprocess
+        self.frame_resize = FrameResize(
+            lambda h, w: smart_resize(h, w, config.factor, config.min_pixels, config.max_pixels),
+            Image.Resampling.BICUBIC,
+        )
+
+    def token_grid(
+        self, kind: str, num_frames: int, height: int, width: int
+    ) -> tuple[int, int, int]:
+        """The merged token grid (t, h, w) of `num_frames` frames of `height` x `width`
+        ("video" or "image"), worked out from the sizes alone."""
+        config = self.video_preprocess if kind == "video" else self.image_preprocess
+        resized = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+        num_tubelets = -(-num_frames // config.temporal_patch_size)
+        return num_tubelets, resized[0] // config.factor, resized[1] // config.factor
 
     def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedVideo:
         return preprocess_video(frames, sample_fps, self.video_preprocess)
@@ -126,6 +144,7 @@ class VisionPipeline:
         self.decode_config = decode_config
         self.cache = EncoderCache(cache_bytes)
         self.model_key = model_fingerprint(self.path)
+        self.work = VisionWork()
 
     def video(self, source: VideoSource, evs: EVSConfig | None = None, **options) -> MultiModalItem:
         """Encode one video (see `VideoInput` for the options)."""
@@ -141,6 +160,7 @@ class VisionPipeline:
         misses = [entry for entry in loaded if entry.encoded is None]
         if misses:
             started = time.perf_counter()
+            self.work.tower_passes += 1
             with torch.inference_mode():
                 embeds = self.media.encode(
                     self.tower, [entry.prepared for entry in misses], self.device
@@ -185,11 +205,7 @@ class VisionPipeline:
         return entry
 
     def _decode_config(self, spec: VideoInput) -> DecodeConfig:
-        overrides = {"fps": spec.fps, "max_frames": spec.max_frames}
-        changes = {name: value for name, value in overrides.items() if value is not None}
-        if not changes:
-            return self.decode_config
-        return DecodeConfig(**{**self.decode_config.__dict__, **changes})
+        return self.decode_config.with_sampling(spec.fps, spec.max_frames)
 
 
 class _Loaded:
@@ -207,7 +223,7 @@ class _Loaded:
     def prepare(self, pipeline: VisionPipeline, spec: VideoInput | ImageInput, data) -> None:
         started = time.perf_counter()
         if isinstance(spec, ImageInput):
-            frame = _open_image(data)
+            frame = _open_image(data, pipeline)
             self._timestamps, self._info = (
                 (0.0,),
                 {"width": frame.shape[1], "height": frame.shape[0]},
@@ -222,7 +238,14 @@ class _Loaded:
             self.prepared = pipeline.media.prepare_video(frames, fps)
         else:
             config = pipeline._decode_config(spec)
-            decoded = decode_video(data, config, start=spec.start, end=spec.end)
+            decoded = decode_video(
+                data,
+                config,
+                start=spec.start,
+                end=spec.end,
+                resize=pipeline.media.frame_resize,
+                work=pipeline.work,
+            )
             self._timestamps = tuple(decoded.timestamps)
             self._info = {
                 "codec": decoded.codec,
@@ -369,11 +392,7 @@ def _image_payload(source: ImageSource) -> bytes | np.ndarray:
     return source.read()
 
 
-def _open_image(data: bytes | np.ndarray) -> np.ndarray:
+def _open_image(data: bytes | np.ndarray, pipeline: VisionPipeline) -> np.ndarray:
     if isinstance(data, np.ndarray):
         return data
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as error:
-        raise NotAnImage(f"the image could not be read ({error}); send a PNG or JPEG") from None
+    return decode_image(data, pipeline.decode_config.max_image_pixels, pipeline.work)

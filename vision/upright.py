@@ -50,12 +50,18 @@ class UprightLayout:
         return rgb[:, ::-1] if self.mirror else rgb
 
 
-def layout_for(frame: VideoFrame, stream: VideoStream, max_pixels: int) -> UprightLayout:
-    """The `UprightLayout` for a clip, from its first sampled frame and its stream."""
-    width, height = frame.width, frame.height
+def display_size(width: int, height: int, stream: VideoStream) -> tuple[int, int]:
+    """(width, height) a coded `width` x `height` frame displays at, before any rotation:
+    non-square pixels stretched to the display aspect."""
     aspect = stream.sample_aspect_ratio or stream.codec_context.sample_aspect_ratio
     if aspect and aspect > 0 and aspect != 1:
         width = max(1, round(width * Fraction(aspect)))
+    return width, height
+
+
+def layout_for(frame: VideoFrame, stream: VideoStream, max_pixels: int) -> UprightLayout:
+    """The `UprightLayout` for a clip, from its first sampled frame and its stream."""
+    width, height = display_size(frame.width, frame.height, stream)
     if width * height > max_pixels:
         raise FrameTooLarge(
             f"frames display at {width}x{height} = {width * height} pixels, "
