@@ -28,6 +28,7 @@ from stillcut.engine.processor import Prompt
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.async_engine import AsyncEngine
+from stillcut.service.media_budget import MediaBudget, check_media_budget, media_identity
 from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
 from stillcut.vision.decode import DecodeConfig
@@ -78,10 +79,21 @@ class VideoLLM:
         self._engine_lock = threading.Lock()
         self._async_engine: AsyncEngine | None = None
 
-    def encode(self, inputs: Sequence[VideoInput | ImageInput]) -> list[MultiModalItem]:
-        """Decode, encode and prune media (thread-safe; one pipeline call at a time)."""
+    def encode(
+        self, inputs: Sequence[VideoInput | ImageInput], *, budget: MediaBudget | None = None
+    ) -> list[MultiModalItem]:
+        """Decode, encode and prune media (thread-safe; one pipeline call at a time). Repeats
+        of one input are decoded and encoded once. With a `budget`, what the media will cost
+        is worked out from their headers first, and media over it are refused before a frame
+        is decoded (the engine's `TooManyVisualTokens` / `RequestTooLong`)."""
+        specs = list(inputs)
+        distinct = {media_identity(spec): spec for spec in specs}
         with self._vision_lock:
-            return self.pipeline.encode(list(inputs))
+            if budget is not None:
+                check_media_budget(self.pipeline, specs, budget)
+            items = self.pipeline.encode(list(distinct.values()))
+        encoded = dict(zip(distinct, items, strict=True))
+        return [encoded[media_identity(spec)] for spec in specs]
 
     def start_async(self, *, max_queue: int = 64) -> AsyncEngine:
         """Hand the engine to a background `AsyncEngine`; `describe` is refused from then on."""

@@ -9,7 +9,6 @@ in the same body. Fields we do not support are refused (400), never silently ign
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,8 +17,9 @@ from typing import Any
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_EVS, DEFAULT_MAX_TOKENS
-from stillcut.service.errors import bad_request
+from stillcut.service.errors import bad_request, shown
 from stillcut.service.media import MediaKind
+from stillcut.service.request_limits import JSONTooDeep, check_stop, loads_json
 from stillcut.vision.decode import DecodeConfig
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -73,8 +73,10 @@ class ChatRequest:
 def parse_chat_request(body: bytes) -> ChatRequest:
     """Parse and check a request body; `APIError` (400) says what is wrong."""
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as error:
+        data = loads_json(body)
+    except JSONTooDeep as error:
+        raise bad_request(f"the body is refused: {error}", "json_too_deep") from None
+    except ValueError as error:  # UnicodeDecodeError included
         raise bad_request(f"the body is not valid JSON: {error}", "invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", "invalid_json")
@@ -84,7 +86,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
             f"unsupported parameter(s): {', '.join(unknown)}", "unsupported_parameter"
         )
     if data.get("n", 1) != 1:
-        raise bad_request(f"n={data['n']!r}: only n=1 is supported", "unsupported_parameter")
+        raise bad_request(f"n={shown(data['n'])}: only n=1 is supported", "unsupported_parameter")
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "invalid_type")
@@ -153,11 +155,11 @@ def sampling_params(fields: Mapping[str, Any], max_tokens: Any, stop: Any, logpr
     try:
         return SamplingParams(
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-            stop=tuple(stop),
+            stop=check_stop(tuple(stop)),
             logprobs=logprobs,
             **fields,
         )
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         raise bad_request(str(error), "invalid_parameter") from None
 
 
@@ -183,10 +185,11 @@ def _messages(raw: Any) -> tuple[list[dict[str, Any]], list[MediaPart]]:
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise bad_request(f"{where} must be an object", "invalid_messages")
-        role = _ROLES.get(message.get("role"))
+        raw_role = message.get("role")
+        role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
         if role is None:
             raise bad_request(
-                f"{where}.role={message.get('role')!r}: allowed {', '.join(_ROLES)}",
+                f"{where}.role={shown(raw_role)}: allowed {', '.join(_ROLES)}",
                 "invalid_messages",
             )
         content = message.get("content")
@@ -208,7 +211,7 @@ def _part(part: Any, where: str, media: list[MediaPart]) -> dict[str, Any]:
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{where}.text must be a string", "invalid_messages")
         return {"type": "text", "text": part["text"]}
-    if kind in _MEDIA_PARTS:
+    if isinstance(kind, str) and kind in _MEDIA_PARTS:
         target = part.get(kind)
         url = target.get("url") if isinstance(target, dict) else None
         if not isinstance(url, str):
@@ -216,7 +219,7 @@ def _part(part: Any, where: str, media: list[MediaPart]) -> dict[str, Any]:
         media.append(MediaPart(_MEDIA_PARTS[kind], url, f"{where}.{kind}.url"))
         return {"type": _MEDIA_PARTS[kind]}
     allowed = ", ".join(("text", *_MEDIA_PARTS))
-    raise bad_request(f"{where}.type={kind!r}: allowed {allowed}", "invalid_messages")
+    raise bad_request(f"{where}.type={shown(kind)}: allowed {allowed}", "invalid_messages")
 
 
 def _optional(data: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
@@ -226,7 +229,7 @@ def _optional(data: Mapping[str, Any], key: str, kind: type, default: Any) -> An
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise bad_request(f"{key} must be {_TYPE_NAMES[kind]}, got {value!r}", "invalid_type")
+        raise bad_request(f"{key} must be {_TYPE_NAMES[kind]}, got {shown(value)}", "invalid_type")
     if kind is float and not math.isfinite(value):
         raise bad_request(f"{key} must be finite, got {value!r}", "invalid_type")
     return value

@@ -16,9 +16,10 @@ import copy
 import io
 import itertools
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from stillcut.vision.pipeline import VisionPipeline, item_identifier, media_key
 from stillcut.vision.preprocess import PreprocessedVideo, preprocess_video, smart_resize
 
 FRAME_FORMATS = ("PNG", "JPEG")
+Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs blocking work off the event loop
 _QWEN_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
 _ENGINE_LIMITS = (RequestTooLong, TooManyVisualTokens, ResourceExhausted)
 
@@ -70,7 +72,12 @@ class LiveSession:
         engine: AsyncEngine,
         options: LiveOptions,
         session_id: str,
+        *,
+        run_encode: Runner = asyncio.to_thread,
+        run_prompt: Runner = asyncio.to_thread,
     ) -> None:
+        """`run_encode` runs frame decoding and the tower, `run_prompt` tokenizing (a server
+        passes its bounded workers)."""
         if pipeline.model_config.family not in _QWEN_FAMILIES:
             raise ValueError(
                 f"live sessions need a Qwen2-VL or Qwen2.5-VL checkpoint, "
@@ -82,6 +89,8 @@ class LiveSession:
         self.session_id = session_id
         self._pipeline = pipeline
         self._engine = engine
+        self._run_encode = run_encode
+        self._run_prompt = run_prompt
         self._evs = options.evs
         self._held_id = f"{session_id}-held"
         self._lock = asyncio.Lock()  # frames, asks' snapshots and close take turns
@@ -105,9 +114,8 @@ class LiveSession:
         async with self._lock:
             self._check_open()
             self._check_frame(timestamp, image)
-            pixels = await asyncio.to_thread(
-                decode_frame, image, self.options.limits.max_frame_pixels
-            )
+            max_pixels = self.options.limits.max_frame_pixels
+            pixels = await self._run_encode(lambda: decode_frame(image, max_pixels))
             self._check_size(pixels)
             frame = _Frame(timestamp, pixels)
             self._num_frames += 1
@@ -125,7 +133,8 @@ class LiveSession:
 
     async def ask(self, prompt: str) -> AsyncIterator[RequestOutput]:
         """Answer `prompt` about the stream so far; the session goes on afterwards."""
-        question = self._processor.ask_suffix(prompt)  # a bad prompt fails before any work
+        # a bad prompt fails before any work
+        question = await self._run_prompt(lambda: self._processor.ask_suffix(prompt))
         async with self._lock:
             self._check_open()
             if not self._items and self._pending is None:
@@ -189,7 +198,7 @@ class LiveSession:
     ) -> tuple[MultiModalItem, ThresholdPruner]:
         """The next tubelet's item from 1 or 2 frames, and the pruner after it; the session's
         own pruner is left as it was."""
-        prepared, embeds = await asyncio.to_thread(self._encode, frames)
+        prepared, embeds = await self._run_encode(lambda: self._encode(frames))
         _, height, width = prepared.grid_thw
         merge = self._pipeline.video_preprocess.merge_size
         if self._pruner is None:
@@ -223,6 +232,7 @@ class LiveSession:
         """One tubelet's patches and its embeddings from the tower: [h * w / merge**2, hidden]."""
         pipeline = self._pipeline
         prepared = preprocess_video(frames, self.options.fps, pipeline.video_preprocess)
+        pipeline.work.tower_passes += 1
         with torch.inference_mode():
             (embeds,) = pipeline.tower.encode(
                 [prepared.patches.to(pipeline.device)], [prepared.grid_thw]

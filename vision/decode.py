@@ -8,6 +8,7 @@ a clip will cost (frames, their size) is known from its headers and packet times
 Every failure caused by the input is a `VideoError` (`errors`); no raw PyAV exception escapes.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,12 +116,13 @@ def probe_video(
     *,
     start: float | None = None,
     end: float | None = None,
-    max_samples: int | None = None,
+    max_samples: Callable[[int, int], int] | None = None,
 ) -> VideoProbe:
     """How many frames decoding `source` would sample, and their size, without decoding one:
     the header checks, the packet scan and the sample plan of `decode_video`.
 
-    With `max_samples` the scan stops as soon as the plan is known to pass it, so a clip
+    `max_samples(width, height)` is the most frames the caller can afford at the display size
+    the header declares; the scan stops as soon as the plan is known to pass it, so a clip
     that declares no duration costs no more to refuse than one that does.
     """
     _check_time_arguments(start, end)
@@ -162,7 +164,7 @@ def _probe(
     config: DecodeConfig,
     start: float | None,
     end: float | None,
-    max_samples: int | None = None,
+    max_samples: Callable[[int, int], int] | None = None,
 ) -> _Probe:
     """Header checks, a packet scan and the sample plan."""
     stream = _video_stream(container)
@@ -178,15 +180,16 @@ def _probe(
             f"the video lasts {declared_end:g} s; {declared_end:g} s exceeds "
             f"max_duration_s={config.max_duration_s:g}"
         )
+    display_width, display_height = display_size(width, height, stream)
+    affordable = None if max_samples is None else max_samples(display_width, display_height)
     # The scan finds the true end (and raises past max_duration_s) and every frame's pts.
-    stop_after_s = _affordable_end(config, start, end, max_samples)
+    stop_after_s = _affordable_end(config, start, end, affordable)
     scan = scan_packets(
         container, stream, config.max_decoded_frames, config.max_duration_s, stop_after_s
     )
     range_start, range_end = _clip_range(start, end, scan.end)
     plan = plan_samples(range_start, range_end - range_start, config.fps, config.max_frames)
     rate = stream.average_rate
-    display_width, display_height = display_size(width, height, stream)
     return _Probe(
         stream_index=stream.index,
         codec=stream.codec_context.name,

@@ -12,6 +12,7 @@ import base64
 import functools
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -75,6 +76,15 @@ def pool_state(server: BackgroundServer) -> tuple[bool, int]:
         return not llm_engine.scheduler.requests, sum(b.ref_cnt > 0 for b in kv.block_pool.blocks)
 
     return engine_call(server, check)
+
+
+def settled_pool_state(server: BackgroundServer, timeout_s: float = 10.0) -> tuple[bool, int]:
+    """`pool_state` once the engine is idle and every block is back, or when `timeout_s`
+    passes: a client that closed its socket has its session released a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while (state := pool_state(server)) != (True, 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return state
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from websockets.sync.client import connect
 
 from stillcut.vision.synthetic import moving_texture, write_video
 
-from .conftest import MAX_DURATION_S, MAX_UPLOAD_BYTES, data_url, pool_state
+from .conftest import MAX_DURATION_S, MAX_UPLOAD_BYTES, data_url, pool_state, settled_pool_state
 
 DESCRIBE = "/v1/videos/describe"
 CHAT = "/v1/chat/completions"
@@ -339,4 +339,4 @@ def test_a_websocket_frame_gets_its_tubelet_event(main_server):
         assert answer["text"] == "".join(m["text"] for m in messages if m["type"] == "token")
         assert answer["usage"]["completion_tokens"] == 3
         assert set(answer["timings"]) == {"queue_s", "ttft_s", "total_s"}
-    assert pool_state(main_server.server) == (True, 0)
+    assert settled_pool_state(main_server.server) == (True, 0)

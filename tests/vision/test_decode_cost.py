@@ -55,10 +55,10 @@ def test_the_probe_plans_what_decoding_samples(clips, name, config, start, end):
 def test_a_stream_without_duration_is_scanned_only_until_the_plan_passes_the_budget(clips):
     whole = probe_video(clips["raw"], DecodeConfig(fps=2))
     assert whole.complete and whole.num_samples == 7  # 100 frames at 30 fps: 3.33 s
-    stopped = probe_video(clips["raw"], DecodeConfig(fps=2), max_samples=3)
+    stopped = probe_video(clips["raw"], DecodeConfig(fps=2), max_samples=lambda width, height: 3)
     assert not stopped.complete and 3 < stopped.num_samples < whole.num_samples
     assert stopped.duration < 2.1  # the scan ended right after 1.5 s + one frame
-    affordable = probe_video(clips["raw"], DecodeConfig(fps=2), max_samples=7)
+    affordable = probe_video(clips["raw"], DecodeConfig(fps=2), max_samples=lambda width, height: 7)
     assert affordable == whole  # a budget the clip fits changes nothing
 
 
