@@ -3,6 +3,9 @@ budget or the server's ceilings are refused at once, naming the limit, and do no
 server's own counters of decoded frames and tower passes stay put); a clip attached several
 times is decoded and encoded once."""
 
+import json
+import logging
+import time
 from fractions import Fraction
 
 import httpx
@@ -35,10 +38,9 @@ def clips(tmp_path_factory) -> dict[str, bytes]:
     write_video(raw, gray_frames([90] * 300, 320, 240), container_format="h264")
     fresh = folder / "fresh.mp4"  # encoded by one test only
     write_video(fresh, moving_texture(8, 112, 84, seed=21), time_base=Fraction(1, 4))
-    return {
-        name: (folder / file).read_bytes()
-        for name, file in (("sparse", "sparse.mp4"), ("raw", "raw.h264"), ("fresh", "fresh.mp4"))
-    }
+    for seed in range(3):  # three more, encoded together in one tower pass
+        write_video(folder / f"batch{seed}.mp4", moving_texture(8, 320, 240, seed=30 + seed))
+    return {path.stem: path.read_bytes() for path in folder.iterdir()}
 
 
 def _describe(url: str, clip: bytes, **fields) -> httpx.Response:
@@ -139,3 +141,27 @@ def test_a_clip_attached_three_times_is_decoded_and_encoded_once(main_server, cl
     assert (frames - frames_before, passes - passes_before) == (once.frames_decoded, 1)
     assert response.json()["evs"]["frames"] == 3 * len(video.timestamps)  # all three are asked
     assert_healthy(main_server.server)
+
+
+def test_encode_seconds_are_the_requests_own_wall_time(main_server, clips, caplog):
+    """Three clips share one tower pass; counting it once per item made encode_s exceed the
+    request's whole time."""
+    parts = [_video_part(data_url(clips[f"batch{k}"])) for k in range(3)]
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 1}
+    with caplog.at_level(logging.INFO, logger="stillcut.access"):
+        response = httpx.post(
+            f"{main_server.url}{CHAT}",
+            json=body,
+            headers={"X-Request-Id": "three-clips"},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        for _ in range(100):  # the log line is written once the handler has unwound
+            if any("three-clips" in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.02)
+    (line,) = [
+        json.loads(r.getMessage()) for r in caplog.records if "three-clips" in r.getMessage()
+    ]
+    assert 0 < line["decode_s"] and 0 < line["encode_s"]
+    assert line["decode_s"] + line["encode_s"] <= line["total_s"]
