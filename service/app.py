@@ -90,7 +90,7 @@ async def health_endpoint(request: Request) -> Response:
         "model": state.llm.name,
         "kv_blocks_used": stats.num_blocks_used,
         "kv_blocks_total": stats.num_blocks,
-        "requests_waiting": stats.num_waiting + state.encoder.num_pending,
+        "requests_waiting": stats.num_waiting + state.num_jobs_pending,
         "requests_running": stats.num_running,
         "live_sessions": state.live_sessions,
     }
@@ -117,4 +117,4 @@ def _engine_stats(app: FastAPI) -> EngineStats:
 
 def _encoder_pending(app: FastAPI) -> int:
     state = getattr(app.state, "service", None)
-    return state.encoder.num_pending if state is not None else 0
+    return state.num_jobs_pending if state is not None else 0

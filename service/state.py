@@ -51,6 +51,11 @@ class ServiceState:
     live_sessions: int = 0  # open WebSocket sessions (touched on the event loop only)
     started: float = field(default_factory=time.time)
 
+    @property
+    def num_jobs_pending(self) -> int:
+        """Requests waiting for (or in) the encode or the prompt worker."""
+        return self.encoder.num_pending + self.prompter.num_pending
+
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is None or the served model's id."""
         if model is not None and model != self.llm.name:
