@@ -87,7 +87,6 @@ def setup(tiny_checkpoint, tiny_clip):
                 "server": server,
                 "port": port,
                 "other": other,
-                "hits": hits + other_hits,
                 "clip": tiny_clip,
                 "hit_lists": (hits, other_hits),
             }
