@@ -73,7 +73,11 @@ def layout_for(frame: VideoFrame, stream: VideoStream, max_pixels: int) -> Uprig
 
 def display_orientation(frame: VideoFrame, stream: VideoStream) -> tuple[int, bool]:
     """(counter-clockwise quarter turns, mirror left-right) that make `frame` upright."""
-    side_data = frame.side_data.get(SideDataType.DISPLAYMATRIX)
+    # A frame and its side-data container refer to each other, so reading it off the decoder's
+    # own frame keeps that frame, and with it the decoder's threads, alive until the garbage
+    # collector runs; a 2x2 copy carries the same side data and pins nothing.
+    copy = frame.reformat(width=2, height=2, format="rgb24")
+    side_data = copy.side_data.get(SideDataType.DISPLAYMATRIX)
     if side_data is None:
         return _rotate_tag_turns(stream), False
     matrix = np.frombuffer(bytes(side_data), dtype=np.int32)  # 3x3, row-major, 16.16 fixed
