@@ -39,12 +39,14 @@ from stillcut.service.live_options import (
     SessionClosed,
 )
 from stillcut.vision.pipeline import VisionPipeline, item_identifier, media_key
-from stillcut.vision.preprocess import PreprocessedVideo, preprocess_video, smart_resize
 
 FRAME_FORMATS = ("PNG", "JPEG")
 Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs blocking work off the event loop
-_QWEN_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
 _ENGINE_LIMITS = (RequestTooLong, TooManyVisualTokens, ResourceExhausted)
+
+
+class LiveSessionsUnsupported(ValueError):
+    """The served model's family does not serve live sessions (its registry entry says so)."""
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,11 @@ class LiveSession:
     ) -> None:
         """`run_encode` runs frame decoding and the tower, `run_prompt` tokenizing (a server
         passes its bounded workers)."""
-        if pipeline.model_config.family not in _QWEN_FAMILIES:
-            raise ValueError(
-                f"live sessions need a Qwen2-VL or Qwen2.5-VL checkpoint, "
-                f"not {pipeline.model_config.family!r}"
+        family = pipeline.family
+        if not family.live_sessions:
+            raise LiveSessionsUnsupported(
+                f"live sessions are not supported for {family.model_type!r} checkpoints; "
+                "ask about a whole video with POST /v1/videos/describe or /v1/chat/completions"
             )
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id={session_id!r} must be a non-empty string")
@@ -180,9 +183,8 @@ class LiveSession:
     def _check_size(self, pixels: np.ndarray) -> None:
         height, width, _ = pixels.shape
         if self._frame_size is None:
-            config = self._pipeline.video_preprocess
             try:  # the first frame fixes the resize of the whole stream
-                smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+                self._pipeline.media.check_video_frame(height, width)
             except ValueError as error:
                 raise BadFrame(str(error)) from None
             self._frame_size = (height, width)
@@ -200,7 +202,7 @@ class LiveSession:
         own pruner is left as it was."""
         prepared, embeds = await self._run_encode(lambda: self._encode(frames))
         _, height, width = prepared.grid_thw
-        merge = self._pipeline.video_preprocess.merge_size
+        merge = self._pipeline.media.merge_size
         if self._pruner is None:
             grid_hw = (height // merge, width // merge)
             pruner = ThresholdPruner(
@@ -228,15 +230,13 @@ class LiveSession:
         )
         return item, pruner
 
-    def _encode(self, frames: np.ndarray) -> tuple[PreprocessedVideo, torch.Tensor]:
-        """One tubelet's patches and its embeddings from the tower: [h * w / merge**2, hidden]."""
+    def _encode(self, frames: np.ndarray):
+        """One tubelet's preprocessed input and its embeddings: [h * w / merge**2, hidden]."""
         pipeline = self._pipeline
-        prepared = preprocess_video(frames, self.options.fps, pipeline.video_preprocess)
+        prepared = pipeline.media.prepare_video(frames, self.options.fps)
         pipeline.work.tower_passes += 1
         with torch.inference_mode():
-            (embeds,) = pipeline.tower.encode(
-                [prepared.patches.to(pipeline.device)], [prepared.grid_thw]
-            )
+            (embeds,) = pipeline.media.encode(pipeline.tower, [prepared], pipeline.device)
         return prepared, embeds
 
     # ---- the held prefix -----------------------------------------------------------------------
