@@ -93,6 +93,7 @@ async def health_endpoint(request: Request) -> Response:
         "requests_waiting": stats.num_waiting + state.num_jobs_pending,
         "requests_running": stats.num_running,
         "live_sessions": state.live_sessions,
+        "evs_default": state.llm.evs_default.to_dict(),
     }
     return JSONResponse(body, status_code=200 if running else 503)
 

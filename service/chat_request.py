@@ -16,7 +16,7 @@ from typing import Any
 
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
-from stillcut.service.api import DEFAULT_EVS, DEFAULT_MAX_TOKENS
+from stillcut.service.api import DEFAULT_MAX_TOKENS
 from stillcut.service.errors import bad_request, shown
 from stillcut.service.media import MediaKind
 from stillcut.service.request_limits import JSONTooDeep, check_stop, loads_json
@@ -70,8 +70,9 @@ class ChatRequest:
     logprobs: bool
 
 
-def parse_chat_request(body: bytes) -> ChatRequest:
-    """Parse and check a request body; `APIError` (400) says what is wrong."""
+def parse_chat_request(body: bytes, default_evs: EVSConfig | None) -> ChatRequest:
+    """Parse and check a request body; `APIError` (400) says what is wrong. A request without
+    `evs` gets `default_evs`."""
     try:
         data = loads_json(body)
     except JSONTooDeep as error:
@@ -99,7 +100,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         messages=messages,
         media=media,
         params=_sampling_params(data, logprobs),
-        evs=parse_evs(data.get("evs", "default"), "evs"),
+        evs=parse_evs(data.get("evs", "default"), "evs", default_evs),
         **check_sampling_rate(
             _optional(data, "fps", float, None), _optional(data, "max_frames", int, None)
         ),
@@ -109,11 +110,11 @@ def parse_chat_request(body: bytes) -> ChatRequest:
     )
 
 
-def parse_evs(value: Any, where: str) -> EVSConfig | None:
-    """`"default"` (the server's default), `"off"` / None (keep all), or an object with
+def parse_evs(value: Any, where: str, default: EVSConfig | None) -> EVSConfig | None:
+    """`"default"` (the server's `default`), `"off"` / None (keep all), or an object with
     `mode` and that mode's fields, e.g. `{"mode": "threshold", "threshold": 0.1}`."""
     if value == "default":
-        return DEFAULT_EVS
+        return default
     if value is None or value == "off":
         return None
     if not isinstance(value, Mapping):

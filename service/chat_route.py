@@ -48,6 +48,7 @@ async def models_endpoint(request: Request) -> Response:
         "created": int(state.started),
         "owned_by": "stillcut",
         "max_model_len": state.llm.engine.config.scheduler.max_model_len,
+        "evs_default": state.llm.evs_default.to_dict(),
     }
     return JSONResponse({"object": "list", "data": [model]})
 
@@ -61,7 +62,7 @@ async def chat_endpoint(request: Request) -> Response:
             f"Content-Type {content_type or '(none)'!r} is not supported; send application/json"
         )
     body = await read_body(request, chat_body_limit(state.config.max_upload_bytes))
-    chat = parse_chat_request(body)
+    chat = parse_chat_request(body, state.llm.evs_default.evs)
     state.check_model(chat.model)
     check_media_count(len(chat.media), state.config)
     async with asyncio.timeout(budget):

@@ -17,6 +17,8 @@ WILDCARD_ADDRESSES = ("0.0.0.0", "::")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    from stillcut.service.cli import add_evs_arguments
+
     parser = commands.add_parser("serve", help="run the HTTP service")
     parser.set_defaults(run=run)
     parser.add_argument("--model", help="checkpoint folder or hub id (default: the demo model)")
@@ -88,13 +90,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-sessions", type=int, default=4, help="live WebSocket sessions at once (default 4)"
     )
+    add_evs_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
 
 
 def run(args: argparse.Namespace) -> int:
     from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from stillcut.service.api import VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE
+    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config
     from stillcut.service.config import MIB, ServerConfig
     from stillcut.service.server import serve
     from stillcut.vision.decode import DecodeConfig
@@ -123,7 +126,12 @@ def run(args: argparse.Namespace) -> int:
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory * MIB),
     )
     decode_config = DecodeConfig(max_image_pixels=args.max_image_pixels)
-    llm = VideoLLM(args.model, engine_config=engine_config, decode_config=decode_config)
+    llm = VideoLLM(
+        args.model,
+        engine_config=engine_config,
+        decode_config=decode_config,
+        evs=evs_config(args),
+    )
     if llm.is_random_demo:
         logging.getLogger("stillcut.service").warning(RANDOM_WEIGHTS_NOTICE)
     serve(llm, config, host=args.host, port=args.port)

@@ -83,7 +83,7 @@ async def describe_endpoint(request: Request) -> Response:
     budget = seconds_left(request, state.config)
     form = await read_upload_form(request, state.config)
     try:
-        checked = await _check_form(form)
+        checked = await _check_form(form, state.llm.evs_default.evs)
     finally:
         await form.close()
     state.check_model(checked.model)
@@ -138,7 +138,7 @@ async def describe_endpoint(request: Request) -> Response:
         return await until_disconnect(request, run())
 
 
-async def _check_form(form: FormData) -> DescribeForm:
+async def _check_form(form: FormData, default_evs: EVSConfig | None) -> DescribeForm:
     unknown = sorted(set(form.keys()) - _FIELDS)
     if unknown:
         raise bad_request(f"unknown form field(s): {', '.join(unknown)}", "unsupported_parameter")
@@ -166,7 +166,7 @@ async def _check_form(form: FormData) -> DescribeForm:
         data=await upload.read(),
         prompt=_text(form, "prompt") or DEFAULT_PROMPT,
         model=_text(form, "model"),
-        evs=parse_evs(evs, "evs"),
+        evs=parse_evs(evs, "evs", default_evs),
         params=params,
         video={
             **check_sampling_rate(numbers["fps"], numbers["max_frames"]),
