@@ -80,6 +80,18 @@ def test_a_sparse_clip_sampled_densely_is_refused_before_decoding(
     )
 
 
+def test_the_sparse_clip_asked_past_the_ceilings_is_refused_at_once(main_server, clips):
+    """The same clip with the fields that used to decode 2,000 frames."""
+    fields = {"fps": "10", "max_frames": "2000", "include_frames": "true"}
+    _refused_without_work(
+        main_server,
+        lambda: _describe(main_server.url, clips["sparse"], **fields),
+        400,
+        "over_limit",
+        "fps=10 exceeds the server's limit_fps=8",
+    )
+
+
 def test_a_stream_without_duration_is_refused_before_decoding(main_server, clips):
     _refused_without_work(
         main_server,
