@@ -79,8 +79,10 @@ def min_kept_tokens(pipeline: VisionPipeline, spec: MediaInput, affordable: int)
     `affordable` (the count returned is then only known to be over it)."""
     media = pipeline.media
     if isinstance(spec, ImageInput):
-        width, height = _image_size(spec.source, pipeline.decode_config.max_image_pixels)
-        grid = media.token_grid("image", 1, height, width)
+        size = _image_size(spec.source, pipeline.decode_config.max_image_pixels)
+        if size is None:
+            return 0  # a file object is read once, by the encoder; the engine still checks it
+        grid = media.token_grid("image", 1, size[1], size[0])
         return grid[0] * grid[1] * grid[2]  # images are never pruned
 
     def cost(num_frames: int, height: int, width: int) -> int:
@@ -123,7 +125,8 @@ def _most_frames(cost: Callable[[int], int], max_frames: int, affordable: int) -
     return low
 
 
-def _image_size(source, max_pixels: int) -> tuple[int, int]:
+def _image_size(source, max_pixels: int) -> tuple[int, int] | None:
+    """(width, height) of an image input, from its header; None for a file object."""
     if isinstance(source, Image.Image):
         return source.size
     if isinstance(source, np.ndarray):
@@ -131,7 +134,9 @@ def _image_size(source, max_pixels: int) -> tuple[int, int]:
     if isinstance(source, str | os.PathLike):
         with open(source, "rb") as file:
             return image_size(file.read(), max_pixels)
-    return image_size(bytes(source), max_pixels)
+    if isinstance(source, bytes | bytearray | memoryview):
+        return image_size(bytes(source), max_pixels)
+    return None
 
 
 def _counted(inputs: Sequence[MediaInput]) -> list[tuple[MediaInput, int]]:

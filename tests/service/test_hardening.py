@@ -41,7 +41,7 @@ class _Routes(http.server.BaseHTTPRequestHandler):
         super().__init__(*args, **kwargs)
 
     def do_GET(self) -> None:
-        self.hits.append(self.path)
+        self.hits.append((self.path, self.headers["Host"]))
         body, headers = self.routes.get(self.path, (b"", {}))
         self.send_response(200 if self.path in self.routes else 404)
         for name, value in {"Content-Length": str(len(body)), **headers}.items():
@@ -77,7 +77,12 @@ def setup(tiny_checkpoint, tiny_clip):
     }
     with _origin_server(routes) as (port, hits), _origin_server(routes) as (other, other_hits):
         config = ServerConfig(
-            allowed_hosts=(f"127.0.0.1:{port}", f"localhost:{other}", "127.0.0.2"),
+            allowed_hosts=(
+                f"127.0.0.1:{port}",
+                f"localhost:{port}",
+                f"localhost:{other}",
+                "127.0.0.2",
+            ),
             allowed_origins=(ALLOWED_ORIGIN,),
             max_upload_bytes=MAX_UPLOAD_BYTES,
             max_queue=1,
@@ -196,6 +201,10 @@ def test_media_urls_reach_only_listed_ports_and_public_addresses(setup):
     for path in ("/clip.mp4", "/clip.gz"):  # listed by address; a gzip reply is inflated
         assert _ask(server, "video_url", f"http://127.0.0.1:{port}{path}").is_success
     assert _hits(setup) == hits + 2
+    if socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM)[0][4][0] == "127.0.0.1":
+        # a name whose address is listed: fetched from that address, still named in Host
+        assert _ask(server, "video_url", f"http://localhost:{port}/clip.mp4").is_success
+        assert setup["hit_lists"][0][-1] == ("/clip.mp4", f"localhost:{port}")
 
 
 def test_a_compressed_reply_is_inflated_a_bounded_piece_at_a_time(setup):
