@@ -35,37 +35,28 @@ from tokenizers import Tokenizer
 from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
 from stillcut.engine.processor import PromptError
 from stillcut.service.async_engine import EngineStopped, QueueFull
-from stillcut.service.config import ServerConfig
 from stillcut.service.errors import client_message
+from stillcut.service.live_inbox import (
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_UNSUPPORTED_DATA,
+    Inbox,
+    SessionEnd,
+)
 from stillcut.service.live_options import LiveError, LiveLimits, LiveOptions
 from stillcut.service.live_session import LiveSession
 from stillcut.service.middleware import bearer_token, key_matches
 from stillcut.service.openai_format import logprobs_body
 from stillcut.service.record import RequestRecord
-from stillcut.service.request_limits import MAX_JSON_DEPTH, loads_json
 from stillcut.service.result import timings_of, usage_of
 from stillcut.service.state import ServiceState, record_of
 
-CLOSE_NORMAL = 1000
-CLOSE_UNSUPPORTED_DATA = 1003
-CLOSE_POLICY = 1008
-CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL = 1011
 SUBPROTOCOL = "stillcut"
 KEY_SUBPROTOCOL = "stillcut.bearer."  # + the key, base64url without padding
 _TIMESTAMP = struct.Struct("<d")
 _RECOVERABLE = (RequestTooLong, TooManyVisualTokens, ResourceExhausted, PromptError, QueueFull)
 logger = logging.getLogger("stillcut.service")
-
-
-class SessionEnd(Exception):
-    """Close the session with `code`, after telling the client why (when `error_code`)."""
-
-    def __init__(self, code: int, message: str = "", error_code: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.error_code = error_code
 
 
 class _Connection:
@@ -105,7 +96,7 @@ async def stream_endpoint(websocket: WebSocket) -> None:
         headers=[(b"x-request-id", connection.record.request_id.encode())],
     )
     code, reason = CLOSE_NORMAL, ""
-    inbox = _Inbox(websocket, state.config)
+    inbox = Inbox(websocket, state.config)
     try:
         options = await _start(state, connection, inbox)
         async with _session_slot(state):
@@ -144,7 +135,7 @@ async def _session_slot(state: ServiceState) -> AsyncIterator[None]:
 
 
 async def _serve(
-    state: ServiceState, connection: _Connection, inbox: _Inbox, options: LiveOptions
+    state: ServiceState, connection: _Connection, inbox: Inbox, options: LiveOptions
 ) -> None:
     config = state.config
     # engine request ids must be unique; a client's X-Request-Id need not be
@@ -203,7 +194,7 @@ async def _serve(
         await session.close()
 
 
-async def _start(state: ServiceState, connection: _Connection, inbox: _Inbox) -> LiveOptions:
+async def _start(state: ServiceState, connection: _Connection, inbox: Inbox) -> LiveOptions:
     """The options of a valid start message, which must come within `session_start_s`."""
     config = state.config
     limit = f"session_start_s={config.session_start_s:g}"
@@ -238,68 +229,6 @@ def _socket_key(websocket: WebSocket) -> str | None:
             except (binascii.Error, ValueError):
                 return None
     return None
-
-
-class _Inbox:
-    """The socket's messages, each awaited against the session's deadline and, optionally, an
-    idle limit. The receive in progress survives a wait that ends for another reason (an
-    answer finishing), so no message is ever lost between waits."""
-
-    def __init__(self, websocket: WebSocket, config: ServerConfig) -> None:
-        self._websocket = websocket
-        self._config = config
-        self._deadline = time.monotonic() + config.max_session_s
-        self._receiving: asyncio.Task | None = None
-
-    async def next(
-        self, wait_s: float | None, late: SessionEnd, also: asyncio.Task | None = None
-    ) -> bytes | dict[str, Any] | None:
-        """The next frame (bytes) or text message (a JSON object); None when `also` finished
-        first; `WebSocketDisconnect` once the client left. Waits at most `wait_s` (None: no
-        limit but the session's), then raises `late`."""
-        if self._receiving is None:
-            self._receiving = asyncio.ensure_future(self._websocket.receive())
-        left = self._deadline - time.monotonic()
-        timeout = max(0.0, left if wait_s is None else min(wait_s, left))
-        waits = {self._receiving} if also is None else {self._receiving, also}
-        done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if self._receiving in done:
-            message, self._receiving = self._receiving.result(), None
-            return _parse(message, self._config)
-        if also is not None and also in done:
-            return None
-        if time.monotonic() >= self._deadline:
-            limit = f"max_session_s={self._config.max_session_s:g}"
-            raise SessionEnd(CLOSE_POLICY, f"the session reached {limit}", "session_expired")
-        raise late
-
-    def close(self) -> None:
-        if self._receiving is not None:
-            self._receiving.cancel()
-
-
-def _parse(message: dict[str, Any], config: ServerConfig) -> bytes | dict[str, Any]:
-    if message["type"] == "websocket.disconnect":
-        raise WebSocketDisconnect(message.get("code", CLOSE_NORMAL))
-    data = message.get("bytes")
-    if data is None:
-        data = message.get("text") or ""
-    if len(data) > config.max_message_bytes:
-        limit = config.max_message_bytes
-        raise SessionEnd(CLOSE_TOO_BIG, f"a message exceeds {limit} bytes", "message_too_big")
-    if isinstance(data, bytes):
-        return data
-    try:
-        parsed = loads_json(data)
-    except ValueError:  # not JSON, or too deep
-        parsed = None
-    if not isinstance(parsed, dict):
-        raise SessionEnd(
-            CLOSE_UNSUPPORTED_DATA,
-            f"text messages must be JSON objects nested at most {MAX_JSON_DEPTH} deep",
-            "bad_message",
-        )
-    return parsed
 
 
 async def _frame(session: LiveSession, connection: _Connection, data: bytes) -> None:
