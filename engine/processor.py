@@ -194,7 +194,9 @@ class PromptProcessor:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special token strings in it become special tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode holds it), so a long prompt
+        # tokenized on a server's worker thread does not stall its event loop
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _plain_messages(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
         plain = [self._plain_message(index, message) for index, message in enumerate(messages)]
