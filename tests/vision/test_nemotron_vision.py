@@ -104,3 +104,15 @@ def test_embeddings_and_evs_mask_equal_transformers(setup, samples_dir):
             image_media["pixel_values"], image_media["image_grid_hw"]
         ).pooler_output
     torch.testing.assert_close(pipeline.image(image).embeds, expected, atol=1e-4, rtol=0)
+
+
+def test_the_token_grid_from_sizes_alone_is_the_encoded_one(setup):
+    """The service checks a request's cost from headers with `token_grid`, before decoding."""
+    pipeline, _ = setup
+    rng = np.random.default_rng(8)
+    for num_frames, height, width in ((5, 64, 96), (1, 100, 37), (4, 240, 320)):
+        frames = rng.integers(0, 256, (num_frames, height, width, 3)).astype(np.uint8)
+        item = pipeline.video(frames, frames_fps=2.0)
+        assert pipeline.media.token_grid("video", num_frames, height, width) == item.llm_grid
+        image = pipeline.image(frames[0])
+        assert pipeline.media.token_grid("image", 1, height, width) == image.llm_grid
