@@ -237,7 +237,7 @@ class CpuDecoder:
         self.cache_shapes: dict[tuple[int, int], list[tuple[int, tuple[int, ...]]]] = {}
         self.scratch_sizes: dict[tuple[int, int], int] = {}
         self.kv_caches: tuple[int, ...] = ()
-        self.kv_cache_array = None
+        self.kv_cache_array = (ctypes.c_void_p * 0)()
         self.scratch = torch.empty(0)
 
     def __reduce__(self):
@@ -300,6 +300,8 @@ class CpuDecoder:
         )
 
     def _caches_fit(self, kv_caches: Sequence[torch.Tensor]) -> bool:
+        if not self.num_kv_caches:
+            return True
         if len(kv_caches) < self.num_kv_caches:
             return False
         num_blocks, block_size = kv_caches[0].shape[1:3]
@@ -353,7 +355,7 @@ class CpuDecoder:
             slot_mapping.data_ptr(),
             ctypes.addressof(self.kv_cache_array),
             len(addresses),
-            *kv_caches[0].shape[1:3],
+            *(kv_caches[0].shape[1:3] if addresses else (0, 0)),  # blocks, block size
         )
         self._fit_scratch(step)
         out = torch.empty(rows, self.hidden)

@@ -395,13 +395,20 @@ def _torch_reading(stack: Stack, ids, positions, kv_caches, metadata) -> torch.T
     return F.rms_norm(hidden, (HIDDEN,), stack.final_norm, EPS)
 
 
+def _mlps_only(stack: Stack) -> Stack:
+    return dataclasses.replace(
+        stack, blocks=[b for b in stack.blocks if isinstance(b.mixer, GatedMlp)]
+    )
+
+
+@pytest.mark.parametrize("blocks", ["mixed", "gated MLPs only"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_a_stack_of_any_blocks_matches_its_torch_reading(threads):
+def test_a_stack_of_any_blocks_matches_its_torch_reading(threads, blocks):
     """The kernel follows the description block by block, whatever the order of the kinds,
-    their options and activations, and the caches they use."""
+    their options and activations, and the caches they use (none without attention)."""
     if cpu_decode.load() is None:
         pytest.skip("no C compiler: the native CPU decode kernel is not built")
-    stack = _mixed_stack()
+    stack = _mixed_stack() if blocks == "mixed" else _mlps_only(_mixed_stack())
     decoder = cpu_decode.bind(stack)
     assert decoder is not None
     requests = [0, 1, LONG]
