@@ -18,9 +18,9 @@
  *   GATED_MLP  gate|up = x @ Wgu -> y = (act(gate) * up) @ Wdown, act SiLU or tanh GELU
  *
  * The kernel reads only the description: which kind each block is, its weights and options.
- * A new kind is a struct beside `Attention`, a function beside `attention`, one case in
- * `run_block`, `check_block` and `work_floats`. A weight is a `Matrix`; a new storage format
- * is a case in `linear`. RMSNorm is x / sqrt(mean(x^2) + eps) * scale.
+ * A new kind is a struct beside `Attention`, its functions beside `attention`'s (check,
+ * fits, work, widest output, run) and one row of `KINDS`. A weight is a `Matrix`; a new
+ * storage format is a case in `linear`. RMSNorm is x / sqrt(mean(x^2) + eps) * scale.
  *
  * A weight `[in, out]` is read either as a contiguous [in, out] (each thread streams its own
  * contiguous band of input rows into a private partial sum; the partials are then added by
@@ -106,7 +106,7 @@ typedef struct {
     const Step *step;
     float *hidden, *normed, *branch; /* [rows, hidden] each */
     float *cos, *sin;            /* [tables, rows, rotary_dim] each */
-    float *work;                 /* the running block's own buffers (`work_floats`) */
+    float *work;                 /* the running block's own buffers (`KindOps.work_floats`) */
     float *partials;             /* [threads, rows, widest output] */
 } Context;
 
@@ -398,7 +398,8 @@ static int qkv_width(const Attention *a) {
 
 /* Attention's work: qkv [rows, qkv width], attn [rows, heads * head_dim], then the key slices'
  * parts [rows, heads, splits, head_dim + 2]. */
-static size_t attention_floats(const Attention *a, const Step *step) {
+static size_t attention_floats(const void *params, const Step *step) {
+    const Attention *a = params;
     size_t rows = step->rows, D = a->head_dim, Hq = a->num_heads;
     return rows * qkv_width(a) + rows * Hq * D +
            rows * Hq * key_splits(step, a->num_kv_heads) * (D + 2);
@@ -435,7 +436,8 @@ static void attention_inputs(const Context *c, const Attention *a, float *qkv, f
 #pragma omp barrier
 }
 
-static void attention(const Context *c, const Attention *a, const float *out_norm) {
+static void attention(const Context *c, const void *params, const float *out_norm) {
+    const Attention *a = params;
     const Step *step = c->step;
     int rows = step->rows, D = a->head_dim, Hq = a->num_heads, Hkv = a->num_kv_heads;
     int group = Hq / Hkv, width = qkv_width(a), splits = key_splits(step, Hkv);
@@ -483,11 +485,12 @@ static float activate(int activation, float x) {
 }
 
 /* Gated MLP's work: gate|up [rows, 2 * intermediate]. */
-static size_t gated_mlp_floats(const GatedMlp *m, const Step *step) {
-    return (size_t)step->rows * m->gate_up.out;
+static size_t gated_mlp_floats(const void *params, const Step *step) {
+    return (size_t)step->rows * ((const GatedMlp *)params)->gate_up.out;
 }
 
-static void gated_mlp(const Context *c, const GatedMlp *m, const float *out_norm) {
+static void gated_mlp(const Context *c, const void *params, const float *out_norm) {
+    const GatedMlp *m = params;
     int rows = c->step->rows, I = m->down.in, begin, end;
     float *gate_up = c->work;
     linear(c->normed, c->model->hidden, rows, &m->gate_up, NULL, gate_up, c->partials);
@@ -502,73 +505,83 @@ static void gated_mlp(const Context *c, const GatedMlp *m, const float *out_norm
     residual_projection(c, gate_up, (size_t)2 * I, &m->down, out_norm);
 }
 
-static void run_block(const Context *c, const Block *block) {
-    switch (block->kind) {
-    case ATTENTION: attention(c, block->params, block->out_norm); break;
-    case GATED_MLP: gated_mlp(c, block->params, block->out_norm); break;
-    }
+static int larger(int a, int b) { return a > b ? a : b; }
+
+/* The widest output of the block's products (their partial sums share one buffer). */
+static int attention_widest(const void *params) {
+    const Attention *a = params;
+    return larger(a->qkv.out, a->o.out);
 }
 
-/* Floats of the running block's own buffers. */
-static size_t work_floats(const Block *block, const Step *step) {
-    switch (block->kind) {
-    case ATTENTION: return attention_floats(block->params, step);
-    case GATED_MLP: return gated_mlp_floats(block->params, step);
-    }
-    return 0;
-}
-
-/* The widest output of the block's [in, out] products that go through partial sums. */
-static int widest_output(const Block *block) {
-    switch (block->kind) {
-    case ATTENTION: {
-        const Attention *a = block->params;
-        return a->qkv.out > a->o.out ? a->qkv.out : a->o.out;
-    }
-    case GATED_MLP: {
-        const GatedMlp *m = block->params;
-        return m->gate_up.out > m->down.out ? m->gate_up.out : m->down.out;
-    }
-    }
-    return 0;
+static int gated_mlp_widest(const void *params) {
+    const GatedMlp *m = params;
+    return larger(m->gate_up.out, m->down.out);
 }
 
 static int check_matrix(const Matrix *w, int in, int out) {
     return w->data && w->format == F32 && w->in == in && w->out == out;
 }
 
-/* 0 when the kernel can run `block` of `model` (its fields in range, its weights' shapes
+/* 0 when the kernel can run the block's params in `model` (fields in range, weights' shapes
  * consistent), else a status that names what is wrong. */
-static int check_block(const Model *model, const Block *block) {
-    int H = model->hidden;
-    if (!block->norm || !block->params) return 10;
-    switch (block->kind) {
-    case ATTENTION: {
-        const Attention *a = block->params;
-        int D = a->head_dim;
-        if (a->num_kv_heads < 1 || a->num_heads % a->num_kv_heads) return 11;
-        if (D != model->rotary_dim || a->table < 0 || a->table >= model->num_tables) return 12;
-        if (!check_matrix(&a->qkv, H, qkv_width(a))) return 13;
-        if (!check_matrix(&a->o, a->num_heads * D, H)) return 14;
-        return a->window < 0 || a->cache < 0 ? 15 : 0;
-    }
-    case GATED_MLP: {
-        const GatedMlp *m = block->params;
-        int I = m->down.in;
-        if (m->activation != SILU && m->activation != GELU_TANH) return 20;
-        return check_matrix(&m->gate_up, H, 2 * I) && check_matrix(&m->down, I, H) ? 0 : 21;
-    }
-    }
-    return 9; /* a kind this kernel does not know */
+static int attention_check(const Model *model, const void *params) {
+    const Attention *a = params;
+    int H = model->hidden, D = a->head_dim;
+    if (a->num_kv_heads < 1 || a->num_heads % a->num_kv_heads) return 11;
+    if (D != model->rotary_dim || a->table < 0 || a->table >= model->num_tables) return 12;
+    if (!check_matrix(&a->qkv, H, qkv_width(a))) return 13;
+    if (!check_matrix(&a->o, a->num_heads * D, H)) return 14;
+    return a->window < 0 || a->cache < 0 ? 15 : 0;
 }
 
-/* 0 when `decode_step` can run these blocks, else `check_block`'s status (or 1, 2 for the
- * model's own fields). */
+static int gated_mlp_check(const Model *model, const void *params) {
+    const GatedMlp *m = params;
+    int H = model->hidden, I = m->down.in;
+    if (m->activation != SILU && m->activation != GELU_TANH) return 20;
+    return check_matrix(&m->gate_up, H, 2 * I) && check_matrix(&m->down, I, H) ? 0 : 21;
+}
+
+/* Whether the step holds what the block reads and writes besides its weights. */
+static int attention_fits(const void *params, const Step *step) {
+    return ((const Attention *)params)->cache < step->num_kv_caches;
+}
+
+static int gated_mlp_fits(const void *params, const Step *step) {
+    (void)params, (void)step;
+    return 1;
+}
+
+/* What the kernel does with a block of each kind: every kind is one row here. */
+typedef struct {
+    int (*check)(const Model *model, const void *params);
+    int (*fits)(const void *params, const Step *step);
+    size_t (*work_floats)(const void *params, const Step *step); /* its own buffers */
+    int (*widest_output)(const void *params);
+    void (*run)(const Context *c, const void *params, const float *out_norm);
+} KindOps;
+
+static const KindOps KINDS[] = {
+    [ATTENTION] = {attention_check, attention_fits, attention_floats, attention_widest, attention},
+    [GATED_MLP] = {gated_mlp_check, gated_mlp_fits, gated_mlp_floats, gated_mlp_widest, gated_mlp},
+};
+
+static const KindOps *kind_ops(int kind) {
+    int known = kind > 0 && kind < (int)(sizeof KINDS / sizeof KINDS[0]) && KINDS[kind].run;
+    return known ? KINDS + kind : NULL;
+}
+
+/* 0 when `decode_step` can run these blocks, else a status naming what is wrong: 1, 2 the
+ * model's own fields, 9 a kind this kernel does not know, 10 a block's missing norm or params,
+ * from 11 on the kind's own `check`. */
 int check_model(const Model *model, const Block *blocks, int num_blocks) {
     if (model->rotary_dim % 2 || model->rotary_dim < 2) return 1;
     if (model->num_tables < 1 || model->num_tables > MAX_TABLES) return 2;
     for (int b = 0; b < num_blocks; b++) {
-        int status = check_block(model, blocks + b);
+        const Block *block = blocks + b;
+        const KindOps *ops = kind_ops(block->kind);
+        if (!ops) return 9;
+        if (!block->norm || !block->params) return 10;
+        int status = ops->check(model, block->params);
         if (status) return status;
     }
     return 0;
@@ -582,7 +595,7 @@ static size_t fixed_floats(const Model *model, int rows) {
 static size_t largest_work(const Block *blocks, int num_blocks, const Step *step) {
     size_t work = 0;
     for (int b = 0; b < num_blocks; b++) {
-        size_t floats = work_floats(blocks + b, step);
+        size_t floats = KINDS[blocks[b].kind].work_floats(blocks[b].params, step);
         work = floats > work ? floats : work;
     }
     return work;
@@ -594,7 +607,7 @@ int64_t scratch_floats(const Model *model, const Block *blocks, int num_blocks,
                        const Step *step) {
     size_t widest = model->hidden;
     for (int b = 0; b < num_blocks; b++) {
-        size_t width = widest_output(blocks + b);
+        size_t width = KINDS[blocks[b].kind].widest_output(blocks[b].params);
         widest = width > widest ? width : widest;
     }
     return fixed_floats(model, step->rows) + largest_work(blocks, num_blocks, step) +
@@ -636,9 +649,7 @@ int decode_step(const Model *model, const Block *blocks, int num_blocks, const S
                 float *scratch, float *out) {
     if (step->block_size > MAX_BLOCK) return 1;
     for (int b = 0; b < num_blocks; b++)
-        if (blocks[b].kind == ATTENTION &&
-            ((const Attention *)blocks[b].params)->cache >= step->num_kv_caches)
-            return 1;
+        if (!KINDS[blocks[b].kind].fits(blocks[b].params, step)) return 1;
     int rows = step->rows, H = model->hidden;
     size_t row_floats = (size_t)rows * H;
     size_t table_floats = (size_t)model->num_tables * rows * model->rotary_dim;
@@ -666,7 +677,7 @@ int decode_step(const Model *model, const Block *blocks, int num_blocks, const S
                 rms_norm(c.hidden + (size_t)r * H, blocks[b].norm, c.normed + (size_t)r * H, H,
                          model->eps);
 #pragma omp barrier
-            run_block(&c, blocks + b);
+            KINDS[blocks[b].kind].run(&c, blocks[b].params, blocks[b].out_norm);
         }
         share(rows, threads, thread, &begin, &end);
         for (int r = begin; r < end; r++)
