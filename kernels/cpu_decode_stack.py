@@ -42,8 +42,9 @@ def _check_shape(name: str, tensor: torch.Tensor | None, *shape: int) -> None:
 
 @dataclass(frozen=True, eq=False)
 class Attention:
-    """GQA attention over the paged KV cache `cache` (an index into the step's KV caches):
-    fused q|k|v projection (+ `qkv_bias`), an RMSNorm per q and k head (`qk_norm`, optional),
+    """GQA attention over the paged KV cache `cache`, an index into the step's KV caches (the
+    runner's: one per attention layer, in layer order, see `engine.cache_groups`): fused q|k|v
+    projection (+ `qkv_bias`), an RMSNorm per q and k head (`qk_norm`, optional),
     rotary table `table`, scores times `scale` (soft-capped by `soft_cap` when > 0), keys
     within `window` positions (0: all), output projection."""
 
