@@ -6,8 +6,9 @@ percent within minutes. Each round runs the bench once in each checkout (the ord
 from round to round) with that checkout's own virtual environment, reads the numbers named by
 `--metric NAME=REGEX` (the first group of the regex, in the bench's output), and the table gives
 each side's median and the median over rounds of new ÷ base (the two runs of a round are
-adjacent in time). By default it runs `bench/decode_roofline.py` and reads its batch-1 native
-step, that step ÷ its read floor (measured in the same process) and the layers' share of it.
+adjacent in time); each round's line also shows the host's 1-minute load average. By default it
+runs `bench/decode_roofline.py` and reads its batch-1 native step, that step ÷ its read floor
+(measured in the same process) and the layers' share of it.
 
     python bench/checkout_ab.py --base ../other-checkout [--rounds 6] [-- bench args...]
 """
@@ -15,6 +16,7 @@ step, that step ÷ its read floor (measured in the same process) and the layers'
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -65,6 +67,7 @@ def main() -> None:
     bench = [args.bench, *args.bench_args]
     values: dict[str, list[dict[str, float]]] = {"base": [], "new": []}
     for round_index in range(args.rounds):
+        load = os.getloadavg()[0]  # a shared host's other work, beside the round's numbers
         order = ("base", "new") if round_index % 2 == 0 else ("new", "base")
         for side in order:
             root = sides[side]
@@ -74,7 +77,10 @@ def main() -> None:
             f"{name} {values['base'][-1][name]:.3f}/{values['new'][-1][name]:.3f}"
             for name in metrics
         )
-        print(f"round {round_index + 1}/{args.rounds} (base/new): {line}", file=sys.stderr)
+        print(
+            f"round {round_index + 1}/{args.rounds} (load {load:.1f}; base/new): {line}",
+            file=sys.stderr,
+        )
     print(f"{args.rounds} rounds of {' '.join(bench)}, base {sides['base']}, new {ROOT}")
     print(f"{'metric':<14}{'base':>10}{'new':>10}{'new/base':>10}")
     for name in metrics:
