@@ -5,7 +5,9 @@ biases and weights are redrawn in place (the kernel keeps their addresses), so a
 a norm read from the wrong layer or a swapped projection shows; Qwen's decode positions differ
 between the three M-RoPE rows, and Gemma's contexts outgrow its local layers' window of 8.
 Requests sit in scattered blocks, with contexts ending inside and exactly at block boundaries.
-Where CI sets `STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead
+A model whose weights become other tensors (`.to()`, a swapped layer, new parameters,
+`param.data`) or a copy of it decodes with those; and a stack of blocks in no family's order
+matches a torch reading of the same description. Where CI sets `STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead
 of skipping.
 """
 
