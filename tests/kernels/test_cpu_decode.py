@@ -7,8 +7,8 @@ between the three M-RoPE rows, and Gemma's contexts outgrow its local layers' wi
 Requests sit in scattered blocks, with contexts ending inside and exactly at block boundaries.
 A model whose weights become other tensors (`.to()`, a swapped layer, new parameters,
 `param.data`) or a copy of it decodes with those; and a stack of blocks in no family's order
-matches a torch reading of the same description. Where CI sets `STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead
-of skipping.
+matches a torch reading of the same description. Where CI sets
+`STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead of skipping.
 """
 
 from __future__ import annotations
