@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from stillcut.engine.request import Request
+from stillcut.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True, eq=False)
@@ -138,7 +138,8 @@ class KVCacheManager:
 
     Per step the scheduler asks `find_cached_prefix` (first schedule only) and `allocate_slots`;
     after the step `cache_full_blocks` registers what became full; `free` ends a request's
-    claim. Counters `num_query_tokens` / `num_hit_tokens` measure the prefix cache in tokens.
+    claim. Counters `num_query_tokens` / `num_hit_tokens` measure the prefix cache in tokens,
+    once per request: at its first allocation, not again when it resumes after preemption.
     """
 
     def __init__(
@@ -207,8 +208,9 @@ class KVCacheManager:
         if num_needed > num_free:
             return None
         if not blocks and self.enable_prefix_caching:
-            self.num_query_tokens += request.num_tokens
-            self.num_hit_tokens += prefix.num_tokens
+            if request.status is RequestStatus.WAITING:  # a preempted one was counted already
+                self.num_query_tokens += request.num_tokens
+                self.num_hit_tokens += prefix.num_tokens
             self._num_cached_blocks[request.request_id] = len(prefix.blocks)
         self.block_pool.touch(prefix.blocks)
         added = [*prefix.blocks, *self.block_pool.allocate(num_needed)]

@@ -8,6 +8,13 @@ budget, whichever is smaller, but never ends inside a bidirectional item. When b
 the newest running request is preempted: freed, and recomputed later, outputs included. Held
 requests (live sessions) are prefill-only, keep their KV afterwards and are never preempted.
 
+Progress is guaranteed by a prefill reservation: while any running request goes without tokens
+in a step (the budget is spent, its next chunk is a bidirectional item that does not fit what
+the decodes left, or blocks are short), no waiting request is admitted. New requests would
+become decodes scheduled ahead of it, so an image could wait forever behind arrivals; held
+back, the requests ahead of it only finish, and an item always fits an empty step (admission
+checks it against `max_num_batched_tokens`).
+
 `schedule()`, the runner's step and `update_from_output()` strictly alternate.
 """
 
@@ -125,8 +132,9 @@ class Scheduler:
         output = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        # after a preemption blocks are short: admitting more would only preempt again
-        if not output.preempted_ids:
+        # after a preemption blocks are short: admitting more would only preempt again; and a
+        # running request left out this step has a reservation on the next (module docstring)
+        if not output.preempted_ids and len(output.num_scheduled_tokens) == len(self.running):
             self._schedule_waiting(output, budget)
         return output
 
