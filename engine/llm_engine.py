@@ -108,8 +108,7 @@ class LLMEngine:
             self.model,
             num_blocks=num_blocks,
             block_size=self.block_size,
-            # rows of requests that finished this step are dropped only at the next one
-            max_num_reqs=2 * config.scheduler.max_num_seqs,
+            max_num_reqs=self.scheduler.max_num_live_requests,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.scheduler.max_model_len,
             device=config.device,

@@ -159,6 +159,8 @@ class ModelRunner:
     def _drop_row(self, request_id: str) -> None:
         state = self.rows.pop(request_id, None)
         if state is not None:
+            # the attention backends read a row's padding as block 0, never as someone else's
+            self.block_table[state.row, : len(state.block_ids)] = 0
             self.free_rows.append(state.row)
 
     # ---- inputs ------------------------------------------------------------------------------

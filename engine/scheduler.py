@@ -67,6 +67,12 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def max_num_live_requests(self) -> int:
+        """How many requests can hold a runner row at once: the running ones. The rows of
+        finished, preempted and held requests are dropped before new ones are added."""
+        return self.config.max_num_seqs
+
+    @property
     def num_held(self) -> int:
         return sum(r.status is RequestStatus.HELD for r in self.requests.values())
 
