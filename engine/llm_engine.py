@@ -13,7 +13,7 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from os import PathLike
 
 import torch
@@ -34,6 +34,7 @@ from stillcut.engine.request import (
 )
 from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler
+from stillcut.engine.scheduler_output import RequestUpdate
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,6 +77,7 @@ class RequestOutput:
     delta: str
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort", or "held" for a finished prefill
+    # as OpenAI and vLLM: the stop string or stop token id that ended it; None for EOS
     stop_reason: str | int | None
     metrics: RequestMetrics
     logprobs: list[tuple[list[int], list[float], float]] = field(default_factory=list)
@@ -143,9 +145,9 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             mm_items=items,
             mm_positions=positions,
-            sampling_params=_with_eos(params, self.eos_token_ids),
+            sampling_params=params,
             cache_salt=cache_salt,
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            eos_token_ids=self.eos_token_ids,
             hold=hold,
         )
         self.scheduler.add_request(request)
@@ -205,7 +207,7 @@ class LLMEngine:
                 continue
             if update.request_id in result.logprobs:
                 tracked.logprobs.append(result.logprobs[update.request_id])
-            outputs.append(self._postprocess(tracked, update.new_token_ids, update.status, now))
+            outputs.append(self._postprocess(tracked, update, now))
         return outputs
 
     def generate(
@@ -224,15 +226,14 @@ class LLMEngine:
                     final[output.request_id] = output
         return [final[i] for i in ids]
 
-    def _postprocess(
-        self, tracked: _Tracked, new_token_ids: list[int], status: RequestStatus, now: float
-    ) -> RequestOutput:
+    def _postprocess(self, tracked: _Tracked, update: RequestUpdate, now: float) -> RequestOutput:
         request, metrics = tracked.request, tracked.metrics
+        new_token_ids = update.new_token_ids
         if new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.num_generated_tokens = len(request.output_token_ids)
         delta = tracked.detokenizer.push(new_token_ids)
-        finish_reason, stop_reason = _finish_reason(status, request, new_token_ids)
+        finish_reason, stop_reason = _finish_reason(update.status), update.stop_reason
         if tracked.detokenizer.finished and finish_reason not in ("stop", "held"):
             # a stop string completed: end the request here, whatever the tokens said
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -304,24 +305,10 @@ def _free_memory(config: EngineConfig) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _with_eos(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> SamplingParams:
-    """Every eos id of the checkpoint stops the request (unless `ignore_eos`)."""
-    if params.ignore_eos or len(eos_token_ids) < 2:
-        return params
-    extra = tuple(t for t in eos_token_ids[1:] if t not in params.stop_token_ids)
-    return replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
-
-
-def _finish_reason(
-    status: RequestStatus, request: Request, new_token_ids: list[int]
-) -> tuple[str | None, str | int | None]:
+def _finish_reason(status: RequestStatus) -> str | None:
     if status is RequestStatus.HELD:
-        return "held", None
-    if not status.is_finished:
-        return None, None
-    reason = status.value
-    stop_reason = new_token_ids[-1] if reason == "stop" and new_token_ids else None
-    return reason, stop_reason
+        return "held"
+    return status.value if status.is_finished else None
 
 
 def _span(start: float | None, end: float | None) -> float | None:

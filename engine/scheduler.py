@@ -163,10 +163,12 @@ class Scheduler:
                 updates.append(RequestUpdate(request_id, [], RequestStatus.HELD))
                 continue
             assert sampled_token_ids.get(request_id), f"no token sampled for {request_id!r}"
-            new_token_ids, stop_status = self._append_tokens(request, sampled_token_ids[request_id])
+            new_token_ids, stop_status, stop_reason = self._append_tokens(
+                request, sampled_token_ids[request_id]
+            )
             if stop_status is not None:
                 self._finish(request, stop_status)
-            updates.append(RequestUpdate(request_id, new_token_ids, request.status))
+            updates.append(RequestUpdate(request_id, new_token_ids, request.status, stop_reason))
         return updates
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -252,18 +254,20 @@ class Scheduler:
 
     def _append_tokens(
         self, request: Request, token_ids: Sequence[int]
-    ) -> tuple[list[int], RequestStatus | None]:
-        """Append sampled tokens up to the first that stops the request."""
+    ) -> tuple[list[int], RequestStatus | None, int | None]:
+        """Append sampled tokens up to the first that stops the request. Returns them, the
+        finished status if one stopped it, and the stop token id (None for EOS, as OpenAI)."""
         params = request.sampling_params
         for index, token_id in enumerate(token_ids):
             request.output_token_ids.append(token_id)
-            if (token_id == request.eos_token_id and not params.ignore_eos) or (
-                token_id in params.stop_token_ids
-            ):
-                return list(token_ids[: index + 1]), RequestStatus.FINISHED_STOPPED
+            appended = list(token_ids[: index + 1])
+            if token_id in request.eos_token_ids and not params.ignore_eos:
+                return appended, RequestStatus.FINISHED_STOPPED, None
+            if token_id in params.stop_token_ids:
+                return appended, RequestStatus.FINISHED_STOPPED, token_id
             if len(request.output_token_ids) >= params.max_tokens:
-                return list(token_ids[: index + 1]), RequestStatus.FINISHED_LENGTH
-        return list(token_ids), None
+                return appended, RequestStatus.FINISHED_LENGTH, None
+        return list(token_ids), None, None
 
     def _hold(self, request: Request) -> None:
         """A prefill-only request is done: keep its blocks, let the runner drop its row."""

@@ -1,7 +1,9 @@
 """Engine outputs in the OpenAI chat-completions shapes: a whole completion, or stream chunks.
 
 Besides the standard fields, a response carries `evs` (what EVS kept of the request's videos)
-next to `usage`; OpenAI clients keep unknown fields, so it costs them nothing.
+next to `usage`, and, as vLLM's do, each finished choice its `stop_reason`: the stop string or
+stop token id that ended it, None for EOS or length. OpenAI clients keep unknown fields, so it
+costs them nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class ChatFormatter:
             "message": {"role": "assistant", "content": output.text},
             "logprobs": self._logprobs(output, 0),
             "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
         }
         return {**self._head("chat.completion"), "choices": [choice], **self._usage(output)}
 
@@ -90,6 +93,7 @@ class ChatFormatter:
             chunks.append(self._chunk({"content": output.delta}, logprobs=logprobs))
         if output.finished:
             chunks.append(self._chunk({}, finish_reason=output.finish_reason))
+            chunks[-1]["choices"][0]["stop_reason"] = output.stop_reason
             if self.include_usage:
                 chunks.append({**self._head("chat.completion.chunk"), "choices": []})
                 chunks[-1].update(self._usage(output))

@@ -284,6 +284,7 @@ async def _answer(
             "type": "answer",
             "text": final.text,
             "finish_reason": final.finish_reason,
+            "stop_reason": final.stop_reason,
             "usage": {
                 "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens,

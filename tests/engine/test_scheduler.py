@@ -332,9 +332,9 @@ def test_abort_while_the_step_runs_drops_its_result():
 def test_stop_conditions_and_the_finish_hook():
     scheduler = make_scheduler()
     requests = {
-        "eos": make_request("eos", [1, 2], eos_token_id=5),
+        "eos": make_request("eos", [1, 2], eos_token_ids=(5,)),
         "ignore": make_request(
-            "ignore", [1, 2], params=SamplingParams(8, ignore_eos=True), eos_token_id=5
+            "ignore", [1, 2], params=SamplingParams(8, ignore_eos=True), eos_token_ids=(5,)
         ),
         "stop_id": make_request("stop_id", [1, 2], params=SamplingParams(8, stop_token_ids=(7,))),
         "length": make_request("length", [1, 2], max_tokens=2),
@@ -347,8 +347,10 @@ def test_stop_conditions_and_the_finish_hook():
     updates = {u.request_id: u for u in scheduler.update_from_output(output, sampled)}
     assert updates["eos"].new_token_ids == [3, 5] and updates["eos"].finished
     assert updates["eos"].status is RequestStatus.FINISHED_STOPPED
+    assert updates["eos"].stop_reason is None  # EOS is no stop token, as OpenAI reports it
     assert updates["ignore"].status is RequestStatus.RUNNING
     assert updates["stop_id"].status is RequestStatus.FINISHED_STOPPED
+    assert updates["stop_id"].stop_reason == 7
     assert updates["length"].new_token_ids == [1, 2]
     assert updates["length"].status is RequestStatus.FINISHED_LENGTH
     # a stop string matched downstream
