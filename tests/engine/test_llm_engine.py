@@ -63,3 +63,44 @@ def test_finish_and_stop_reasons_follow_the_openai_convention(engine):
         with _always_says(engine, token_id):
             (output,) = engine.generate([prompt], params)
         assert (output.finish_reason, output.stop_reason) == expected, (token_id, params)
+
+
+def test_a_seeded_request_samples_the_same_alone_batched_and_preempted(tiny_checkpoint):
+    """Its draws come from its own generator: other rows in the batch, prompts computed in
+    other chunks, and a preemption (its outputs recomputed as prompt) change nothing."""
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    prompt = list(range(200, 260))
+    (alone,) = _engine(tiny_checkpoint).generate([prompt], seeded)
+    others = [
+        (list(range(300, 340)), SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)),
+        (list(range(400, 470)), SamplingParams(max_tokens=30, ignore_eos=True, logprobs=3)),
+        (
+            list(range(600, 620)),
+            SamplingParams(max_tokens=30, temperature=1.2, top_k=50, min_p=0.01, seed=7),
+        ),
+        (list(range(700, 720)), SamplingParams(max_tokens=30, repetition_penalty=1.3)),
+        (list(range(500, 530)), SamplingParams(max_tokens=30, temperature=0.7, seed=1234)),
+    ]
+    # last: the newest running request is the one preempted
+    prompts, params = [*(p for p, _ in others), prompt], [*(s for _, s in others), seeded]
+    batched = _engine(tiny_checkpoint, budget=48).generate(prompts, params)[-1]
+    tight = _engine(tiny_checkpoint, num_blocks=10, budget=48)  # 160 tokens for 6 requests
+    preempted = _record_preemptions(tight)
+    after_preemption = tight.generate(prompts, params)[-1]
+    assert after_preemption.request_id in preempted
+    assert len(set(alone.token_ids)) > 20  # really drawn, not one token over and over
+    assert batched.token_ids == alone.token_ids
+    assert after_preemption.token_ids == alone.token_ids
+
+
+def _record_preemptions(engine: LLMEngine) -> list[str]:
+    """The ids of the requests the engine's scheduler preempts from now on, in order."""
+    preempted = []
+    preempt = engine.scheduler._preempt
+
+    def recording(request):
+        preempted.append(request.request_id)
+        preempt(request)
+
+    engine.scheduler._preempt = recording
+    return preempted

@@ -46,7 +46,12 @@ def test_rows_are_as_many_as_requests_can_run(tiny_checkpoint):
     assert runner.block_table.shape[0] == runner.token_ids.shape[0] == 2
     preempted = []
     preempt = engine.scheduler._preempt
-    engine.scheduler._preempt = lambda request: (preempted.append(request), preempt(request))
+
+    def recording(request):
+        preempted.append(request.request_id)
+        preempt(request)
+
+    engine.scheduler._preempt = recording
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(list(range(100 + 9 * k, 160 + 9 * k)), params) for k in range(4)]
     held = engine.add_request(list(range(7, 30)), hold=True)
