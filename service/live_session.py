@@ -76,6 +76,12 @@ class LiveSession:
                 f"live sessions need a Qwen2-VL or Qwen2.5-VL checkpoint, "
                 f"not {pipeline.model_config.family!r}"
             )
+        if not engine.engine.config.cache.enable_prefix_caching:
+            # the held prefix is only ever reused through the prefix cache
+            raise ValueError(
+                "live sessions need prefix caching, and enable_prefix_caching is off in this "
+                "engine's cache config; turn it on to stream"
+            )
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id={session_id!r} must be a non-empty string")
         self.options = options

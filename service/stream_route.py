@@ -124,7 +124,7 @@ async def _serve(state: ServiceState, connection: _Connection) -> None:
     session_id = f"live-{uuid.uuid4().hex}"
     try:
         session = LiveSession(state.llm.pipeline, state.engine, options, session_id)
-    except ValueError as error:  # a model that cannot stream
+    except ValueError as error:  # a model, or an engine without prefix caching, cannot stream
         raise SessionEnd(CLOSE_POLICY, str(error), "unsupported_model") from None
     answering: asyncio.Task | None = None
     try:
