@@ -181,6 +181,14 @@ class Request:
         """Prompt then output: what the KV cache holds once everything is computed."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]`, without copying the rest."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        output = self.output_token_ids[max(start - num_prompt, 0) : end - num_prompt]
+        return self.prompt_token_ids[start:] + output if start < num_prompt else output
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
