@@ -175,16 +175,17 @@ def checkpoint_spec(
     text: Mapping[str, Any] | None = None,
     vision: Mapping[str, Any] | None = None,
     processor: Mapping[str, int] | None = None,
-    tie_word_embeddings: bool = True,
+    tie_word_embeddings: bool | None = None,
     mm_tokens_per_image: int | None = None,
 ) -> CheckpointSpec:
     """Resolve a preset and overrides into a full spec.
 
     `text` and `vision` override transformers config fields (`vision` in the family's keys,
     e.g. `embed_dim`/`mlp_ratio` for Qwen2-VL); `processor` overrides `ProcessorSpec` fields;
-    `dtype` defaults to the preset's. Unless overridden, M-RoPE sections follow Qwen's 1:1.5:1.5
-    split of head_dim / 2, and the vision output width follows the text hidden size. Gemma 3
-    has its own presets (`factory.gemma3`), takes `mm_tokens_per_image` and no `processor`.
+    `dtype` and `tie_word_embeddings` default to the preset's (Gemma 3: tied). Unless
+    overridden, M-RoPE sections follow Qwen's 1:1.5:1.5 split of head_dim / 2, and the vision
+    output width follows the text hidden size. Gemma 3 has its own presets (`factory.gemma3`),
+    takes `mm_tokens_per_image` and no `processor`.
     """
     if family == GEMMA3_FAMILY:
         if processor:
@@ -194,7 +195,7 @@ def checkpoint_spec(
             preset=preset,
             family=family,
             seed=seed,
-            tie_word_embeddings=tie_word_embeddings,
+            tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings,
             processor=ProcessorSpec(),
             **{**fields, "dtype": dtype or fields["dtype"]},
         )
@@ -221,7 +222,9 @@ def checkpoint_spec(
         family=family,
         seed=seed,
         dtype=dtype or base.dtype,
-        tie_word_embeddings=tie_word_embeddings,
+        tie_word_embeddings=(
+            base.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        ),
         text=resolved_text,
         vision={**resolved_vision, **(vision or {})},
         processor=ProcessorSpec(**(processor or {})),
