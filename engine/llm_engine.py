@@ -24,6 +24,7 @@ from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.models import MODEL_CLASSES
 from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.outputs import RequestMetrics, RequestOutput, Snapshot
 from stillcut.engine.processor import Prompt, PromptProcessor
 from stillcut.engine.request import (
     PlaceholderRange,
@@ -37,50 +38,6 @@ from stillcut.engine.scheduler import Scheduler
 from stillcut.engine.scheduler_output import RequestUpdate
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RequestMetrics:
-    """Times (monotonic seconds) and token counts of one request."""
-
-    arrival_time: float
-    num_prompt_tokens: int
-    video_tokens_kept: int
-    video_tokens_total: int
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_cached_tokens: int = 0
-    num_generated_tokens: int = 0
-
-    @property
-    def queue_time(self) -> float | None:
-        return _span(self.arrival_time, self.first_scheduled_time)
-
-    @property
-    def ttft(self) -> float | None:
-        return _span(self.arrival_time, self.first_token_time)
-
-    @property
-    def decode_time(self) -> float | None:
-        return _span(self.first_token_time, self.finished_time)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (cumulative token ids and text, plus deltas)."""
-
-    request_id: str
-    token_ids: list[int]
-    new_token_ids: list[int]
-    text: str
-    delta: str
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", or "held" for a finished prefill
-    # as OpenAI and vLLM: the stop string or stop token id that ended it; None for EOS
-    stop_reason: str | int | None
-    metrics: RequestMetrics
-    logprobs: list[tuple[list[int], list[float], float]] = field(default_factory=list)
 
 
 @dataclass
@@ -247,15 +204,15 @@ class LLMEngine:
                 self._tracked.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id,
-            token_ids=list(request.output_token_ids),
-            new_token_ids=list(new_token_ids),
-            text=tracked.detokenizer.text,
+            token_ids=Snapshot(request.output_token_ids),
+            new_token_ids=new_token_ids,
+            text_pieces=Snapshot(tracked.detokenizer.pieces),
             delta=delta,
             finished=finished,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             metrics=metrics,
-            logprobs=list(tracked.logprobs),
+            logprobs=Snapshot(tracked.logprobs),
         )
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -309,7 +266,3 @@ def _finish_reason(status: RequestStatus) -> str | None:
     if status is RequestStatus.HELD:
         return "held"
     return status.value if status.is_finished else None
-
-
-def _span(start: float | None, end: float | None) -> float | None:
-    return None if start is None or end is None else end - start

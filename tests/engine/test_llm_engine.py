@@ -6,6 +6,7 @@ import pytest
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.outputs import Snapshot
 from stillcut.engine.request import SamplingParams
 
 BLOCK = 16
@@ -65,10 +66,16 @@ def test_finish_and_stop_reasons_follow_the_openai_convention(engine):
         assert (output.finish_reason, output.stop_reason) == expected, (token_id, params)
 
 
-def test_a_seeded_request_samples_the_same_alone_batched_and_preempted(tiny_checkpoint):
-    """Its draws come from its own generator: other rows in the batch, prompts computed in
-    other chunks, and a preemption (its outputs recomputed as prompt) change nothing."""
-    seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+# greedy, the tiny model would repeat its last token: the penalty makes every token another
+PENALIZED = SamplingParams(max_tokens=24, repetition_penalty=1.5, frequency_penalty=0.5)
+
+
+@pytest.mark.parametrize("seeded", [SEEDED, PENALIZED], ids=["seeded", "penalized"])
+def test_a_request_samples_the_same_alone_batched_and_preempted(tiny_checkpoint, seeded):
+    """A seeded request draws from its own generator, a penalized one counts its own tokens:
+    other rows in the batch, prompts computed in other chunks, and a preemption (its outputs
+    recomputed as prompt, its counts kept) change nothing."""
     prompt = list(range(200, 260))
     (alone,) = _engine(tiny_checkpoint).generate([prompt], seeded)
     others = [
@@ -88,7 +95,7 @@ def test_a_seeded_request_samples_the_same_alone_batched_and_preempted(tiny_chec
     preempted = _record_preemptions(tight)
     after_preemption = tight.generate(prompts, params)[-1]
     assert after_preemption.request_id in preempted
-    assert len(set(alone.token_ids)) > 20  # really drawn, not one token over and over
+    assert len(set(alone.token_ids)) > 20  # not one token over and over
     assert batched.token_ids == alone.token_ids
     assert after_preemption.token_ids == alone.token_ids
 
@@ -104,3 +111,36 @@ def _record_preemptions(engine: LLMEngine) -> list[str]:
 
     engine.scheduler._preempt = recording
     return preempted
+
+
+def test_each_output_keeps_what_it_held_when_it_was_made(engine):
+    """Outputs share the request's growing lists (so building one costs the same at any
+    length); an earlier one must not show tokens, logprobs or text that came later."""
+    params = SamplingParams(max_tokens=8, logprobs=2, repetition_penalty=1.5, ignore_eos=True)
+    engine.add_request([9, 8, 7], params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    deltas = ""
+    for count, output in enumerate(outputs, start=1):
+        deltas += output.delta
+        assert len(output.token_ids) == len(output.logprobs) == count
+        assert output.token_ids[-1:] == output.new_token_ids
+        assert output.text == deltas
+    final = outputs[-1]
+    assert final.token_ids == list(final.token_ids) and final.token_ids == tuple(final.token_ids)
+    assert (
+        final.token_ids[2:4] == list(final.token_ids)[2:4]
+        and final.token_ids[-8] == final.token_ids[0]
+    )
+
+
+def test_snapshot_reads_only_what_the_list_held():
+    items = [1, 2, 3]
+    snapshot = Snapshot(items)
+    items.append(4)
+    assert len(snapshot) == 3 and list(snapshot) == [1, 2, 3] == snapshot
+    assert snapshot[-1] == 3 and snapshot[1:] == [2, 3] and snapshot[::-1] == [3, 2, 1]
+    assert snapshot != [1, 2, 3, 4] and Snapshot(items) == (1, 2, 3, 4)
+    with pytest.raises(IndexError, match="index 3 out of range for 3 items"):
+        snapshot[3]
