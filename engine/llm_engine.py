@@ -19,10 +19,11 @@ from os import PathLike
 import torch
 
 from stillcut.engine.admission import BidirectionalItemTooLong
-from stillcut.engine.config import EngineConfig, SchedulerConfig, num_blocks_for_budget
+from stillcut.engine.cache_groups import num_blocks_for_budget
+from stillcut.engine.config import EngineConfig, SchedulerConfig
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
-from stillcut.engine.models import MODEL_CLASSES
+from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.outputs import RequestMetrics, RequestOutput, Snapshot
 from stillcut.engine.processor import Prompt, PromptProcessor
@@ -34,7 +35,7 @@ from stillcut.engine.request import (
     placeholder_ranges,
 )
 from stillcut.engine.runner import ModelRunner
-from stillcut.engine.scheduler import Scheduler
+from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,17 +58,26 @@ class LLMEngine:
         self.model_config = load_model_config(self.path)
         self.processor = PromptProcessor.from_checkpoint(self.path)
         dtype = _DTYPES[config.dtype]
-        model_class = MODEL_CLASSES[self.model_config.family]
+        family = self.model_config.family
+        self.cache_groups = self.model_config.cache_groups
+        model_class = family.language_model_class()
         self.model = model_class.from_checkpoint(self.path, dtype=dtype, device=config.device)
+        if self.model.num_position_rows != family.num_position_rows:
+            raise CheckpointError(
+                f"family {family.model_type!r} declares {family.positions!r} positions, but "
+                f"its language model takes {self.model.num_position_rows} position rows"
+            )
         _check_item_budget(self.model.bidirectional_item_tokens, config.scheduler)
         self.block_size = config.cache.block_size
-        num_blocks = self._num_blocks(dtype)
+        num_rows = max_num_live_requests(config.scheduler)
+        num_blocks = self._num_blocks(dtype, num_rows)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self.runner = ModelRunner(
             self.model,
+            self.cache_groups,
             num_blocks=num_blocks,
             block_size=self.block_size,
-            max_num_reqs=self.scheduler.max_num_live_requests,
+            max_num_reqs=num_rows,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.scheduler.max_model_len,
             device=config.device,
@@ -227,21 +237,22 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
 
-    def _num_blocks(self, dtype: torch.dtype) -> int:
+    def _num_blocks(self, dtype: torch.dtype, num_rows: int) -> int:
+        """KV blocks for the budget, after one recurrent state per runner row (if any)."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_blocks is not None:
             return cache.num_blocks
-        per_block = dict(
-            num_layers=self.model.num_layers,
-            num_kv_heads=self.model.config.num_kv_heads,
-            head_dim=self.model.config.head_dim,
-            block_size=self.block_size,
-            dtype_bytes=torch.finfo(dtype).bits // 8,
-        )
         # never more than every seat filled to max_model_len could use
         needed = 2 * sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
         budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
-        return min(num_blocks_for_budget(budget, **per_block), needed)
+        fitting = num_blocks_for_budget(
+            budget,
+            self.cache_groups,
+            block_size=self.block_size,
+            dtype_bytes=torch.finfo(dtype).bits // 8,
+            num_state_slots=num_rows,
+        )
+        return min(fitting, needed)
 
 
 def _check_item_budget(num_item_tokens: int, config: SchedulerConfig) -> None:

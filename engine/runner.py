@@ -5,15 +5,19 @@ persistent tensors for its lifetime (token ids, block table) plus its position t
 sampling state. A step gathers only what the scheduler asked for into preallocated input
 buffers, builds the attention metadata once (slot mapping, block tables, bidirectional item
 ranges), runs the model over the flat batch, computes logits only for the requests that sample,
-and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`.
+and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`,
+and the caches are allocated from the family's cache groups: one paged K/V tensor per attention
+layer (handed to the model in layer order) and one recurrent state per row and recurrent layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from stillcut.engine.cache_groups import CacheGroup, attention_groups, recurrent_groups
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.row_sampler import RowSampler, StepResult
@@ -44,6 +48,7 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
+        cache_groups: Sequence[CacheGroup],
         *,
         num_blocks: int,
         block_size: int,
@@ -57,10 +62,16 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv_caches = [
-            torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=kv_dtype, device=device)
-            for _ in range(model.num_layers)
-        ]
+        self.kv_caches = _paged_kv_caches(cache_groups, num_blocks, block_size, kv_dtype, device)
+        # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
+        self.recurrent_states = {
+            layer: tuple(
+                torch.zeros(max_num_reqs, *shape, dtype=kv_dtype, device=device)
+                for shape in group.state_shapes
+            )
+            for group in recurrent_groups(cache_groups)
+            for layer in group.layer_ids
+        }
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
@@ -76,7 +87,9 @@ class ModelRunner:
 
     @property
     def num_kv_bytes(self) -> int:
-        return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
+        """Bytes of the paged K/V and of the recurrent states."""
+        states = [t for layer in self.recurrent_states.values() for t in layer]
+        return sum(t.numel() * t.element_size() for t in [*self.kv_caches, *states])
 
     def execute(self, output: SchedulerOutput) -> StepResult:
         """Apply the scheduler's row changes, run the scheduled tokens, sample."""
@@ -287,3 +300,19 @@ def _mask(num_tokens: int, spans: list[tuple[int, int]]) -> torch.Tensor:
     for lo, hi in spans:
         mask[lo:hi] = True
     return mask
+
+
+def _paged_kv_caches(
+    groups: Sequence[CacheGroup],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One zeroed K/V tensor per attention layer, in layer order."""
+    by_layer = {
+        layer: group.layer_cache_shape(num_blocks, block_size)
+        for group in attention_groups(groups)
+        for layer in group.layer_ids
+    }
+    return [torch.zeros(by_layer[layer], dtype=dtype, device=device) for layer in sorted(by_layer)]

@@ -67,12 +67,6 @@ class Scheduler:
         return len(self.running)
 
     @property
-    def max_num_live_requests(self) -> int:
-        """How many requests can hold a runner row at once: the running ones. The rows of
-        finished, preempted and held requests are dropped before new ones are added."""
-        return self.config.max_num_seqs
-
-    @property
     def num_held(self) -> int:
         return sum(r.status is RequestStatus.HELD for r in self.requests.values())
 
@@ -319,3 +313,9 @@ class Scheduler:
             num_blocks=self.kv_cache.num_blocks,
             held_share=self.cache_config.held_share,
         )
+
+
+def max_num_live_requests(config: SchedulerConfig) -> int:
+    """How many requests can hold a runner row at once: the running ones. The rows of
+    finished, preempted and held requests are dropped before new ones are added."""
+    return config.max_num_seqs

@@ -38,11 +38,13 @@ from stillcut.service.live_options import (
     SessionClosed,
 )
 from stillcut.vision.pipeline import VisionPipeline, item_identifier, media_key
-from stillcut.vision.preprocess import PreprocessedVideo, preprocess_video, smart_resize
 
 FRAME_FORMATS = ("PNG", "JPEG")
-_QWEN_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
 _ENGINE_LIMITS = (RequestTooLong, TooManyVisualTokens, ResourceExhausted)
+
+
+class LiveSessionsUnsupported(ValueError):
+    """The served model's family does not serve live sessions (its registry entry says so)."""
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,11 @@ class LiveSession:
         options: LiveOptions,
         session_id: str,
     ) -> None:
-        if pipeline.model_config.family not in _QWEN_FAMILIES:
-            raise ValueError(
-                f"live sessions need a Qwen2-VL or Qwen2.5-VL checkpoint, "
-                f"not {pipeline.model_config.family!r}"
+        family = pipeline.family
+        if not family.live_sessions:
+            raise LiveSessionsUnsupported(
+                f"live sessions are not supported for {family.model_type!r} checkpoints; "
+                "ask about a whole video with POST /v1/videos/describe or /v1/chat/completions"
             )
         if not engine.engine.config.cache.enable_prefix_caching:
             # the held prefix is only ever reused through the prefix cache
@@ -177,9 +180,8 @@ class LiveSession:
     def _check_size(self, pixels: np.ndarray) -> None:
         height, width, _ = pixels.shape
         if self._frame_size is None:
-            config = self._pipeline.video_preprocess
             try:  # the first frame fixes the resize of the whole stream
-                smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+                self._pipeline.media.check_video_frame(height, width)
             except ValueError as error:
                 raise BadFrame(str(error)) from None
             self._frame_size = (height, width)
@@ -197,7 +199,7 @@ class LiveSession:
         own pruner is left as it was."""
         prepared, embeds = await asyncio.to_thread(self._encode, frames)
         _, height, width = prepared.grid_thw
-        merge = self._pipeline.video_preprocess.merge_size
+        merge = self._pipeline.media.merge_size
         if self._pruner is None:
             grid_hw = (height // merge, width // merge)
             pruner = ThresholdPruner(
@@ -225,14 +227,12 @@ class LiveSession:
         )
         return item, pruner
 
-    def _encode(self, frames: np.ndarray) -> tuple[PreprocessedVideo, torch.Tensor]:
-        """One tubelet's patches and its embeddings from the tower: [h * w / merge**2, hidden]."""
+    def _encode(self, frames: np.ndarray):
+        """One tubelet's preprocessed input and its embeddings: [h * w / merge**2, hidden]."""
         pipeline = self._pipeline
-        prepared = preprocess_video(frames, self.options.fps, pipeline.video_preprocess)
+        prepared = pipeline.media.prepare_video(frames, self.options.fps)
         with torch.inference_mode():
-            (embeds,) = pipeline.tower.encode(
-                [prepared.patches.to(pipeline.device)], [prepared.grid_thw]
-            )
+            (embeds,) = pipeline.media.encode(pipeline.tower, [prepared], pipeline.device)
         return prepared, embeds
 
     # ---- the held prefix -----------------------------------------------------------------------

@@ -4,9 +4,9 @@ decode → preprocess → tower → EVS. The encoder cache sits between the towe
 `media_key` (the model, the media bytes and every decode/preprocess parameter), so changing
 EVS settings never re-runs the encoder. The item's `identifier` adds the EVS setting; that is
 what the prefix cache hashes. Several videos asked for together are encoded in one tower pass.
-What differs by family is preprocessing and encoding (`QwenMedia`, `Gemma3Media`): Qwen towers
-take tubelet patches and merge 2x2; Gemma 3 encodes each frame as an image, and its items are
-bidirectional.
+What differs by family is read off its registry entry: the tower, the media class that
+preprocesses frames and encodes batches (tubelet patches merged 2x2, or one square per frame),
+and whether its items attend bidirectionally.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from stillcut.engine.gemma3_config import GEMMA3_FAMILY
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import dense_coords
@@ -32,14 +31,6 @@ from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
 from stillcut.vision.errors import NotAnImage, VideoTooLarge
-from stillcut.vision.gemma3_media import Gemma3Media, PreprocessedFrames
-from stillcut.vision.preprocess import (
-    PreprocessedVideo,
-    VideoPreprocessConfig,
-    preprocess_image,
-    preprocess_video,
-)
-from stillcut.vision.qwen2_vl import Qwen2VLVisionTower
 from stillcut.vision.towers import load_vision_tower
 
 VideoSource = str | os.PathLike | bytes | BinaryIO | np.ndarray
@@ -73,33 +64,6 @@ class ImageInput:
     source: ImageSource
 
 
-class QwenMedia:
-    """Preprocessing and batched encoding for Qwen2-VL / Qwen2.5-VL checkpoints."""
-
-    merge_size = 2  # the merger turns 2x2 patches into one token
-    bidirectional = False
-
-    def __init__(self, path: Path) -> None:
-        self.video_preprocess = VideoPreprocessConfig.from_checkpoint(path, "video")
-        self.image_preprocess = VideoPreprocessConfig.from_checkpoint(path, "image")
-
-    def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedVideo:
-        return preprocess_video(frames, sample_fps, self.video_preprocess)
-
-    def prepare_image(self, image: np.ndarray) -> PreprocessedVideo:
-        return preprocess_image(image, self.image_preprocess)
-
-    def encode(
-        self,
-        tower: Qwen2VLVisionTower,
-        prepared: list[PreprocessedVideo],
-        device: torch.device,
-    ) -> list[torch.Tensor]:
-        return tower.encode(
-            [p.patches.to(device) for p in prepared], [p.grid_thw for p in prepared]
-        )
-
-
 class VisionPipeline:
     """The vision half of a checkpoint: tower, preprocessing, encoder cache and EVS."""
 
@@ -114,15 +78,12 @@ class VisionPipeline:
     ) -> None:
         self.path = resolve_checkpoint(model)
         self.model_config = load_model_config(self.path)
+        self.family = self.model_config.family
         self.tower = load_vision_tower(self.path, dtype=dtype, device=device)
         self.device = torch.device(device)
-        if self.model_config.family == GEMMA3_FAMILY:
-            self.media = Gemma3Media(self.path, self.model_config.vision)
-            self.video_preprocess = self.image_preprocess = self.media.preprocess
-        else:
-            self.media = QwenMedia(self.path)
-            self.video_preprocess = self.media.video_preprocess
-            self.image_preprocess = self.media.image_preprocess
+        self.media = self.family.media_class()(self.path, self.model_config)
+        self.video_preprocess = self.media.video_preprocess
+        self.image_preprocess = self.media.image_preprocess
         self.decode_config = decode_config
         self.cache = EncoderCache(cache_bytes)
         self.model_key = model_fingerprint(self.path)
@@ -151,7 +112,7 @@ class VisionPipeline:
                 entry.finish(item_embeds.clone() if len(misses) > 1 else item_embeds, encode_s)
                 self.cache.put(entry.media_key, entry.encoded)
         return [
-            entry.to_item(spec, self.media.merge_size, self.media.bidirectional)
+            entry.to_item(spec, self.media.merge_size, self.family.bidirectional_items)
             for entry, spec in zip(loaded, inputs, strict=True)
         ]
 
@@ -199,7 +160,7 @@ class _Loaded:
         self.media_key = media_key
         self.encoded = encoded
         self.cache_hit = encoded is not None
-        self.prepared: PreprocessedVideo | PreprocessedFrames | None = None
+        self.prepared = None  # the media class's preprocessed input
         self.timings: dict[str, float] = {}
         self._timestamps: tuple[float, ...] = ()
         self._info: dict = {}

@@ -52,7 +52,7 @@ from stillcut.engine.factory.qwen_tokenizer import (
     qwen_tokenizer_dir,
     tokenizer_cache_name,
 )
-from stillcut.engine.gemma3_config import GEMMA3_FAMILY
+from stillcut.engine.models.families import GEMMA3
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -67,14 +67,14 @@ __all__ = [
     "hf_config",
 ]
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", GEMMA3_FAMILY)
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", GEMMA3.model_type)
 Family = Literal["qwen2_5_vl", "qwen2_vl", "gemma3"]
 DTYPES = ("float32", "bfloat16")
 FORMAT_VERSION = 1  # bump whenever the files written for an unchanged spec change
 _MODEL_CLASSES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    GEMMA3_FAMILY: "Gemma3ForConditionalGeneration",
+    GEMMA3.model_type: "Gemma3ForConditionalGeneration",
 }
 _QWEN_GENERATION_IDS = {
     "bos_token_id": BOS_TOKEN_ID,
@@ -129,7 +129,7 @@ class CheckpointSpec:
                 f"num_key_value_heads={num_kv_heads}: num_attention_heads must divide "
                 "hidden_size and num_key_value_heads must divide num_attention_heads"
             )
-        if self.family == GEMMA3_FAMILY:
+        if self.family == GEMMA3.model_type:
             check_gemma3_spec(self.text, self.vision, self.mm_tokens_per_image)
             return
         if self.mm_tokens_per_image is not None:
@@ -153,7 +153,7 @@ class CheckpointSpec:
             "format": FORMAT_VERSION,
             "tokenizer": (
                 gemma3_tokenizer.tokenizer_recipe_name()
-                if self.family == GEMMA3_FAMILY
+                if self.family == GEMMA3.model_type
                 else tokenizer_cache_name()
             ),
             "torch": importlib.metadata.version("torch"),
@@ -187,7 +187,7 @@ def checkpoint_spec(
     output width follows the text hidden size. Gemma 3 has its own presets (`factory.gemma3`),
     takes `mm_tokens_per_image` and no `processor`.
     """
-    if family == GEMMA3_FAMILY:
+    if family == GEMMA3.model_type:
         if processor:
             raise ValueError("processor overrides apply to the Qwen families, not 'gemma3'")
         fields = gemma3_spec_fields(preset, text, vision, mm_tokens_per_image)
@@ -270,7 +270,7 @@ def demo_checkpoint(seed: int = 0) -> Path:
 
 def hf_config(spec: CheckpointSpec) -> PreTrainedConfig:
     """The transformers config (`Qwen2_5_VLConfig`, `Qwen2VLConfig`, `Gemma3Config`) of `spec`."""
-    if spec.family == GEMMA3_FAMILY:
+    if spec.family == GEMMA3.model_type:
         return gemma3_hf_config(spec)
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
@@ -305,7 +305,7 @@ def _write_checkpoint(spec: CheckpointSpec, folder: Path) -> None:
     import transformers
     from transformers.utils import logging as hf_logging
 
-    gemma3 = spec.family == GEMMA3_FAMILY
+    gemma3 = spec.family == GEMMA3.model_type
     model_class = getattr(transformers, _MODEL_CLASSES[spec.family])
     # fork_rng: seed the init without disturbing the caller's RNG stream.
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
-from stillcut.engine.model_config import TextConfig, text_config
 from stillcut.engine.models.layers import (
     Bands,
     PagedLanguageModel,
@@ -36,6 +35,7 @@ from stillcut.engine.models.layers import (
     set_weight,
     vocab_logits,
 )
+from stillcut.engine.models.qwen2_vl_config import TextConfig, text_config
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
 from stillcut.kernels.attention import AttentionMetadata
@@ -130,7 +130,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
     """
 
     num_position_rows = 3  # M-RoPE: temporal, height, width
-    bidirectional_item_tokens = 0  # every token attends causally
+    bidirectional_item_tokens = 0  # images have no fixed size: admission checks each item
 
     def __init__(
         self,
@@ -223,7 +223,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
         rope_spec = MRopeSpec(
             model_config.image_token_id,
             model_config.video_token_id,
-            tokens_per_second=model_config.vision.tokens_per_second,  # None for Qwen2-VL
+            tokens_per_second=model_config.vision.tokens_per_second,  # None: Qwen2-VL's steps
         )
         stored = _checkpoint_layout(config)
         load_weights(stored, folder, LANGUAGE_MODEL_PREFIX, dtype=dtype, device=device)

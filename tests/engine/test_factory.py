@@ -549,7 +549,6 @@ def test_gemma3_overrides_reach_the_config():
         ({"text": {"vocab_size": 2048}}, "vocab_size"),
         ({"mm_tokens_per_image": 9}, "mm_tokens_per_image"),
         ({"mm_tokens_per_image": 0}, "mm_tokens_per_image"),
-        ({"vision": {"vision_use_head": True}}, "vision_use_head"),
         ({"text": {"layer_types": ["full_attention"]}}, "layer_types"),
         ({"processor": {"video_min_pixels": 10}}, "processor"),
     ],

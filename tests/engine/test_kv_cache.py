@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 
-from stillcut.engine.config import num_blocks_for_budget
 from stillcut.engine.kv_cache import BlockPool, KVCacheManager, block_extra_keys, hash_block
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, Request
@@ -253,13 +252,3 @@ def test_reset_prefix_cache_is_refused_while_blocks_are_in_use():
     assert kv.reset_prefix_cache()
     assert kv.find_cached_prefix(make_request("s", range(9))).num_tokens == 0
     assert_all_blocks_free(kv)
-
-
-def test_num_blocks_for_budget():
-    # one block: 2 (k, v) * 2 layers * 16 tokens * 4 heads * 8 dims * 2 bytes = 4096 bytes
-    shape = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype_bytes=2)
-    assert num_blocks_for_budget(10 * 4096 + 4095, **shape) == 10
-    with pytest.raises(ValueError, match="holds no KV block; one block needs 4096 bytes"):
-        num_blocks_for_budget(4095, **shape)
-    with pytest.raises(ValueError, match="head_dim=0 must be >= 1"):
-        num_blocks_for_budget(4096, **{**shape, "head_dim": 0})

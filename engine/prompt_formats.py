@@ -1,15 +1,24 @@
-"""Gemma 3 prompts: every image, and every frame of a video, as its own image sequence.
+"""How a family writes media into a rendered prompt, and videos written as image items.
 
-Gemma 3's chat template renders an image part as `<start_of_image>`; transformers'
-`Gemma3Processor` then replaces each one by `\\n\\n<start_of_image>` + the image's soft tokens +
-`<end_of_image>\\n\\n` and tokenizes the whole text, so the newlines may merge with the text
-around them. We expand to one soft token per image, tokenize, and only then repeat each soft
-token to its item's kept-token count: the soft token is special, BPE never merges it, so the ids
-equal those of tokenizing the fully expanded text. A video is its sampled frames: its part
-becomes one image part per frame, carrying the frame's `timestamp` (seconds) for a template
-that prints it (Gemma 3's own ignores it), and its item splits into one item per frame, each
-its own bidirectional block. A frame EVS pruned away entirely keeps its start/end tokens and
-becomes a 0-token item, so the positions after it stay those of the unpruned prompt.
+The chat template renders one marker per media part. A `PromptFormat` then turns each marker
+into the family's placeholder text with exactly one placeholder token per item; the processor
+tokenizes that and repeats each placeholder token to its item's kept-token count. Placeholder
+tokens are special, so BPE never merges across them and expanding after tokenizing gives the
+ids that tokenizing the fully expanded text would.
+
+- `PromptFormat` itself leaves the text as rendered: the template already writes one
+  placeholder token per part (Qwen's `<|vision_start|><|video_pad|><|vision_end|>`).
+- `ImageSequenceFormat` replaces each begin marker the template renders by
+  `before + begin + placeholder + end + after` (Gemma 3's `\n\n<start_of_image>` + soft
+  tokens + `<end_of_image>\n\n`, as transformers' processor expands it; the newlines may merge
+  with the text around them, which tokenizing after expanding honours).
+
+A family without a video placeholder writes a video as its frames: `videos_as_frames` turns
+each video part into one image part per grid step (carrying the frame's `timestamp`, seconds,
+for a template that prints it) and each video item into one item per grid step
+(`frame_items`), each its own block for bidirectional attention. A frame EVS pruned away
+entirely keeps its markers and becomes a 0-token item, so the positions after it stay those of
+the unpruned prompt.
 """
 
 from __future__ import annotations
@@ -25,28 +34,45 @@ from stillcut.engine.multimodal import MultiModalItem
 
 
 @dataclass(frozen=True)
-class ImageSequence:
-    """The texts of Gemma 3's image markers: begin (`<start_of_image>`), soft token, end."""
+class MarkerTexts:
+    """The token texts of a checkpoint's vision markers: begin, image placeholder, end."""
 
     begin: str
-    soft_token: str
+    placeholder: str
     end: str
 
     def __post_init__(self) -> None:
-        for name in ("begin", "soft_token", "end"):
+        for name in ("begin", "placeholder", "end"):
             if not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty token text")
 
-    def expand(self, text: str, num_images: int) -> str:
-        """Replace each `begin` marker of a rendered prompt by the image's whole sequence, with
-        one soft token; the template must have rendered one marker per image."""
-        num_markers = text.count(self.begin)
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """The template writes one placeholder token per media part; nothing to expand."""
+
+    def expand(self, text: str, num_images: int, markers: MarkerTexts) -> str:
+        """`text` as rendered, with each image written around one placeholder token."""
+        return text
+
+
+@dataclass(frozen=True)
+class ImageSequenceFormat(PromptFormat):
+    """Each rendered begin marker becomes `before + begin + placeholder + end + after`."""
+
+    before: str = ""
+    after: str = ""
+
+    def expand(self, text: str, num_images: int, markers: MarkerTexts) -> str:
+        """The template must have rendered one begin marker per image."""
+        num_markers = text.count(markers.begin)
         if num_markers != num_images:
             raise CheckpointError(
-                f"the chat template rendered {num_markers} {self.begin} markers for "
+                f"the chat template rendered {num_markers} {markers.begin} markers for "
                 f"{num_images} images and frames; it must render one per image part"
             )
-        return text.replace(self.begin, f"\n\n{self.begin}{self.soft_token}{self.end}\n\n")
+        sequence = f"{self.before}{markers.begin}{markers.placeholder}{markers.end}{self.after}"
+        return text.replace(markers.begin, sequence)
 
 
 def frame_items(video: MultiModalItem) -> list[MultiModalItem]:
