@@ -316,6 +316,7 @@ class Scheduler:
 
 
 def max_num_live_requests(config: SchedulerConfig) -> int:
-    """How many requests can hold a runner row at once: the running ones. The rows of
-    finished, preempted and held requests are dropped before new ones are added."""
+    """How many requests can hold a runner row at once: the running ones, since the rows of
+    finished, preempted and held requests are dropped before new ones are added. (Requests
+    waiting for streaming input, once the engine has them, will count here too.)"""
     return config.max_num_seqs
