@@ -6,6 +6,7 @@ import io
 import json
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -339,4 +340,9 @@ def test_a_websocket_frame_gets_its_tubelet_event(main_server):
         assert answer["text"] == "".join(m["text"] for m in messages if m["type"] == "token")
         assert answer["usage"]["completion_tokens"] == 3
         assert set(answer["timings"]) == {"queue_s", "ttft_s", "total_s"}
+    # the client closed the socket: the server releases the session's prefix once it sees that
+    for _ in range(200):
+        if pool_state(main_server.server) == (True, 0):
+            break
+        time.sleep(0.05)
     assert pool_state(main_server.server) == (True, 0)
