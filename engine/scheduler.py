@@ -251,16 +251,11 @@ class Scheduler:
     ) -> tuple[list[int], RequestStatus | None, int | None]:
         """Append sampled tokens up to the first that stops the request. Returns them, the
         finished status if one stopped it, and the stop token id (None for EOS, as OpenAI)."""
-        params = request.sampling_params
         for index, token_id in enumerate(token_ids):
             request.output_token_ids.append(token_id)
-            appended = list(token_ids[: index + 1])
-            if token_id in request.eos_token_ids and not params.ignore_eos:
-                return appended, RequestStatus.FINISHED_STOPPED, None
-            if token_id in params.stop_token_ids:
-                return appended, RequestStatus.FINISHED_STOPPED, token_id
-            if len(request.output_token_ids) >= params.max_tokens:
-                return appended, RequestStatus.FINISHED_LENGTH, None
+            status, stop_reason = _stop(request, token_id)
+            if status is not None:
+                return list(token_ids[: index + 1]), status, stop_reason
         return list(token_ids), None, None
 
     def _hold(self, request: Request) -> None:
@@ -313,6 +308,18 @@ class Scheduler:
             num_blocks=self.kv_cache.num_blocks,
             held_share=self.cache_config.held_share,
         )
+
+
+def _stop(request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
+    """Whether the output token just appended ends the request, and its stop token id."""
+    params = request.sampling_params
+    if token_id in request.eos_token_ids and not params.ignore_eos:
+        return RequestStatus.FINISHED_STOPPED, None
+    if token_id in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED, token_id
+    if len(request.output_token_ids) >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None, None
 
 
 def max_num_live_requests(config: SchedulerConfig) -> int:
