@@ -11,11 +11,12 @@ runs its decode steps as one native call (`kernels/cpu_decode`) where the kernel
 last row runs the same steps through the model's torch ops, for comparison.
 
 The second table is the loop around the model: what scheduling, input preparation, sampling,
-detokenization and output building add to a step. In interleaved rounds it times the model
-call alone (forward and logits of a decode step the engine just ran, replayed on its inputs),
-a whole `engine.step()`, and `LLMEngine.generate`'s mean wall time per token from its second
-token on (per step: each request gets one token a step), at batch 1 and 16; ratios are medians
-of the rounds' ratios of means. Targets: generate per token <= 1.08x the model call at batch 1,
+detokenization and output building add to a step. Each round is one `LLMEngine.generate`, at
+batch 1 and 16, interleaved step by step with the model call alone: after each decode step the
+bench replays that step's forward and logits on its inputs (time it leaves out of the
+generate's). It gives the model call, the whole `engine.step()`, and generate's mean wall time
+per token from its second token on (each request gets one token a step); ratios are medians of
+the rounds' ratios of means. Targets: generate per token <= 1.08x the model call at batch 1,
 <= 1.05x at batch 16. Then one long greedy generation (2,048 tokens) records each step's host
 time outside the model call: the median of its last 100 steps must be within 10 % of its first
 100. Last, where that host time goes, per step, from one instrumented pass per batch.
@@ -46,7 +47,6 @@ TARGET = 1.25
 LOOP_TARGETS = {1: 1.08, 16: 1.05}  # generate per token / model call
 LONG_TARGET = 0.10  # last 100 steps' host time within 10 % of the first 100's
 LOOP_TOKENS = 48  # tokens per generate call in a loop round
-LOOP_CALLS = 16  # model calls (and as many steps) in a loop round
 PROMPT = "Tell me about the sea."
 
 
@@ -149,66 +149,55 @@ def paired_rounds(engine: LLMEngine, batch: int, rounds: int, num_bytes: int) ->
     return pairs
 
 
-class ModelCall:
-    """The model call of one engine decode step, replayed alone: forward over the step's
-    inputs, then logits of every row. It writes the same keys and values to the same slots
-    the step did, so the engine's state is left as it was."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        runner = engine.runner
-        prepare = runner._prepare
-        captured = []
-
-        def capturing(output):
-            batch = prepare(output)
-            captured.append(batch)
-            return batch
-
-        runner._prepare = capturing
-        try:
-            engine.step()
-        finally:
-            del runner._prepare
-        (batch,) = captured
-        assert batch.sample_index is None, "a decode step: every row samples"
-        self.model, self.kv_caches = runner.model, runner.kv_caches
-        self.input_ids, self.positions = batch.input_ids.clone(), batch.positions.clone()
-        metadata = batch.metadata
-        self.metadata = dataclasses.replace(
-            metadata,
-            query_start_loc=metadata.query_start_loc.clone(),
-            seq_lens=metadata.seq_lens.clone(),
-            block_tables=metadata.block_tables.clone(),
-            slot_mapping=metadata.slot_mapping.clone(),
-            plans={},
-        )
-
-    def seconds(self) -> float:
-        metadata = dataclasses.replace(self.metadata, plans={})  # as fresh as a step's
-        start = time.perf_counter()
-        with torch.inference_mode():
-            hidden = self.model(self.input_ids, self.positions, self.kv_caches, metadata)
-            self.model.compute_logits(hidden)
-        return time.perf_counter() - start
+def replay_model_call(runner, batch) -> float:
+    """Seconds of the model call of a decode step the runner just ran, run again alone:
+    forward over the step's inputs (still in the runner's buffers), then logits of every row.
+    It writes the same keys and values to the same slots, so the engine's state stays as is."""
+    metadata = dataclasses.replace(batch.metadata, plans={})  # as fresh as the step's was
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, metadata)
+        runner.model.compute_logits(hidden)
+    return time.perf_counter() - start
 
 
 def loop_round(engine: LLMEngine, batch: int) -> tuple[float, float, float]:
-    """Mean seconds of (a model call, an engine step, a generated token), measured in turn:
-    model calls and steps alternating while `batch` requests decode, then one generate. Means,
-    not medians, on all three: a generate's mean per token takes the pauses a shared machine
-    inflicts, so the model calls and steps it is compared with must take theirs too."""
-    ids = start_decoding(engine, batch, max_tokens=LOOP_CALLS + 8)
-    call = ModelCall(engine)
-    model_calls, steps = [], []
-    for _ in range(LOOP_CALLS):
-        model_calls.append(call.seconds())
-        steps.append(timed(engine.step))
-    stop_decoding(engine, ids)
+    """Mean seconds of (the model call, an engine step, a generated token) over one
+    `generate` of `batch` prompts, interleaved step by step: after each of its decode steps
+    the bench replays that step's model call alone, and leaves that time out of the
+    generate's. Means, not medians: a generate's mean per token takes the pauses a shared
+    machine inflicts, so the model calls it is compared with must take theirs too."""
+    runner, step = engine.runner, engine.step
+    prepare = runner._prepare
+    last_batch, replays, steps, extra = [], [], [], []
+
+    def capturing(output):
+        last_batch[:] = [prepare(output)]
+        return last_batch[0]
+
+    def stepping():
+        started = time.perf_counter()
+        outputs = step()
+        ended = time.perf_counter()
+        (last,) = last_batch
+        if last.sample_index is None:  # a step of decodes: every row sampled
+            replays.append(replay_model_call(runner, last))
+            steps.append((started, ended))
+            extra.append(time.perf_counter() - ended)
+        return outputs
+
+    runner._prepare, engine.step = capturing, stepping
     prompt = engine.processor.build_text(PROMPT)
-    params = SamplingParams(max_tokens=LOOP_TOKENS, ignore_eos=True)
-    metrics = engine.generate([prompt] * batch, params)[0].metrics
-    per_token = (metrics.finished_time - metrics.first_token_time) / (LOOP_TOKENS - 1)
-    return statistics.mean(model_calls), statistics.mean(steps), per_token
+    try:
+        engine.generate([prompt] * batch, SamplingParams(max_tokens=LOOP_TOKENS, ignore_eos=True))
+        finished = time.perf_counter()
+    finally:
+        del runner._prepare, engine.step
+    assert len(steps) == LOOP_TOKENS - 1, len(steps)
+    starts = [started for started, _ in steps]
+    walls = [b - a - e for a, b, e in zip(starts, [*starts[1:], finished], extra, strict=True)]
+    step_seconds = [ended - started for started, ended in steps]
+    return statistics.mean(replays), statistics.mean(step_seconds), statistics.mean(walls)
 
 
 def long_generation(engine: LLMEngine, num_tokens: int) -> list[float]:
