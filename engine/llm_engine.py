@@ -13,13 +13,13 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from os import PathLike
 
 import torch
 
 from stillcut.engine.admission import BidirectionalItemTooLong
-from stillcut.engine.cache_groups import num_blocks_for_budget
+from stillcut.engine.cache_groups import num_blocks_for_budget, recurrent_groups
 from stillcut.engine.config import EngineConfig, SchedulerConfig
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
@@ -71,7 +71,14 @@ class LLMEngine:
         self.block_size = config.cache.block_size
         num_rows = max_num_live_requests(config.scheduler)
         num_blocks = self._num_blocks(dtype, num_rows)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        # Until hybrid prefix caching saves recurrent states at block boundaries, cached K/V of
+        # a prefix comes without the Mamba2 state after it: such a model never takes a
+        # prefix-cache hit and holds no prefixes (held requests resume from their K/V).
+        self.has_recurrent_state = bool(recurrent_groups(self.cache_groups))
+        cache_config = config.cache
+        if self.has_recurrent_state:
+            cache_config = replace(cache_config, enable_prefix_caching=False)
+        self.scheduler = Scheduler(config.scheduler, cache_config, num_blocks)
         self.runner = ModelRunner(
             self.model,
             self.cache_groups,
@@ -104,6 +111,11 @@ class LLMEngine:
         `prompt` is a `Prompt` from the processor, or token ids whose placeholder runs match
         `mm_items` in order. `hold=True` makes a prefill-only held prefix (see `extend_held`).
         """
+        if hold and self.has_recurrent_state:
+            raise ValueError(
+                "held prefixes are not supported for models with recurrent layers yet: their "
+                "state after the prefix is not kept"
+            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids, items, positions = self._placed(prompt, mm_items)
         params = sampling_params or SamplingParams()

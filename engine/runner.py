@@ -7,7 +7,9 @@ buffers, builds the attention metadata once (slot mapping, block tables, bidirec
 ranges), runs the model over the flat batch, computes logits only for the requests that sample,
 and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`,
 and the caches are allocated from the family's cache groups: one paged K/V tensor per attention
-layer (handed to the model in layer order) and one recurrent state per row and recurrent layer.
+layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
+(handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
+starts fresh).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.row_sampler import RowSampler, StepResult
 from stillcut.engine.scheduler_output import NewRequestData, SchedulerOutput
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.mamba2 import RecurrentMetadata
 
 
 @dataclass
@@ -217,6 +220,7 @@ class ModelRunner:
             else None,
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
+            recurrent=self._recurrent_metadata(output, request_ids, rows, computed, query_start),
         )
         every_token_samples = len(sample_index) == num_tokens  # a step of decodes only
         return _Batch(
@@ -243,6 +247,35 @@ class ModelRunner:
         self.input_ids[index] = torch.tensor(ids)
         self.positions[:, index] = torch.tensor(positions)
         self.slot_mapping[index] = torch.tensor(slots)
+
+    def _recurrent_metadata(
+        self,
+        output: SchedulerOutput,
+        request_ids: list[str],
+        rows: list[int],
+        computed: dict[str, int],
+        query_start: list[int],
+    ) -> RecurrentMetadata | None:
+        """Each request's state row, whether its state starts fresh (its first computed
+        token is token 0: a new request, or one recomputed after preemption) and which
+        scheduled tokens are prompt tokens. None for a model without recurrent layers."""
+        if not self.recurrent_states:
+            return None
+        # a recurrent state is never resumed from cached K/V (no prefix hits, no held prefixes)
+        assert all(computed[n.request_id] == 0 for n in output.scheduled_new), "resumed state"
+        prompt_token_mask = torch.zeros(query_start[-1], dtype=torch.bool)
+        for b, request_id in enumerate(request_ids):
+            # a request's prompt tokens come first among its scheduled ones
+            num_prompt = max(self.rows[request_id].prompt_len - computed[request_id], 0)
+            end = min(query_start[b] + num_prompt, query_start[b + 1])
+            prompt_token_mask[query_start[b] : end] = True
+        return RecurrentMetadata(
+            states=self.recurrent_states,
+            state_rows_cpu=rows,
+            fresh=[computed[r] == 0 for r in request_ids],
+            query_start_loc_cpu=query_start,
+            prompt_token_mask=prompt_token_mask.to(self.device),
+        )
 
     def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:
         """Positions of tokens [start, end): the prompt's from its table, later ones count on."""

@@ -14,8 +14,10 @@ from os import PathLike
 
 import numpy as np
 import torch
+from PIL import Image
 
 from stillcut.engine.model_config import ModelConfig
+from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.gemma3_preprocess import Gemma3PreprocessConfig, preprocess_frames
 from stillcut.vision.siglip import Gemma3VisionEncoder
 
@@ -40,6 +42,17 @@ class Gemma3Media:
         self.preprocess = Gemma3PreprocessConfig.from_checkpoint(path)
         self.video_preprocess = self.image_preprocess = self.preprocess  # one for both
         self.tokens_per_side = model_config.vision.tokens_per_side
+        size = self.preprocess.image_size
+        self.frame_resize = FrameResize(
+            lambda h, w: (size, size), Image.Resampling(self.preprocess.resample)
+        )
+
+    def token_grid(
+        self, kind: str, num_frames: int, height: int, width: int
+    ) -> tuple[int, int, int]:
+        """The token grid (t, h, w) of `num_frames` frames (or one image): a square per frame,
+        whatever the frame's size."""
+        return num_frames, self.tokens_per_side, self.tokens_per_side
 
     def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedFrames:
         """Frames [T, H, W, 3] uint8 sampled at `sample_fps` -> one square per frame."""

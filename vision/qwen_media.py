@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from stillcut.engine.model_config import ModelConfig
+from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.preprocess import (
     PreprocessedVideo,
     VideoPreprocessConfig,
@@ -30,6 +32,21 @@ class QwenMedia:
         self.video_preprocess = VideoPreprocessConfig.from_checkpoint(path, "video")
         self.image_preprocess = VideoPreprocessConfig.from_checkpoint(path, "image")
         self.merge_size = model_config.vision.spatial_merge_size
+        config = self.video_preprocess
+        self.frame_resize = FrameResize(
+            lambda h, w: smart_resize(h, w, config.factor, config.min_pixels, config.max_pixels),
+            Image.Resampling.BICUBIC,
+        )
+
+    def token_grid(
+        self, kind: str, num_frames: int, height: int, width: int
+    ) -> tuple[int, int, int]:
+        """The merged token grid (t, h, w) of `num_frames` frames of `height` x `width`
+        ("video" or "image"), worked out from the sizes alone."""
+        config = self.video_preprocess if kind == "video" else self.image_preprocess
+        resized = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+        num_tubelets = -(-num_frames // config.temporal_patch_size)
+        return num_tubelets, resized[0] // config.factor, resized[1] // config.factor
 
     def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedVideo:
         """Frames [T, H, W, 3] uint8 sampled at `sample_fps` -> tubelet patches."""
