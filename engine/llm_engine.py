@@ -37,6 +37,7 @@ from stillcut.engine.request import (
 from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate
+from stillcut.engine.spec_decode.build import build_speculator, check_speculation_allowed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +79,8 @@ class LLMEngine:
         cache_config = config.cache
         if self.has_recurrent_state:
             cache_config = replace(cache_config, enable_prefix_caching=False)
+        if config.speculative is not None:
+            check_speculation_allowed(self.has_recurrent_state)
         self.scheduler = Scheduler(config.scheduler, cache_config, num_blocks)
         self.runner = ModelRunner(
             self.model,
@@ -89,7 +92,11 @@ class LLMEngine:
             max_model_len=config.scheduler.max_model_len,
             device=config.device,
             kv_dtype=dtype,
+            keyed_draws=config.speculative is not None,
         )
+        self.speculator = None
+        if config.speculative is not None:
+            self.speculator = build_speculator(self, config.speculative)
         self.eos_token_ids = self.processor.special.eos_token_ids
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -159,7 +166,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state and free its blocks; False if it is unknown."""
-        self._tracked.pop(request_id, None)
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and self.speculator is not None:
+            self.speculator.finish(tracked.request)
         return self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -184,10 +193,22 @@ class LLMEngine:
             tracked = self._tracked.get(update.request_id)
             if tracked is None:
                 continue
-            if update.request_id in result.logprobs:
-                tracked.logprobs.append(result.logprobs[update.request_id])
-            outputs.append(self._postprocess(tracked, update, now))
+            self._record_drafts(tracked, scheduled.spec_token_ids, result.sampled)
+            logprobs = result.logprobs.get(update.request_id, [])
+            outputs.append(self._postprocess(tracked, update, now, logprobs))
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return outputs
+
+    def _record_drafts(
+        self, tracked: _Tracked, spec_token_ids: dict[str, list[int]], sampled: dict
+    ) -> None:
+        request_id = tracked.request.request_id
+        drafts = spec_token_ids.get(request_id)
+        if drafts and self.speculator is not None:
+            self.speculator.record(tracked.request, len(drafts), len(sampled[request_id]))
+            tracked.metrics.num_draft_tokens = tracked.request.num_draft_tokens
+            tracked.metrics.num_accepted_tokens = tracked.request.num_accepted_tokens
 
     def generate(
         self,
@@ -205,25 +226,35 @@ class LLMEngine:
                     final[output.request_id] = output
         return [final[i] for i in ids]
 
-    def _postprocess(self, tracked: _Tracked, update: RequestUpdate, now: float) -> RequestOutput:
+    def _postprocess(
+        self, tracked: _Tracked, update: RequestUpdate, now: float, logprobs: list
+    ) -> RequestOutput:
         request, metrics = tracked.request, tracked.metrics
         new_token_ids = update.new_token_ids
         if new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
-        metrics.num_generated_tokens = len(request.output_token_ids)
         delta = tracked.detokenizer.push(new_token_ids)
         finish_reason, stop_reason = _finish_reason(update.status), update.stop_reason
         if tracked.detokenizer.finished and finish_reason not in ("stop", "held"):
-            # a stop string completed: end the request here, whatever the tokens said
+            # a stop string completed: end the request here, whatever the tokens said; tokens
+            # after it (accepted drafts, sampled in the same step) were never generated
+            num_unread = tracked.detokenizer.num_unread_tokens
+            if num_unread:
+                del request.output_token_ids[-num_unread:]
+                new_token_ids = new_token_ids[:-num_unread]
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             finish_reason, stop_reason = "stop", tracked.detokenizer.stop_reason
         elif finish_reason in ("stop", "length", "abort"):
             delta += tracked.detokenizer.flush()
+        metrics.num_generated_tokens = len(request.output_token_ids)
+        tracked.logprobs.extend(logprobs[: len(new_token_ids)])
         finished = finish_reason is not None
         if finished:
             metrics.finished_time = now
             if finish_reason != "held":
                 self._tracked.pop(request.request_id, None)
+                if self.speculator is not None:
+                    self.speculator.finish(request)
         return RequestOutput(
             request_id=request.request_id,
             token_ids=Snapshot(request.output_token_ids),

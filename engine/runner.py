@@ -60,6 +60,7 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
+        keyed_draws: bool = False,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -80,7 +81,7 @@ class ModelRunner:
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.rows: dict[str, RowState] = {}
-        self.sampling = RowSampler(self.device)
+        self.sampling = RowSampler(self.device, keyed_draws)
         # Preallocated per-step input buffers (host side; copied to the device in one go).
         self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
         self.positions = torch.zeros(
@@ -114,7 +115,7 @@ class ModelRunner:
             if batch.sample_index is not None:
                 hidden = hidden[batch.sample_index]  # [S, hidden]
             logits = self.model.compute_logits(hidden)  # [S, vocab]
-            return self._sample(batch.sample_ids, logits)
+            return self._sample(batch.sample_ids, logits, output.spec_token_ids)
 
     # ---- rows ------------------------------------------------------------------------------
 
@@ -185,6 +186,9 @@ class ModelRunner:
             start = computed[request_id]
             end = start + output.num_scheduled_tokens[request_id]
             q0, q1 = query_start[-1], query_start[-1] + end - start
+            drafts = output.spec_token_ids.get(request_id, ())
+            if drafts:  # scored after the last sampled token; overwritten unless accepted
+                self.token_ids[state.row, end - len(drafts) : end] = torch.tensor(drafts)
             if end - start == 1 and start >= state.prompt_len:
                 # one sampled token: its values are Python ints, written for all decodes at once
                 after = start - state.prompt_len
@@ -201,9 +205,9 @@ class ModelRunner:
             seq_lens.append(end)
             rows.append(state.row)
             max_blocks = max(max_blocks, len(state.block_ids))
-            if end == state.num_tokens and not state.hold:
+            if end == state.num_tokens + len(drafts) and not state.hold:
                 sample_ids.append(request_id)
-                sample_index.append(q1 - 1)
+                sample_index.extend(range(q1 - 1 - len(drafts), q1))
         if decodes:
             self._write_decodes(decodes)
         device = self.device
@@ -297,7 +301,10 @@ class ModelRunner:
 
     # ---- sampling ----------------------------------------------------------------------------
 
-    def _sample(self, request_ids: list[str], logits: torch.Tensor) -> StepResult:
+    def _sample(
+        self, request_ids: list[str], logits: torch.Tensor, spec_token_ids: dict[str, list[int]]
+    ) -> StepResult:
+        """Sample each request's tokens (one, or 1..K+1 after drafts) and append them."""
         states = [self.rows[r] for r in request_ids]
 
         def history(index: int) -> tuple[torch.Tensor, list[int]]:
@@ -305,14 +312,19 @@ class ModelRunner:
             return self.token_ids[state.row, : state.prompt_len], state.output_ids
 
         params = [state.params for state in states]
-        token_ids, result = self.sampling.sample(request_ids, params, history, logits)
-        rows, columns = [], []
-        for state, token_id in zip(states, token_ids, strict=True):
-            rows.append(state.row)
-            columns.append(state.num_tokens)
-            state.num_tokens += 1
-            state.output_ids.append(token_id)
-        self.token_ids[rows, columns] = torch.tensor(token_ids)
+        drafts = [spec_token_ids.get(r, ()) for r in request_ids]
+        num_outputs = [len(state.output_ids) for state in states]
+        tokens, result = self.sampling.sample(
+            request_ids, params, history, logits, drafts, num_outputs
+        )
+        rows, columns, values = [], [], []
+        for state, new_tokens in zip(states, tokens, strict=True):
+            rows += [state.row] * len(new_tokens)
+            columns += range(state.num_tokens, state.num_tokens + len(new_tokens))
+            values += new_tokens
+            state.num_tokens += len(new_tokens)
+            state.output_ids.extend(new_tokens)
+        self.token_ids[rows, columns] = torch.tensor(values)
         return result
 
 
