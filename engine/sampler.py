@@ -357,9 +357,11 @@ def rejection_race(
     uniform = torch.empty_like(draft_probs)
     if any(g is None for g in generators):
         uniform.uniform_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            uniform[row : row + 1].uniform_(generator=generator)
+    # only a row with a draft draws its uniform: a row without one draws exactly what
+    # `exponential_race` would, whatever its neighbours propose
+    for row in torch.nonzero(has_draft).flatten().tolist():
+        if generators[row] is not None:
+            uniform[row : row + 1].uniform_(generator=generators[row])
     residual = probs.scatter(1, drafts, torch.zeros_like(probs[:, :1]))
     residual = torch.where(has_draft[:, None], residual, probs)
     # p all on the draft: accepted whatever rounding did to p(d) (the residual is empty)
