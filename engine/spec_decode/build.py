@@ -34,8 +34,6 @@ def build_speculator(engine, config: SpeculativeConfig) -> Speculator:
         proposer = DraftProposer.for_target(engine, config)
     step_cost = None
     if config.dynamic:
-        max_batch = engine.config.scheduler.max_num_seqs
-        step_cost = StepCosts(
-            measure_step_costs(engine.runner, max_batch, config.num_speculative_tokens)
-        )
+        max_batch, max_k = engine.config.scheduler.max_num_seqs, config.num_speculative_tokens
+        step_cost = StepCosts(measure_step_costs(engine.runner, max_batch, max_k), max_k)
     return Speculator(config, proposer, SpeculationPolicy(config, step_cost))

@@ -1,12 +1,12 @@
 """Start-up measurement of what a verify step costs on this machine.
 
-For batch sizes 1, 2, 4, ... up to the seats, and K = 0..K_max drafts per request, the model
-runs one step of that many requests, each at a short context with 1 + K query tokens, logits
-for every query token included, on the engine's own (still empty) K/V cache; the median of a
-few runs is kept. `step_cost(batch, k)` is then t(batch, k) / t(batch, 0) at the largest
-measured batch size not above `batch` (the next measured one would overstate the cost).
-Nothing is left behind: the blocks written are free and unhashed, and any later request
-writes its own slots before reading them.
+At batch sizes 1, 4, 16, ... up to the seats, the model runs one step of that many requests at
+a short context with 1 and with 1 + K_max query tokens each, logits for every query token
+included, on the engine's own (still empty) K/V cache; the median of a few runs is kept. A
+verify step's cost grows about linearly with its tokens between those two (the weights are
+read once either way), so `step_cost(batch, k)` is 1 + (t(b, K_max) / t(b, 0) - 1) k / K_max
+at the largest measured batch size b not above `batch`. Nothing is left behind: the blocks
+written are free and unhashed, and any later request writes its own slots before reading them.
 """
 
 from __future__ import annotations
@@ -23,32 +23,33 @@ CONTEXT_TOKENS = 64  # context each calibration request attends to
 NUM_RUNS = 3
 
 
-def measure_step_costs(runner, max_batch: int, max_k: int) -> dict[int, list[float]]:
-    """Batch size -> [t(b, k) / t(b, 0) for k in 0..max_k] (see the module docstring)."""
+def measure_step_costs(runner, max_batch: int, max_k: int) -> dict[int, float]:
+    """Batch size -> t(b, max_k) / t(b, 0) (see the module docstring)."""
     block_size = runner.block_size
     num_blocks = runner.kv_caches[0].shape[1] if runner.kv_caches else 1
     blocks_per_request = -(-(CONTEXT_TOKENS + max_k + 1) // block_size)
-    costs: dict[int, list[float]] = {}
+    ratios: dict[int, float] = {}
     batch = 1
     while batch <= max_batch and batch * blocks_per_request <= num_blocks:
         if batch * (1 + max_k) > runner.max_num_batched_tokens:
             break
-        times = [_time_step(runner, batch, 1 + k, blocks_per_request) for k in range(max_k + 1)]
-        costs[batch] = [t / times[0] for t in times]
-        batch *= 2
-    return costs or {1: [1.0 + k for k in range(max_k + 1)]}
+        plain = _time_step(runner, batch, 1, blocks_per_request)
+        ratios[batch] = _time_step(runner, batch, 1 + max_k, blocks_per_request) / plain
+        batch *= 4
+    return ratios or {1: 1.0 + max_k}
 
 
 class StepCosts:
-    """`step_cost(batch, k)` from measured costs (see the module docstring)."""
+    """`step_cost(batch, k)` from measured ratios (see the module docstring)."""
 
-    def __init__(self, costs: dict[int, list[float]]) -> None:
-        self.sizes = sorted(costs)
-        self.costs = costs
+    def __init__(self, ratios: dict[int, float], max_k: int) -> None:
+        self.sizes = sorted(ratios)
+        self.ratios = ratios
+        self.max_k = max_k
 
     def __call__(self, batch: int, k: int) -> float:
         size = self.sizes[max(bisect.bisect_right(self.sizes, batch) - 1, 0)]
-        return self.costs[size][k]
+        return 1.0 + (self.ratios[size] - 1.0) * k / self.max_k
 
 
 def _time_step(runner, batch: int, width: int, blocks_per_request: int) -> float:
