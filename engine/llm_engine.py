@@ -19,7 +19,11 @@ from os import PathLike
 import torch
 
 from stillcut.engine.admission import BidirectionalItemTooLong
-from stillcut.engine.cache_groups import num_blocks_for_budget, recurrent_groups
+from stillcut.engine.cache_groups import (
+    kv_bytes_per_block,
+    num_blocks_for_budget,
+    recurrent_groups,
+)
 from stillcut.engine.config import EngineConfig, SchedulerConfig
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
@@ -38,6 +42,7 @@ from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate
 from stillcut.engine.spec_decode.build import build_speculator, check_speculation_allowed
+from stillcut.engine.spec_decode.draft import draft_block_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -288,11 +293,17 @@ class LLMEngine:
         # never more than every seat filled to max_model_len could use
         needed = 2 * sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
         budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
+        dtype_bytes = torch.finfo(dtype).bits // 8
+        if self.config.speculative is not None:
+            # a draft model's pool has as many blocks as ours: split the budget by block bytes
+            ours = kv_bytes_per_block(self.cache_groups, self.block_size, dtype_bytes)
+            theirs = draft_block_bytes(self.config.speculative, self.block_size, dtype_bytes)
+            budget = budget * ours // (ours + theirs)
         fitting = num_blocks_for_budget(
             budget,
             self.cache_groups,
             block_size=self.block_size,
-            dtype_bytes=torch.finfo(dtype).bits // 8,
+            dtype_bytes=dtype_bytes,
             num_state_slots=num_rows,
         )
         return min(fitting, needed)

@@ -156,6 +156,17 @@ class ModelRunner:
         self._append_blocks(state, new.block_ids)
         self.sampling.admit(new.request_id, new.sampling_params)
 
+    def rewrite_tokens(self, request_id: str, start: int, token_ids: Sequence[int]) -> None:
+        """Make a row's tokens from `start` on `token_ids` (a draft model's mirror of a target
+        request, rolled back where the target rejected its drafts). Their K/V is computed by
+        the next step that schedules them."""
+        state = self.rows[request_id]
+        assert state.prompt_len <= start + len(token_ids), "a prompt is never rewritten"
+        end = start + len(token_ids)
+        self.token_ids[state.row, start:end] = torch.tensor(token_ids, dtype=torch.long)
+        state.num_tokens = end
+        state.output_ids = self.token_ids[state.row, state.prompt_len : end].tolist()
+
     def _append_blocks(self, state: RowState, block_ids: list[int]) -> None:
         start = len(state.block_ids)
         self.block_table[state.row, start : start + len(block_ids)] = torch.tensor(
