@@ -33,8 +33,8 @@ def measure_step_costs(runner, max_batch: int, max_k: int) -> dict[int, float]:
     while batch <= max_batch and batch * blocks_per_request <= num_blocks:
         if batch * (1 + max_k) > runner.max_num_batched_tokens:
             break
-        plain = _time_step(runner, batch, 1, blocks_per_request)
-        ratios[batch] = _time_step(runner, batch, 1 + max_k, blocks_per_request) / plain
+        plain = time_verify_step(runner, batch, 1, blocks_per_request)
+        ratios[batch] = time_verify_step(runner, batch, 1 + max_k, blocks_per_request) / plain
         batch *= 4
     return ratios or {1: 1.0 + max_k}
 
@@ -52,7 +52,7 @@ class StepCosts:
         return 1.0 + (self.ratios[size] - 1.0) * k / self.max_k
 
 
-def _time_step(runner, batch: int, width: int, blocks_per_request: int) -> float:
+def time_verify_step(runner, batch: int, width: int, blocks_per_request: int) -> float:
     """Median seconds of a model step (forward + logits) of `batch` requests x `width` tokens."""
     device, size = runner.device, runner.block_size
     seq_len = CONTEXT_TOKENS + width

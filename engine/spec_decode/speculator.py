@@ -27,7 +27,8 @@ class Speculator:
         self.policy = policy
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.accepted_per_step: list[int] = []  # drained by whoever reports it (metrics)
+        # verify steps by how many of their drafts were accepted: index j counts j accepted
+        self.accepted_per_step = [0] * (config.num_speculative_tokens + 1)
 
     def propose(self, running: Sequence[Request]) -> None:
         """Set `spec_token_ids` of every running request: drafts for decoding ones, [] else."""
@@ -45,7 +46,7 @@ class Speculator:
         if num_drafts:
             self.num_draft_tokens += num_drafts
             self.num_accepted_tokens += num_sampled - 1
-            self.accepted_per_step.append(num_sampled - 1)
+            self.accepted_per_step[num_sampled - 1] += 1
             self.policy.observe(request, num_drafts, num_sampled - 1)
 
     def finish(self, request: Request) -> None:
