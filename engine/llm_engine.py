@@ -66,6 +66,8 @@ class LLMEngine:
         dtype = _DTYPES[config.dtype]
         family = self.model_config.family
         self.cache_groups = self.model_config.cache_groups
+        if config.speculative is not None:  # before loading anything
+            check_speculation_allowed(bool(recurrent_groups(self.cache_groups)))
         model_class = family.language_model_class()
         self.model = model_class.from_checkpoint(self.path, dtype=dtype, device=config.device)
         if self.model.num_position_rows != family.num_position_rows:
@@ -84,8 +86,6 @@ class LLMEngine:
         cache_config = config.cache
         if self.has_recurrent_state:
             cache_config = replace(cache_config, enable_prefix_caching=False)
-        if config.speculative is not None:
-            check_speculation_allowed(self.has_recurrent_state)
         self.scheduler = Scheduler(config.scheduler, cache_config, num_blocks)
         self.runner = ModelRunner(
             self.model,

@@ -20,7 +20,7 @@ from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
 
-NUM_NEW_TOKENS = 40
+NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 CHECKPOINTS = {
     "qwen2_5_vl": {"family": "qwen2_5_vl", "text": {"initializer_range": 0.2}},
@@ -53,7 +53,16 @@ def setup(request):
     base = LLMEngine(path, engine_config())
     prompts = _prompts(base, VisionPipeline(path))
     expected = [o.token_ids for o in base.generate(list(prompts.values()), GREEDY)]
-    return path, base, prompts, dict(zip(prompts, expected, strict=True))
+    engines = {}
+
+    def engine(method, **config):
+        """One speculating engine per setting, shared by this module's tests."""
+        key = (method, *sorted(config.items()))
+        if key not in engines:
+            engines[key] = LLMEngine(path, engine_config(pinned(method), **config))
+        return engines[key]
+
+    return path, base, prompts, dict(zip(prompts, expected, strict=True)), engine
 
 
 def _prompts(engine, pipeline):
@@ -109,8 +118,8 @@ def _assert_pool_whole(engine):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_text_equals_transformers_generate(setup, method):
-    path, _, prompts, expected = setup
-    engine = LLMEngine(path, engine_config(pinned(method)))
+    path, _, prompts, expected, engine_for = setup
+    engine = engine_for(method)
     (ours,) = engine.generate([prompts["text"]], GREEDY)
     assert ours.token_ids == expected["text"] == _hf_greedy(path, prompts["text"].token_ids)
     _assert_drafts_mixed([ours])
@@ -119,9 +128,10 @@ def test_text_equals_transformers_generate(setup, method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_prompt_batched_with_chunked_prefill_equals_no_speculation(setup, method):
-    path, _, prompts, expected = setup
-    engine = LLMEngine(path, engine_config(pinned(method), max_num_batched_tokens=64))
-    names = list(prompts) * 2  # the second copy: a repeated question for the suffix proposer
+    _, _, prompts, expected, engine_for = setup
+    engine = engine_for(method, max_num_batched_tokens=64)
+    # the suffix proposer gets each question twice: the second finds the first's answer
+    names = list(prompts) * (2 if method == "suffix" else 1)
     outputs = engine.generate([prompts[n] for n in names], GREEDY)
     assert [o.token_ids for o in outputs] == [expected[n] for n in names]
     _assert_drafts_mixed(outputs)
@@ -129,10 +139,10 @@ def test_every_prompt_batched_with_chunked_prefill_equals_no_speculation(setup, 
 
 
 def test_preempted_speculating_requests_equal_no_speculation(setup):
-    path, _, prompts, expected = setup
-    names = list(prompts) * 2
+    _, _, prompts, expected, engine_for = setup
+    names = ["text", "image", "text", "image"]
     num_blocks = max(-(-(len(p.token_ids) + NUM_NEW_TOKENS) // 16) for p in prompts.values()) + 3
-    engine = LLMEngine(path, engine_config(pinned("ngram"), num_blocks=num_blocks))
+    engine = engine_for("ngram", num_blocks=num_blocks)
     preempted = []
     preempt = engine.scheduler._preempt
     engine.scheduler._preempt = lambda r: (preempted.append(r.request_id), preempt(r))
@@ -144,8 +154,8 @@ def test_preempted_speculating_requests_equal_no_speculation(setup):
 
 
 def test_stop_string_inside_an_accepted_run_ends_where_it_would_without(setup):
-    path, base, prompts, expected = setup
-    engine = LLMEngine(path, engine_config(pinned("ngram", k=4)))
+    _, base, prompts, expected, engine_for = setup
+    engine = engine_for("ngram")
     request_id = engine.add_request(prompts["text"], GREEDY)
     runs = []  # tokens each step produced
     while engine.has_unfinished_requests():
@@ -178,8 +188,8 @@ def _stop_inside_a_run(runs, tokens, decode) -> tuple[str, int]:
 
 
 def test_aborted_speculating_request_frees_everything(setup):
-    path, _, prompts, _ = setup
-    engine = LLMEngine(path, engine_config(pinned("ngram")))
+    _, _, prompts, _, engine_for = setup
+    engine = engine_for("ngram")
     request_id = engine.add_request(prompts["text"], GREEDY)
     while not engine.scheduler.requests[request_id].spec_token_ids:
         engine.step()
