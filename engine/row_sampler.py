@@ -1,7 +1,10 @@
 """Sampling for the runner's requests, kept from step to step.
 
 What a request samples with never changes while it lives: its parameters and, when seeded, its
-own generator, which outlives preemption so a resumed request keeps drawing where it was. So
+own generator, which outlives preemption so a resumed request keeps drawing where it was (with
+speculative decoding, a generator per output position instead: `keyed_draws`). After a verify
+step a request's positions are sampled in order, each as if alone, while drafts are accepted
+(`Sampler`'s rejection step), so penalties and filters see exactly the tokens before them. So
 the batch of sampling parameters is built once and reused while the same requests sample in
 the same order (a run of decode steps). A penalized request carries `TokenCounts`, built from
 its history at its first sample and grown by one token per step, so no step reads a whole

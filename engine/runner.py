@@ -9,7 +9,9 @@ and samples. Nothing here is specific to one model: positions come from `model.p
 and the caches are allocated from the family's cache groups: one paged K/V tensor per attention
 layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
 (handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
-starts fresh).
+starts fresh). A request with drafts (`SchedulerOutput.spec_token_ids`) runs its last sampled
+token and its drafts, written into its row after its tokens, and samples at each of them (see
+`RowSampler.sample`); rejected drafts stay in the row until later tokens overwrite them.
 """
 
 from __future__ import annotations
