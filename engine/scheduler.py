@@ -194,8 +194,11 @@ class Scheduler:
             if num_new == 0:
                 continue
             drafts = self._drafts(request, num_new, budget)
-            new_block_ids = drafts and self.kv_cache.allocate_slots(request, 1 + len(drafts))
-            if new_block_ids is None or not drafts:  # no drafts, or no room for them
+            # room for the drafts only where blocks are free: never preempt for a guess
+            new_block_ids = None
+            if drafts:
+                new_block_ids = self.kv_cache.allocate_slots(request, 1 + len(drafts))
+            if new_block_ids is None:
                 drafts = []
                 new_block_ids = self._allocate_or_preempt(request, num_new, output)
             if new_block_ids is None:

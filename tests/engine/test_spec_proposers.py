@@ -88,3 +88,31 @@ def test_dynamic_k_follows_acceptance_and_cost():
 def test_bad_speculative_config_is_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig(**fields)
+
+
+def test_scheduler_rolls_back_rejected_drafts_and_hashes_only_accepted_blocks():
+    from stillcut.engine.config import CacheConfig, SchedulerConfig
+    from stillcut.engine.kv_cache import block_extra_keys, hash_block
+    from stillcut.engine.request import SamplingParams
+    from stillcut.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4), 16)
+    request = Request("r", [1, 2, 3], sampling_params=SamplingParams(max_tokens=20))
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), {"r": [10]})
+    request.spec_token_ids = [11, 12, 13]
+    step = scheduler.schedule()
+    assert step.num_scheduled_tokens == {"r": 4} and step.spec_token_ids == {"r": [11, 12, 13]}
+    (update,) = scheduler.update_from_output(step, {"r": [11, 99]})  # 12 rejected, 99 instead
+    assert update.new_token_ids == [11, 99] and request.num_computed_tokens == 5
+    pool = scheduler.kv_cache.block_pool
+    first = hash_block(None, [1, 2, 3, 10], block_extra_keys(request, 0, 4))
+    # block 1 held the rejected 12 and 13 at positions 5-6: not hashed until they are replaced
+    assert [b.block_hash for b in pool.blocks if b.block_hash] == [first]
+    request.spec_token_ids = [5, 6]
+    scheduler.update_from_output(scheduler.schedule(), {"r": [5, 6, 7]})  # all accepted
+    second = hash_block(first, [11, 99, 5, 6], block_extra_keys(request, 1, 4))
+    assert pool.lookup(second) is not None and request.num_computed_tokens == 8
+    assert (request.num_draft_tokens, request.num_accepted_tokens) == (5, 3)
+    scheduler.abort("r")
+    assert scheduler.kv_cache.num_free_blocks == 16
