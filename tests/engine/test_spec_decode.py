@@ -198,3 +198,18 @@ def test_aborted_speculating_request_frees_everything(setup):
     assert engine.abort(request_id)
     engine.step()  # the runner drops the row
     _assert_pool_whole(engine)
+
+
+def test_penalties_and_logprobs_apply_to_accepted_tokens_as_without(setup):
+    _, base, prompts, _, engine_for = setup
+    params = SamplingParams(
+        max_tokens=NUM_NEW_TOKENS, ignore_eos=True, frequency_penalty=0.05, logprobs=2
+    )
+    (without,) = base.generate([prompts["text"]], params)
+    (ours,) = engine_for("ngram").generate([prompts["text"]], params)
+    assert ours.token_ids == without.token_ids
+    assert [ids for ids, _, _ in ours.logprobs] == [ids for ids, _, _ in without.logprobs]
+    np.testing.assert_allclose(
+        [lp for _, _, lp in ours.logprobs], [lp for _, _, lp in without.logprobs], atol=1e-4
+    )
+    assert ours.metrics.num_draft_tokens > 0
