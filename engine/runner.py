@@ -10,8 +10,10 @@ and the caches are allocated from the family's cache groups: one paged K/V tenso
 layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
 (handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
 starts fresh). A request with drafts (`SchedulerOutput.spec_token_ids`) runs its last sampled
-token and its drafts, written into its row after its tokens, and samples at each of them (see
-`RowSampler.sample`); rejected drafts stay in the row until later tokens overwrite them.
+token and its drafts, written into its row after its tokens, as that many one-token rows of
+the attention metadata (so a verify step is a step of decodes, which the native CPU step
+takes), and samples at each of them (see `RowSampler.sample`); rejected drafts stay in the row
+until later tokens overwrite them.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ class ModelRunner:
         sample_ids, sample_index = [], []
         decodes: list[tuple[int, int, int, int]] = []  # (row in the batch, id, position, slot)
         size, max_blocks = self.block_size, 0
-        for b, request_id in enumerate(request_ids):
+        for request_id in request_ids:
             state = self.rows[request_id]
             start = computed[request_id]
             end = start + output.num_scheduled_tokens[request_id]
@@ -213,10 +215,18 @@ class ModelRunner:
                 token_index = torch.arange(start, end)
                 blocks = self.block_table[state.row, token_index // size].long()
                 self.slot_mapping[q0:q1] = blocks * size + token_index % size
-                self._gather_items(state, start, end, q0, b, mm_pieces, mm_spans, mm_ranges)
-            query_start.append(q1)
-            seq_lens.append(end)
-            rows.append(state.row)
+                meta_row = len(seq_lens)  # this request's row in the attention metadata
+                self._gather_items(state, start, end, q0, meta_row, mm_pieces, mm_spans, mm_ranges)
+            if drafts:
+                # a verify step is 1 + K one-token rows of the request, each seeing the ones
+                # before it: a step of decodes (the native step takes it), causal inside
+                query_start.extend(range(q0 + 1, q1 + 1))
+                seq_lens.extend(range(start + 1, end + 1))
+                rows.extend([state.row] * (end - start))
+            else:
+                query_start.append(q1)
+                seq_lens.append(end)
+                rows.append(state.row)
             max_blocks = max(max_blocks, len(state.block_ids))
             if end == state.num_tokens + len(drafts) and not state.hold:
                 sample_ids.append(request_id)
@@ -278,6 +288,7 @@ class ModelRunner:
         scheduled tokens are prompt tokens. None for a model without recurrent layers."""
         if not self.recurrent_states:
             return None
+        assert not output.spec_token_ids, "recurrent layers cannot roll back drafts"
         # a recurrent state is never resumed from cached K/V (no prefix hits, no held prefixes)
         assert all(computed[n.request_id] == 0 for n in output.scheduled_new), "resumed state"
         prompt_token_mask = torch.zeros(query_start[-1], dtype=torch.bool)

@@ -53,23 +53,24 @@ class StepCosts:
 
 
 def time_verify_step(runner, batch: int, width: int, blocks_per_request: int) -> float:
-    """Median seconds of a model step (forward + logits) of `batch` requests x `width` tokens."""
+    """Median seconds of a model step (forward + logits) of `batch` requests x `width` tokens,
+    laid out as the runner lays out a verify step: one one-token row per token."""
     device, size = runner.device, runner.block_size
-    seq_len = CONTEXT_TOKENS + width
     num_tokens = batch * width
     block_tables = torch.arange(batch * blocks_per_request, dtype=torch.int32).view(batch, -1)
-    token_pos = torch.arange(CONTEXT_TOKENS, seq_len)  # [width]
+    token_pos = torch.arange(CONTEXT_TOKENS, CONTEXT_TOKENS + width)  # [width]
     slots = block_tables[:, token_pos // size].long() * size + token_pos % size  # [batch, width]
-    starts = list(range(0, num_tokens + 1, width))
+    seq_lens = (token_pos + 1).repeat(batch).tolist()  # [num_tokens]
+    starts = list(range(num_tokens + 1))
     metadata = AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.repeat_interleave(width, dim=0).to(device),
         slot_mapping=slots.flatten().to(device),
-        max_query_len=width,
-        max_seq_len=seq_len,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts,
-        seq_lens_cpu=[seq_len] * batch,
+        seq_lens_cpu=seq_lens,
     )
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = token_pos.repeat(batch).expand(runner.model.num_position_rows, -1).to(device)
