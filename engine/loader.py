@@ -8,6 +8,9 @@ that turns pixels into language-model embeddings), `language_model.*`, `lm_head.
 read through safetensors' memory map one shard at a time, converted to the target dtype once,
 and assigned to the module in place of its parameters, so a multi-GB checkpoint is never held
 twice (build the module on the meta device to skip allocating and initialising it at all).
+With `formats` (see `quantization.plan_formats`), each tensor becomes its planned stored format
+on the way in, a block of rows at a time for large ones (a 152k-row embedding never exists in
+float32), and int8 tensors bring their scales as `<name>_scale` parameters beside them.
 
 This module imports neither PyAV nor FastAPI: the engine and the GPU machine use it.
 """
@@ -28,6 +31,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
+from stillcut.engine.quantization import Conversion, quantize_int8, row_blocks
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,7 @@ __all__ = [
     "load_model_config",
     "load_weights",
     "resolve_checkpoint",
+    "stored_floating_dtype",
 ]
 
 HUB_ETAG_TIMEOUT_S = 5.0
@@ -137,10 +142,12 @@ def load_weights(
     dtype: torch.dtype | None = torch.float32,
     device: torch.device | str = "cpu",
     unused: Collection[str] = (),
+    formats: Mapping[str, Conversion] | None = None,
 ) -> None:
     """Load every checkpoint tensor named `prefix + <module state name>` into `module`, strictly.
 
-    Floating tensors are converted to `dtype` (None keeps the stored dtype) and replace the
+    Floating tensors are converted to `dtype` (None keeps the stored dtype), or to their entry
+    of `formats` (state name -> `Conversion`, every state name planned), and replace the
     module's parameters and buffers, so a module built on the meta device loads too. Parameters
     shared under several names (tied embeddings) need only one of the names in the checkpoint.
     Tensors under `prefix` + one of `unused` are stored parts the model never reads (as
@@ -172,10 +179,85 @@ def load_weights(
     for file, loads in plan.items():
         with _open_safetensors(file, device) as handle:
             for names, stored_name in loads:
-                tensor = _read(handle.get_tensor, file, stored_name)
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
+                conversion = formats[names[0]] if formats is not None else None
+                tensor, scale = _converted(handle, file, stored_name, conversion, dtype, device)
                 _assign(module, names, tensor, isinstance(targets[names[0]], nn.Parameter))
+                if scale is not None:
+                    _assign(module, [f"{name}_scale" for name in names], scale, True)
+
+
+def _converted(
+    handle,
+    file: Path,
+    name: str,
+    conversion: Conversion | None,
+    dtype: torch.dtype | None,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tensor `name` of `file` as it is to be stored, and its int8 scales (else None)."""
+    if conversion is None:
+        tensor = _read(handle.get_tensor, file, name)
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        return tensor, None
+    sliced = _read(handle.get_slice, file, name)
+    stored = _SAFETENSORS_DTYPES.get(sliced.get_dtype())
+    if stored is None or not stored.is_floating_point:
+        return _read(handle.get_tensor, file, name), None
+    shape = sliced.get_shape()
+    if conversion.dtype == torch.int8:
+        return _quantized(handle, sliced, file, name, shape, conversion.axis)  # CPU only
+    if conversion.through is not None and conversion.through != conversion.dtype:
+        tensor = _read(handle.get_tensor, file, name)  # a vector or small table
+        return tensor.to(conversion.through).to(conversion.dtype), None
+    if stored == conversion.dtype or len(shape) < 2:
+        return _read(handle.get_tensor, file, name).to(conversion.dtype), None
+    converted = torch.empty(shape, dtype=conversion.dtype, device=device)
+    for rows in row_blocks(shape[0], _elements(shape[1:])):
+        converted[rows] = _read(sliced.__getitem__, file, rows)
+    return converted, None
+
+
+def _quantized(handle, sliced, file: Path, name: str, shape: list[int], axis: int):
+    """int8 of a checkpoint matrix and its scales; by blocks of rows when channels are rows."""
+    if axis != 0 or len(shape) < 2:
+        return quantize_int8(_read(handle.get_tensor, file, name), axis)
+    quantized = torch.empty(shape, dtype=torch.int8)
+    scales = torch.empty(shape[0], dtype=torch.float32)
+    for rows in row_blocks(shape[0], _elements(shape[1:])):
+        quantized[rows], scales[rows] = quantize_int8(_read(sliced.__getitem__, file, rows), 0)
+    return quantized, scales
+
+
+def _elements(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def stored_floating_dtype(path: str | PathLike[str]) -> torch.dtype:
+    """The dtype of a checkpoint's first floating tensor (its headers only)."""
+    for file, name in checkpoint_tensors(path).values():
+        with _open_safetensors(file) as handle:
+            dtype = _SAFETENSORS_DTYPES.get(_read(handle.get_slice, file, name).get_dtype())
+        if dtype is not None and dtype.is_floating_point:
+            return dtype
+    raise CheckpointError(f"{path} holds no floating tensor")
 
 
 def _plan_loads(
