@@ -17,6 +17,7 @@ This module imports neither PyAV nor FastAPI: the engine and the GPU machine use
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -195,38 +196,48 @@ def _converted(
     device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Tensor `name` of `file` as it is to be stored, and its int8 scales (else None)."""
+    whole = functools.partial(_read, handle.get_tensor, file, name)
     if conversion is None:
-        tensor = _read(handle.get_tensor, file, name)
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        return tensor, None
+        tensor = whole()
+        return (
+            tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        ), None
     sliced = _read(handle.get_slice, file, name)
     stored = _SAFETENSORS_DTYPES.get(sliced.get_dtype())
     if stored is None or not stored.is_floating_point:
-        return _read(handle.get_tensor, file, name), None
+        return whole(), None
     shape = sliced.get_shape()
-    if conversion.dtype == torch.int8:
-        return _quantized(handle, sliced, file, name, shape, conversion.axis)  # CPU only
-    if conversion.through is not None and conversion.through != conversion.dtype:
-        tensor = _read(handle.get_tensor, file, name)  # a vector or small table
-        return tensor.to(conversion.through).to(conversion.dtype), None
-    if stored == conversion.dtype or len(shape) < 2:
-        return _read(handle.get_tensor, file, name).to(conversion.dtype), None
-    converted = torch.empty(shape, dtype=conversion.dtype, device=device)
-    for rows in row_blocks(shape[0], _elements(shape[1:])):
-        converted[rows] = _read(sliced.__getitem__, file, rows)
-    return converted, None
+    quantized = conversion.dtype == torch.int8
+    if conversion.through is not None:  # a vector or small table: rounded, then widened
+        return whole().to(conversion.through).to(conversion.dtype), None
+    if len(shape) < 2 or (quantized and conversion.axis != 0):
+        tensor, scales = quantize_int8(whole(), conversion.axis) if quantized else (whole(), None)
+        tensor = tensor.to(conversion.dtype)
+        return (tensor.T.contiguous().T if conversion.transposed else tensor), scales
+    if stored == conversion.dtype and not conversion.transposed:
+        return whole(), None
+    return _by_rows(sliced, file, name, shape, conversion, device)
 
 
-def _quantized(handle, sliced, file: Path, name: str, shape: list[int], axis: int):
-    """int8 of a checkpoint matrix and its scales; by blocks of rows when channels are rows."""
-    if axis != 0 or len(shape) < 2:
-        return quantize_int8(_read(handle.get_tensor, file, name), axis)
-    quantized = torch.empty(shape, dtype=torch.int8)
-    scales = torch.empty(shape[0], dtype=torch.float32)
+def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conversion, device):
+    """A matrix converted (quantized along its rows, transposed in memory) a block of rows at a
+    time: only the result and one block ever exist."""
+    quantized = conversion.dtype == torch.int8
+    layout = [shape[1], shape[0], *shape[2:]] if conversion.transposed else shape
+    converted = torch.empty(layout, dtype=conversion.dtype, device=device)
+    scales = torch.empty(shape[0], dtype=torch.float32) if quantized else None
     for rows in row_blocks(shape[0], _elements(shape[1:])):
-        quantized[rows], scales[rows] = quantize_int8(_read(sliced.__getitem__, file, rows), 0)
-    return quantized, scales
+        try:
+            block = sliced[rows]
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"cannot read tensor {name!r} from {file}: {error}") from error
+        if quantized:
+            block, scales[rows] = quantize_int8(block, 0)
+        if conversion.transposed:
+            converted[:, rows] = block.T
+        else:
+            converted[rows] = block
+    return (converted.T if conversion.transposed else converted), scales
 
 
 def _elements(shape: list[int]) -> int:

@@ -43,12 +43,22 @@ STORED_DTYPES = {
 @dataclass(frozen=True)
 class WeightFormat:
     """How a model's weights are stored (see the module docstring). `dtype` None means the
-    checkpoint's own (`resolved` reads it); `skip` names parts left unquantized."""
+    checkpoint's own, `compute_dtype` None the stored dtype (CUDA's way): `resolved` sets
+    both; `skip` names parts left unquantized."""
 
     dtype: torch.dtype | None = None
-    compute_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype | None = torch.float32
     quantization: str | None = None
     skip: tuple[str, ...] = ()
+
+    @classmethod
+    def for_engine(
+        cls, dtype: str, quantization: str | None, skip: tuple[str, ...], device: str
+    ) -> WeightFormat:
+        """The format `EngineConfig`'s fields ask for: on CPU every product is float32."""
+        stored = None if dtype == "auto" else STORED_DTYPES[dtype]
+        compute = torch.float32 if torch.device(device).type == "cpu" else None
+        return cls(stored, compute, quantization, tuple(skip))
 
     def __post_init__(self) -> None:
         allowed = tuple(STORED_DTYPES.values())
@@ -61,10 +71,15 @@ class WeightFormat:
             raise ValueError(f"skip={self.skip}: unknown {sorted(unknown)}; allowed {SKIPPABLE}")
 
     def resolved(self, folder: str | Path) -> WeightFormat:
-        """This format with `dtype` set: the checkpoint's own when it is None."""
-        if self.dtype is not None:
-            return self
-        return replace(self, dtype=checkpoint_dtype(folder))
+        """This format with `dtype` (the checkpoint's own when None) and `compute_dtype` (the
+        stored one when None) set."""
+        dtype = self.dtype if self.dtype is not None else checkpoint_dtype(folder)
+        return replace(self, dtype=dtype, compute_dtype=self.compute_dtype or dtype)
+
+    def kv_cache_dtype(self, name: str) -> torch.dtype:
+        """The K/V pool's dtype for `EngineConfig.kv_cache_dtype` `name` ("auto": the compute
+        dtype, float32 on CPU) of a resolved format."""
+        return self.compute_dtype if name == "auto" else STORED_DTYPES[name]
 
     def quantizes(self, part: str | None = None) -> bool:
         """Whether matrices (of `part`, e.g. "lm_head") are quantized."""
@@ -85,12 +100,14 @@ class WeightFormat:
 
 class Conversion(NamedTuple):
     """What one checkpoint tensor becomes at load: `dtype` (int8: quantized per channel along
-    `axis`), after rounding through `through` when that differs (a vector rounded to the stored
-    dtype, kept in the compute dtype)."""
+    `axis`), rounded through `through` first when set (a vector rounded to the stored dtype,
+    kept in the compute dtype); `transposed`: a matrix held as the `[rows, cols]` view of a
+    contiguous `[cols, rows]` (an LM head table, see `layers.head_layout`), made so at load."""
 
     dtype: torch.dtype
     axis: int | None = None
     through: torch.dtype | None = None
+    transposed: bool = False
 
 
 def checkpoint_dtype(folder: str | Path) -> torch.dtype:
@@ -124,19 +141,25 @@ def plan_formats(
     weight_format: WeightFormat,
     matmuls: Mapping[str, int],
     unquantized: Collection[str] = (),
+    transposed: Collection[str] = (),
 ) -> dict[str, Conversion]:
     """A `Conversion` for every state tensor of `module` (a checkpoint-named layout): the
     `matmuls` (name -> output axis, see `matmul_weights`) in the stored dtype or int8 (but for
-    `unquantized`), everything else rounded to the stored dtype and kept in the compute dtype."""
+    `unquantized`), the `transposed` ones laid out as their transpose; everything else rounded
+    to the stored dtype and kept in the compute dtype."""
     stored, compute = weight_format.stored_dtype, weight_format.compute_dtype
+    assert compute is not None, "resolve the format against its checkpoint first"
     plan = {}
     for name in module.state_dict(keep_vars=True):
-        if name in matmuls and weight_format.quantizes() and name not in unquantized:
-            plan[name] = Conversion(torch.int8, matmuls[name])
-        elif name in matmuls:
-            plan[name] = Conversion(stored)
-        else:
-            plan[name] = Conversion(compute, through=stored)
+        if name not in matmuls:
+            plan[name] = Conversion(compute, through=stored if stored != compute else None)
+            continue
+        quantized = weight_format.quantizes() and name not in unquantized
+        plan[name] = Conversion(
+            torch.int8 if quantized else stored,
+            matmuls[name] if quantized else None,
+            transposed=name in transposed,
+        )
     return plan
 
 
@@ -167,3 +190,17 @@ def dense(
     shape = [1] * weight.dim()
     shape[axis] = -1
     return weight.to(dtype) * scale.to(dtype).view(shape)
+
+
+def widened(module: nn.Module, name: str = "weight", axis: int = 0) -> torch.Tensor:
+    """`module.<name>` (and its int8 `<name>_scale`) in the dtype it computes in: float32 on
+    CPU, the weight's own dtype elsewhere; `axis` is its output channels' (see `dense`)."""
+    weight = getattr(module, name)
+    dtype = torch.float32 if weight.is_cpu else weight.dtype
+    return dense(weight, getattr(module, f"{name}_scale", None), axis, dtype)
+
+
+def stored_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer of `module` as stored (int8 scales included)."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
