@@ -87,6 +87,12 @@ class LiveSession:
                 f"{refusal}; ask about a whole video with POST /v1/videos/describe or "
                 "/v1/chat/completions"
             )
+        if not engine.engine.scheduler.cache_config.enable_prefix_caching:
+            # the held prefix is only ever reused through the prefix cache
+            raise ValueError(
+                "live sessions need prefix caching, and enable_prefix_caching is off in this "
+                "engine's cache config; turn it on to stream"
+            )
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id={session_id!r} must be a non-empty string")
         self.options = options

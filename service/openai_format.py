@@ -1,9 +1,10 @@
 """Engine outputs in the OpenAI chat-completions shapes: a whole completion, or stream chunks.
 
 Besides the standard fields, a response carries `evs` (what EVS kept of the request's videos)
-next to `usage`; OpenAI clients keep unknown fields, so it costs them nothing. With a reasoning
-parser the model's thinking goes to `reasoning_content` (streamed as
-`delta.reasoning_content`), the rest to `content`.
+next to `usage`, and, as vLLM's do, each finished choice its `stop_reason`: the stop string or
+stop token id that ended it, None for EOS or length. OpenAI clients keep unknown fields, so it
+costs them nothing. With a reasoning parser the model's thinking goes to `reasoning_content`
+(streamed as `delta.reasoning_content`), the rest to `content`.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class ChatFormatter:
             "message": message,
             "logprobs": self._logprobs(output, 0),
             "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
         }
         return {**self._head("chat.completion"), "choices": [choice], **self._usage(output)}
 
@@ -100,6 +102,7 @@ class ChatFormatter:
             chunks.append(self._chunk(delta or {"content": ""}, logprobs=logprobs))
         if output.finished:
             chunks.append(self._chunk({}, finish_reason=output.finish_reason))
+            chunks[-1]["choices"][0]["stop_reason"] = output.stop_reason
             if self.include_usage:
                 chunks.append({**self._head("chat.completion.chunk"), "choices": []})
                 chunks[-1].update(self._usage(output))

@@ -215,11 +215,11 @@ def checkpoint_spec(
 
     `text` and `vision` override transformers config fields (`vision` in the family's keys,
     e.g. `embed_dim`/`mlp_ratio` for Qwen2-VL); `processor` overrides `ProcessorSpec` fields;
-    `dtype` defaults to the preset's. Unless overridden, M-RoPE sections follow Qwen's 1:1.5:1.5
-    split of head_dim / 2, and the vision output width follows the text hidden size. Gemma 3
-    has its own presets (`factory.gemma3`), takes `mm_tokens_per_image` and no `processor`;
-    Nemotron 3 Nano Omni has its own (`factory.nemotron`) and takes `extra`. Embeddings are
-    tied unless `tie_word_embeddings` says otherwise (Nemotron: untied, as its releases).
+    `dtype` and `tie_word_embeddings` default to the preset's (Gemma 3: tied; Nemotron:
+    untied, as its releases). Unless overridden, M-RoPE sections follow Qwen's 1:1.5:1.5 split
+    of head_dim / 2, and the vision output width follows the text hidden size. Gemma 3 has its
+    own presets (`factory.gemma3`), takes `mm_tokens_per_image` and no `processor`; Nemotron 3
+    Nano Omni has its own (`factory.nemotron`) and takes `extra`.
     """
     if family == NEMOTRON:
         if processor or mm_tokens_per_image is not None:
@@ -236,7 +236,6 @@ def checkpoint_spec(
     if extra:
         raise ValueError(f"extra fields apply to {NEMOTRON!r}, not {family!r}")
     if family == GEMMA3.model_type:
-        tie_word_embeddings = True if tie_word_embeddings is None else tie_word_embeddings
         if processor:
             raise ValueError("processor overrides apply to the Qwen families, not 'gemma3'")
         fields = gemma3_spec_fields(preset, text, vision, mm_tokens_per_image)
@@ -244,14 +243,13 @@ def checkpoint_spec(
             preset=preset,
             family=family,
             seed=seed,
-            tie_word_embeddings=tie_word_embeddings,
+            tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings,
             processor=ProcessorSpec(),
             **{**fields, "dtype": dtype or fields["dtype"]},
         )
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r}: allowed {tuple(PRESETS)}")
     base = PRESETS[preset]
-    tie_word_embeddings = base.tied if tie_word_embeddings is None else tie_word_embeddings
     resolved_text = {
         "vocab_size": VOCAB_SIZE,
         "bos_token_id": BOS_TOKEN_ID,
@@ -272,7 +270,9 @@ def checkpoint_spec(
         family=family,
         seed=seed,
         dtype=dtype or base.dtype,
-        tie_word_embeddings=tie_word_embeddings,
+        tie_word_embeddings=(
+            base.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        ),
         text=resolved_text,
         vision={**resolved_vision, **(vision or {})},
         processor=ProcessorSpec(**(processor or {})),

@@ -34,20 +34,39 @@ _QWEN2_5_VISION_EXTRA = MappingProxyType({"window_size": 112, "tokens_per_second
 @dataclass(frozen=True)
 class Preset:
     """A named model size. `vision` uses Qwen2.5-VL keys; `family_vision` translates them.
-    `streamed` presets are too large to build in memory: their weights are written tensor by
-    tensor (`factory.streamed`); `tied` is whether the embedding doubles as the LM head."""
+    `tie_word_embeddings` is the default a spec may override. `streamed` presets are too large
+    to build in memory: their weights are written tensor by tensor (`factory.streamed`)."""
 
     dtype: Literal["float32", "bfloat16"]
     text: Mapping[str, int]
     vision: Mapping[str, Any]
+    tie_word_embeddings: bool = True
     streamed: bool = False
-    tied: bool = True
 
     def __post_init__(self) -> None:
         # Read-only views: presets are shared by every caller.
         object.__setattr__(self, "text", MappingProxyType(dict(self.text)))
         object.__setattr__(self, "vision", MappingProxyType(dict(self.vision)))
 
+
+_DEMO_TEXT = MappingProxyType(
+    {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1536,
+    }
+)
+_DEMO_VISION = MappingProxyType(
+    {
+        "depth": 8,
+        "hidden_size": 256,
+        "num_heads": 4,
+        "intermediate_size": 768,
+        "fullatt_block_indexes": (3, 7),
+    }
+)
 
 # The vision tower of the released Qwen2.5-VL 3B and 7B checkpoints.
 _RELEASED_VISION = MappingProxyType(
@@ -81,22 +100,11 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             },
         ),
         # The CLI's default: ~110M parameters (78M of them the tied embedding), 2 cores.
-        "demo": Preset(
-            dtype="bfloat16",
-            text={
-                "hidden_size": 512,
-                "num_hidden_layers": 8,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 2,
-                "intermediate_size": 1536,
-            },
-            vision={
-                "depth": 8,
-                "hidden_size": 256,
-                "num_heads": 4,
-                "intermediate_size": 768,
-                "fullatt_block_indexes": (3, 7),
-            },
+        "demo": Preset(dtype="bfloat16", text=_DEMO_TEXT, vision=_DEMO_VISION),
+        # The demo's shape with its own LM head: 180M language-model parameters (2 x 78M of
+        # them vocabulary), the size decode speed is measured at (bench/decode_roofline.py).
+        "lm180m": Preset(
+            dtype="bfloat16", text=_DEMO_TEXT, vision=_DEMO_VISION, tie_word_embeddings=False
         ),
         # The shapes of Qwen2.5-VL-3B-Instruct (3.75B parameters, 7.5 GB in bf16), random.
         "3b": Preset(
@@ -123,7 +131,7 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             },
             vision=_RELEASED_VISION,
             streamed=True,
-            tied=False,
+            tie_word_embeddings=False,
         ),
     }
 )
