@@ -56,7 +56,7 @@ def vocab_logits(
 ) -> torch.Tensor:
     """fp32 logits `[S, vocab]` of `hidden` `[S, hidden]` through a `head_layout` head, as
     prepared for one row and for several (`prepare_matrices`), or one `StoredMatrix`."""
-    if isinstance(heads, tuple):
+    if not isinstance(heads, StoredMatrix):  # (one row's, several rows')
         heads = heads[hidden.shape[0] > 1]
     return linear(hidden, heads).float()
 
