@@ -17,11 +17,16 @@ DEFAULT_MAX_TOKENS = 128
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_speculative_arguments, add_video_arguments
+    from stillcut.service.cli import (
+        add_precision_arguments,
+        add_speculative_arguments,
+        add_video_arguments,
+    )
 
     parser = commands.add_parser("describe", help="answer a prompt about a video")
     parser.set_defaults(run=run)
     add_video_arguments(parser)
+    add_precision_arguments(parser)
     parser.add_argument(
         "--prompt", default="Describe this video.", help="the question (default: describe it)"
     )
@@ -41,7 +46,12 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from stillcut.service.api import DEFAULT_ENGINE_CONFIG, VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config, speculative_config
+    from stillcut.service.cli import (
+        RANDOM_WEIGHTS_NOTICE,
+        evs_config,
+        precision_options,
+        speculative_config,
+    )
     from stillcut.vision.decode import DecodeConfig
 
     if not args.video.is_file():
@@ -50,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     engine_config = replace(DEFAULT_ENGINE_CONFIG, speculative=speculative_config(args))
     llm = VideoLLM(
-        args.model, engine_config=engine_config, decode_config=decode_config, evs=evs_config(args)
+        args.model,
+        engine_config=engine_config,
+        decode_config=decode_config,
+        evs=evs_config(args),
+        **precision_options(args),
     )
     load_s = time.perf_counter() - started
     result = llm.describe(
@@ -63,11 +77,20 @@ def run(args: argparse.Namespace) -> int:
         end=args.end,
         progress=True,
     )
+    memory = llm.engine.memory
     if args.json:
         report = {"video": str(args.video), "model": llm.name, "load_model_s": load_s}
+        weights = {"weight_format": memory.weight_format, "weight_bytes": memory.weight_bytes}
+        report["memory"] = {
+            **weights,
+            "vision_weight_bytes": llm.vision_weight_bytes,
+            "kv_cache_dtype": memory.kv_cache_dtype,
+            "kv_cache_bytes": memory.kv_cache_bytes,
+        }
         print(json.dumps({**report, **result.to_dict()}, indent=2))
     else:
         _print_result(result, load_s)
+        print(f"{'weights':<12}{memory}; vision tower {llm.vision_weight_bytes / 2**20:.1f} MiB")
     if llm.is_random_demo:
         print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
     return 0

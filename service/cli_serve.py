@@ -19,7 +19,11 @@ WILDCARD_ADDRESSES = ("0.0.0.0", "::")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_evs_arguments, add_speculative_arguments
+    from stillcut.service.cli import (
+        add_evs_arguments,
+        add_precision_arguments,
+        add_speculative_arguments,
+    )
 
     parser = commands.add_parser("serve", help="run the HTTP service")
     parser.set_defaults(run=run)
@@ -94,6 +98,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_evs_arguments(parser)
     add_speculative_arguments(parser)
+    add_precision_arguments(parser)
     parser.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
@@ -105,7 +110,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from stillcut.service.api import VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config, speculative_config
+    from stillcut.service.cli import (
+        RANDOM_WEIGHTS_NOTICE,
+        evs_config,
+        precision_options,
+        speculative_config,
+    )
     from stillcut.service.config import MIB, ServerConfig
     from stillcut.service.server import serve
     from stillcut.vision.decode import DecodeConfig
@@ -134,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory * MIB),
         speculative=speculative_config(args),
+        **precision_options(args),
     )
     decode_config = DecodeConfig(max_image_pixels=args.max_image_pixels)
     llm = VideoLLM(

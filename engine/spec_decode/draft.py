@@ -25,6 +25,7 @@ from stillcut.engine.cache_groups import kv_bytes_per_block, recurrent_groups
 from stillcut.engine.config import SpeculativeConfig
 from stillcut.engine.kv_cache import KVCacheManager
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.request import Request, SamplingParams
 from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -66,9 +67,13 @@ class DraftProposer:
         draft_config = load_model_config(path)
         check_draft(engine.path, engine.model_config, path, draft_config)
         family = draft_config.family
-        dtype = next(engine.model.parameters()).dtype
+        target = engine.config
+        # the target's precision settings, resolved for the draft's own checkpoint
+        weight_format = WeightFormat.for_engine(
+            target.dtype, target.quantization, target.quantization_skip, target.device
+        ).resolved(path)
         model = family.language_model_class().from_checkpoint(
-            path, dtype=dtype, device=engine.config.device
+            path, weight_format, device=target.device
         )
         if _num_parameters(model) > _num_parameters(engine.model):
             raise DraftMismatch(
@@ -85,8 +90,9 @@ class DraftProposer:
             max_num_reqs=engine.runner.block_table.shape[0],
             max_num_batched_tokens=scheduler.max_num_batched_tokens,
             max_model_len=scheduler.max_model_len,
-            device=engine.config.device,
-            kv_dtype=dtype,
+            device=target.device,
+            kv_dtype=engine.runner.kv_caches[0].dtype,
+            state_dtype=weight_format.compute_dtype,
         )
         return cls(model, runner, num_blocks, engine.block_size)
 
