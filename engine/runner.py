@@ -2,14 +2,17 @@
 
 In the style of vLLM's Model Runner V2, each request the runner knows owns one row of
 persistent tensors for its lifetime (token ids, block table) plus its position table, items and
-sampling state. A step gathers only what the scheduler asked for into preallocated input
-buffers, builds the attention metadata once (slot mapping, block tables, bidirectional item
-ranges), runs the model over the flat batch, computes logits only for the requests that sample,
-and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`,
-and the caches are allocated from the family's cache groups: one paged K/V tensor per attention
-layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
-(handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
-starts fresh).
+sampling state. A step gathers only what the scheduler asked for into persistent input
+buffers (`StepBuffers`: staged on the host, one copy to the device), builds the attention
+metadata once (slot mapping, block tables, bidirectional item ranges), runs the model over the
+flat batch, computes logits only for the requests that sample, and samples. With
+`decode_buckets`, a step of decodes only is padded to the next bucket (pad rows are one-token
+requests writing to a sink block of their own) and, once `capture_decode_graphs` has run,
+replayed as that bucket's CUDA graph (`cuda_graphs`). Nothing here is specific to one model:
+positions come from `model.prompt_positions`, and the caches are allocated from the family's
+cache groups: one paged K/V tensor per attention layer (handed to the model in layer order) and
+one recurrent state per row and recurrent layer (handed to it in the step's
+`metadata.recurrent`, with each request's row and whether its state starts fresh).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from stillcut.engine.cache_groups import CacheGroup, attention_groups, recurrent_groups
+from stillcut.engine.cuda_graphs import DecodeGraphs, bucket_for
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.row_sampler import RowSampler, StepResult
 from stillcut.engine.scheduler_output import NewRequestData, SchedulerOutput
+from stillcut.engine.step_buffers import StepBuffers
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
@@ -60,12 +65,20 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
+        decode_buckets: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv_caches = _paged_kv_caches(cache_groups, num_blocks, block_size, kv_dtype, device)
+        self.max_model_len = max_model_len
+        # Padded decode rows write their K/V into one extra block that no request owns.
+        self.decode_buckets = tuple(decode_buckets)
+        self.sink_block = num_blocks
+        num_cache_blocks = num_blocks + (1 if self.decode_buckets else 0)
+        self.kv_caches = _paged_kv_caches(
+            cache_groups, num_cache_blocks, block_size, kv_dtype, device
+        )
         # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
         self.recurrent_states = {
             layer: tuple(
@@ -81,12 +94,24 @@ class ModelRunner:
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.rows: dict[str, RowState] = {}
         self.sampling = RowSampler(self.device)
-        # Preallocated per-step input buffers (host side; copied to the device in one go).
-        self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
-        self.positions = torch.zeros(
-            model.num_position_rows, max_num_batched_tokens, dtype=torch.long
+        self.buffers = StepBuffers(
+            max_num_tokens=max_num_batched_tokens,
+            max_num_reqs=max_num_reqs,
+            max_num_blocks=max_blocks,
+            num_position_rows=model.num_position_rows,
+            device=self.device,
         )
-        self.slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.long)
+        # The loop below writes token inputs straight into the staging views.
+        self.input_ids = self.buffers.host.input_ids
+        self.positions = self.buffers.host.positions
+        self.slot_mapping = self.buffers.host.slot_mapping
+        self._table_width = 0  # staged block-table columns ever written: zeroed again each step
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self) -> DecodeGraphs:
+        """Capture one CUDA graph per decode bucket (see `cuda_graphs`); decodes then replay."""
+        self.graphs = DecodeGraphs.capture(self)
+        return self.graphs
 
     @property
     def num_kv_bytes(self) -> int:
@@ -101,6 +126,9 @@ class ModelRunner:
             return StepResult({}, {})
         batch = self._prepare(output)
         with torch.inference_mode():
+            if self.graphs is not None and batch.bucket in self.graphs.logits:
+                logits = self.graphs.replay(batch.bucket)[: len(batch.sample_ids)]
+                return self._sample(batch.sample_ids, logits)
             hidden = self.model(
                 batch.input_ids,
                 batch.positions,
@@ -113,6 +141,8 @@ class ModelRunner:
                 return StepResult({}, {})
             if batch.sample_index is not None:
                 hidden = hidden[batch.sample_index]  # [S, hidden]
+            elif batch.bucket is not None:
+                hidden = hidden[: len(batch.sample_ids)]  # [S, hidden]: the pad rows dropped
             logits = self.model.compute_logits(hidden)  # [S, vocab]
             return self._sample(batch.sample_ids, logits)
 
@@ -173,6 +203,7 @@ class ModelRunner:
 
     def _prepare(self, output: SchedulerOutput) -> _Batch:
         request_ids = list(output.num_scheduled_tokens)
+        self.buffers.staging()  # the previous step's copy has read the staging buffer
         computed = {c.request_id: c.num_computed_tokens for c in output.scheduled_cached}
         computed.update({n.request_id: n.num_computed_tokens for n in output.scheduled_new})
         query_start = [0]
@@ -206,34 +237,92 @@ class ModelRunner:
                 sample_index.append(q1 - 1)
         if decodes:
             self._write_decodes(decodes)
-        device = self.device
-        num_tokens = query_start[-1]
-        metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=self.block_table[rows, :max_blocks].to(device),
-            slot_mapping=self.slot_mapping[:num_tokens].to(device),
-            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
-            max_seq_len=max(seq_lens),
-            mm_ranges=torch.tensor(mm_ranges, dtype=torch.int32, device=device)
-            if mm_ranges
-            else None,
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-            recurrent=self._recurrent_metadata(output, request_ids, rows, computed, query_start),
+        recurrent = self._recurrent_metadata(output, request_ids, rows, computed, query_start)
+        every_token_samples = len(sample_index) == query_start[-1]  # a step of decodes only
+        bucket = None
+        if every_token_samples and len(decodes) == len(request_ids) and recurrent is None:
+            bucket = bucket_for(len(request_ids), self.decode_buckets)
+        if bucket is not None:
+            self._stage_padding(query_start, seq_lens, bucket)
+        self._stage_step(
+            query_start, seq_lens, rows, max_blocks, None if every_token_samples else sample_index
         )
-        every_token_samples = len(sample_index) == num_tokens  # a step of decodes only
+        metadata = self._device_metadata(query_start, seq_lens, max(seq_lens), mm_ranges)
+        metadata.recurrent = recurrent
+        device, inputs, num_tokens = self.device, self.buffers.device, query_start[-1]
         return _Batch(
-            input_ids=self.input_ids[:num_tokens].to(device),
-            positions=self.positions[:, :num_tokens].to(device),
+            input_ids=inputs.input_ids[:num_tokens],
+            positions=inputs.positions[:, :num_tokens],
             metadata=metadata,
             mm_embeds=torch.cat(mm_pieces).to(device) if mm_pieces else None,
             mm_mask=_mask(num_tokens, mm_spans).to(device) if mm_pieces else None,
             sample_ids=sample_ids,
-            sample_index=None
-            if every_token_samples
-            else torch.tensor(sample_index, dtype=torch.long, device=device),
+            sample_index=None if every_token_samples else inputs.sample_index[: len(sample_index)],
+            bucket=bucket,
         )
+
+    def stage_pad_decodes(self, bucket: int) -> AttentionMetadata:
+        """Stage a step of `bucket` pad rows only (what a decode graph is captured on); its
+        metadata gives the longest context allowed as `max_seq_len`, which every replay
+        then meets."""
+        self.buffers.staging()
+        query_start, seq_lens = [0], []
+        self._stage_padding(query_start, seq_lens, bucket)
+        self._stage_step(query_start, seq_lens, [], 0, None)
+        return self._device_metadata(query_start, seq_lens, self.max_model_len)
+
+    def _stage_step(
+        self,
+        query_start: list[int],
+        seq_lens: list[int],
+        rows: list[int],
+        max_blocks: int,
+        sample_index: list[int] | None,
+    ) -> None:
+        """Stage the per-request inputs (the token inputs are staged already) and copy the
+        step to the device."""
+        num_requests, staged = len(seq_lens), self.buffers.host
+        staged.query_start_loc[: num_requests + 1] = torch.tensor(query_start, dtype=torch.int32)
+        staged.seq_lens[:num_requests] = torch.tensor(seq_lens, dtype=torch.int32)
+        self._table_width = max(self._table_width, max_blocks)
+        width = self._table_width  # overwrites what longer requests left in these rows
+        staged.block_tables[: len(rows), :width] = self.block_table[rows, :width]
+        if sample_index is not None:
+            staged.sample_index[: len(sample_index)] = torch.tensor(sample_index)
+        self.buffers.upload(num_requests)
+
+    def _device_metadata(
+        self, query_start: list[int], seq_lens: list[int], max_seq_len: int, mm_ranges=()
+    ) -> AttentionMetadata:
+        """The staged step's attention metadata: views of the device buffers."""
+        inputs, num_requests = self.buffers.device, len(seq_lens)
+        return AttentionMetadata(
+            query_start_loc=inputs.query_start_loc[: num_requests + 1],
+            seq_lens=inputs.seq_lens[:num_requests],
+            block_tables=inputs.block_tables[:num_requests],
+            slot_mapping=inputs.slot_mapping[: query_start[-1]],
+            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
+            max_seq_len=max_seq_len,
+            mm_ranges=torch.tensor(mm_ranges, dtype=torch.int32, device=self.device)
+            if mm_ranges
+            else None,
+            query_start_loc_cpu=query_start,
+            seq_lens_cpu=seq_lens,
+        )
+
+    def _stage_padding(self, query_start: list[int], seq_lens: list[int], bucket: int) -> None:
+        """Pad a step of decodes to `bucket` rows: each pad is a one-token request at position
+        0 of the sink block (its block table row [sink, 0, ...]), so it reads only what it
+        wrote. Extends `query_start` and `seq_lens` in place."""
+        first, staged = query_start[-1], self.buffers.host
+        pads = slice(first, bucket)
+        staged.input_ids[pads] = 0
+        staged.positions[:, pads] = 0
+        staged.slot_mapping[pads] = self.sink_block * self.block_size
+        staged.block_tables[pads, : max(self._table_width, 1)] = 0
+        staged.block_tables[pads, 0] = self.sink_block
+        query_start.extend(range(first + 1, bucket + 1))
+        seq_lens.extend([1] * (bucket - first))
 
     def _write_decodes(self, decodes: list[tuple[int, int, int, int]]) -> None:
         """Token id, position and slot of each decode: one sampled text token (t = h = w)."""
@@ -325,6 +414,7 @@ class _Batch:
     mm_mask: torch.Tensor | None  # [N] bool
     sample_ids: list[str]
     sample_index: torch.Tensor | None  # [S]; None when every token samples
+    bucket: int | None = None  # decode rows padded to this many; None: not padded
 
 
 def _mask(num_tokens: int, spans: list[tuple[int, int]]) -> torch.Tensor:

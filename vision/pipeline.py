@@ -27,7 +27,7 @@ from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import dense_coords
 from stillcut.kernels.evs import EVSConfig, prune
-from stillcut.vision.decode import DecodeConfig, decode_video
+from stillcut.vision.decode_config import DecodeConfig
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
 from stillcut.vision.errors import VideoTooLarge
 from stillcut.vision.image_file import decode_image
@@ -183,6 +183,9 @@ class _Loaded:
             decoded_s = time.perf_counter()
             self.prepared = pipeline.media.prepare_video(frames, fps)
         else:
+            # PyAV only for files: frame arrays encode where it is not installed (a GPU box)
+            from stillcut.vision.decode import decode_video
+
             config = pipeline._decode_config(spec)
             decoded = decode_video(
                 data,
