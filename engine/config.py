@@ -84,10 +84,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an `LLMEngine` needs besides the checkpoint."""
+    """Everything an `LLMEngine` needs besides the checkpoint.
+
+    On CUDA, decode steps replay one CUDA graph per batch bucket (`engine.cuda_graphs`),
+    captured at start; `enforce_eager` runs every step eagerly instead (no capture time, no
+    graph memory, slower small-batch decodes). Ignored on CPU.
+    """
 
     dtype: str = "float32"
     device: str = "cpu"
+    enforce_eager: bool = False
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
 

@@ -10,6 +10,7 @@ the vision pipeline): the engine never imports the vision side.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ import torch
 from stillcut.engine.admission import BidirectionalItemTooLong
 from stillcut.engine.cache_groups import num_blocks_for_budget, recurrent_groups
 from stillcut.engine.config import EngineConfig, SchedulerConfig
+from stillcut.engine.cuda_graphs import decode_buckets, graphs_unavailable
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.model_config import CheckpointError
@@ -38,6 +40,7 @@ from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate
 
+log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -79,6 +82,12 @@ class LLMEngine:
         if self.has_recurrent_state:
             cache_config = replace(cache_config, enable_prefix_caching=False)
         self.scheduler = Scheduler(config.scheduler, cache_config, num_blocks)
+        no_graphs = graphs_unavailable(torch.device(config.device), self.has_recurrent_state)
+        if config.enforce_eager:
+            no_graphs = "enforce_eager is set"
+        buckets = (
+            () if no_graphs else decode_buckets(num_rows, config.scheduler.max_num_batched_tokens)
+        )
         self.runner = ModelRunner(
             self.model,
             self.cache_groups,
@@ -89,7 +98,12 @@ class LLMEngine:
             max_model_len=config.scheduler.max_model_len,
             device=config.device,
             kv_dtype=dtype,
+            decode_buckets=buckets,
         )
+        if no_graphs:
+            log.info("decode steps run eagerly: %s", no_graphs)
+        else:
+            self.runner.capture_decode_graphs()
         self.eos_token_ids = self.processor.special.eos_token_ids
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
