@@ -97,7 +97,7 @@ def engine_config(device: str, dtype: str, enforce_eager: bool) -> EngineConfig:
 def greedy_tokens(path: Path, device: str, enforce_eager: bool) -> dict[str, list[int]]:
     """Greedy tokens per prompt (text; the synthetic video per EVS setting) on `device`."""
     engine = LLMEngine(path, engine_config(device, "float32", enforce_eager))
-    vision = VisionPipeline(path, device=device)
+    vision = VisionPipeline(path, device=device, enforce_eager=enforce_eager)
     frames = synthetic_frames()
     prompts = {"text": engine.processor.build_text("Tell me a story about the sea.")}
     for name, evs in EVS_SETTINGS.items():

@@ -72,6 +72,7 @@ class VideoLLM:
             device=engine_config.device,
             decode_config=decode_config,
             cache_bytes=encoder_cache_bytes,
+            enforce_eager=engine_config.enforce_eager,
         )
         self.processor = self.engine.processor
         self.evs_default = resolve_evs_default(self.engine.model_config, evs)
