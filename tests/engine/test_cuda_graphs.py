@@ -85,6 +85,29 @@ def test_padding_decodes_to_a_bucket_gives_the_unpadded_tokens(
     engine.scheduler.kv_cache.check_consistency()
 
 
+def test_the_step_graphs_are_captured_on_writes_only_the_sink_block(tiny_checkpoint, monkeypatch):
+    monkeypatch.setattr(llm_engine, "graphs_unavailable", lambda *args: None)
+    monkeypatch.setattr(ModelRunner, "capture_decode_graphs", lambda self: None)
+    engine = _engine(tiny_checkpoint)
+    engine.generate(PROMPTS[:1], PARAMS[:1])  # real K/V in some blocks
+    runner = engine.runner
+    before = [cache.clone() for cache in runner.kv_caches]
+    metadata = runner.stage_pad_decodes(4)  # what `DecodeGraphs` captures the bucket on
+    assert metadata.max_seq_len == runner.max_model_len  # the split-KV count fits every length
+    assert metadata.block_tables[:, 0].tolist() == [runner.sink_block] * 4
+    assert not metadata.block_tables[:, 1:].any()
+    inputs = runner.buffers.device
+    with torch.inference_mode():
+        hidden = engine.model(
+            inputs.input_ids[:4], inputs.positions[:, :4], runner.kv_caches, metadata
+        )
+        assert engine.model.compute_logits(hidden).isfinite().all()
+    sink = runner.sink_block
+    for cache, old in zip(runner.kv_caches, before, strict=True):
+        assert torch.equal(cache[:, :sink], old[:, :sink])
+        assert not torch.equal(cache[:, sink], old[:, sink])
+
+
 def test_step_inputs_are_views_of_the_persistent_buffers(tiny_checkpoint):
     engine = _engine(tiny_checkpoint)
     spy = _ForwardSpy(engine.model)
