@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from stillcut.kernels.attention import AttentionMetadata
+
 if TYPE_CHECKING:
     from stillcut.engine.runner import ModelRunner
 
@@ -96,11 +98,23 @@ class DecodeGraphs:
         return self.logits[bucket]
 
 
+def stage_pad_decodes(runner: ModelRunner, bucket: int) -> AttentionMetadata:
+    """Stage a decode step of `bucket` pad rows only (what a bucket's graph is captured on)."""
+    buffers = runner.buffers
+    buffers.staging()
+    query_start, seq_lens = [0], []
+    buffers.stage_pads(query_start, seq_lens, bucket, runner.sink_block)
+    buffers.stage_requests(query_start, seq_lens, runner.block_table, [], 0, None)
+    return buffers.metadata(query_start, seq_lens, runner.max_model_len)
+
+
 def _capture_bucket(
     runner: ModelRunner, bucket: int, pool
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """Warm up (Triton compiles, the allocator settles) on a side stream, then capture."""
-    metadata = runner.stage_pad_decodes(bucket)
+    """Warm up (Triton compiles, the allocator settles) on a side stream, then capture, on a
+    step of pad rows only whose `max_seq_len` is the longest context allowed (so the split-KV
+    count it fixes serves every replay)."""
+    metadata = stage_pad_decodes(runner, bucket)
     inputs = runner.buffers.device
 
     def decode_step() -> torch.Tensor:

@@ -99,13 +99,13 @@ class ModelRunner:
             max_num_reqs=max_num_reqs,
             max_num_blocks=max_blocks,
             num_position_rows=model.num_position_rows,
+            block_size=block_size,
             device=self.device,
         )
-        # The loop below writes token inputs straight into the staging views.
+        # `_prepare` writes token inputs straight into the staging views.
         self.input_ids = self.buffers.host.input_ids
         self.positions = self.buffers.host.positions
         self.slot_mapping = self.buffers.host.slot_mapping
-        self._table_width = 0  # staged block-table columns ever written: zeroed again each step
         self.graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self) -> DecodeGraphs:
@@ -243,11 +243,16 @@ class ModelRunner:
         if every_token_samples and len(decodes) == len(request_ids) and recurrent is None:
             bucket = bucket_for(len(request_ids), self.decode_buckets)
         if bucket is not None:
-            self._stage_padding(query_start, seq_lens, bucket)
-        self._stage_step(
-            query_start, seq_lens, rows, max_blocks, None if every_token_samples else sample_index
+            self.buffers.stage_pads(query_start, seq_lens, bucket, self.sink_block)
+        self.buffers.stage_requests(
+            query_start,
+            seq_lens,
+            self.block_table,
+            rows,
+            max_blocks,
+            None if every_token_samples else sample_index,
         )
-        metadata = self._device_metadata(query_start, seq_lens, max(seq_lens), mm_ranges)
+        metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), mm_ranges)
         metadata.recurrent = recurrent
         device, inputs, num_tokens = self.device, self.buffers.device, query_start[-1]
         return _Batch(
@@ -260,69 +265,6 @@ class ModelRunner:
             sample_index=None if every_token_samples else inputs.sample_index[: len(sample_index)],
             bucket=bucket,
         )
-
-    def stage_pad_decodes(self, bucket: int) -> AttentionMetadata:
-        """Stage a step of `bucket` pad rows only (what a decode graph is captured on); its
-        metadata gives the longest context allowed as `max_seq_len`, which every replay
-        then meets."""
-        self.buffers.staging()
-        query_start, seq_lens = [0], []
-        self._stage_padding(query_start, seq_lens, bucket)
-        self._stage_step(query_start, seq_lens, [], 0, None)
-        return self._device_metadata(query_start, seq_lens, self.max_model_len)
-
-    def _stage_step(
-        self,
-        query_start: list[int],
-        seq_lens: list[int],
-        rows: list[int],
-        max_blocks: int,
-        sample_index: list[int] | None,
-    ) -> None:
-        """Stage the per-request inputs (the token inputs are staged already) and copy the
-        step to the device."""
-        num_requests, staged = len(seq_lens), self.buffers.host
-        staged.query_start_loc[: num_requests + 1] = torch.tensor(query_start, dtype=torch.int32)
-        staged.seq_lens[:num_requests] = torch.tensor(seq_lens, dtype=torch.int32)
-        self._table_width = max(self._table_width, max_blocks)
-        width = self._table_width  # overwrites what longer requests left in these rows
-        staged.block_tables[: len(rows), :width] = self.block_table[rows, :width]
-        if sample_index is not None:
-            staged.sample_index[: len(sample_index)] = torch.tensor(sample_index)
-        self.buffers.upload(num_requests)
-
-    def _device_metadata(
-        self, query_start: list[int], seq_lens: list[int], max_seq_len: int, mm_ranges=()
-    ) -> AttentionMetadata:
-        """The staged step's attention metadata: views of the device buffers."""
-        inputs, num_requests = self.buffers.device, len(seq_lens)
-        return AttentionMetadata(
-            query_start_loc=inputs.query_start_loc[: num_requests + 1],
-            seq_lens=inputs.seq_lens[:num_requests],
-            block_tables=inputs.block_tables[:num_requests],
-            slot_mapping=inputs.slot_mapping[: query_start[-1]],
-            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
-            max_seq_len=max_seq_len,
-            mm_ranges=torch.tensor(mm_ranges, dtype=torch.int32, device=self.device)
-            if mm_ranges
-            else None,
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-        )
-
-    def _stage_padding(self, query_start: list[int], seq_lens: list[int], bucket: int) -> None:
-        """Pad a step of decodes to `bucket` rows: each pad is a one-token request at position
-        0 of the sink block (its block table row [sink, 0, ...]), so it reads only what it
-        wrote. Extends `query_start` and `seq_lens` in place."""
-        first, staged = query_start[-1], self.buffers.host
-        pads = slice(first, bucket)
-        staged.input_ids[pads] = 0
-        staged.positions[:, pads] = 0
-        staged.slot_mapping[pads] = self.sink_block * self.block_size
-        staged.block_tables[pads, : max(self._table_width, 1)] = 0
-        staged.block_tables[pads, 0] = self.sink_block
-        query_start.extend(range(first + 1, bucket + 1))
-        seq_lens.extend([1] * (bucket - first))
 
     def _write_decodes(self, decodes: list[tuple[int, int, int, int]]) -> None:
         """Token id, position and slot of each decode: one sampled text token (t = h = w)."""

@@ -6,7 +6,8 @@ tensors are views of the same storage every step and a decode step can be replay
 graph. The host writes a step into one staging buffer (pinned on CUDA) and one copy moves it to
 the device; on CPU the staging buffer is the device buffer and nothing is copied. The fields
 lie back to back in one byte buffer, the block table last, so the copy stops after the block
-table rows the step uses.
+table rows the step uses. A step of decodes may be padded to a bucket (`stage_pads`): each pad
+row is a one-token request at position 0 of a sink block no request owns.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 from typing import NamedTuple
 
 import torch
+
+from stillcut.kernels.attention import AttentionMetadata
 
 _ALIGN = 8  # bytes: every field starts where an int64 may
 
@@ -41,6 +44,7 @@ class StepBuffers:
         max_num_reqs: int,
         max_num_blocks: int,
         num_position_rows: int,
+        block_size: int,
         device: torch.device,
     ) -> None:
         long, int32 = torch.long, torch.int32
@@ -68,12 +72,73 @@ class StepBuffers:
         self.host = _views(self._host_bytes, layout, offsets)
         self.device = _views(self._device_bytes, layout, offsets)
         self._copied = torch.cuda.Event() if on_cuda else None
+        self.torch_device = device
+        self.block_size = block_size
+        self._table_width = 0  # block-table columns ever staged: rewritten in every staged row
 
     def staging(self) -> StepTensors:
         """The host views, once the previous step's copy has read them."""
         if self._copied is not None:
             self._copied.synchronize()
         return self.host
+
+    def stage_requests(
+        self,
+        query_start: list[int],
+        seq_lens: list[int],
+        block_table: torch.Tensor,
+        rows: list[int],
+        max_blocks: int,
+        sample_index: list[int] | None,
+    ) -> None:
+        """Stage the per-request inputs (token inputs are staged already): `rows` of the
+        runner's `block_table` `[max_num_reqs, max_num_blocks]` (zero past each row's blocks,
+        at most `max_blocks`) go to the first rows, then the step is copied to the device."""
+        num_requests, host = len(seq_lens), self.host
+        host.query_start_loc[: num_requests + 1] = torch.tensor(query_start, dtype=torch.int32)
+        host.seq_lens[:num_requests] = torch.tensor(seq_lens, dtype=torch.int32)
+        self._table_width = max(self._table_width, max_blocks)
+        width = self._table_width  # overwrites what longer requests left in these rows
+        host.block_tables[: len(rows), :width] = block_table[rows, :width]
+        if sample_index is not None:
+            host.sample_index[: len(sample_index)] = torch.tensor(sample_index)
+        self.upload(num_requests)
+
+    def stage_pads(
+        self, query_start: list[int], seq_lens: list[int], bucket: int, sink_block: int
+    ) -> None:
+        """Pad a step of decodes (one token per request, so token rows are request rows) to
+        `bucket` rows: each pad writes and reads position 0 of `sink_block` (block table row
+        [sink, 0, ...]). Extends `query_start` and `seq_lens` in place."""
+        first, host = query_start[-1], self.host
+        pads = slice(first, bucket)
+        host.input_ids[pads] = 0
+        host.positions[:, pads] = 0
+        host.slot_mapping[pads] = sink_block * self.block_size
+        host.block_tables[pads, : max(self._table_width, 1)] = 0
+        host.block_tables[pads, 0] = sink_block
+        query_start.extend(range(first + 1, bucket + 1))
+        seq_lens.extend([1] * (bucket - first))
+
+    def metadata(
+        self, query_start: list[int], seq_lens: list[int], max_seq_len: int, mm_ranges=()
+    ) -> AttentionMetadata:
+        """The staged step's attention metadata: views of the device buffers (and the
+        bidirectional `mm_ranges` rows (b, start, end), copied apart)."""
+        device, num_requests = self.device, len(seq_lens)
+        return AttentionMetadata(
+            query_start_loc=device.query_start_loc[: num_requests + 1],
+            seq_lens=device.seq_lens[:num_requests],
+            block_tables=device.block_tables[:num_requests],
+            slot_mapping=device.slot_mapping[: query_start[-1]],
+            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
+            max_seq_len=max_seq_len,
+            mm_ranges=torch.tensor(mm_ranges, dtype=torch.int32, device=self.torch_device)
+            if mm_ranges
+            else None,
+            query_start_loc_cpu=query_start,
+            seq_lens_cpu=seq_lens,
+        )
 
     def upload(self, num_table_rows: int) -> None:
         """Copy the staged step to the device: everything up to the end of block table row

@@ -14,7 +14,12 @@ import torch
 
 from stillcut.engine import llm_engine
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from stillcut.engine.cuda_graphs import bucket_for, decode_buckets, graphs_unavailable
+from stillcut.engine.cuda_graphs import (
+    bucket_for,
+    decode_buckets,
+    graphs_unavailable,
+    stage_pad_decodes,
+)
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 from stillcut.engine.runner import ModelRunner
@@ -92,7 +97,7 @@ def test_the_step_graphs_are_captured_on_writes_only_the_sink_block(tiny_checkpo
     engine.generate(PROMPTS[:1], PARAMS[:1])  # real K/V in some blocks
     runner = engine.runner
     before = [cache.clone() for cache in runner.kv_caches]
-    metadata = runner.stage_pad_decodes(4)  # what `DecodeGraphs` captures the bucket on
+    metadata = stage_pad_decodes(runner, 4)  # what `DecodeGraphs` captures the bucket on
     assert metadata.max_seq_len == runner.max_model_len  # the split-KV count fits every length
     assert metadata.block_tables[:, 0].tolist() == [runner.sink_block] * 4
     assert not metadata.block_tables[:, 1:].any()
