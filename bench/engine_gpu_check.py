@@ -7,7 +7,7 @@
    greedy tokens of text prompts and of a synthetic video (a frame array, no PyAV) with EVS
    off and on, each encoded by the vision pipeline on its own device, on the CPU (fp32, the
    reference) and on CUDA in fp32 eagerly (`enforce_eager`) and with decode CUDA graphs.
-   Tokens must be equal.
+   Tokens must be equal (greedy with a repetition penalty, so they depend on the context).
 3. Timings on a 7B-shaped (Qwen2.5-7B) bf16 language model with random weights, built in
    device memory (never written): the batch-1 engine decode step (runner and scheduler) with
    graphs and eagerly, interleaved step by step (medians), against its weight-read floor, the
@@ -50,7 +50,9 @@ from stillcut.engine.scheduler import Scheduler
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.pipeline import VisionPipeline
 
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+# Greedy, with a repetition penalty: the tiny random models would otherwise repeat their last
+# token, which hides what attention over the context got wrong.
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.3)
 EVS_SETTINGS = {"evs off": None, "evs 0.5": EVSConfig(mode="rate", rate=0.5)}
 FLOOR_TARGET, GRAPH_SPEEDUP_TARGET = 1.3, 1.5
 QWEN_7B = TextConfig(

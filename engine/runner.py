@@ -74,6 +74,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # Padded decode rows write their K/V into one extra block that no request owns.
         self.decode_buckets = tuple(decode_buckets)
+        assert max(self.decode_buckets, default=0) <= min(max_num_reqs, max_num_batched_tokens)
         self.sink_block = num_blocks
         num_cache_blocks = num_blocks + (1 if self.decode_buckets else 0)
         self.kv_caches = _paged_kv_caches(

@@ -48,7 +48,7 @@ class StepBuffers:
         device: torch.device,
     ) -> None:
         long, int32 = torch.long, torch.int32
-        layout = [
+        layout = [  # (dtype, shape) in `StepTensors` order
             (long, (max_num_tokens,)),
             (long, (num_position_rows, max_num_tokens)),
             (long, (max_num_tokens,)),
