@@ -243,6 +243,8 @@ class ModelRunner:
         bucket = None
         if every_token_samples and len(decodes) == len(request_ids) and recurrent is None:
             bucket = bucket_for(len(request_ids), self.decode_buckets)
+        if mm_pieces:
+            self.buffers.stage_items(query_start[-1], mm_spans, mm_ranges)
         if bucket is not None:
             self.buffers.stage_pads(query_start, seq_lens, bucket, self.sink_block)
         self.buffers.stage_requests(
@@ -253,7 +255,7 @@ class ModelRunner:
             max_blocks,
             None if every_token_samples else sample_index,
         )
-        metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), mm_ranges)
+        metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), len(mm_ranges))
         metadata.recurrent = recurrent
         device, inputs, num_tokens = self.device, self.buffers.device, query_start[-1]
         return _Batch(
@@ -261,7 +263,7 @@ class ModelRunner:
             positions=inputs.positions[:, :num_tokens],
             metadata=metadata,
             mm_embeds=torch.cat(mm_pieces).to(device) if mm_pieces else None,
-            mm_mask=_mask(num_tokens, mm_spans).to(device) if mm_pieces else None,
+            mm_mask=inputs.mm_mask[:num_tokens] if mm_pieces else None,
             sample_ids=sample_ids,
             sample_index=None if every_token_samples else inputs.sample_index[: len(sample_index)],
             bucket=bucket,
@@ -358,14 +360,6 @@ class _Batch:
     sample_ids: list[str]
     sample_index: torch.Tensor | None  # [S]; None when every token samples
     bucket: int | None = None  # decode rows padded to this many; None: not padded
-
-
-def _mask(num_tokens: int, spans: list[tuple[int, int]]) -> torch.Tensor:
-    """[num_tokens] bool, True inside `spans` (half-open batch ranges)."""
-    mask = torch.zeros(num_tokens, dtype=torch.bool)
-    for lo, hi in spans:
-        mask[lo:hi] = True
-    return mask
 
 
 def _paged_kv_caches(

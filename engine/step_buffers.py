@@ -1,7 +1,8 @@
 """The runner's per-step inputs: persistent on the model's device, staged on the host.
 
 DESIGN.md's step contract: token ids, positions, slot mapping, query starts, sequence lengths,
-a zero-padded block table and the rows that sample live in buffers sized once, so a step's
+a zero-padded block table, the rows that sample and where multimodal embeddings go (a token
+mask and the bidirectional item ranges) live in buffers sized once, so a step's
 tensors are views of the same storage every step and a decode step can be replayed as a CUDA
 graph. The host writes a step into one staging buffer (pinned on CUDA) and one copy moves it to
 the device; on CPU the staging buffer is the device buffer and nothing is copied. The fields
@@ -29,6 +30,8 @@ class StepTensors(NamedTuple):
     positions: torch.Tensor  # [num_position_rows, max_num_tokens] long
     slot_mapping: torch.Tensor  # [max_num_tokens] long
     sample_index: torch.Tensor  # [max_num_tokens] long, rows whose hidden state samples
+    mm_mask: torch.Tensor  # [max_num_tokens] bool, rows that take a multimodal embedding
+    mm_ranges: torch.Tensor  # [max_num_tokens, 3] int32, bidirectional items (b, start, end)
     query_start_loc: torch.Tensor  # [max_num_reqs + 1] int32
     seq_lens: torch.Tensor  # [max_num_reqs] int32
     block_tables: torch.Tensor  # [max_num_reqs, max_num_blocks] int32, zero past each row's
@@ -53,6 +56,8 @@ class StepBuffers:
             (long, (num_position_rows, max_num_tokens)),
             (long, (max_num_tokens,)),
             (long, (max_num_tokens,)),
+            (torch.bool, (max_num_tokens,)),
+            (int32, (max_num_tokens, 3)),
             (int32, (max_num_reqs + 1,)),
             (int32, (max_num_reqs,)),
             (int32, (max_num_reqs, max_num_blocks)),
@@ -72,7 +77,6 @@ class StepBuffers:
         self.host = _views(self._host_bytes, layout, offsets)
         self.device = _views(self._device_bytes, layout, offsets)
         self._copied = torch.cuda.Event() if on_cuda else None
-        self.torch_device = device
         self.block_size = block_size
         self._table_width = 0  # block-table columns ever staged: rewritten in every staged row
 
@@ -104,6 +108,18 @@ class StepBuffers:
             host.sample_index[: len(sample_index)] = torch.tensor(sample_index)
         self.upload(num_requests)
 
+    def stage_items(
+        self, num_tokens: int, spans: list[tuple[int, int]], ranges: list[tuple[int, int, int]]
+    ) -> None:
+        """Stage which of the step's `num_tokens` rows take multimodal embeddings (half-open
+        `spans`) and its bidirectional item `ranges` (b, start, end); before `stage_requests`."""
+        mask = self.host.mm_mask[:num_tokens]
+        mask.zero_()
+        for lo, hi in spans:
+            mask[lo:hi] = True
+        if ranges:
+            self.host.mm_ranges[: len(ranges)] = torch.tensor(ranges, dtype=torch.int32)
+
     def stage_pads(
         self, query_start: list[int], seq_lens: list[int], bucket: int, sink_block: int
     ) -> None:
@@ -121,10 +137,10 @@ class StepBuffers:
         seq_lens.extend([1] * (bucket - first))
 
     def metadata(
-        self, query_start: list[int], seq_lens: list[int], max_seq_len: int, mm_ranges=()
+        self, query_start: list[int], seq_lens: list[int], max_seq_len: int, num_ranges: int = 0
     ) -> AttentionMetadata:
-        """The staged step's attention metadata: views of the device buffers (and the
-        bidirectional `mm_ranges` rows (b, start, end), copied apart)."""
+        """The staged step's attention metadata (with its first `num_ranges` staged item
+        ranges): views of the device buffers."""
         device, num_requests = self.device, len(seq_lens)
         return AttentionMetadata(
             query_start_loc=device.query_start_loc[: num_requests + 1],
@@ -133,9 +149,7 @@ class StepBuffers:
             slot_mapping=device.slot_mapping[: query_start[-1]],
             max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
             max_seq_len=max_seq_len,
-            mm_ranges=torch.tensor(mm_ranges, dtype=torch.int32, device=self.torch_device)
-            if mm_ranges
-            else None,
+            mm_ranges=device.mm_ranges[:num_ranges] if num_ranges else None,
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
         )
