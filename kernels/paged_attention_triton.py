@@ -302,7 +302,9 @@ def paged_attention_triton(
     block_q = block_m // group_pad
     has_items = metadata.mm_ranges is not None and metadata.mm_ranges.shape[0] > 0
     if has_items:
-        item_offsets, items = _items_csr(metadata.mm_ranges, num_requests)
+        if "items_csr" not in metadata.plans:  # once per step, not per layer
+            metadata.plans["items_csr"] = _items_csr(metadata.mm_ranges, num_requests)
+        item_offsets, items = metadata.plans["items_csr"]
     else:
         item_offsets = items = metadata.query_start_loc  # never read
     key_cache, value_cache = kv_cache[0], kv_cache[1]
