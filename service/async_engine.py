@@ -171,7 +171,7 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
 
         def extend() -> None:
-            self.engine.extend_held(request_id, token_ids, mm_items)
+            self.engine.append_input(request_id, token_ids, mm_items)
             self._streams[request_id] = stream
 
         await self._submit(extend)
