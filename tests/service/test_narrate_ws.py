@@ -1,0 +1,119 @@
+"""Narration over `WebSocket /v1/stream` (`"mode": "narrate"`), with the websockets client on
+a real server: segments per tubelet under `queue`, the engine's own narration of the same
+frames, bad start options, rollover at the context limit, a client that vanishes mid-segment.
+Every block is back once a session ends or drops."""
+
+import io
+import json
+import struct
+
+import numpy as np
+import pytest
+from PIL import Image
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from stillcut.service.config import ServerConfig
+
+from .conftest import running_server, settled_pool_state
+
+NUM_TUBELETS = 4
+START = {
+    "type": "start",
+    "mode": "narrate",
+    "prompt": "Say what you see.",
+    "lag": "queue",
+    "threshold": None,
+    "max_tokens_per_segment": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    with running_server(tiny_checkpoint, ServerConfig(max_sessions=2)) as server:
+        yield server
+
+
+def _frame(timestamp: float, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return struct.pack("<d", timestamp) + buffer.getvalue()
+
+
+def _connect(server):
+    return connect(server.url.replace("http://", "ws://") + "/v1/stream", proxy=None)
+
+
+def _narrate(server, start: dict, num_frames: int) -> tuple[list[dict], int]:
+    """Send a start and the frames, then stop; every message until the close, and its code."""
+    messages = []
+    with _connect(server) as socket:
+        socket.send(json.dumps(start))
+        for k in range(num_frames):
+            socket.send(_frame(k / 2, seed=k))
+        socket.send(json.dumps({"type": "stop"}))
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                messages.append(json.loads(socket.recv(timeout=60)))
+    return messages, closed.value.rcvd.code
+
+
+def test_queue_narrates_every_tubelet_in_order_and_frees_everything(server):
+    messages, code = _narrate(server, START, 2 * NUM_TUBELETS)
+    assert code == 1000 and messages[0]["type"] == "started"
+    segments = [m for m in messages if m["type"] == "segment"]
+    assert [s["t"] for s in segments] == [[k, k + 0.5] for k in range(NUM_TUBELETS)]
+    assert all(s["skipped"] == 0 for s in segments)
+    # the tokens streamed before each segment spell its text
+    text, spelled = "", []
+    for message in messages:
+        if message["type"] == "token":
+            text += message["text"]
+        elif message["type"] == "segment":
+            spelled.append(text)
+            text = ""
+    assert spelled == [s["text"] for s in segments]
+    assert settled_pool_state(server) == (True, 0)
+
+
+@pytest.mark.parametrize(
+    ("option", "phrase"),
+    [
+        ({"max_tokens": 4}, "answer-only options"),
+        ({"segment_end": ["x"] * 17}, "segment_end must hold 1 to 16"),
+        ({"segment_end": ["x" * 257]}, "at most 256 characters"),
+        ({"lag": "sometimes"}, "lag='sometimes' must be one of"),
+        ({"prompt": " "}, "prompt must be a non-empty string"),
+        ({"mode": "sing"}, "mode='sing': allowed 'narrate'"),
+    ],
+)
+def test_bad_narrate_options_end_the_socket_with_a_clear_error(server, option, phrase):
+    with _connect(server) as socket:
+        socket.send(json.dumps({**START, **option}))
+        message = json.loads(socket.recv(timeout=30))
+        with pytest.raises(ConnectionClosed) as closed:
+            socket.recv(timeout=30)
+    assert closed.value.rcvd.code == 1008
+    assert message["code"] == "bad_start" and phrase in message["message"], message
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_rollover_at_the_context_limit_and_the_session_goes_on(server):
+    start = {**START, "max_context_tokens": 120, "keep_last_s": 0.0}
+    messages, code = _narrate(server, start, 2 * NUM_TUBELETS)
+    kinds = [m["type"] for m in messages]
+    assert code == 1000 and "rollover" in kinds
+    assert kinds.count("segment") == NUM_TUBELETS  # every tubelet was still narrated
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_a_client_that_vanishes_mid_segment_frees_its_request(server):
+    with _connect(server) as socket:
+        socket.send(json.dumps({**START, "max_tokens_per_segment": 24}))
+        for k in range(2):
+            socket.send(_frame(k / 2, seed=k))
+        # the tubelet is committed and its segment under way when the client leaves
+        while json.loads(socket.recv(timeout=60))["type"] != "frame":
+            pass
+    assert settled_pool_state(server) == (True, 0)
