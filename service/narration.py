@@ -4,7 +4,8 @@ Frames arrive, are checked and become tubelets exactly as in a question-answer `
 (threshold EVS whose reference carries from tubelet to tubelet; EVS off is the same pruner
 keeping every token), but each tubelet is its own one-tubelet video (t = 0, grid (1, h, w)).
 A speaker task appends ready tubelets to one streaming request (its timestamp text, then the
-tubelet, `PromptProcessor.narration_input`) and streams the segment the model says about it.
+tubelet, `PromptProcessor.narration_input`) and streams the segment the model says about it; each
+`segment` message says how many tokens were prefilled for it (`prefill_tokens`).
 Under lag `queue` every tubelet is appended in order; under `latest` the speaker skips to the
 newest and reports how many it skipped. A tubelet EVS emptied is not appended. When the next
 append would pass `max_context_tokens`, the request is replaced by a fresh one holding the
@@ -122,7 +123,7 @@ class Narration(LiveSession):
                 item = self._ready.popleft()
             try:
                 await self._append(item)
-                text = await self._segment()
+                text, num_prefilled = await self._segment()
             except (*_ENGINE_ERRORS, EngineStopped, RequestAborted) as error:
                 await self._stop_speaking("engine", str(error))
                 return
@@ -132,7 +133,13 @@ class Narration(LiveSession):
                 return
             t_first, t_last = item.timestamps[0], item.timestamps[-1]
             await self._emit(
-                {"type": "segment", "t": [t_first, t_last], "text": text, "skipped": skipped}
+                {
+                    "type": "segment",
+                    "t": [t_first, t_last],
+                    "text": text,
+                    "skipped": skipped,
+                    "prefill_tokens": num_prefilled,
+                }
             )
 
     async def _stop_speaking(self, code: str, message: str) -> None:
@@ -188,17 +195,21 @@ class Narration(LiveSession):
             token_ids += ids
         return Prompt(token_ids, items, positions)
 
-    async def _segment(self) -> str:
-        """Stream one segment's tokens; its text."""
-        pieces = []
+    async def _segment(self) -> tuple[str, int]:
+        """Stream one segment's tokens; its text and the tokens prefilled before it (the
+        append's, with the last segment's final token; a fresh request's whole prompt)."""
+        pieces, num_prefilled = [], 0
         async for output in self._stream:
             self._num_tokens += len(output.new_token_ids)
+            metrics = output.metrics
+            appended = metrics.append_prefill_tokens
+            num_prefilled = appended[-1] if appended else metrics.num_prompt_tokens
             if output.delta:
                 pieces.append(output.delta)
                 await self._emit({"type": "token", "text": output.delta})
             if output.segment_end is not None:
                 break
-        return "".join(pieces)
+        return "".join(pieces), num_prefilled
 
     async def _end_request(self) -> None:
         stream, self._stream, self._request_id = self._stream, None, None

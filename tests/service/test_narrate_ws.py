@@ -14,8 +14,9 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from stillcut.service.config import ServerConfig
+from stillcut.service.narrate_api import file_frames
 
-from .conftest import running_server, settled_pool_state
+from .conftest import make_llm, running_server, settled_pool_state
 
 NUM_TUBELETS = 4
 START = {
@@ -36,6 +37,10 @@ def server(tiny_checkpoint):
 
 def _frame(timestamp: float, seed: int) -> bytes:
     pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    return _png_frame(timestamp, pixels)
+
+
+def _png_frame(timestamp: float, pixels: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return struct.pack("<d", timestamp) + buffer.getvalue()
@@ -45,13 +50,15 @@ def _connect(server):
     return connect(server.url.replace("http://", "ws://") + "/v1/stream", proxy=None)
 
 
-def _narrate(server, start: dict, num_frames: int) -> tuple[list[dict], int]:
-    """Send a start and the frames, then stop; every message until the close, and its code."""
+def _narrate(server, start: dict, num_frames: int, frames=None) -> tuple[list[dict], int]:
+    """Send a start and the frames (random ones by default), then stop; every message until
+    the close, and its code."""
     messages = []
+    frames = frames or [_frame(k / 2, seed=k) for k in range(num_frames)]
     with _connect(server) as socket:
         socket.send(json.dumps(start))
-        for k in range(num_frames):
-            socket.send(_frame(k / 2, seed=k))
+        for frame in frames:
+            socket.send(frame)
         socket.send(json.dumps({"type": "stop"}))
         with pytest.raises(ConnectionClosed) as closed:
             while True:
@@ -117,3 +124,36 @@ def test_a_client_that_vanishes_mid_segment_frees_its_request(server):
         while json.loads(socket.recv(timeout=60))["type"] != "frame":
             pass
     assert settled_pool_state(server) == (True, 0)
+
+
+def test_video_llm_narrate_on_a_file_equals_the_websocket_narration(
+    server, tiny_checkpoint, tiny_clip, tmp_path
+):
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(tiny_clip)
+    # sampled tokens (seeded) make the texts tell the two apart if anything differs
+    options = {"max_tokens_per_segment": 4, "temperature": 1.0, "seed": 7, "threshold": 0.05}
+    segments = list(make_llm(tiny_checkpoint).narrate(path, START["prompt"], **options))
+    frames = [_png_frame(t, pixels) for t, pixels in file_frames(path, 2.0)]
+    messages, code = _narrate(server, {**START, **options}, len(frames), frames)
+    sent = [m for m in messages if m["type"] == "segment"]
+    assert code == 1000 and len(segments) == 3 and any(s.text for s in segments)
+    assert [(list(s.t), s.text, s.skipped, s.prefill_tokens) for s in segments] == [
+        (m["t"], m["text"], m["skipped"], m["prefill_tokens"]) for m in sent
+    ]
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_a_static_stream_prefills_its_wrappers_and_the_kept_token_per_append(tiny_checkpoint):
+    """Threshold EVS with floor 1: after the first tubelet a static scene keeps one token per
+    tubelet, so each append prefills that token, its wrapper (timestamp text, vision start and
+    end) and the last segment's final token, however long the stream."""
+    llm = make_llm(tiny_checkpoint)
+    pixels = np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    frames = [(k / 2, pixels) for k in range(16)]
+    options = {"threshold": 0.1, "floor": 1, "max_tokens_per_segment": 2}
+    segments = list(llm.narrate(iter(frames), "Say what changes.", **options))
+    assert len(segments) == 8
+    for segment in segments[1:]:
+        wrapper = len(llm.processor.encode(f"<{segment.t[0]:.1f}s>")) + 2
+        assert segment.prefill_tokens == wrapper + 1 + 1
