@@ -6,6 +6,7 @@ Every block is back once a session ends or drops."""
 import io
 import json
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -35,9 +36,12 @@ def server(tiny_checkpoint):
         yield server
 
 
+def _pixels(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+
+
 def _frame(timestamp: float, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
-    return _png_frame(timestamp, pixels)
+    return _png_frame(timestamp, _pixels(seed))
 
 
 def _png_frame(timestamp: float, pixels: np.ndarray) -> bytes:
@@ -157,3 +161,22 @@ def test_a_static_stream_prefills_its_wrappers_and_the_kept_token_per_append(tin
     for segment in segments[1:]:
         wrapper = len(llm.processor.encode(f"<{segment.t[0]:.1f}s>")) + 2
         assert segment.prefill_tokens == wrapper + 1 + 1
+
+
+def test_latest_skips_to_the_newest_tubelet_when_the_model_falls_behind(tiny_checkpoint):
+    llm = make_llm(tiny_checkpoint)
+    forward = llm.engine.model.forward
+
+    def slow_forward(*args, **kwargs):  # a segment now takes longer than a tubelet lasts
+        time.sleep(0.25)
+        return forward(*args, **kwargs)
+
+    llm.engine.model.forward = slow_forward
+    frames = [(k / 8, _pixels(k)) for k in range(16)]
+    options = {"fps": 8.0, "lag": "latest", "threshold": None, "max_tokens_per_segment": 3}
+    segments = list(llm.narrate(iter(frames), "Say what you see.", realtime=True, **options))
+    assert any(s.skipped for s in segments)
+    # every tubelet was either narrated or reported skipped, and time only moves forward
+    assert len(segments) + sum(s.skipped for s in segments) == 8
+    assert [s.t for s in segments] == sorted(s.t for s in segments)
+    assert segments[-1].t == (14 / 8, 15 / 8)  # the newest is never skipped
