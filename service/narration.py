@@ -5,7 +5,8 @@ Frames arrive, are checked and become tubelets exactly as in a question-answer `
 keeping every token), but each tubelet is its own one-tubelet video (t = 0, grid (1, h, w)).
 A speaker task appends ready tubelets to one streaming request (its timestamp text, then the
 tubelet, `PromptProcessor.narration_input`) and streams the segment the model says about it; each
-`segment` message says how many tokens were prefilled for it (`prefill_tokens`).
+`segment` message says how many tokens were prefilled for it (`prefill_tokens`) and how long
+after its tubelet's last frame arrived its first token came (`lag_s`).
 Under lag `queue` every tubelet is appended in order; under `latest` the speaker skips to the
 newest and reports how many it skipped. A tubelet EVS emptied is not appended. When the next
 append would pass `max_context_tokens`, the request is replaced by a fresh one holding the
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -62,7 +64,9 @@ class Narration(LiveSession):
         max_model_len = engine.engine.config.scheduler.max_model_len
         self._max_context = min(options.max_context_tokens or max_model_len, max_model_len)
         self._emit = emit
-        self._ready: collections.deque[MultiModalItem] = collections.deque()
+        # ready tubelets, each with when its last frame arrived (monotonic seconds)
+        self._ready: collections.deque[tuple[MultiModalItem, float]] = collections.deque()
+        self._frame_arrived_at = 0.0
         self._kept: collections.deque[MultiModalItem] = collections.deque()  # the window
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # nothing ready, nothing being said
@@ -73,6 +77,11 @@ class Narration(LiveSession):
         self._num_tokens = 0  # in the streaming request's sequence
         self._num_requests = 0
         self._params = None  # built on first use: finding segment-end tokens takes a second
+
+    async def add_frame(self, timestamp: float, image: bytes):
+        """As a live session's; the time it arrives is when its tubelet's lag starts."""
+        self._frame_arrived_at = time.monotonic()
+        return await super().add_frame(timestamp, image)
 
     async def drain(self) -> None:
         """Wait until every ready tubelet has been spoken about (or skipped)."""
@@ -93,7 +102,7 @@ class Narration(LiveSession):
         self._chain = item.identifier
         if not item.num_tokens:
             return  # nothing changed enough to show: nothing to say about it
-        self._ready.append(item)
+        self._ready.append((item, self._frame_arrived_at))
         self._idle.clear()
         self._wake.set()
         if self._speaker is None:
@@ -117,13 +126,13 @@ class Narration(LiveSession):
             skipped = 0
             if self.options.lag == "latest":
                 skipped = len(self._ready) - 1
-                item = self._ready[-1]
+                item, arrived_at = self._ready[-1]
                 self._ready.clear()
             else:
-                item = self._ready.popleft()
+                item, arrived_at = self._ready.popleft()
             try:
                 await self._append(item)
-                text, num_prefilled = await self._segment()
+                text, num_prefilled, lag_s = await self._segment(arrived_at)
             except (*_ENGINE_ERRORS, EngineStopped, RequestAborted) as error:
                 await self._stop_speaking("engine", str(error))
                 return
@@ -139,6 +148,7 @@ class Narration(LiveSession):
                     "text": text,
                     "skipped": skipped,
                     "prefill_tokens": num_prefilled,
+                    "lag_s": lag_s,
                 }
             )
 
@@ -195,12 +205,15 @@ class Narration(LiveSession):
             token_ids += ids
         return Prompt(token_ids, items, positions)
 
-    async def _segment(self) -> tuple[str, int]:
-        """Stream one segment's tokens; its text and the tokens prefilled before it (the
-        append's, with the last segment's final token; a fresh request's whole prompt)."""
-        pieces, num_prefilled = [], 0
+    async def _segment(self, arrived_at: float) -> tuple[str, int, float]:
+        """Stream one segment's tokens; its text, the tokens prefilled before it (the append's,
+        with the last segment's final token; a fresh request's whole prompt) and the seconds
+        from its tubelet's last frame arriving to its first token."""
+        pieces, num_prefilled, lag_s = [], 0, None
         async for output in self._stream:
             self._num_tokens += len(output.new_token_ids)
+            if lag_s is None:
+                lag_s = time.monotonic() - arrived_at
             metrics = output.metrics
             appended = metrics.append_prefill_tokens
             num_prefilled = appended[-1] if appended else metrics.num_prompt_tokens
@@ -209,7 +222,7 @@ class Narration(LiveSession):
                 await self._emit({"type": "token", "text": output.delta})
             if output.segment_end is not None:
                 break
-        return "".join(pieces), num_prefilled
+        return "".join(pieces), num_prefilled, lag_s
 
     async def _end_request(self) -> None:
         stream, self._stream, self._request_id = self._stream, None, None
