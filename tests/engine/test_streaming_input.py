@@ -105,3 +105,33 @@ def test_appends_cost_their_new_tokens_and_match_a_fresh_request(tiny_checkpoint
     engine.step()
     assert not engine.runner.rows
     assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_blocks
+
+
+def test_input_appended_while_decoding_joins_the_running_request(tiny_checkpoint, tubelets):
+    """A tubelet appended mid-segment: the tokens sampled so far stay, the input follows
+    them in the next step (beside the other request's decode), and generation goes on as a
+    fresh request over the whole sequence would."""
+    engine = _engine(tiny_checkpoint)
+    params = replace(SEGMENT, max_tokens=6)
+    prompt = engine.processor.build_text("Narrate what you see.")
+    request_id = engine.add_request(prompt, params, streaming=True)
+    other = engine.add_request(engine.processor.build_text("Something else."), params)
+    for _ in range(3):
+        engine.step()
+    request = engine.scheduler.requests[request_id]
+    assert request.status is RequestStatus.RUNNING and len(request.output_token_ids) == 3
+    sequence = [*request.prompt_token_ids, *request.output_token_ids]
+    new_ids = _appended_input(engine, 0, tubelets[0])
+    engine.append_input(request_id, new_ids, [tubelets[0]])
+    scheduled = engine.scheduler.schedule()
+    # the sampled token not yet computed, then the input, in a step with the other's decode
+    assert scheduled.num_scheduled_tokens == {other: 1, request_id: len(new_ids) + 1}
+    result = engine.runner.execute(scheduled)
+    engine.scheduler.update_from_output(scheduled, result.sampled)
+    outputs = _run_segment(engine, request_id)
+    fresh = _engine(tiny_checkpoint)
+    reference_id = fresh.add_request([*sequence, *new_ids], params, mm_items=[tubelets[0]])
+    (reference,) = [o for o in _run_segment(fresh, reference_id) if o.finished]
+    assert list(outputs[-1].token_ids) == list(reference.token_ids)
+    assert outputs[-1].segment_end == "length"
+    engine.abort(request_id)
