@@ -180,3 +180,25 @@ def test_latest_skips_to_the_newest_tubelet_when_the_model_falls_behind(tiny_che
     assert len(segments) + sum(s.skipped for s in segments) == 8
     assert [s.t for s in segments] == sorted(s.t for s in segments)
     assert segments[-1].t == (14 / 8, 15 / 8)  # the newest is never skipped
+
+
+@pytest.mark.parametrize(
+    ("bad_frame", "code"),
+    [
+        (_png_frame(1.0, np.zeros((84, 56, 3), np.uint8)), 1003),  # another size
+        (_frame(0.2, seed=1), 1003),  # back in time
+        (b"\0" * 4, 1003),  # no room for a timestamp
+    ],
+)
+def test_bad_frames_end_a_narration_and_free_everything(server, bad_frame, code):
+    with _connect(server) as socket:
+        socket.send(json.dumps({**START, "max_tokens_per_segment": 24}))
+        socket.send(_frame(0.0, seed=0))
+        socket.send(_frame(0.5, seed=1))  # a tubelet: its segment may be under way
+        socket.send(bad_frame)
+        messages = []
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                messages.append(json.loads(socket.recv(timeout=30)))
+    assert closed.value.rcvd.code == code and messages[-1]["type"] == "error"
+    assert settled_pool_state(server) == (True, 0)
