@@ -194,11 +194,8 @@ class Scheduler:
             )
             segment_end = None
             if stop_status is not None and request.streaming:
+                new_token_ids = self._end_segment(request, new_token_ids, stop_status, stop_reason)
                 segment_end = stop_status.value
-                if new_token_ids[-1] in request.eos_token_ids and stop_reason is None:
-                    request.output_token_ids.pop()  # EOS ends the segment; it is not kept
-                    new_token_ids = new_token_ids[:-1]
-                self._hold(request)
             elif stop_status is not None:
                 self._finish(request, stop_status)
             updates.append(
@@ -306,6 +303,21 @@ class Scheduler:
             if status is not None:
                 return list(token_ids[: index + 1]), status, stop_reason
         return list(token_ids), None, None
+
+    def _end_segment(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        stop_status: RequestStatus,
+        stop_reason: int | None,
+    ) -> list[int]:
+        """A streaming request's segment stopped: it waits for input. An EOS that ended it is
+        not kept (the next input follows the segment's text). Returns the tokens kept."""
+        if stop_status is RequestStatus.FINISHED_STOPPED and stop_reason is None:  # EOS
+            request.output_token_ids.pop()
+            new_token_ids = new_token_ids[:-1]
+        self._hold(request)
+        return new_token_ids
 
     def _hold(self, request: Request) -> None:
         """A live request waits for input: it keeps its blocks and its runner row."""

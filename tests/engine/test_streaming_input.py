@@ -135,3 +135,33 @@ def test_input_appended_while_decoding_joins_the_running_request(tiny_checkpoint
     assert list(outputs[-1].token_ids) == list(reference.token_ids)
     assert outputs[-1].segment_end == "length"
     engine.abort(request_id)
+
+
+@pytest.mark.parametrize("ending", ["stop token", "eos"])
+def test_a_segment_ends_at_a_stop_token_kept_or_an_eos_dropped(tiny_checkpoint, tubelets, ending):
+    """The tiny model repeats its last input token, here the vision end marker: made a stop
+    token it ends each segment and stays in the sequence; made EOS it ends each segment and
+    is not written, so the next input follows the segment's other tokens."""
+    engine = _engine(tiny_checkpoint)
+    vision_end = engine.processor.special.vision_end_token_id
+    params = replace(SEGMENT, ignore_eos=False)
+    if ending == "stop token":
+        params = replace(params, stop_token_ids=(vision_end,))
+    else:
+        engine.eos_token_ids = (vision_end,)
+    prompt = engine.processor.narration_prompt("Narrate.", tubelets[0], 0.0)
+    request_id = engine.add_request(prompt, params, streaming=True)
+    for k, item in enumerate(tubelets[:3]):
+        if k:
+            engine.append_input(request_id, engine.processor.narration_input(item, k), [item])
+        (last,) = [o for o in _run_segment(engine, request_id) if o.segment_end]
+        request = engine.scheduler.requests[request_id]
+        assert last.segment_end == "stop" and not last.finished
+        kept = [vision_end] if ending == "stop token" else []
+        assert request.output_token_ids == kept and list(last.token_ids) == kept
+        assert last.stop_reason == (vision_end if ending == "stop token" else None)
+    row = engine.runner.rows[request_id]
+    sequence = [*request.prompt_token_ids, *request.output_token_ids]
+    whole = engine.model.prompt_positions(torch.tensor(sequence), request.mm_items).positions
+    assert torch.equal(row.positions[:, : row.prompt_len], whole[:, : row.prompt_len])
+    engine.abort(request_id)
