@@ -99,11 +99,14 @@ class EngineConfig:
     scale per output channel (`engine.quantization`); `quantization_skip=("lm_head",)` keeps
     the LM head (a tied embedding with it) in `dtype`. `kv_cache_dtype` is the K/V pool's
     dtype ("auto": float32 on CPU, the model's dtype on CUDA); bfloat16 halves its bytes per
-    block.
+    block. On CUDA, decode steps replay one CUDA graph per batch bucket (`engine.cuda_graphs`),
+    captured at start; `enforce_eager` runs every step eagerly instead (no capture time, no
+    graph memory, slower small-batch decodes). Ignored on CPU.
     """
 
     dtype: str = "auto"
     device: str = "cpu"
+    enforce_eager: bool = False
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     quantization: str | None = None

@@ -26,6 +26,7 @@ import torch
 from stillcut.engine.admission import BidirectionalItemTooLong
 from stillcut.engine.cache_groups import num_blocks_for_budget, recurrent_groups
 from stillcut.engine.config import EngineConfig, SchedulerConfig
+from stillcut.engine.cuda_graphs import decode_buckets, graphs_unavailable
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.model_config import CheckpointError
@@ -111,6 +112,16 @@ class LLMEngine:
         if self.has_recurrent_state:
             cache_config = replace(cache_config, enable_prefix_caching=False)
         self.scheduler = Scheduler(config.scheduler, cache_config, num_blocks)
+        no_graphs = graphs_unavailable(torch.device(config.device), self.has_recurrent_state)
+        if config.enforce_eager:
+            no_graphs = "enforce_eager is set"
+        # a step decodes at most max_num_seqs running requests (rows may hold more, waiting)
+        max_decodes = min(config.scheduler.max_num_seqs, num_rows)
+        buckets = (
+            ()
+            if no_graphs
+            else decode_buckets(max_decodes, config.scheduler.max_num_batched_tokens)
+        )
         self.runner = ModelRunner(
             self.model,
             self.cache_groups,
@@ -122,6 +133,7 @@ class LLMEngine:
             device=config.device,
             kv_dtype=kv_dtype,
             state_dtype=state_dtype,
+            decode_buckets=buckets,
         )
         self.memory = EngineMemory(
             self.weight_format.describe(),
@@ -131,6 +143,10 @@ class LLMEngine:
             num_blocks,
         )
         log.info("%s", self.memory)
+        if no_graphs:
+            log.info("decode steps run eagerly: %s", no_graphs)
+        else:
+            self.runner.capture_decode_graphs()
         self.eos_token_ids = self.processor.special.eos_token_ids
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()

@@ -2,16 +2,19 @@
 
 In the style of vLLM's Model Runner V2, each request the runner knows owns one row of
 persistent tensors for its lifetime (token ids, block table) plus its position table, items and
-sampling state. A step gathers only what the scheduler asked for into preallocated input
-buffers, builds the attention metadata once (slot mapping, block tables, bidirectional item
-ranges), runs the model over the flat batch, computes logits only for the requests that sample,
-and samples. Nothing here is specific to one model: positions come from `model.extend_positions`,
-a fold over the sequence whose cursor the row keeps, so input appended to a live request costs
-O(its tokens): its ids, positions and items are added to the row, nothing is recomputed. The
-caches are allocated from the family's cache groups: one paged K/V tensor per attention
-layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
-(handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
-starts fresh).
+sampling state. A step gathers only what the scheduler asked for into persistent input
+buffers (`StepBuffers`: staged on the host, one copy to the device), builds the attention
+metadata once (slot mapping, block tables, bidirectional item ranges), runs the model over the
+flat batch, computes logits only for the requests that sample, and samples. With
+`decode_buckets`, a step of decodes only is padded to the next bucket (pad rows are one-token
+requests writing to a sink block of their own) and, once `capture_decode_graphs` has run,
+replayed as that bucket's CUDA graph (`cuda_graphs`). Nothing here is specific to one model:
+positions come from `model.extend_positions`, a fold over the sequence whose cursor the row
+keeps, so input appended to a live request costs O(its tokens): its ids, positions and items
+are added to the row, nothing is recomputed. The caches are allocated from the family's cache
+groups: one paged K/V tensor per attention layer (handed to the model in layer order) and one
+recurrent state per row and recurrent layer (handed to it in the step's `metadata.recurrent`,
+with each request's row and whether its state starts fresh).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from dataclasses import dataclass, field
 import torch
 
 from stillcut.engine.cache_groups import CacheGroup, attention_groups, recurrent_groups
+from stillcut.engine.cuda_graphs import DecodeGraphs, bucket_for
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.row_sampler import RowSampler, StepResult
 from stillcut.engine.scheduler_output import AppendedInput, NewRequestData, SchedulerOutput
+from stillcut.engine.step_buffers import StepBuffers
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
@@ -69,12 +74,21 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
         state_dtype: torch.dtype | None = None,
+        decode_buckets: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv_caches = _paged_kv_caches(cache_groups, num_blocks, block_size, kv_dtype, device)
+        self.max_model_len = max_model_len
+        # Padded decode rows write their K/V into one extra block that no request owns.
+        self.decode_buckets = tuple(decode_buckets)
+        assert max(self.decode_buckets, default=0) <= min(max_num_reqs, max_num_batched_tokens)
+        self.sink_block = num_blocks
+        num_cache_blocks = num_blocks + (1 if self.decode_buckets else 0)
+        self.kv_caches = _paged_kv_caches(
+            cache_groups, num_cache_blocks, block_size, kv_dtype, device
+        )
         # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
         self.recurrent_states = {
             layer: tuple(
@@ -90,12 +104,24 @@ class ModelRunner:
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.rows: dict[str, RowState] = {}
         self.sampling = RowSampler(self.device)
-        # Preallocated per-step input buffers (host side; copied to the device in one go).
-        self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
-        self.positions = torch.zeros(
-            model.num_position_rows, max_num_batched_tokens, dtype=torch.long
+        self.buffers = StepBuffers(
+            max_num_tokens=max_num_batched_tokens,
+            max_num_reqs=max_num_reqs,
+            max_num_blocks=max_blocks,
+            num_position_rows=model.num_position_rows,
+            block_size=block_size,
+            device=self.device,
         )
-        self.slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.long)
+        # `_prepare` writes token inputs straight into the staging views.
+        self.input_ids = self.buffers.host.input_ids
+        self.positions = self.buffers.host.positions
+        self.slot_mapping = self.buffers.host.slot_mapping
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self) -> DecodeGraphs:
+        """Capture one CUDA graph per decode bucket (see `cuda_graphs`); decodes then replay."""
+        self.graphs = DecodeGraphs.capture(self)
+        return self.graphs
 
     @property
     def num_kv_bytes(self) -> int:
@@ -110,6 +136,9 @@ class ModelRunner:
             return StepResult({}, {})
         batch = self._prepare(output)
         with torch.inference_mode():
+            if self.graphs is not None and batch.bucket in self.graphs.logits:
+                logits = self.graphs.replay(batch.bucket)[: len(batch.sample_ids)]
+                return self._sample(batch.sample_ids, logits)
             hidden = self.model(
                 batch.input_ids,
                 batch.positions,
@@ -122,6 +151,8 @@ class ModelRunner:
                 return StepResult({}, {})
             if batch.sample_index is not None:
                 hidden = hidden[batch.sample_index]  # [S, hidden]
+            elif batch.bucket is not None:
+                hidden = hidden[: len(batch.sample_ids)]  # [S, hidden]: the pad rows dropped
             logits = self.model.compute_logits(hidden)  # [S, vocab]
             return self._sample(batch.sample_ids, logits)
 
@@ -216,6 +247,7 @@ class ModelRunner:
 
     def _prepare(self, output: SchedulerOutput) -> _Batch:
         request_ids = list(output.num_scheduled_tokens)
+        self.buffers.staging()  # the previous step's copy has read the staging buffer
         computed = {c.request_id: c.num_computed_tokens for c in output.scheduled_cached}
         computed.update({n.request_id: n.num_computed_tokens for n in output.scheduled_new})
         query_start = [0]
@@ -249,33 +281,35 @@ class ModelRunner:
                 sample_index.append(q1 - 1)
         if decodes:
             self._write_decodes(decodes)
-        device = self.device
-        num_tokens = query_start[-1]
-        metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=self.block_table[rows, :max_blocks].to(device),
-            slot_mapping=self.slot_mapping[:num_tokens].to(device),
-            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
-            max_seq_len=max(seq_lens),
-            mm_ranges=torch.tensor(mm_ranges, dtype=torch.int32, device=device)
-            if mm_ranges
-            else None,
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-            recurrent=self._recurrent_metadata(output, request_ids, rows, computed, query_start),
+        recurrent = self._recurrent_metadata(output, request_ids, rows, computed, query_start)
+        every_token_samples = len(sample_index) == query_start[-1]  # a step of decodes only
+        bucket = None
+        if every_token_samples and len(decodes) == len(request_ids) and recurrent is None:
+            bucket = bucket_for(len(request_ids), self.decode_buckets)
+        if mm_pieces:
+            self.buffers.stage_items(query_start[-1], mm_spans, mm_ranges)
+        if bucket is not None:
+            self.buffers.stage_pads(query_start, seq_lens, bucket, self.sink_block)
+        self.buffers.stage_requests(
+            query_start,
+            seq_lens,
+            self.block_table,
+            rows,
+            max_blocks,
+            None if every_token_samples else sample_index,
         )
-        every_token_samples = len(sample_index) == num_tokens  # a step of decodes only
+        metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), len(mm_ranges))
+        metadata.recurrent = recurrent
+        device, inputs, num_tokens = self.device, self.buffers.device, query_start[-1]
         return _Batch(
-            input_ids=self.input_ids[:num_tokens].to(device),
-            positions=self.positions[:, :num_tokens].to(device),
+            input_ids=inputs.input_ids[:num_tokens],
+            positions=inputs.positions[:, :num_tokens],
             metadata=metadata,
             mm_embeds=torch.cat(mm_pieces).to(device) if mm_pieces else None,
-            mm_mask=_mask(num_tokens, mm_spans).to(device) if mm_pieces else None,
+            mm_mask=inputs.mm_mask[:num_tokens] if mm_pieces else None,
             sample_ids=sample_ids,
-            sample_index=None
-            if every_token_samples
-            else torch.tensor(sample_index, dtype=torch.long, device=device),
+            sample_index=None if every_token_samples else inputs.sample_index[: len(sample_index)],
+            bucket=bucket,
         )
 
     def _write_decodes(self, decodes: list[tuple[int, int, int, int]]) -> None:
@@ -372,14 +406,7 @@ class _Batch:
     mm_mask: torch.Tensor | None  # [N] bool
     sample_ids: list[str]
     sample_index: torch.Tensor | None  # [S]; None when every token samples
-
-
-def _mask(num_tokens: int, spans: list[tuple[int, int]]) -> torch.Tensor:
-    """[num_tokens] bool, True inside `spans` (half-open batch ranges)."""
-    mask = torch.zeros(num_tokens, dtype=torch.bool)
-    for lo, hi in spans:
-        mask[lo:hi] = True
-    return mask
+    bucket: int | None = None  # decode rows padded to this many; None: not padded
 
 
 def _paged_kv_caches(

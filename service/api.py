@@ -94,6 +94,7 @@ class VideoLLM:
             device=engine_config.device,
             decode_config=decode_config,
             cache_bytes=encoder_cache_bytes,
+            enforce_eager=engine_config.enforce_eager,
         )
         self.vision_weight_bytes = stored_bytes(self.pipeline.tower)
         log.info("vision tower weights: %.1f MiB", self.vision_weight_bytes / 2**20)

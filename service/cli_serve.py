@@ -87,6 +87,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, default=32768, help="context length")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once")
     parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly: no CUDA graphs for decode or the vision encoder",
+    )
+    parser.add_argument(
         "--request-timeout", type=float, default=600, help="longest a request may take, seconds"
     )
     parser.add_argument(
@@ -131,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
     )
     engine_config = EngineConfig(
+        enforce_eager=args.enforce_eager,
         scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory * MIB),
         **precision_options(args),

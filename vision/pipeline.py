@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -28,13 +29,19 @@ from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import dense_coords
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, prune
-from stillcut.vision.decode import DecodeConfig, decode_video
+from stillcut.vision.decode_config import DecodeConfig
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
+from stillcut.vision.encoder_graphs import (
+    DEFAULT_MAX_SHAPES,
+    GraphedTower,
+    encoder_graphs_unavailable,
+)
 from stillcut.vision.errors import VideoTooLarge
 from stillcut.vision.image_file import decode_image
 from stillcut.vision.towers import load_vision_tower
 from stillcut.vision.work import VisionWork
 
+log = logging.getLogger(__name__)
 VideoSource = str | os.PathLike | bytes | BinaryIO | np.ndarray
 ImageSource = str | os.PathLike | bytes | BinaryIO | np.ndarray | Image.Image
 _HASH_CHUNK = 1 << 20
@@ -67,7 +74,12 @@ class ImageInput:
 
 
 class VisionPipeline:
-    """The vision half of a checkpoint: tower, preprocessing, encoder cache and EVS."""
+    """The vision half of a checkpoint: tower, preprocessing, encoder cache and EVS.
+
+    On CUDA a tower that allows it is replayed from a CUDA graph per input shape (at most
+    `max_graph_shapes` kept, see `encoder_graphs`) unless `enforce_eager`; EVS always runs
+    eagerly. The log says which at construction.
+    """
 
     def __init__(
         self,
@@ -77,6 +89,8 @@ class VisionPipeline:
         device: torch.device | str = "cpu",
         decode_config: DecodeConfig = DecodeConfig(),
         cache_bytes: int = 1 << 30,
+        enforce_eager: bool = False,
+        max_graph_shapes: int = DEFAULT_MAX_SHAPES,
     ) -> None:
         self.path = resolve_checkpoint(model)
         self.model_config = load_model_config(self.path)
@@ -84,6 +98,16 @@ class VisionPipeline:
         self.weight_format = weight_format.resolved(self.path)
         self.tower = load_vision_tower(self.path, self.weight_format, device=device)
         self.device = torch.device(device)
+        eager_reason = encoder_graphs_unavailable(self.tower, self.device, enforce_eager)
+        if eager_reason is None:
+            self.tower = GraphedTower(self.tower, max_graph_shapes)
+            log.info(
+                "vision encoder: CUDA graphs per input shape (at most %d kept); "
+                "EVS runs eagerly after it (its kept count depends on the content)",
+                max_graph_shapes,
+            )
+        else:
+            log.info("vision encoder runs eagerly (%s); so does EVS", eager_reason)
         self.media = self.family.media_class()(self.path, self.model_config)
         self.video_preprocess = self.media.video_preprocess
         self.image_preprocess = self.media.image_preprocess
@@ -186,6 +210,9 @@ class _Loaded:
             decoded_s = time.perf_counter()
             self.prepared = pipeline.media.prepare_video(frames, fps)
         else:
+            # PyAV only for files: frame arrays encode where it is not installed (a GPU box)
+            from stillcut.vision.decode import decode_video
+
             config = pipeline._decode_config(spec)
             decoded = decode_video(
                 data,
