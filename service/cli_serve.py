@@ -3,6 +3,8 @@
 Listens on 127.0.0.1 unless told otherwise: exposing it is a decision, best made together with
 `--api-key` (or `STILLCUT_API_KEY`, which keeps the key out of the process list) and
 `--trusted-hosts` (the names clients reach it by; by default the local names and `--host`).
+With `--replicas N` the model runs in N engine replicas on Ray Serve behind one ingress
+(`stillcut.service.cluster`, the `cluster` extra); without it, nothing of Ray is imported.
 """
 
 from __future__ import annotations
@@ -92,6 +94,34 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     add_evs_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    add_cluster_arguments(parser)
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--replicas` and what goes with it (`pip install 'stillcut[cluster]'`)."""
+    cluster = parser.add_argument_group("replicas on Ray Serve")
+    cluster.add_argument(
+        "--replicas", type=int, help="run N engine replicas on Ray Serve behind one ingress"
+    )
+    cluster.add_argument(
+        "--ray-address", help="join this Ray cluster ('auto', HOST:6379; default: a local one)"
+    )
+    cluster.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="CPUs reserved per replica, and its threads rounded up (default 1)",
+    )
+    cluster.add_argument(
+        "--num-gpus-per-replica", type=float, default=0.0, help="GPUs per replica (default 0)"
+    )
+    cluster.add_argument(
+        "--affinity-margin",
+        type=int,
+        default=4,
+        help="requests a video's replica may have in flight beyond the least-loaded one "
+        "before its requests go there instead (default 4)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory * MIB),
     )
     decode_config = DecodeConfig(max_image_pixels=args.max_image_pixels)
+    if args.replicas is not None:
+        _serve_replicas(args, config, engine_config, decode_config)
+        return 0
+    _check_no_cluster_flags(args)
     llm = VideoLLM(
         args.model,
         engine_config=engine_config,
@@ -136,6 +170,42 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("stillcut.service").warning(RANDOM_WEIGHTS_NOTICE)
     serve(llm, config, host=args.host, port=args.port)
     return 0
+
+
+def _serve_replicas(args, config, engine_config, decode_config) -> None:
+    """`--replicas N`: the same service, its model in N replicas on Ray Serve."""
+    from stillcut.engine.factory import demo_checkpoint
+    from stillcut.service.api import DEMO_MODEL_NAME
+    from stillcut.service.cli import evs_config
+    from stillcut.service.cluster.launch import ClusterConfig, serve_cluster
+    from stillcut.service.cluster.replica import ReplicaSpec
+
+    cluster = ClusterConfig(
+        num_replicas=args.replicas,
+        ray_address=args.ray_address,
+        num_cpus_per_replica=args.num_cpus_per_replica,
+        num_gpus_per_replica=args.num_gpus_per_replica,
+        affinity_margin=args.affinity_margin,
+    )
+    model = args.model
+    if model is None and args.ray_address is None:  # built once here, not by every replica
+        model = str(demo_checkpoint())
+    spec = ReplicaSpec(
+        model=model,
+        name=None if args.model else DEMO_MODEL_NAME,
+        server=config,
+        engine_config=engine_config,
+        decode_config=decode_config,
+        evs=evs_config(args),
+        num_cpus=args.num_cpus_per_replica,
+        log_level=args.log_level,
+    )
+    serve_cluster(spec, cluster, host=args.host, port=args.port)
+
+
+def _check_no_cluster_flags(args: argparse.Namespace) -> None:
+    if args.ray_address is not None:
+        raise ValueError("--ray-address needs --replicas N")
 
 
 def _names(text: str) -> tuple[str, ...]:
