@@ -6,9 +6,9 @@ app and a handle to the engine replicas, whose `MediaAffinityRouter` places requ
 proxy's own deadline sits past the service's (`--request-timeout` plus `--body-timeout`, or
 a live session's `max_session_s`), so the service's 408, 504 and session limits answer first;
 its idle keep-alive closes after `--body-timeout`. At most `--max-connections` requests and
-sessions are at the ingress at once (past that, the proxy answers 503). A replica may take
-`3 × max_queue + max_num_seqs + 2 × max_sessions` calls at once, so its own queue limits
-(503 `queue_full`) answer before Ray's.
+sessions are at the ingress at once and as many wait at the proxy; past that, the proxy
+answers 503. A replica may take `3 × max_queue + max_num_seqs + 2 × max_sessions` calls at
+once, so its own queue limits (503 `queue_full`) answer before Ray's.
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class ClusterConfig:
     ray_address: str | None = None  # an existing cluster ("auto", "HOST:6379"); None: local
     num_cpus_per_replica: float = 1.0  # reserved per replica; its torch threads, rounded up
     num_gpus_per_replica: float = 0.0
-    affinity: bool = True  # False: Ray Serve's power-of-two-choices for every request
+    # False: Ray Serve's default router for every request, a baseline to compare with (it
+    # cannot pin a live session's frames to its replica, so sessions need affinity on)
+    affinity: bool = True
     affinity_margin: int = DEFAULT_MARGIN  # requests in flight beyond the least-loaded
     num_cpus: int | None = None  # a local instance's CPUs (None: the machine's)
 
@@ -143,13 +145,7 @@ def _application(spec: ReplicaSpec, cluster: ClusterConfig):
         max_ongoing_requests=replica_calls,
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
         graceful_shutdown_timeout_s=config.shutdown_timeout_s + PROXY_GRACE_S,
-        request_router_config=RequestRouterConfig(
-            request_router_class=MediaAffinityRouter,
-            request_router_kwargs={
-                "affinity": cluster.affinity,
-                "margin": cluster.affinity_margin,
-            },
-        ),
+        request_router_config=_router_config(cluster),
     )
     ingress = serve.deployment(
         Ingress,
@@ -157,9 +153,18 @@ def _application(spec: ReplicaSpec, cluster: ClusterConfig):
         num_replicas=1,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=config.max_connections,
-        max_queued_requests=1,
+        max_queued_requests=config.max_connections,
     )
     return ingress.bind(replicas.bind(spec), config, cluster.num_replicas, spec.log_level)
+
+
+def _router_config(cluster: ClusterConfig) -> RequestRouterConfig:
+    if not cluster.affinity:
+        return RequestRouterConfig()  # Ray Serve's default: power of two choices, FIFO
+    return RequestRouterConfig(
+        request_router_class=MediaAffinityRouter,
+        request_router_kwargs={"margin": cluster.affinity_margin},
+    )
 
 
 def _proxy_timeout_s(config: ServerConfig) -> float:
