@@ -13,6 +13,14 @@ import argparse
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported where used, so `stillcut --help` stays instant
+    from stillcut.engine.config import EngineConfig
+    from stillcut.service.cluster.launch import ClusterConfig
+    from stillcut.service.cluster.replica import ReplicaSpec
+    from stillcut.service.config import ServerConfig
+    from stillcut.vision.decode import DecodeConfig
 
 API_KEY_ENV = "STILLCUT_API_KEY"
 WILDCARD_ADDRESSES = ("0.0.0.0", "::")
@@ -125,16 +133,41 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from stillcut.service.api import VideoLLM
     from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config
-    from stillcut.service.config import MIB, ServerConfig
     from stillcut.service.server import serve
-    from stillcut.vision.decode import DecodeConfig
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if args.replicas is not None:
+        from stillcut.service.cluster.launch import serve_cluster
+
+        spec, cluster = cluster_settings(args)
+        serve_cluster(spec, cluster, host=args.host, port=args.port)
+        return 0
+    _check_no_cluster_flags(args)
+    config, engine_config, decode_config = server_settings(args)
+    llm = VideoLLM(
+        args.model,
+        engine_config=engine_config,
+        decode_config=decode_config,
+        evs=evs_config(args),
+    )
+    if llm.is_random_demo:
+        logging.getLogger("stillcut.service").warning(RANDOM_WEIGHTS_NOTICE)
+    serve(llm, config, host=args.host, port=args.port)
+    return 0
+
+
+def server_settings(
+    args: argparse.Namespace,
+) -> tuple[ServerConfig, EngineConfig, DecodeConfig]:
+    """The flags' `ServerConfig`, `EngineConfig` and `DecodeConfig`."""
+    from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stillcut.service.config import MIB, ServerConfig
+    from stillcut.vision.decode import DecodeConfig
+
     config = ServerConfig(
         api_key=args.api_key,
         media_dir=args.media_dir,
@@ -155,29 +188,15 @@ def run(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory * MIB),
     )
-    decode_config = DecodeConfig(max_image_pixels=args.max_image_pixels)
-    if args.replicas is not None:
-        _serve_replicas(args, config, engine_config, decode_config)
-        return 0
-    _check_no_cluster_flags(args)
-    llm = VideoLLM(
-        args.model,
-        engine_config=engine_config,
-        decode_config=decode_config,
-        evs=evs_config(args),
-    )
-    if llm.is_random_demo:
-        logging.getLogger("stillcut.service").warning(RANDOM_WEIGHTS_NOTICE)
-    serve(llm, config, host=args.host, port=args.port)
-    return 0
+    return config, engine_config, DecodeConfig(max_image_pixels=args.max_image_pixels)
 
 
-def _serve_replicas(args, config, engine_config, decode_config) -> None:
-    """`--replicas N`: the same service, its model in N replicas on Ray Serve."""
+def cluster_settings(args: argparse.Namespace) -> tuple[ReplicaSpec, ClusterConfig]:
+    """With `--replicas N`: the `ReplicaSpec` every replica loads and the `ClusterConfig`."""
     from stillcut.engine.factory import demo_checkpoint
     from stillcut.service.api import DEMO_MODEL_NAME
     from stillcut.service.cli import evs_config
-    from stillcut.service.cluster.launch import ClusterConfig, serve_cluster
+    from stillcut.service.cluster.launch import ClusterConfig
     from stillcut.service.cluster.replica import ReplicaSpec
 
     cluster = ClusterConfig(
@@ -190,6 +209,7 @@ def _serve_replicas(args, config, engine_config, decode_config) -> None:
     model = args.model
     if model is None and args.ray_address is None:  # built once here, not by every replica
         model = str(demo_checkpoint())
+    config, engine_config, decode_config = server_settings(args)
     spec = ReplicaSpec(
         model=model,
         name=None if args.model else DEMO_MODEL_NAME,
@@ -200,7 +220,7 @@ def _serve_replicas(args, config, engine_config, decode_config) -> None:
         num_cpus=args.num_cpus_per_replica,
         log_level=args.log_level,
     )
-    serve_cluster(spec, cluster, host=args.host, port=args.port)
+    return spec, cluster
 
 
 def _check_no_cluster_flags(args: argparse.Namespace) -> None:
