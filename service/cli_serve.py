@@ -10,6 +10,7 @@ With `--replicas N` the model runs in N engine replicas on Ray Serve behind one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -210,6 +211,8 @@ def cluster_settings(args: argparse.Namespace) -> tuple[ReplicaSpec, ClusterConf
     if model is None and args.ray_address is None:  # built once here, not by every replica
         model = str(demo_checkpoint())
     config, engine_config, decode_config = server_settings(args)
+    if args.num_gpus_per_replica > 0:  # Ray shows each replica only its own share of GPUs
+        engine_config = dataclasses.replace(engine_config, device="cuda")
     spec = ReplicaSpec(
         model=model,
         name=None if args.model else DEMO_MODEL_NAME,

@@ -72,11 +72,13 @@ def test_serve_with_replicas_turns_flags_into_the_cluster(tiny_checkpoint, monke
     assert (spec.model, spec.name, spec.evs) == (str(tiny_checkpoint), None, None)
     assert (spec.num_cpus, spec.log_level, spec.server.max_queue) == (2.0, "warning", 5)
     assert spec.engine_config.scheduler.max_model_len == 1024
+    assert spec.engine_config.device == "cuda"  # a replica with a GPU runs on it
 
 
 def test_a_clusters_nodes_build_the_demo_checkpoint_themselves(monkeypatch):
     served = _served(monkeypatch, ["serve", "--replicas", "2", "--ray-address", "auto"])
     assert (served["spec"].model, served["spec"].name) == (None, DEMO_MODEL_NAME)
+    assert served["spec"].engine_config.device == "cpu"
 
 
 def test_cluster_flags_need_replicas(capsys):
