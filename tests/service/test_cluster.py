@@ -8,6 +8,7 @@ sent one at a time unless the test is about concurrency. The last test kills a r
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -26,6 +27,7 @@ import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from websockets.exceptions import ConnectionClosedError, ConnectionClosedOK
 from websockets.sync.client import connect
 
 from stillcut.service.cluster.affinity import media_key
@@ -359,7 +361,10 @@ def test_a_killed_replica_fails_only_its_requests_and_is_restarted(cluster):
     assert x != y
     handle = serve.get_deployment_handle(REPLICA_DEPLOYMENT, APP_NAME)
     pids = dict(handle.broadcast("process_id").results(timeout_s=30))
-    with ThreadPoolExecutor(8) as pool:
+    with contextlib.ExitStack() as sockets, ThreadPoolExecutor(8) as pool:
+        sessions = [sockets.enter_context(_started_session(cluster)) for _ in range(2)]
+        reports = httpx.get(f"{cluster}/health").json()["replicas"]
+        sessions_on_x = sum(r["live_sessions"] for r in reports if r["replica"] == x)
         on_x = [pool.submit(_stream_outcome, cluster, clip_x) for _ in range(3)]
         on_x += [pool.submit(_answer_outcome, cluster, clip_x, 1500) for _ in range(3)]
         on_y = [pool.submit(_answer_outcome, cluster, clip_y, 200) for _ in range(2)]
@@ -369,6 +374,10 @@ def test_a_killed_replica_fails_only_its_requests_and_is_restarted(cluster):
         os.kill(pids[x], signal.SIGKILL)
         outcomes_x = Counter(future.result(timeout=120) for future in on_x)
         outcomes_y = [future.result(timeout=120) for future in on_y]
+        session_outcomes = Counter(_session_outcome(socket) for socket in sessions)
+    assert session_outcomes == Counter(
+        {"replica_failed": sessions_on_x, "stopped": 2 - sessions_on_x}
+    )
     assert outcomes_x["replica_failed"] >= 1 and set(outcomes_x) <= {"done", "replica_failed"}
     assert outcomes_y == ["done", "done"]
     for clip in (clip_x, clip_y, _clip(90), _clip(91)):  # later requests: all answered, fast
@@ -383,6 +392,31 @@ def test_a_killed_replica_fails_only_its_requests_and_is_restarted(cluster):
     assert pids[x] not in restarted.values() and restarted[y] == pids[y]
     replica, affinity, _ = _served_by(cluster, lambda: _ask(cluster, clip_x, max_tokens=1))
     assert replica not in pids and affinity == "true"  # its keys went back to its successor
+
+
+@contextlib.contextmanager
+def _started_session(url: str):
+    with connect(url.replace("http://", "ws://") + "/v1/stream", proxy=None) as socket:
+        socket.send(json.dumps({"type": "start", "max_tokens": 4}))
+        assert json.loads(socket.recv(timeout=30))["type"] == "started"
+        yield socket
+
+
+def _session_outcome(socket) -> str:
+    """ "replica_failed" for a session that got that error and close code 1011; "stopped"
+    for one still open, which then stops normally."""
+    try:
+        message = json.loads(socket.recv(timeout=2))
+    except TimeoutError:
+        socket.send(json.dumps({"type": "stop"}))
+        with pytest.raises(ConnectionClosedOK):
+            socket.recv(timeout=30)
+        return "stopped"
+    assert (message["type"], message["code"]) == ("error", "replica_failed"), message
+    with pytest.raises(ConnectionClosedError) as closed:
+        socket.recv(timeout=30)
+    assert closed.value.rcvd.code == 1011
+    return "replica_failed"
 
 
 def _running_on(url: str, replica: str) -> bool:
