@@ -95,8 +95,13 @@ async def forward(request: Request, body: bytes, key: bytes | None) -> Response:
     hint = RouteHint(key=key)
     call = state.replicas.options(stream=True).forward.remote(forwarded, route=hint)
     retry_after_s = state.config.retry_after_s
-    async with asyncio.timeout(budget + DEADLINE_GRACE_S):
-        stream = await until_disconnect(request, open_replica_stream(call, hint, retry_after_s))
+    try:
+        async with asyncio.timeout(budget + DEADLINE_GRACE_S):
+            opening = open_replica_stream(call, hint, retry_after_s)
+            stream = await until_disconnect(request, opening)
+    except BaseException:  # past the deadline, or the client left: the replica stops too
+        call.cancel()
+        raise
     record.replica, record.affinity = stream.replica, stream.affinity
     return RelayedResponse(stream, record, retry_after_s)
 

@@ -43,6 +43,9 @@ async def relay_session(websocket: WebSocket) -> None:
         record.error_code, record.status = error.code, CLOSE_INTERNAL
         await websocket.close(CLOSE_INTERNAL, error.message[:120])
         return
+    except BaseException:
+        call.cancel()
+        raise
     record.replica, record.affinity = stream.replica, stream.affinity
     await websocket.send(stream.first)
     to_client = asyncio.ensure_future(_to_client(websocket, stream, record))

@@ -58,17 +58,13 @@ class ReplicaStream:
 async def open_replica_stream(
     stream: DeploymentResponseGenerator, hint: RouteHint, retry_after_s: int
 ) -> ReplicaStream:
-    """The replica's id and first message; `replica_failed` if it dies first. Cancelled (a
-    deadline, a client that left), it cancels the replica's stream."""
+    """The replica's id and first message; `replica_failed` if it dies first. Whatever ends
+    it early (a deadline, a client that left), the caller cancels `stream`."""
     try:
         replica = await anext(stream)
         first = await anext(stream)
     except REPLICA_FAILURES:
-        stream.cancel()
         raise replica_failed(retry_after_s) from None
-    except BaseException:
-        stream.cancel()
-        raise
     return ReplicaStream(replica, replica == hint.preferred, first, stream)
 
 

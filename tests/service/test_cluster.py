@@ -327,6 +327,33 @@ def test_health_and_metrics_cover_every_replica(cluster):
     assert samples["stillcut_replicas_up", frozenset()] == 2
 
 
+def test_a_client_that_leaves_frees_its_replicas_work(cluster):
+    """A client that gives up cancels its request through the proxy, the ingress and the
+    replica (which logs it as 499, not as an answer sent), and every KV block comes back."""
+    gone_before = sum(_replica_statuses(cluster)["499"].values())
+    body = {"messages": _messages(_clip(70)), "max_tokens": 1500, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster}/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 30
+    while sum(_replica_statuses(cluster)["499"].values()) == gone_before:
+        assert time.monotonic() < deadline, "the replica never saw the client leave"
+        time.sleep(0.2)
+    while (health := httpx.get(f"{cluster}/health").json())["requests_running"]:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.2)
+    assert health["kv_blocks_used"] == 0
+
+
+def _replica_statuses(url: str) -> dict[str, Counter]:
+    """Chat requests each replica finished, by status."""
+    statuses: dict[str, Counter] = {}
+    for (name, labels), value in _samples(url).items():
+        labels = dict(labels)
+        if name == "stillcut_requests_total" and labels["endpoint"] == "/v1/chat/completions":
+            statuses.setdefault(labels["status"], Counter())[labels["replica"]] += value
+    return {"499": Counter(), **statuses}
+
+
 def _stream_outcome(url: str, clip: bytes) -> str:
     """How a streamed chat request ended: "done", or the code of the error event that ended
     it (or of its 503, when it failed before its stream opened)."""
