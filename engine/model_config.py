@@ -30,7 +30,8 @@ class ModelConfig:
     """A checkpoint's config: its family's entry, its vision config, the media token ids, and
     read-only views of the text section and of the whole file (`raw`).
 
-    `video_token_id` is None for a family whose videos are frames of images.
+    `video_token_id` is None for a family whose videos are frames of images, the vision
+    start/end ids for one whose prompt format writes its delimiters as text.
     `native_evs_rate` is the checkpoint's own pruning rate (0.0: it asks for EVS off), None
     when its family has no such setting.
     """
@@ -41,8 +42,8 @@ class ModelConfig:
     text: Mapping[str, Any]
     image_token_id: int
     video_token_id: int | None
-    vision_start_token_id: int
-    vision_end_token_id: int
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
     tie_word_embeddings: bool
     raw: Mapping[str, Any]
     native_evs_rate: float | None = None
@@ -61,6 +62,18 @@ class ModelConfig:
     def cache_groups(self) -> tuple[CacheGroup, ...]:
         """Which layers keep paged K/V and which keep recurrent state (see `cache_groups`)."""
         return self.family.cache_groups(self)
+
+    @property
+    def live_sessions_refusal(self) -> str | None:
+        """Why this checkpoint serves no live sessions, or None when it serves them. A session
+        is a held prefix extended tubelet by tubelet: layers with recurrent state cannot resume
+        one until their states are kept at block boundaries (hybrid prefix caching)."""
+        from stillcut.engine.cache_groups import recurrent_groups
+
+        where = f"live sessions are not supported for {self.model_type!r} checkpoints"
+        if recurrent_groups(self.cache_groups):
+            return f"{where}: the model's recurrent layers keep a state a held prefix cannot resume"
+        return None if self.family.live_sessions else where
 
 
 def load_model_config(path: str | PathLike[str]) -> ModelConfig:

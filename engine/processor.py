@@ -47,18 +47,19 @@ class PromptError(ValueError):
 @dataclass(frozen=True)
 class SpecialTokenIds:
     """The token ids the processor places or the engine stops on; `video_token_id` is None
-    for a family whose videos are frames of images."""
+    for a family whose videos are frames of images, the vision start/end ids for a family
+    whose prompt format writes its delimiters as text."""
 
     image_token_id: int
     video_token_id: int | None
-    vision_start_token_id: int
-    vision_end_token_id: int
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
         for name in _VISION_TOKEN_FIELDS:
             value = getattr(self, name)
-            if (value is None and name != "video_token_id") or (value is not None and value < 0):
+            if (value is None and name == "image_token_id") or (value is not None and value < 0):
                 raise ValueError(f"{name}={value} must be >= 0")
         if self.image_token_id == self.video_token_id:
             raise ValueError(
@@ -101,12 +102,15 @@ class PromptProcessor:
             special.vision_start_token_id,
             special.image_token_id,
             special.vision_end_token_id,
+            special.video_token_id,
         )
-        marker_texts = [tokenizer.id_to_token(i) for i in marker_ids]
+        begin, placeholder, end, video = (
+            None if i is None else tokenizer.id_to_token(i) for i in marker_ids
+        )
         # Text that would smuggle placeholders or vision markers into the prompt.
-        reserved = map(tokenizer.id_to_token, (*marker_ids, *self._pad_kinds))
+        reserved = (begin, placeholder, end, video)
         self._reserved_text = tuple(dict.fromkeys(t for t in reserved if t is not None))
-        self._markers = MarkerTexts(*marker_texts) if None not in marker_texts else None
+        self._markers = None if placeholder is None else MarkerTexts(placeholder, begin, end, video)
         self._video_prefix_ids: list[int] = []
         if family.live_sessions:
             self._video_prefix_ids, _ = self._split_at_video_pad("")
@@ -131,12 +135,18 @@ class PromptProcessor:
         template = ChatTemplate.from_checkpoint(folder, tokenizer_config)
         return cls(tokenizer, template, special, config.family)
 
-    def build(self, messages: Sequence[Message], items: Sequence[MultiModalItem] = ()) -> Prompt:
+    def build(
+        self,
+        messages: Sequence[Message],
+        items: Sequence[MultiModalItem] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt:
         """The prompt for an OpenAI-style conversation, ending with the assistant header.
 
         `messages` have a `role` (system, user, assistant) and a `content`: a string or a list
         of parts `{"type": "text", "text": ...}`, `{"type": "video"}`, `{"type": "image"}`.
-        `items` are the encoded media, in the order their parts appear.
+        `items` are the encoded media, in the order their parts appear. `template_kwargs` are
+        extra variables for the chat template (e.g. `{"enable_thinking": False}`).
         """
         plain = self._plain_messages(messages)
         items = list(items)
@@ -148,9 +158,13 @@ class PromptProcessor:
                     raise PromptError(f"item {index} has no tokens; every item needs one")
         else:
             plain, items = videos_as_frames(plain, items)
-        text = self.chat_template.render(plain, add_generation_prompt=True)
-        if self._markers is not None:
-            text = self.family.prompt_format.expand(text, len(items), self._markers)
+        try:
+            text = self.chat_template.render(
+                plain, add_generation_prompt=True, extra=template_kwargs
+            )
+        except ValueError as error:
+            raise PromptError(str(error)) from None
+        text, items = self.family.prompt_format.expand(text, items, self._markers)
         return _place(self.encode(text), items, self._pad_kinds)
 
     def build_text(self, prompt: str, items: Sequence[MultiModalItem] = ()) -> Prompt:

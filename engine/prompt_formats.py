@@ -1,7 +1,8 @@
 """How a family writes media into a rendered prompt, and videos written as image items.
 
 The chat template renders one marker per media part. A `PromptFormat` then turns each marker
-into the family's placeholder text with exactly one placeholder token per item; the processor
+into the family's placeholder text with exactly one placeholder token per item it places (it
+sees the items, and may place one as several: a video as its tubelets); the processor
 tokenizes that and repeats each placeholder token to its item's kept-token count. Placeholder
 tokens are special, so BPE never merges across them and expanding after tokenizing gives the
 ids that tokenizing the fully expanded text would.
@@ -35,25 +36,31 @@ from stillcut.engine.multimodal import MultiModalItem
 
 @dataclass(frozen=True)
 class MarkerTexts:
-    """The token texts of a checkpoint's vision markers: begin, image placeholder, end."""
+    """The token texts of a checkpoint's media tokens: the image placeholder, the vision
+    begin and end markers (None for a family whose format writes its own delimiters) and the
+    video placeholder (None for a family without one)."""
 
-    begin: str
     placeholder: str
-    end: str
+    begin: str | None = None
+    end: str | None = None
+    video: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("begin", "placeholder", "end"):
-            if not getattr(self, name):
-                raise ValueError(f"{name} must be a non-empty token text")
+        for name in ("placeholder", "begin", "end", "video"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must be a non-empty token text or None")
 
 
 @dataclass(frozen=True)
 class PromptFormat:
     """The template writes one placeholder token per media part; nothing to expand."""
 
-    def expand(self, text: str, num_images: int, markers: MarkerTexts) -> str:
-        """`text` as rendered, with each image written around one placeholder token."""
-        return text
+    def expand(
+        self, text: str, items: Sequence[MultiModalItem], markers: MarkerTexts | None
+    ) -> tuple[str, list[MultiModalItem]]:
+        """`text` as rendered with each item written around one placeholder token, and the
+        items in the order their placeholders now appear (`items` follow the media parts)."""
+        return text, list(items)
 
 
 @dataclass(frozen=True)
@@ -63,47 +70,54 @@ class ImageSequenceFormat(PromptFormat):
     before: str = ""
     after: str = ""
 
-    def expand(self, text: str, num_images: int, markers: MarkerTexts) -> str:
+    def expand(
+        self, text: str, items: Sequence[MultiModalItem], markers: MarkerTexts | None
+    ) -> tuple[str, list[MultiModalItem]]:
         """The template must have rendered one begin marker per image."""
+        if markers is None or markers.begin is None or markers.end is None:
+            raise CheckpointError("the tokenizer lacks the vision begin/end/placeholder tokens")
         num_markers = text.count(markers.begin)
-        if num_markers != num_images:
+        if num_markers != len(items):
             raise CheckpointError(
                 f"the chat template rendered {num_markers} {markers.begin} markers for "
-                f"{num_images} images and frames; it must render one per image part"
+                f"{len(items)} images and frames; it must render one per image part"
             )
         sequence = f"{self.before}{markers.begin}{markers.placeholder}{markers.end}{self.after}"
-        return text.replace(markers.begin, sequence)
+        return text.replace(markers.begin, sequence), list(items)
 
 
-def frame_items(video: MultiModalItem) -> list[MultiModalItem]:
-    """A video item split into one item per frame, each with the frame's kept tokens.
+def frame_items(video: MultiModalItem, frames_per_step: int = 1) -> list[MultiModalItem]:
+    """A video item split into one item per grid step (a frame, or a tubelet of
+    `frames_per_step` frames), each with that step's kept tokens and sampled frames.
 
-    Coordinates restart at t = 0 in each frame's `(1, h, w)` grid; identifiers add the frame
-    index to the video's, so the prefix cache tells frames apart. Frames keep kind "video", so
+    Coordinates restart at t = 0 in each step's `(1, h, w)` grid; identifiers add the step
+    index to the video's, so the prefix cache tells steps apart. Steps keep kind "video", so
     the engine's metrics count their tokens as video tokens.
     """
-    num_frames, _, _ = video.grid_thw
-    counts = torch.bincount(video.coords[:, 0].cpu(), minlength=num_frames)  # [num_frames]
-    assert counts.numel() == num_frames, "coords outside the video's frames"
+    num_steps, _, _ = video.grid_thw
+    counts = torch.bincount(video.coords[:, 0].cpu(), minlength=num_steps)  # [num_steps]
+    assert counts.numel() == num_steps, "coords outside the video's grid"
     bounds = [0, *counts.cumsum(0).tolist()]
-    frames = []
-    for frame in range(num_frames):
-        rows = slice(bounds[frame], bounds[frame + 1])
-        coords = video.coords[rows].clone()  # [kept in frame, 3]
+    steps = []
+    for step in range(num_steps):
+        rows = slice(bounds[step], bounds[step + 1])
+        frames = slice(step * frames_per_step, (step + 1) * frames_per_step)
+        coords = video.coords[rows].clone()  # [kept in step, 3]
         coords[:, 0] = 0
-        frames.append(
+        steps.append(
             replace(
                 video,
                 embeds=video.embeds[rows],
                 coords=coords,
                 grid_thw=(1, *video.grid_thw[1:]),
-                timestamps=video.timestamps[frame : frame + 1],
-                identifier=f"{video.identifier}#{frame}",
+                timestamps=video.timestamps[frames],
+                source_indices=video.source_indices[frames],
+                identifier=f"{video.identifier}#{step}",
                 kept_per_tubelet=(rows.stop - rows.start,),
                 stats={},
             )
         )
-    return frames
+    return steps
 
 
 def videos_as_frames(

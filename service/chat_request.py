@@ -4,7 +4,9 @@ A request's messages become the prompt processor's messages, with each `video_ur
 `image_url` part replaced by a `{"type": "video"}` / `{"type": "image"}` placeholder and its
 URL collected, in order, for the media loader. Sampling fields map onto `SamplingParams`;
 stillcut's extras (`evs`, `fps`, `max_frames`, `top_k`, `min_p`, `repetition_penalty`) sit
-in the same body. Fields we do not support are refused (400), never silently ignored.
+in the same body, and `chat_template_kwargs` (extra chat-template variables, e.g.
+`{"enable_thinking": false}`) as in vLLM. Fields we do not support are refused (400), never
+silently ignored.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ _FIELDS = {
     *_IGNORED_FIELDS,
     *("model", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream"),
     *("stream_options", "logprobs", "top_logprobs", "evs", "fps", "max_frames"),
+    "chat_template_kwargs",
 }
 _EVS_FIELDS = ("mode", "rate", "threshold", "max_per_tubelet", "floor")
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", dict: "an object"}
@@ -68,6 +71,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     logprobs: bool
+    template_kwargs: dict[str, Any] | None = None
 
 
 def parse_chat_request(body: bytes, default_evs: EVSConfig | None) -> ChatRequest:
@@ -107,6 +111,7 @@ def parse_chat_request(body: bytes, default_evs: EVSConfig | None) -> ChatReques
         stream=stream,
         include_usage=_optional(stream_options, "include_usage", bool, True),
         logprobs=logprobs,
+        template_kwargs=_optional(data, "chat_template_kwargs", dict, None),
     )
 
 

@@ -20,6 +20,7 @@ from stillcut.service.chat_request import ChatRequest, parse_chat_request
 from stillcut.service.media import read_body, unsupported_type
 from stillcut.service.media_url import resolve_media_url
 from stillcut.service.openai_format import ChatFormatter
+from stillcut.service.reasoning import ThinkSplitter
 from stillcut.service.request_limits import check_media_count, checked_sampling
 from stillcut.service.result import evs_summary
 from stillcut.service.sse import sse_response
@@ -89,15 +90,22 @@ async def _complete(
     ]
     items = await state.encode(inputs, chat.params.max_tokens, record) if inputs else []
     processor = state.llm.processor
-    prompt = await state.build_prompt(lambda: processor.build(chat.messages, items))
+    prompt = await state.build_prompt(
+        lambda: processor.build(chat.messages, items, chat.template_kwargs)
+    )
     setting = "off" if chat.evs is None or chat.evs.is_off else chat.evs.key()
     formatter = ChatFormatter(
         request_id=record.request_id,
         model=state.llm.name,
-        tokenizer=state.llm.processor.tokenizer,
+        tokenizer=processor.tokenizer,
         logprobs=chat.logprobs,
         include_usage=chat.include_usage,
         evs=evs_summary(items, setting) if any(i.kind == "video" for i in items) else None,
+        reasoning=(
+            ThinkSplitter.for_prompt(processor.tokenizer, prompt.token_ids)
+            if config.reasoning_parser == "think"
+            else None
+        ),
     )
     outputs = state.generate(prompt, chat.params, items, record)
     first = await anext(outputs)

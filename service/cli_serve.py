@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # imported where used, so `stillcut --help` stays instant
     from stillcut.service.config import ServerConfig
     from stillcut.vision.decode import DecodeConfig
 
+from stillcut.service.reasoning import REASONING_PARSERS
+
 API_KEY_ENV = "STILLCUT_API_KEY"
 WILDCARD_ADDRESSES = ("0.0.0.0", "::")
 
@@ -102,6 +104,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--max-sessions", type=int, default=4, help="live WebSocket sessions at once (default 4)"
     )
     add_evs_arguments(parser)
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        help="split a leading <think>...</think> of chat answers into reasoning_content",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
     add_cluster_arguments(parser)
 
@@ -184,6 +191,7 @@ def server_settings(
         limit_fps=args.limit_fps,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         max_sessions=args.max_sessions,
+        reasoning_parser=args.reasoning_parser,
     )
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from stillcut.service.reasoning import REASONING_PARSERS
+
 MIB = 2**20
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 _COUNTS = (
@@ -47,7 +49,8 @@ class ServerConfig:
     past it, 503 with `Retry-After`. `limit_frames`, `limit_fps` and `limit_mm_per_prompt`
     are ceilings on what any request may ask for. `trusted_hosts` are the `Host` header
     names the server answers to ("*": any); `allowed_origins` the browser origins besides
-    its own that may call it ("*": any).
+    its own that may call it ("*": any). `reasoning_parser` ("think" or None) splits chat
+    answers' thinking into `reasoning_content`.
     """
 
     api_key: str | None = None
@@ -72,6 +75,7 @@ class ServerConfig:
     session_idle_s: float = 60.0
     session_start_s: float = 5.0  # a WebSocket must send a valid start by then
     max_message_bytes: int = 8 * MIB  # one WebSocket message
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -85,6 +89,10 @@ class ServerConfig:
             if not all(names):
                 raise ValueError(f"{name}={getattr(self, name)!r} must hold non-empty names")
             object.__setattr__(self, name, names)
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(
+                f"reasoning_parser={self.reasoning_parser!r}: allowed {REASONING_PARSERS} or None"
+            )
         for name in _COUNTS:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

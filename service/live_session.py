@@ -46,7 +46,8 @@ _ENGINE_LIMITS = (RequestTooLong, TooManyVisualTokens, ResourceExhausted)
 
 
 class LiveSessionsUnsupported(ValueError):
-    """The served model's family does not serve live sessions (its registry entry says so)."""
+    """The served model serves no live sessions: its registry entry says so, or it keeps
+    recurrent state (see `ModelConfig.live_sessions_refusal`)."""
 
 
 @dataclass(frozen=True)
@@ -80,11 +81,17 @@ class LiveSession:
     ) -> None:
         """`run_encode` runs frame decoding and the tower, `run_prompt` tokenizing (a server
         passes its bounded workers)."""
-        family = pipeline.family
-        if not family.live_sessions:
+        refusal = pipeline.model_config.live_sessions_refusal
+        if refusal is not None:
             raise LiveSessionsUnsupported(
-                f"live sessions are not supported for {family.model_type!r} checkpoints; "
-                "ask about a whole video with POST /v1/videos/describe or /v1/chat/completions"
+                f"{refusal}; ask about a whole video with POST /v1/videos/describe or "
+                "/v1/chat/completions"
+            )
+        if not engine.engine.scheduler.cache_config.enable_prefix_caching:
+            # the held prefix is only ever reused through the prefix cache
+            raise ValueError(
+                "live sessions need prefix caching, and enable_prefix_caching is off in this "
+                "engine's cache config; turn it on to stream"
             )
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id={session_id!r} must be a non-empty string")

@@ -149,7 +149,7 @@ async def _serve(
             run_encode=state.encoder.run,
             run_prompt=state.prompter.run,
         )
-    except ValueError as error:  # a model that cannot stream
+    except ValueError as error:  # a model, or an engine without prefix caching, cannot stream
         raise SessionEnd(CLOSE_POLICY, str(error), "unsupported_model") from None
     answering: asyncio.Task | None = None
     try:
@@ -294,6 +294,7 @@ async def _answer(
             "type": "answer",
             "text": final.text,
             "finish_reason": final.finish_reason,
+            "stop_reason": final.stop_reason,
             "usage": {
                 "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens,

@@ -54,6 +54,14 @@ class DecodedVideo:
         assert self.frames.shape[3] == 3, self.frames.shape
         assert len(self.timestamps) == len(self.frames) >= 1
 
+    @property
+    def source_indices(self) -> list[int]:
+        """Each sampled frame's index in the stream, counted at its average frame rate (exact
+        for constant-rate streams); empty when the stream declares no rate."""
+        if not self.source_fps:
+            return []
+        return [round(t * self.source_fps) for t in self.timestamps]
+
 
 @dataclass(frozen=True)
 class VideoProbe:

@@ -163,6 +163,7 @@ class _Loaded:
         self.timings: dict[str, float] = {}
         self._timestamps: tuple[float, ...] = ()
         self._info: dict = {}
+        self._source: tuple[tuple[int, ...], float | None] = ((), None)  # frame indices, fps
 
     def prepare(self, pipeline: VisionPipeline, spec: VideoInput | ImageInput, data) -> None:
         started = time.perf_counter()
@@ -178,6 +179,7 @@ class _Loaded:
             frames, fps = spec.source, spec.frames_fps
             self._timestamps = spec.timestamps or tuple(k / fps for k in range(len(frames)))
             self._info = {"width": frames.shape[2], "height": frames.shape[1], "sample_fps": fps}
+            self._source = (tuple(round(t * fps) for t in self._timestamps), fps)
             decoded_s = time.perf_counter()
             self.prepared = pipeline.media.prepare_video(frames, fps)
         else:
@@ -191,6 +193,7 @@ class _Loaded:
                 work=pipeline.work,
             )
             self._timestamps = tuple(decoded.timestamps)
+            self._source = (tuple(decoded.source_indices), decoded.source_fps)
             self._info = {
                 "codec": decoded.codec,
                 "width": decoded.width,
@@ -210,8 +213,15 @@ class _Loaded:
     def finish(self, embeds: torch.Tensor, encode_s: float) -> None:
         prepared = self.prepared
         self.timings["encode_s"] = encode_s
+        source_indices, source_fps = self._source
         self.encoded = EncodedMedia(
-            embeds, prepared.grid_thw, prepared.second_per_grid_ts, self._timestamps, self._info
+            embeds,
+            prepared.grid_thw,
+            prepared.second_per_grid_ts,
+            self._timestamps,
+            self._info,
+            source_indices=source_indices,
+            source_fps=source_fps,
         )
 
     def to_item(
@@ -248,6 +258,8 @@ class _Loaded:
             merge_size=merge,
             second_per_grid_ts=encoded.second_per_grid_ts,
             timestamps=encoded.timestamps,
+            source_indices=encoded.source_indices,
+            source_fps=encoded.source_fps,
             media_key=self.media_key,
             identifier=identifier,
             bidirectional=bidirectional,

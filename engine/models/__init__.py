@@ -9,6 +9,7 @@ class serves a checkpoint, and everything else family-specific, is its registry 
 """
 
 from stillcut.engine.models.gemma3 import Gemma3LanguageModel
+from stillcut.engine.models.nemotron_h import NemotronHLanguageModel
 from stillcut.engine.models.qwen2 import Qwen2LanguageModel
 
-__all__ = ["Gemma3LanguageModel", "Qwen2LanguageModel"]
+__all__ = ["Gemma3LanguageModel", "NemotronHLanguageModel", "Qwen2LanguageModel"]

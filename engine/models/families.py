@@ -12,6 +12,9 @@ from types import MappingProxyType
 
 from stillcut.engine.models.gemma3_config import read_gemma3
 from stillcut.engine.models.gemma3_text_config import gemma3_cache_groups
+from stillcut.engine.models.nemotron_config import nemotron_evs_rate, read_nemotron_omni
+from stillcut.engine.models.nemotron_prompt import TubeletChunkFormat
+from stillcut.engine.models.nemotron_text_config import nemotron_cache_groups
 from stillcut.engine.models.qwen2_vl_config import (
     qwen2_cache_groups,
     read_qwen2_5_vl,
@@ -84,6 +87,32 @@ GEMMA3 = ModelFamily(
     weight_prefixes=GEMMA3_WEIGHT_PREFIXES,
 )
 
+# Nemotron 3 Nano Omni's releases save `language_model.backbone.*` (`language_model.lm_head.*`
+# for the head), `vision_model.radio_model.*` for RADIO and `mlp1.*` for the projector, and
+# `vision_projector.*` for the vision features' final norm when the model has MTP layers;
+# transformers 5.x saves the same names. Its audio branch (`sound_*`) is never read.
+NEMOTRON_WEIGHT_PREFIXES = MappingProxyType(
+    {
+        "language_model.backbone.": "language_model.",
+        "language_model.lm_head.": "lm_head.",
+        "vision_model.": "visual.",
+        "mlp1.": "visual.mlp1.",
+        "vision_projector.": "visual.vision_projector.",
+    }
+)
+NEMOTRON_H_OMNI = ModelFamily(
+    model_type="nemotron_h_omni",
+    read_config=read_nemotron_omni,
+    cache_groups=nemotron_cache_groups,
+    language_model="stillcut.engine.models.nemotron_h:NemotronHLanguageModel",
+    vision_tower="stillcut.vision.radio:RadioVisionTower",
+    media="stillcut.vision.nemotron_media:NemotronMedia",
+    prompt_format=TubeletChunkFormat(),
+    positions="none",
+    native_evs_rate=nemotron_evs_rate,
+    weight_prefixes=NEMOTRON_WEIGHT_PREFIXES,
+)
+
 FAMILIES = FamilyRegistry()
-for _entry in (QWEN2_5_VL, QWEN2_VL, GEMMA3):
+for _entry in (QWEN2_5_VL, QWEN2_VL, GEMMA3, NEMOTRON_H_OMNI):
     FAMILIES.register(_entry)

@@ -23,7 +23,6 @@ from stillcut.engine.loader import load_model_config, load_weights, resolve_chec
 from stillcut.engine.models.layers import (
     Bands,
     PagedLanguageModel,
-    band_weights,
     checkpoint_layer,
     checkpoint_layout,
     empty_weight,
@@ -39,7 +38,7 @@ from stillcut.engine.models.qwen2_vl_config import TextConfig, text_config
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
 from stillcut.kernels.attention import AttentionMetadata
-from stillcut.kernels.cpu_decode import CpuDecoder, LayerWeights, bind
+from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 LM_HEAD_PREFIX = "lm_head."
@@ -239,37 +238,35 @@ class Qwen2LanguageModel(PagedLanguageModel):
             load_weights(head, folder, LM_HEAD_PREFIX, dtype=dtype, device=device)
             set_weight(model, "embed_tokens", stored.embed_tokens.weight)
             set_weight(model, "lm_head", head_layout(head.weight))
-        band_weights(model)
-        model.cpu_decoder = _cpu_decoder(model)
+        model.prepare_weights()
         return model.eval()
 
-
-def _cpu_decoder(model: Qwen2LanguageModel) -> CpuDecoder | None:
-    """The native CPU decode step of `model` (see `kernels.cpu_decode`), or None."""
-    config = model.config
-    layers = [
-        LayerWeights(
-            input_norm=layer.input_layernorm,
-            qkv_weight=layer.qkv_weight,
-            qkv_bias=layer.qkv_bias,
-            o_weight=layer.o_weight,
-            mlp_norm=layer.post_attention_layernorm,
-            gate_up_weight=layer.gate_up_weight,
-            down_weight=layer.down_weight,
+    def native_stack(self) -> Stack:
+        """Each layer as two blocks for the native CPU decode step: biased attention, SiLU
+        gated MLP; the embedding is the tied head's rows when there is no table of its own."""
+        config = self.config
+        blocks = []
+        for index, layer in enumerate(self.layers):
+            attention = Attention(
+                layer.qkv_weight,
+                layer.o_weight,
+                config.num_heads,
+                config.num_kv_heads,
+                cache=index,
+                scale=layer.scale,
+                qkv_bias=layer.qkv_bias,
+            )
+            mlp = GatedMlp(layer.gate_up_weight, layer.down_weight, Activation.SILU)
+            blocks += [Block(layer.input_layernorm, attention)]
+            blocks += [Block(layer.post_attention_layernorm, mlp)]
+        return Stack(
+            blocks,
+            embedding=self.lm_head.T if self.embed_tokens is None else self.embed_tokens,
+            final_norm=self.norm,
+            inv_freqs=[self.rotary.inv_freq],
+            section=self.rotary.section,
+            eps=config.rms_norm_eps,
         )
-        for layer in model.layers
-    ]
-    return bind(
-        layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        embedding=model.lm_head.T if model.embed_tokens is None else model.embed_tokens,
-        final_norm=model.norm,
-        inv_freqs=[model.rotary.inv_freq],
-        section=model.rotary.section,
-        eps=config.rms_norm_eps,
-        scale=model.layers[0].scale,
-    )
 
 
 def _fuse_layer(layer: Qwen2DecoderLayer, stored: nn.Module) -> None:

@@ -33,16 +33,18 @@ POSITION_ROWS: Mapping[str, int] = MappingProxyType({"mrope": 3, "1d": 1, "none"
 @dataclass(frozen=True)
 class MediaTokenIds:
     """The ids a family's prompts place media with. `video_token_id` is None for a family
-    without a video placeholder (its videos are written as image items, one per frame)."""
+    without a video placeholder (its videos are written as image items, one per frame); the
+    vision start/end ids are None for a family whose prompt format writes its own delimiters
+    as text."""
 
     image_token_id: int
     video_token_id: int | None
-    vision_start_token_id: int
-    vision_end_token_id: int
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():
-            if (value is None and name != "video_token_id") or (value is not None and value < 0):
+            if (value is None and name == "image_token_id") or (value is not None and value < 0):
                 raise ValueError(f"{name}={value} must be >= 0")
         if self.image_token_id == self.video_token_id:
             raise ValueError(f"image_token_id={self.image_token_id} must differ from video's")
