@@ -109,18 +109,26 @@ async def forward(request: Request, body: bytes, key: bytes | None) -> Response:
 async def health(request: Request) -> Response:
     """Replicas up and deployed, with each one's own health; 503 only when none is up."""
     state: IngressState = request.app.state.service
-    reports = sorted(await state.ask_replicas("health"), key=lambda report: report["replica"])
+    body = cluster_health(await state.ask_replicas("health"), state.num_replicas)
+    return JSONResponse(body, status_code=503 if body["status"] == "unavailable" else 200)
+
+
+def cluster_health(reports: list[dict], num_replicas: int) -> dict:
+    """The cluster's `/health` body from the replicas' own (`reports`, those that answered):
+    "ok" with every replica up, "degraded" with some, "unavailable" with none; the sums of
+    their KV and queue figures, and each report."""
+    reports = sorted(reports, key=lambda report: report["replica"])
     num_up = sum(report["status"] == "ok" for report in reports)
-    status = "ok" if num_up == state.num_replicas else "degraded" if num_up else "unavailable"
-    body = {"status": status, "replicas_up": num_up, "replicas_total": state.num_replicas}
+    status = "ok" if num_up == num_replicas else "degraded" if num_up else "unavailable"
+    body = {"status": status, "replicas_up": num_up, "replicas_total": num_replicas}
     for name in ("model", "evs_default"):
         if reports:
             body[name] = reports[0][name]
-    for name in ("kv_blocks_used", "kv_blocks_total", "requests_waiting", "requests_running"):
+    summed = ("kv_blocks_used", "kv_blocks_total", "requests_waiting", "requests_running")
+    for name in (*summed, "live_sessions"):
         body[name] = sum(report[name] for report in reports)
-    body["live_sessions"] = sum(report["live_sessions"] for report in reports)
     body["replicas"] = reports
-    return JSONResponse(body, status_code=200 if num_up else 503)
+    return body
 
 
 async def metrics(request: Request) -> Response:

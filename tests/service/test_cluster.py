@@ -317,7 +317,9 @@ def test_the_ingress_applies_the_limits_before_any_replica_works(cluster):
     assert_error(response, 400, "json_too_deep", "64 levels")  # the replica's own answer
 
 
-def test_health_and_metrics_cover_every_replica(cluster):
+def test_health_metrics_and_the_page_are_served_at_the_ingress(cluster):
+    page = httpx.get(f"{cluster}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     health = httpx.get(f"{cluster}/health").json()
     assert (health["status"], health["replicas_up"], health["replicas_total"]) == ("ok", 2, 2)
     assert health["kv_blocks_total"] == sum(r["kv_blocks_total"] for r in health["replicas"])

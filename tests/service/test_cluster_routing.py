@@ -22,6 +22,7 @@ from stillcut.service.cluster.affinity import (
     upload_key,
 )
 from stillcut.service.cluster.cluster_metrics import IngressMetrics
+from stillcut.service.cluster.ingress import cluster_health
 from stillcut.service.cluster.router import MediaAffinityRouter, place, rendezvous_order
 from stillcut.service.record import RequestRecord
 
@@ -177,3 +178,32 @@ def test_a_record_takes_a_replicas_counts_but_keeps_its_own_status(fields):
     assert (record.cached_tokens, record.ttft_s, record.status) == (32, 0.5, 200)
     logged = record.log_fields()
     assert (logged["replica"], logged["affinity"], logged["cached_tokens"]) == ("a", True, 32)
+
+
+def _health_report(replica: str, status: str, blocks_used: int) -> dict:
+    """One replica's own `/health` body, as `EngineReplica.health` returns it."""
+    return {
+        "replica": replica,
+        "status": status,
+        "model": "tiny",
+        "kv_blocks_used": blocks_used,
+        "kv_blocks_total": 64,
+        "requests_waiting": 1,
+        "requests_running": 2,
+        "live_sessions": 1,
+        "evs_default": {"mode": "rate", "rate": 0.75},
+    }
+
+
+def test_cluster_health_counts_replicas_up_and_is_unavailable_only_with_none():
+    both = [_health_report("b", "ok", 3), _health_report("a", "ok", 5)]
+    health = cluster_health(both, 2)
+    assert (health["status"], health["replicas_up"], health["replicas_total"]) == ("ok", 2, 2)
+    assert (health["kv_blocks_used"], health["kv_blocks_total"]) == (8, 128)
+    assert [report["replica"] for report in health["replicas"]] == ["a", "b"]
+    stopped_loop = [_health_report("a", "unavailable", 0), _health_report("b", "ok", 3)]
+    assert cluster_health(stopped_loop, 2)["status"] == "degraded"
+    one_missing = cluster_health([_health_report("b", "ok", 3)], 2)  # "a" did not answer
+    assert (one_missing["status"], one_missing["replicas_up"]) == ("degraded", 1)
+    none = cluster_health([], 2)
+    assert (none["status"], none["replicas_up"], none["kv_blocks_total"]) == ("unavailable", 0, 0)
