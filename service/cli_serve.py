@@ -149,8 +149,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     if args.replicas is not None:
-        from stillcut.service.cluster.launch import serve_cluster
-
+        serve_cluster = _cluster_launcher()
         spec, cluster = cluster_settings(args)
         serve_cluster(spec, cluster, host=args.host, port=args.port)
         return 0
@@ -232,6 +231,19 @@ def cluster_settings(args: argparse.Namespace) -> tuple[ReplicaSpec, ClusterConf
         log_level=args.log_level,
     )
     return spec, cluster
+
+
+def _cluster_launcher():
+    """`launch.serve_cluster`, or an error that names the extra when Ray is not installed."""
+    try:
+        from stillcut.service.cluster.launch import serve_cluster
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "ray":
+            raise
+        raise ValueError(
+            "--replicas needs Ray Serve, which is not installed: pip install 'stillcut[cluster]'"
+        ) from None
+    return serve_cluster
 
 
 def _check_no_cluster_flags(args: argparse.Namespace) -> None:

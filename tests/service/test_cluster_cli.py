@@ -1,5 +1,5 @@
-"""`stillcut serve --replicas`: its flags become the cluster's settings, and without them a server
-never imports Ray."""
+"""`stillcut serve --replicas`: its flags become the cluster's settings, without them a server
+never imports Ray, and without Ray installed they say which extra to install."""
 
 import subprocess
 import sys
@@ -17,7 +17,7 @@ import sys
 class Blocker:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] == "ray":
-            raise ImportError(f"{name} is blocked")
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)  # not installed
 
 sys.meta_path.insert(0, Blocker())
 from stillcut.service import cli, server
@@ -27,6 +27,7 @@ assert cli.main(["serve", "--model", sys.argv[1], "--port", "9999"]) == 0
 assert served == [{"host": "127.0.0.1", "port": 9999}], served
 assert not [name for name in sys.modules if name.split(".")[0] == "ray"]
 print("served without ray")
+assert cli.main(["serve", "--model", sys.argv[1], "--replicas", "2"]) == 2
 """
 
 
@@ -39,6 +40,8 @@ def test_serve_without_replicas_never_imports_ray(tiny_checkpoint):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "served without ray" in result.stdout
+    assert "--replicas needs Ray Serve" in result.stderr
+    assert "pip install 'stillcut[cluster]'" in result.stderr
 
 
 def _served(monkeypatch, argv: list[str]) -> dict:
