@@ -2,11 +2,12 @@
 
 `create_app(llm, config)` wires the endpoints to one `VideoLLM`. At startup its engine goes to
 a background `AsyncEngine`, one `Worker` takes the vision pipeline and another tokenizes
-prompts (and looks up media already in the encoder cache); at shutdown in-flight requests get `shutdown_timeout_s` to finish, then are aborted.
-Every error leaves as the one JSON shape of `errors`, with the request's id; a client that
-hung up is logged once, as 499. `add_service_routes` is the app's skeleton (paths, page, error
-handlers, request middleware) given the endpoints, so the cluster ingress, whose endpoints
-forward to replicas, answers the same paths with the same checks.
+prompts (and looks up media already in the encoder cache); at shutdown in-flight requests get
+`shutdown_timeout_s` to finish, then are aborted. Every error leaves as the one JSON shape of
+`errors`, with the request's id; a client that hung up is logged once, as 499.
+`add_service_routes` is the app's skeleton (paths, page, error handlers, request middleware)
+given the endpoints, so the cluster ingress, whose endpoints forward to replicas, answers the
+same paths with the same checks.
 """
 
 from __future__ import annotations
