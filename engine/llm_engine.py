@@ -10,6 +10,7 @@ the vision pipeline): the engine never imports the vision side.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.outputs import RequestMetrics, RequestOutput, Snapshot
 from stillcut.engine.processor import Prompt, PromptProcessor
+from stillcut.engine.quantization import WeightFormat, stored_bytes
 from stillcut.engine.request import (
     PlaceholderRange,
     Request,
@@ -38,7 +40,26 @@ from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What the engine holds: the weights' stored format and bytes (the language model's; int8
+    scales included), the K/V pool's dtype, bytes and blocks."""
+
+    weight_format: str
+    weight_bytes: int
+    kv_cache_dtype: str
+    kv_cache_bytes: int
+    kv_blocks: int
+
+    def __str__(self) -> str:
+        return (
+            f"language model weights: {self.weight_format}, {self.weight_bytes / 2**20:.1f} MiB; "
+            f"KV pool: {self.kv_cache_dtype}, {self.kv_blocks} blocks, "
+            f"{self.kv_cache_bytes / 2**20:.1f} MiB"
+        )
 
 
 @dataclass
@@ -57,11 +78,15 @@ class LLMEngine:
         self.config = config
         self.model_config = load_model_config(self.path)
         self.processor = PromptProcessor.from_checkpoint(self.path)
-        dtype = _DTYPES[config.dtype]
         family = self.model_config.family
         self.cache_groups = self.model_config.cache_groups
         model_class = family.language_model_class()
-        self.model = model_class.from_checkpoint(self.path, dtype=dtype, device=config.device)
+        self.weight_format = WeightFormat.for_engine(
+            config.dtype, config.quantization, config.quantization_skip, config.device
+        ).resolved(self.path)
+        self.model = model_class.from_checkpoint(
+            self.path, self.weight_format, device=config.device
+        )
         if self.model.num_position_rows != family.num_position_rows:
             raise CheckpointError(
                 f"family {family.model_type!r} declares {family.positions!r} positions, but "
@@ -70,7 +95,9 @@ class LLMEngine:
         _check_item_budget(self.model.bidirectional_item_tokens, config.scheduler)
         self.block_size = config.cache.block_size
         num_rows = max_num_live_requests(config.scheduler)
-        num_blocks = self._num_blocks(dtype, num_rows)
+        kv_dtype = self.weight_format.kv_cache_dtype(config.kv_cache_dtype)
+        state_dtype = self.weight_format.compute_dtype  # recurrent states: what layers compute in
+        num_blocks = self._num_blocks(kv_dtype, state_dtype, num_rows)
         # Until hybrid prefix caching saves recurrent states at block boundaries, cached K/V of
         # a prefix comes without the Mamba2 state after it: such a model never takes a
         # prefix-cache hit and holds no prefixes (held requests resume from their K/V).
@@ -88,8 +115,17 @@ class LLMEngine:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.scheduler.max_model_len,
             device=config.device,
-            kv_dtype=dtype,
+            kv_dtype=kv_dtype,
+            state_dtype=state_dtype,
         )
+        self.memory = EngineMemory(
+            self.weight_format.describe(),
+            stored_bytes(self.model),
+            str(kv_dtype).removeprefix("torch."),
+            sum(cache.numel() * cache.element_size() for cache in self.runner.kv_caches),
+            num_blocks,
+        )
+        log.info("%s", self.memory)
         self.eos_token_ids = self.processor.special.eos_token_ids
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -249,7 +285,7 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
 
-    def _num_blocks(self, dtype: torch.dtype, num_rows: int) -> int:
+    def _num_blocks(self, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_rows: int) -> int:
         """KV blocks for the budget, after one recurrent state per runner row (if any)."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_blocks is not None:
@@ -261,7 +297,8 @@ class LLMEngine:
             budget,
             self.cache_groups,
             block_size=self.block_size,
-            dtype_bytes=torch.finfo(dtype).bits // 8,
+            dtype_bytes=kv_dtype.itemsize,
+            state_dtype_bytes=state_dtype.itemsize,
             num_state_slots=num_rows,
         )
         return min(fitting, needed)

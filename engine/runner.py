@@ -60,6 +60,7 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -69,7 +70,7 @@ class ModelRunner:
         # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
         self.recurrent_states = {
             layer: tuple(
-                torch.zeros(max_num_reqs, *shape, dtype=kv_dtype, device=device)
+                torch.zeros(max_num_reqs, *shape, dtype=state_dtype or kv_dtype, device=device)
                 for shape in group.state_shapes
             )
             for group in recurrent_groups(cache_groups)

@@ -114,19 +114,27 @@ def add_service_routes(
 
 
 async def health_endpoint(request: Request) -> Response:
-    """200 while the engine loop runs, else 503; with the KV pool's state."""
+    """200 while the engine loop runs, else 503; with the KV pool's state and what the
+    weights and the pool are stored in."""
     body = service_health(request.app.state.service)
     return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
 
 def service_health(state: ServiceState) -> dict:
-    """The server's health: "ok" while its engine loop runs, else "unavailable"; the KV pool,
-    the queues and the live sessions."""
+    """The server's health: "ok" while its engine loop runs, else "unavailable"; the stored
+    formats and bytes of the weights and the KV pool, the pool, the queues and the live
+    sessions."""
     stats = state.engine.stats
     running = state.engine.is_running
+    memory = state.llm.engine.memory
     return {
         "status": "ok" if running else "unavailable",
         "model": state.llm.name,
+        "weight_format": memory.weight_format,
+        "weight_bytes": memory.weight_bytes,
+        "vision_weight_bytes": state.llm.vision_weight_bytes,
+        "kv_cache_dtype": memory.kv_cache_dtype,
+        "kv_cache_bytes": memory.kv_cache_bytes,
         "kv_blocks_used": stats.num_blocks_used,
         "kv_blocks_total": stats.num_blocks,
         "requests_waiting": stats.num_waiting + state.num_jobs_pending,

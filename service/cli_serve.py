@@ -30,7 +30,7 @@ WILDCARD_ADDRESSES = ("0.0.0.0", "::")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_evs_arguments
+    from stillcut.service.cli import add_evs_arguments, add_precision_arguments
 
     parser = commands.add_parser("serve", help="run the HTTP service")
     parser.set_defaults(run=run)
@@ -104,6 +104,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--max-sessions", type=int, default=4, help="live WebSocket sessions at once (default 4)"
     )
     add_evs_arguments(parser)
+    add_precision_arguments(parser)
     parser.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
@@ -172,6 +173,7 @@ def server_settings(
 ) -> tuple[ServerConfig, EngineConfig, DecodeConfig]:
     """The flags' `ServerConfig`, `EngineConfig` and `DecodeConfig`."""
     from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stillcut.service.cli import precision_options
     from stillcut.service.config import MIB, ServerConfig
     from stillcut.vision.decode import DecodeConfig
 
@@ -195,6 +197,7 @@ def server_settings(
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory * MIB),
+        **precision_options(args),
     )
     return config, engine_config, DecodeConfig(max_image_pixels=args.max_image_pixels)
 
