@@ -35,6 +35,17 @@ from stillcut.service.metrics import CONTENT_TYPE
 from stillcut.service.middleware import REQUEST_ID_HEADER
 from stillcut.service.state import record_of, seconds_left, until_disconnect
 
+_SHARED_HEALTH = ("model", "weight_format", "kv_cache_dtype", "evs_default")
+_SUMMED_HEALTH = (
+    "weight_bytes",
+    "vision_weight_bytes",
+    "kv_cache_bytes",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "requests_waiting",
+    "requests_running",
+    "live_sessions",
+)
 ASK_REPLICAS_S = 5.0  # how long /health and /metrics wait for the replicas
 DEADLINE_GRACE_S = 1.0  # past a request's deadline, the replica's own 504 has had its chance
 
@@ -115,17 +126,15 @@ async def health(request: Request) -> Response:
 
 def cluster_health(reports: list[dict], num_replicas: int) -> dict:
     """The cluster's `/health` body from the replicas' own (`reports`, those that answered):
-    "ok" with every replica up, "degraded" with some, "unavailable" with none; the sums of
-    their KV and queue figures, and each report."""
+    "ok" with every replica up, "degraded" with some, "unavailable" with none; the settings
+    every replica shares; the sums of their bytes held, KV and queue figures; each report."""
     reports = sorted(reports, key=lambda report: report["replica"])
     num_up = sum(report["status"] == "ok" for report in reports)
     status = "ok" if num_up == num_replicas else "degraded" if num_up else "unavailable"
     body = {"status": status, "replicas_up": num_up, "replicas_total": num_replicas}
-    for name in ("model", "evs_default"):
-        if reports:
-            body[name] = reports[0][name]
-    summed = ("kv_blocks_used", "kv_blocks_total", "requests_waiting", "requests_running")
-    for name in (*summed, "live_sessions"):
+    for name in _SHARED_HEALTH if reports else ():
+        body[name] = reports[0][name]
+    for name in _SUMMED_HEALTH:
         body[name] = sum(report[name] for report in reports)
     body["replicas"] = reports
     return body

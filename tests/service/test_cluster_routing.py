@@ -186,6 +186,11 @@ def _health_report(replica: str, status: str, blocks_used: int) -> dict:
         "replica": replica,
         "status": status,
         "model": "tiny",
+        "weight_format": "float32",
+        "weight_bytes": 1000,
+        "vision_weight_bytes": 100,
+        "kv_cache_dtype": "float32",
+        "kv_cache_bytes": 4096,
         "kv_blocks_used": blocks_used,
         "kv_blocks_total": 64,
         "requests_waiting": 1,
@@ -200,6 +205,7 @@ def test_cluster_health_counts_replicas_up_and_is_unavailable_only_with_none():
     health = cluster_health(both, 2)
     assert (health["status"], health["replicas_up"], health["replicas_total"]) == ("ok", 2, 2)
     assert (health["kv_blocks_used"], health["kv_blocks_total"]) == (8, 128)
+    assert (health["weight_format"], health["weight_bytes"]) == ("float32", 2000)
     assert [report["replica"] for report in health["replicas"]] == ["a", "b"]
     stopped_loop = [_health_report("a", "unavailable", 0), _health_report("b", "ok", 3)]
     assert cluster_health(stopped_loop, 2)["status"] == "degraded"
