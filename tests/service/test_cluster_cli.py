@@ -61,6 +61,7 @@ def test_serve_with_replicas_turns_flags_into_the_cluster(tiny_checkpoint, monke
         *("--num-cpus-per-replica", "2", "--num-gpus-per-replica", "0.5"),
         *("--affinity-margin", "6", "--max-queue", "5", "--max-model-len", "1024"),
         *("--no-evs", "--log-level", "warning", "--ray-address", "auto"),
+        *("--kv-cache-dtype", "bfloat16"),
     ]
     served = _served(monkeypatch, argv)
     assert (served["host"], served["port"]) == ("127.0.0.1", 9000)
@@ -75,6 +76,7 @@ def test_serve_with_replicas_turns_flags_into_the_cluster(tiny_checkpoint, monke
     assert (spec.model, spec.name, spec.evs) == (str(tiny_checkpoint), None, None)
     assert (spec.num_cpus, spec.log_level, spec.server.max_queue) == (2.0, "warning", 5)
     assert spec.engine_config.scheduler.max_model_len == 1024
+    assert spec.engine_config.kv_cache_dtype == "bfloat16"
     assert spec.engine_config.device == "cuda"  # a replica with a GPU runs on it
 
 
