@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 VideoSource = str | os.PathLike | bytes | BinaryIO | np.ndarray
 ImageSource = str | os.PathLike | bytes | BinaryIO | np.ndarray | Image.Image
 _HASH_CHUNK = 1 << 20
+# sources that can be read again (a file object is read once)
+_REREADABLE = (str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, Image.Image)
 
 
 @dataclass(frozen=True)
@@ -141,12 +143,39 @@ class VisionPipeline:
                 # Batched outputs are views of one tensor; a cached view would pin the batch.
                 entry.finish(item_embeds.clone() if len(misses) > 1 else item_embeds, encode_s)
                 self.cache.put(entry.media_key, entry.encoded)
+        return self._items(loaded, inputs)
+
+    def encode_cached(self, inputs: list[VideoInput | ImageInput]) -> list[MultiModalItem] | None:
+        """What `encode(inputs)` returns when every input is in the encoder cache, else None.
+        Only hashing and EVS run (no decoding, no tower), so it may run beside an `encode` in
+        progress. File objects, which can be read only once, are left to `encode`."""
+        if any(not isinstance(spec.source, _REREADABLE) for spec in inputs):
+            return None
+        keys = [self._key(spec)[0] for spec in inputs]
+        if not all(key in self.cache for key in keys):
+            return None
+        loaded = [_Loaded(key, self.cache.get(key)) for key in keys]
+        if any(entry.encoded is None for entry in loaded):  # evicted since the check
+            return None
+        return self._items(loaded, inputs)
+
+    def _items(
+        self, loaded: list[_Loaded], inputs: list[VideoInput | ImageInput]
+    ) -> list[MultiModalItem]:
         return [
             entry.to_item(spec, self.media.merge_size, self.family.bidirectional_items)
             for entry, spec in zip(loaded, inputs, strict=True)
         ]
 
     def _load(self, spec: VideoInput | ImageInput) -> _Loaded:
+        key, prepare_from = self._key(spec)
+        entry = _Loaded(key, self.cache.get(key))
+        if entry.encoded is None:
+            entry.prepare(self, spec, prepare_from)
+        return entry
+
+    def _key(self, spec: VideoInput | ImageInput) -> tuple[str, object]:
+        """The input's `media_key`, and what it is decoded from (its bytes, or its path)."""
         spec_source = None
         if isinstance(spec, ImageInput):
             data = _image_payload(spec.source)
@@ -170,10 +199,7 @@ class VisionPipeline:
                 "preprocess": self.video_preprocess.key(),
             }
         key = media_key(self.model_key, data, params)
-        entry = _Loaded(key, self.cache.get(key))
-        if entry.encoded is None:
-            entry.prepare(self, spec, spec_source if params["kind"] == "video" else data)
-        return entry
+        return key, spec_source if params["kind"] == "video" else data
 
     def _decode_config(self, spec: VideoInput) -> DecodeConfig:
         return self.decode_config.with_sampling(spec.fps, spec.max_frames)
