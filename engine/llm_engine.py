@@ -10,16 +10,21 @@ the vision pipeline): the engine never imports the vision side.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from os import PathLike
 
 import torch
 
 from stillcut.engine.admission import BidirectionalItemTooLong
-from stillcut.engine.cache_groups import num_blocks_for_budget, recurrent_groups
+from stillcut.engine.cache_groups import (
+    num_blocks_for_budget,
+    num_snapshots_for_budget,
+    state_bytes_per_request,
+)
 from stillcut.engine.config import EngineConfig, SchedulerConfig
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
@@ -39,6 +44,7 @@ from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,15 +76,19 @@ class LLMEngine:
         _check_item_budget(self.model.bidirectional_item_tokens, config.scheduler)
         self.block_size = config.cache.block_size
         num_rows = max_num_live_requests(config.scheduler)
-        num_blocks = self._num_blocks(dtype, num_rows)
-        # Until hybrid prefix caching saves recurrent states at block boundaries, cached K/V of
-        # a prefix comes without the Mamba2 state after it: such a model never takes a
-        # prefix-cache hit and holds no prefixes (held requests resume from their K/V).
-        self.has_recurrent_state = bool(recurrent_groups(self.cache_groups))
-        cache_config = config.cache
-        if self.has_recurrent_state:
-            cache_config = replace(cache_config, enable_prefix_caching=False)
-        self.scheduler = Scheduler(config.scheduler, cache_config, num_blocks)
+        dtype_bytes = torch.finfo(dtype).bits // 8
+        num_snapshots = self._num_state_snapshots(dtype_bytes, num_rows)
+        num_blocks = self._num_blocks(dtype_bytes, num_rows + num_snapshots)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, num_snapshots)
+        if num_snapshots:
+            log.info(
+                "%d KV blocks; %d recurrent-state snapshots of %d bytes each, one saved every "
+                "%d blocks",
+                num_blocks,
+                num_snapshots,
+                state_bytes_per_request(self.cache_groups, dtype_bytes),
+                config.cache.mamba_snapshot_interval,
+            )
         self.runner = ModelRunner(
             self.model,
             self.cache_groups,
@@ -89,6 +99,7 @@ class LLMEngine:
             max_model_len=config.scheduler.max_model_len,
             device=config.device,
             kv_dtype=dtype,
+            num_state_snapshots=num_snapshots,
         )
         self.eos_token_ids = self.processor.special.eos_token_ids
         self._tracked: dict[str, _Tracked] = {}
@@ -111,11 +122,6 @@ class LLMEngine:
         `prompt` is a `Prompt` from the processor, or token ids whose placeholder runs match
         `mm_items` in order. `hold=True` makes a prefill-only held prefix (see `extend_held`).
         """
-        if hold and self.has_recurrent_state:
-            raise ValueError(
-                "held prefixes are not supported for models with recurrent layers yet: their "
-                "state after the prefix is not kept"
-            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids, items, positions = self._placed(prompt, mm_items)
         params = sampling_params or SamplingParams()
@@ -249,22 +255,45 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
 
-    def _num_blocks(self, dtype: torch.dtype, num_rows: int) -> int:
-        """KV blocks for the budget, after one recurrent state per runner row (if any)."""
+    def _num_blocks(self, dtype_bytes: int, num_state_slots: int) -> int:
+        """KV blocks for the budget, after the recurrent states (one per runner row) and their
+        snapshots, if any."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_blocks is not None:
             return cache.num_blocks
         # never more than every seat filled to max_model_len could use
         needed = 2 * sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
-        budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
         fitting = num_blocks_for_budget(
-            budget,
+            self._budget_bytes(),
             self.cache_groups,
             block_size=self.block_size,
-            dtype_bytes=torch.finfo(dtype).bits // 8,
-            num_state_slots=num_rows,
+            dtype_bytes=dtype_bytes,
+            num_state_slots=num_state_slots,
         )
         return min(fitting, needed)
+
+    def _num_state_snapshots(self, dtype_bytes: int, num_rows: int) -> int:
+        """Recurrent-state snapshot slots (0 without recurrent layers): as configured, one per
+        `mamba_snapshot_interval` configured blocks, or their share of the budget."""
+        cache = self.config.cache
+        if not state_bytes_per_request(self.cache_groups, dtype_bytes):
+            return 0
+        if cache.num_state_snapshots is not None:
+            return cache.num_state_snapshots
+        if cache.num_blocks is not None:
+            return max(1, cache.num_blocks // cache.mamba_snapshot_interval)
+        return num_snapshots_for_budget(
+            self._budget_bytes(),
+            self.cache_groups,
+            block_size=self.block_size,
+            dtype_bytes=dtype_bytes,
+            num_state_slots=num_rows,
+            snapshot_interval=cache.mamba_snapshot_interval,
+        )
+
+    def _budget_bytes(self) -> int:
+        cache = self.config.cache
+        return cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
 
 
 def _check_item_budget(num_item_tokens: int, config: SchedulerConfig) -> None:

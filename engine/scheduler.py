@@ -7,6 +7,8 @@ first matched against the prefix cache. A prefill chunk is the rest of the promp
 budget, whichever is smaller, but never ends inside a bidirectional item. When blocks run out
 the newest running request is preempted: freed, and recomputed later, outputs included. Held
 requests (live sessions) are prefill-only, keep their KV afterwards and are never preempted.
+For a model with recurrent layers and prefix caching on, prefill chunks end on block boundaries
+and each step says where the runner saves recurrent-state snapshots (`state_snapshots`).
 
 Progress is guaranteed by a prefill reservation: while any running request goes without tokens
 in a step (the budget is spent, its next chunk is a bidirectional item that does not fit what
@@ -34,29 +36,52 @@ from stillcut.engine.scheduler_output import (
     RequestUpdate,
     SchedulerOutput,
 )
+from stillcut.engine.state_snapshots import SnapshotPool
 
 
 class Scheduler:
     """Owns the request queues and the KV cache manager.
 
-    `num_blocks` overrides `cache_config.num_blocks` (the runner sizes the pool from memory).
+    `num_blocks` overrides `cache_config.num_blocks` (the runner sizes the pool from memory);
+    `num_state_snapshots` > 0 says the model has recurrent layers, and how many of their
+    state snapshots the runner keeps.
     """
 
     def __init__(
-        self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int | None = None
+        self,
+        config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int | None = None,
+        num_state_snapshots: int = 0,
     ) -> None:
         num_blocks = cache_config.num_blocks if num_blocks is None else num_blocks
         if num_blocks is None or num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1 (or set in cache_config)")
         self.config = config
         self.cache_config = cache_config
+        snapshots = (
+            SnapshotPool(num_state_snapshots, cache_config.mamba_snapshot_interval)
+            if num_state_snapshots
+            else None
+        )
         self.kv_cache = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, snapshots
         )
         self.requests: dict[str, Request] = {}  # every unfinished request, held ones included
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started running: last = newest
         self._finished_ids: list[str] = []  # rows the runner may drop, told at the next step
+
+    @property
+    def _chunks_end_on_blocks(self) -> bool:
+        """Prefill chunks of a model with recurrent layers end on block boundaries when
+        prefix caching is on (a step budget smaller than a block leaves them unaligned)."""
+        kv = self.kv_cache
+        return (
+            kv.snapshots is not None
+            and kv.enable_prefix_caching
+            and self.config.max_num_batched_tokens >= kv.block_size
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -83,6 +108,8 @@ class Scheduler:
         self._check_size(request.num_prompt_tokens, max_tokens, request.mm_items, request.hold)
         if request.hold:
             self._check_held_share(self.kv_cache.num_blocks_for(request.num_prompt_tokens))
+            if self.kv_cache.snapshots is not None:  # its state at its end, for extensions
+                self.kv_cache.snapshots.pin(request.request_id)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -163,6 +190,8 @@ class Scheduler:
             if stop_status is not None:
                 self._finish(request, stop_status)
             updates.append(RequestUpdate(request_id, new_token_ids, request.status, stop_reason))
+        for captures in output.state_captures.values():  # aborted requests' too: slots return
+            self.kv_cache.commit_state_captures(captures)
         return updates
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -182,6 +211,7 @@ class Scheduler:
             output.scheduled_cached.append(
                 CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
             )
+            self._plan_state_captures(request, num_new, output)
             budget -= num_new
         return budget
 
@@ -200,18 +230,31 @@ class Scheduler:
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING and fresh:
                 request.num_cached_tokens = prefix.num_tokens
+            restore_slot = self.kv_cache.restored_state_slot(request, prefix)
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             output.num_scheduled_tokens[request.request_id] = num_new
-            output.scheduled_new.append(NewRequestData.from_request(request))
+            output.scheduled_new.append(NewRequestData.from_request(request, restore_slot))
+            self._plan_state_captures(request, num_new, output)
             budget -= num_new
+
+    def _plan_state_captures(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
+        captures = self.kv_cache.plan_state_captures(request, num_new)
+        if captures:
+            output.state_captures[request.request_id] = captures
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_left = request.num_tokens - num_computed
         num_new = min(num_left, budget)
         if num_new < num_left and not self.config.enable_chunked_prefill:
             return 0
+        if num_new < num_left and self._chunks_end_on_blocks:
+            # the state at a chunk's end is then at a block boundary: a restart point
+            size = self.kv_cache.block_size
+            num_new = (num_computed + num_new) // size * size - num_computed
+            if num_new <= 0:
+                return 0
         num_new = request.chunk_end_at_or_before(num_computed + num_new) - num_computed
         assert num_new >= 0, "computed tokens never end inside a bidirectional item"
         return num_new
