@@ -192,6 +192,7 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[Block]] = {}
         self._block_hashes: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered
+        self._num_shared_blocks: dict[str, int] = {}  # leading blocks found in K/V at start
 
     @property
     def num_blocks(self) -> int:
@@ -228,6 +229,7 @@ class KVCacheManager:
                 break
             blocks.append(block)
         num_blocks = len(blocks)
+        self._num_shared_blocks[request.request_id] = num_blocks
         # each rounding may land where the other does not hold: repeat until both do
         while (rounded := self._restart_at_or_before(request, num_blocks, hashes)) != num_blocks:
             num_blocks = rounded
@@ -304,7 +306,8 @@ class KVCacheManager:
         captures = []
         if self.enable_prefix_caching:
             size, hashes = self.block_size, self.block_hashes(request)
-            for j in restart_blocks(request, start, end, size, self.snapshots.interval):
+            num_shared = self._num_shared_blocks.get(request.request_id, 0)
+            for j in restart_blocks(request, start, end, size, self.snapshots.interval, num_shared):
                 if self.snapshots.has(hashes[j - 1]):
                     continue
                 slot = self.snapshots.reserve(hashes[j - 1])
@@ -334,6 +337,7 @@ class KVCacheManager:
         request.block_ids.clear()
         self._block_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_shared_blocks.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes and their state snapshots (after a weight reload); False

@@ -5,10 +5,13 @@ cannot resume a prompt: the state after the cached tokens is needed too. When a 
 prefill passes a restart point (a block boundary), the runner copies each recurrent layer's
 state there into a snapshot slot, saved under the chained hash of the block ending there; a
 later prompt whose cached chain reaches that block restores the slot and prefills from it
-(DESIGN.md, "Cache groups"). Restart points are every `interval`-th full block, and, so that
-prompts shorter than `interval` blocks still hit, the last full block before the end of the
-prompt and of each multimodal item: where a second question about the same video, a repeated
-prompt, or the next turn of a chat diverges.
+(DESIGN.md, "Cache groups"). Restart points are every `interval`-th full block and, so that
+prompts shorter than `interval` blocks still hit, where later prompts are likely to diverge:
+the last full block before the end of each multimodal item (a second question about the same
+video), the last two full blocks of the prompt (the same context with another short question,
+a repeated prompt, the next turn of a chat), and the end of the cached K/V a request shared
+with an earlier prompt without a snapshot there (the point where the two diverged, so the next
+prompt like them hits there).
 
 The runner owns the slot tensors `[num_slots, *shape]`; this module decides which slot holds
 what. Saved snapshots are evicted least recently used first when a new one needs a slot, and
@@ -136,11 +139,14 @@ class SnapshotPool:
         return slot
 
 
-def restart_blocks(request: Request, start: int, end: int, block_size: int, interval: int):
+def restart_blocks(
+    request: Request, start: int, end: int, block_size: int, interval: int, num_shared_blocks: int
+) -> list[int]:
     """Block counts `j` with `start < j * block_size <= end` whose boundary is a restart point
-    of the request: every `interval`-th block, and the last full block before the end of its
-    prompt and of each of its multimodal items."""
-    ends = {request.num_prompt_tokens // block_size}
+    of the request (module docstring); `num_shared_blocks` is how many of its leading blocks
+    it found in the cache's K/V when it started."""
+    num_prompt_blocks = request.num_prompt_tokens // block_size
+    ends = {num_prompt_blocks, num_prompt_blocks - 1, num_shared_blocks}
     ends.update(place.end // block_size for place in request.mm_positions)
     first, last = start // block_size + 1, end // block_size
     return [j for j in range(first, last + 1) if j % interval == 0 or j in ends]

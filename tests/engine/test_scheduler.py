@@ -599,3 +599,25 @@ def test_a_recurrent_model_ends_chunks_on_blocks_and_hits_only_at_snapshots():
     assert scheduler.kv_cache.snapshots.num_restored == 1
     scheduler.update_from_output(output, {"b": [7]})
     scheduler.kv_cache.check_consistency()
+
+
+def test_snapshots_wait_where_later_prompts_diverge():
+    cache = CacheConfig(block_size=BLOCK, held_share=0.0, mamba_snapshot_interval=100)
+    scheduler = Scheduler(SchedulerConfig(), cache, num_blocks=64, num_state_snapshots=16)
+    shared = list(range(1, 31))
+
+    def cached_tokens(request_id: str, token_ids: list[int]) -> int:
+        request = make_request(request_id, token_ids, max_tokens=1)
+        scheduler.add_request(request)
+        while scheduler.has_unfinished_requests():
+            output = scheduler.schedule()
+            scheduler.update_from_output(output, dict.fromkeys(output.num_scheduled_tokens, [7]))
+        return request.num_cached_tokens
+
+    assert cached_tokens("first", [*shared, 40, 41, 42]) == 0
+    # the first's last two full blocks: another short ending hits at the first boundary
+    assert cached_tokens("other ending", [*shared, 50, 51, 52]) == 28
+    # 18 shared tokens: no snapshot there yet, but this one leaves one where it diverged
+    assert cached_tokens("shorter", [*shared[:18], *range(60, 75)]) == 0
+    assert cached_tokens("like it", [*shared[:18], *range(80, 95)]) == 16
+    scheduler.kv_cache.check_consistency()
