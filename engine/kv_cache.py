@@ -229,7 +229,8 @@ class KVCacheManager:
                 break
             blocks.append(block)
         num_blocks = len(blocks)
-        self._num_shared_blocks[request.request_id] = num_blocks
+        if self.snapshots is not None:
+            self._num_shared_blocks[request.request_id] = num_blocks
         # each rounding may land where the other does not hold: repeat until both do
         while (rounded := self._restart_at_or_before(request, num_blocks, hashes)) != num_blocks:
             num_blocks = rounded

@@ -77,8 +77,10 @@ class LLMEngine:
         self.block_size = config.cache.block_size
         num_rows = max_num_live_requests(config.scheduler)
         dtype_bytes = torch.finfo(dtype).bits // 8
-        num_snapshots = self._num_state_snapshots(dtype_bytes, num_rows)
-        num_blocks = self._num_blocks(dtype_bytes, num_rows + num_snapshots)
+        cache = config.cache
+        budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(config))
+        num_snapshots = self._num_state_snapshots(budget, dtype_bytes, num_rows)
+        num_blocks = self._num_blocks(budget, dtype_bytes, num_rows + num_snapshots)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, num_snapshots)
         if num_snapshots:
             log.info(
@@ -255,7 +257,7 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
 
-    def _num_blocks(self, dtype_bytes: int, num_state_slots: int) -> int:
+    def _num_blocks(self, budget: int, dtype_bytes: int, num_state_slots: int) -> int:
         """KV blocks for the budget, after the recurrent states (one per runner row) and their
         snapshots, if any."""
         cache, sched = self.config.cache, self.config.scheduler
@@ -264,7 +266,7 @@ class LLMEngine:
         # never more than every seat filled to max_model_len could use
         needed = 2 * sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
         fitting = num_blocks_for_budget(
-            self._budget_bytes(),
+            budget,
             self.cache_groups,
             block_size=self.block_size,
             dtype_bytes=dtype_bytes,
@@ -272,7 +274,7 @@ class LLMEngine:
         )
         return min(fitting, needed)
 
-    def _num_state_snapshots(self, dtype_bytes: int, num_rows: int) -> int:
+    def _num_state_snapshots(self, budget: int, dtype_bytes: int, num_rows: int) -> int:
         """Recurrent-state snapshot slots (0 without recurrent layers): as configured, one per
         `mamba_snapshot_interval` configured blocks, or their share of the budget."""
         cache = self.config.cache
@@ -283,17 +285,13 @@ class LLMEngine:
         if cache.num_blocks is not None:
             return max(1, cache.num_blocks // cache.mamba_snapshot_interval)
         return num_snapshots_for_budget(
-            self._budget_bytes(),
+            budget,
             self.cache_groups,
             block_size=self.block_size,
             dtype_bytes=dtype_bytes,
             num_state_slots=num_rows,
             snapshot_interval=cache.mamba_snapshot_interval,
         )
-
-    def _budget_bytes(self) -> int:
-        cache = self.config.cache
-        return cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
 
 
 def _check_item_budget(num_item_tokens: int, config: SchedulerConfig) -> None:
