@@ -67,7 +67,8 @@ def time_to_first_token(engine, pipeline, clip: Path, question: str) -> tuple[fl
     """(seconds from the clip's path to the first token, cached tokens, prompt tokens)."""
     started = time.perf_counter()
     item = pipeline.encode([VideoInput(clip)])[0]
-    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": question}]}]
+    parts = [{"type": "video"}, {"type": "text", "text": question}]
+    messages = [{"role": "user", "content": parts}]
     prompt = engine.processor.build(messages, [item])
     (output,) = engine.generate([prompt], FIRST_TOKEN)
     return time.perf_counter() - started, output.metrics.num_cached_tokens, len(prompt.token_ids)
@@ -89,7 +90,7 @@ def ttft_table(engine, pipeline, questions, num_rounds: int) -> float:
                 f"{num_cached}; TTFT {first * 1e3:.0f} ms then {second * 1e3:.0f} ms"
             )
     ratio = statistics.median(ratios)
-    print(f"\n| question | TTFT median (ms) |\n|---|---:|")
+    print("\n| question | TTFT median (ms) |\n|---|---:|")
     print(f"| first (cold) | {statistics.median(firsts) * 1e3:.0f} |")
     print(f"| second, same video | {statistics.median(seconds) * 1e3:.0f} |")
     verdict = "meets" if ratio <= TARGET else "misses"
@@ -104,8 +105,10 @@ def bytes_table(engine: LLMEngine) -> None:
     block = kv_bytes_per_block(groups, engine.block_size, dtype_bytes)
     print(f"\n| per cached block of {engine.block_size} tokens | bytes |\n|---|---:|")
     print(f"| K/V (3 attention layers) | {block:,} |")
-    print(f"| snapshot share (one {snapshot:,}-byte snapshot per {interval} blocks) | "
-          f"{snapshot // interval:,} |")
+    print(
+        f"| snapshot share (one {snapshot:,}-byte snapshot per {interval} blocks) | "
+        f"{snapshot // interval:,} |"
+    )
 
 
 def hit_rate_table(engine: LLMEngine, questions: list[list[int]]) -> None:

@@ -115,7 +115,7 @@ class Mamba2Block(NemotronBlock):
         tokens = slice(starts[request], starts[request + 1])
         row, fresh = recurrent.state_rows_cpu[request], recurrent.fresh[request]
         conv_states, ssm_states = recurrent.states[self.layer_id]
-        conv_state = None if fresh else conv_states[row]
+        conv_state = None if fresh else conv_states[row].clone()  # the row is rewritten below
         conv_out, new_conv = causal_conv1d(
             conv_in[tokens], conv_state, self.conv_weight, self.conv_bias
         )
@@ -135,10 +135,16 @@ class Mamba2Block(NemotronBlock):
         )
         ssm_states[row] = states[-1].to(ssm_states.dtype)
         scanned[tokens] = y
+        if captures:
+            self._save(recurrent, captures, conv_state, conv_in[tokens], states)
+
+    def _save(self, recurrent, captures, conv_state, conv_in, states) -> None:
+        """The states after each capture's tokens of one chunk (`states`: the scan's, in
+        capture order) into their snapshot slots."""
+        conv_snapshots, ssm_snapshots = recurrent.snapshots[self.layer_id]
         for (num_tokens, slot), state in zip(captures, states, strict=False):
-            conv_snapshots, ssm_snapshots = recurrent.snapshots[self.layer_id]
             conv_snapshots[slot] = conv_state_after(
-                conv_state, conv_in[tokens], num_tokens, self.conv_weight.shape[1]
+                conv_state, conv_in, num_tokens, self.conv_weight.shape[1]
             ).to(conv_snapshots.dtype)
             ssm_snapshots[slot] = state.to(ssm_snapshots.dtype)
 
