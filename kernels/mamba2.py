@@ -138,6 +138,9 @@ def ssd_chunk_scan(
     """
     length, num_heads, _ = x.shape
     repeat = num_heads // B.shape[1]
+    # a sequence shorter than a chunk is one chunk of its own length: the same sums, without
+    # the quadratic work on padding (short segments between snapshots are common)
+    chunk_size = min(chunk_size, length)
     pad = (-length) % chunk_size
     x, dt = x.float(), dt.float()
     # Padding steps have dt = 0: no decay and no input, so the final state is the state at L.
