@@ -145,8 +145,10 @@ def restart_blocks(
     """Block counts `j` with `start < j * block_size <= end` whose boundary is a restart point
     of the request (module docstring); `num_shared_blocks` is how many of its leading blocks
     it found in the cache's K/V when it started."""
+    first, last = start // block_size + 1, end // block_size
+    if first > last:  # most decode steps: no block fills
+        return []
     num_prompt_blocks = request.num_prompt_tokens // block_size
     ends = {num_prompt_blocks, num_prompt_blocks - 1, num_shared_blocks}
     ends.update(place.end // block_size for place in request.mm_positions)
-    first, last = start // block_size + 1, end // block_size
     return [j for j in range(first, last + 1) if j % interval == 0 or j in ends]
