@@ -15,9 +15,11 @@ questions see other neighbours, while the work each does is theirs alone.
 
 Then the memory a cached block costs (its K/V, and its share of a snapshot: one per interval
 blocks), and the hit rate by prompt length: a context of 1 to 8 blocks and 7 tokens more, asked
-two different 12-token questions; the second's cached tokens over its context's.
+two different 12-token questions; the second's cached tokens over its context's. Beside it,
+questions of 40 tokens, which end beyond the first asker's last two blocks: the second asker
+then finds no snapshot in the context and leaves one where it diverged, which the third finds.
 
-    python bench/hybrid_prefix.py [--rounds 3] [--threads 2]
+    python bench/hybrid_prefix.py [--rounds 5] [--threads 2]
 """
 
 from __future__ import annotations
@@ -118,27 +120,42 @@ def bytes_table(engine: LLMEngine) -> None:
 
 
 def hit_rate_table(engine: LLMEngine, questions: list[list[int]]) -> None:
-    print("\n| context (blocks + 7 tokens) | context tokens | second question cached | hit rate |")
-    print("|---:|---:|---:|---:|")
+    """Per context length: the 12-token questions' second asker's cached tokens, and with
+    40-token questions (which end past the first asker's last two blocks) the second and
+    third askers' (the second leaves a snapshot where the questions diverge)."""
+    print(
+        "\n| context (blocks + 7 tokens) | context tokens | 12-token questions: 2nd cached "
+        "| hit rate | 40-token questions: 2nd cached | 3rd cached |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
     generator = torch.Generator().manual_seed(0)
     config = engine.model_config
     placeholders = {config.image_token_id, config.video_token_id}
     text_ids = [t for t in range(config.text.get("vocab_size", 1024)) if t not in placeholders]
+
+    def draw(num_tokens: int) -> list[int]:
+        drawn = torch.randint(0, len(text_ids), (num_tokens,), generator=generator)
+        return [text_ids[i] for i in drawn.tolist()]
+
+    def cached(prompt: list[int]) -> int:
+        return engine.generate([prompt], FIRST_TOKEN)[0].metrics.num_cached_tokens
+
     for num_blocks in range(1, 9):
         num_context = num_blocks * engine.block_size + 7
-        drawn = torch.randint(0, len(text_ids), (num_context,), generator=generator)
-        context = [text_ids[i] for i in drawn.tolist()]
-        cached = [
-            engine.generate([context + question], FIRST_TOKEN)[0].metrics.num_cached_tokens
-            for question in questions
-        ]
-        assert cached[0] == 0, "contexts are random: the first question never hits"
-        print(f"| {num_blocks} | {num_context} | {cached[1]} | {cached[1] / num_context:.2f} |")
+        context = draw(num_context)
+        short = [cached(context + question) for question in questions]
+        context = draw(num_context)  # a new context: nothing of the last one is cached
+        long = [cached(context + draw(40)) for _ in range(3)]
+        assert short[0] == long[0] == 0, "contexts are random: the first asker never hits"
+        print(
+            f"| {num_blocks} | {num_context} | {short[1]} | {short[1] / num_context:.2f} "
+            f"| {long[1]} | {long[2]} |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="TTFT rounds (0: skip them)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -157,7 +174,8 @@ def main() -> None:
         f"{args.threads} threads (shared machine: read the ratios)"
     )
     print(f"questions ({QUESTION_TOKENS} tokens each): {questions}\n")
-    ttft_table(engine, pipeline, questions, args.rounds)
+    if args.rounds:
+        ttft_table(engine, pipeline, questions, args.rounds)
     bytes_table(engine)
     hit_rate_table(engine, [engine.processor.encode(q) for q in questions])
 
