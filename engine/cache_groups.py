@@ -107,11 +107,12 @@ def num_snapshots_for_budget(
     dtype_bytes: int,
     num_state_slots: int,
     snapshot_interval: int,
+    state_dtype_bytes: int | None = None,
 ) -> int:
     """How many recurrent-state snapshots to keep: one per `snapshot_interval` KV blocks of
     what `budget_bytes` holds after `num_state_slots` states, at least one; 0 for a model
-    without recurrent layers."""
-    state_bytes = state_bytes_per_request(groups, dtype_bytes)
+    without recurrent layers. `state_dtype_bytes` as in `num_blocks_for_budget`."""
+    state_bytes = state_bytes_per_request(groups, state_dtype_bytes or dtype_bytes)
     if not state_bytes:
         return 0
     block_bytes = kv_bytes_per_block(groups, block_size, dtype_bytes)
@@ -126,12 +127,16 @@ def num_blocks_for_budget(
     block_size: int,
     dtype_bytes: int,
     num_state_slots: int = 0,
+    state_dtype_bytes: int | None = None,
 ) -> int:
     """How many KV blocks fit in `budget_bytes` once `num_state_slots` recurrent states (one per
-    request that can run at once, plus the snapshots) have taken their share."""
+    request that can run at once, plus the snapshots; `state_dtype_bytes` per value, by default
+    the K/V's `dtype_bytes`) have taken their share."""
     if block_size < 1 or dtype_bytes < 1:
         raise ValueError(f"block_size={block_size} and dtype_bytes={dtype_bytes} must be >= 1")
-    state_bytes = num_state_slots * state_bytes_per_request(groups, dtype_bytes)
+    state_bytes = num_state_slots * state_bytes_per_request(
+        groups, state_dtype_bytes or dtype_bytes
+    )
     block_bytes = kv_bytes_per_block(groups, block_size, dtype_bytes)
     num_blocks = max(budget_bytes - state_bytes, 0) // block_bytes
     if num_blocks < 1:

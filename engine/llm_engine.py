@@ -32,6 +32,7 @@ from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.outputs import RequestMetrics, RequestOutput, Snapshot
 from stillcut.engine.processor import Prompt, PromptProcessor
+from stillcut.engine.quantization import WeightFormat, stored_bytes
 from stillcut.engine.request import (
     PlaceholderRange,
     Request,
@@ -43,8 +44,26 @@ from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What the engine holds: the weights' stored format and bytes (the language model's; int8
+    scales included), the K/V pool's dtype, bytes and blocks."""
+
+    weight_format: str
+    weight_bytes: int
+    kv_cache_dtype: str
+    kv_cache_bytes: int
+    kv_blocks: int
+
+    def __str__(self) -> str:
+        return (
+            f"language model weights: {self.weight_format}, {self.weight_bytes / 2**20:.1f} MiB; "
+            f"KV pool: {self.kv_cache_dtype}, {self.kv_blocks} blocks, "
+            f"{self.kv_cache_bytes / 2**20:.1f} MiB"
+        )
 
 
 @dataclass
@@ -63,11 +82,15 @@ class LLMEngine:
         self.config = config
         self.model_config = load_model_config(self.path)
         self.processor = PromptProcessor.from_checkpoint(self.path)
-        dtype = _DTYPES[config.dtype]
         family = self.model_config.family
         self.cache_groups = self.model_config.cache_groups
         model_class = family.language_model_class()
-        self.model = model_class.from_checkpoint(self.path, dtype=dtype, device=config.device)
+        self.weight_format = WeightFormat.for_engine(
+            config.dtype, config.quantization, config.quantization_skip, config.device
+        ).resolved(self.path)
+        self.model = model_class.from_checkpoint(
+            self.path, self.weight_format, device=config.device
+        )
         if self.model.num_position_rows != family.num_position_rows:
             raise CheckpointError(
                 f"family {family.model_type!r} declares {family.positions!r} positions, but "
@@ -76,19 +99,18 @@ class LLMEngine:
         _check_item_budget(self.model.bidirectional_item_tokens, config.scheduler)
         self.block_size = config.cache.block_size
         num_rows = max_num_live_requests(config.scheduler)
-        dtype_bytes = torch.finfo(dtype).bits // 8
+        kv_dtype = self.weight_format.kv_cache_dtype(config.kv_cache_dtype)
+        state_dtype = self.weight_format.compute_dtype  # recurrent states: what layers compute in
         cache = config.cache
         budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(config))
-        num_snapshots = self._num_state_snapshots(budget, dtype_bytes, num_rows)
-        num_blocks = self._num_blocks(budget, dtype_bytes, num_rows + num_snapshots)
+        num_snapshots = self._num_state_snapshots(budget, kv_dtype, state_dtype, num_rows)
+        num_blocks = self._num_blocks(budget, kv_dtype, state_dtype, num_rows + num_snapshots)
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, num_snapshots)
         if num_snapshots:
             log.info(
-                "%d KV blocks; %d recurrent-state snapshots of %d bytes each, one saved every "
-                "%d blocks",
-                num_blocks,
+                "%d recurrent-state snapshots of %d bytes each, one saved every %d KV blocks",
                 num_snapshots,
-                state_bytes_per_request(self.cache_groups, dtype_bytes),
+                state_bytes_per_request(self.cache_groups, state_dtype.itemsize),
                 config.cache.mamba_snapshot_interval,
             )
         self.runner = ModelRunner(
@@ -100,9 +122,18 @@ class LLMEngine:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.scheduler.max_model_len,
             device=config.device,
-            kv_dtype=dtype,
+            kv_dtype=kv_dtype,
+            state_dtype=state_dtype,
             num_state_snapshots=num_snapshots,
         )
+        self.memory = EngineMemory(
+            self.weight_format.describe(),
+            stored_bytes(self.model),
+            str(kv_dtype).removeprefix("torch."),
+            sum(cache.numel() * cache.element_size() for cache in self.runner.kv_caches),
+            num_blocks,
+        )
+        log.info("%s", self.memory)
         self.eos_token_ids = self.processor.special.eos_token_ids
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -257,7 +288,9 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
 
-    def _num_blocks(self, budget: int, dtype_bytes: int, num_state_slots: int) -> int:
+    def _num_blocks(
+        self, budget: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_state_slots: int
+    ) -> int:
         """KV blocks for the budget, after the recurrent states (one per runner row) and their
         snapshots, if any."""
         cache, sched = self.config.cache, self.config.scheduler
@@ -269,16 +302,19 @@ class LLMEngine:
             budget,
             self.cache_groups,
             block_size=self.block_size,
-            dtype_bytes=dtype_bytes,
+            dtype_bytes=kv_dtype.itemsize,
+            state_dtype_bytes=state_dtype.itemsize,
             num_state_slots=num_state_slots,
         )
         return min(fitting, needed)
 
-    def _num_state_snapshots(self, budget: int, dtype_bytes: int, num_rows: int) -> int:
+    def _num_state_snapshots(
+        self, budget: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_rows: int
+    ) -> int:
         """Recurrent-state snapshot slots (0 without recurrent layers): as configured, one per
         `mamba_snapshot_interval` configured blocks, or their share of the budget."""
         cache = self.config.cache
-        if not state_bytes_per_request(self.cache_groups, dtype_bytes):
+        if not state_bytes_per_request(self.cache_groups, state_dtype.itemsize):
             return 0
         if cache.num_state_snapshots is not None:
             return cache.num_state_snapshots
@@ -288,7 +324,8 @@ class LLMEngine:
             budget,
             self.cache_groups,
             block_size=self.block_size,
-            dtype_bytes=dtype_bytes,
+            dtype_bytes=kv_dtype.itemsize,
+            state_dtype_bytes=state_dtype.itemsize,
             num_state_slots=num_rows,
             snapshot_interval=cache.mamba_snapshot_interval,
         )

@@ -62,6 +62,7 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | None = None,
         num_state_snapshots: int = 0,
     ) -> None:
         self.model = model
@@ -70,10 +71,11 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_caches = _paged_kv_caches(cache_groups, num_blocks, block_size, kv_dtype, device)
         # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
-        self.recurrent_states = _recurrent_states(cache_groups, max_num_reqs, kv_dtype, device)
+        state_dtype = state_dtype or kv_dtype
+        self.recurrent_states = _recurrent_states(cache_groups, max_num_reqs, state_dtype, device)
         # layer id -> its snapshot tensors, each [num_state_snapshots, *shape]
         self.state_snapshots = _recurrent_states(
-            cache_groups, num_state_snapshots, kv_dtype, device
+            cache_groups, num_state_snapshots, state_dtype, device
         )
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)

@@ -46,6 +46,47 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
     add_evs_arguments(parser)
 
 
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """How weights and the KV cache are stored: `describe` and `serve` share these."""
+    from stillcut.engine.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_SKIPS, QUANTIZATIONS
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="format weights are stored in (default auto: the checkpoint's own); on CPU every "
+        "product still computes in float32",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=[name for name in QUANTIZATIONS if name],
+        help="store every matrix in int8 with a scale per output channel (CPU)",
+    )
+    parser.add_argument(
+        "--quantization-skip",
+        choices=QUANTIZATION_SKIPS,
+        action="append",
+        default=[],
+        help="a part kept unquantized (lm_head: the LM head and a tied embedding)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="K/V pool dtype (default auto: float32 on CPU; bfloat16 holds twice the tokens)",
+    )
+
+
+def precision_options(args: argparse.Namespace) -> dict:
+    """`EngineConfig`'s precision fields from `add_precision_arguments`' flags."""
+    return {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "quantization_skip": tuple(args.quantization_skip),
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
+
+
 def add_evs_arguments(parser: argparse.ArgumentParser) -> None:
     """`--evs-rate`, `--evs-threshold`, `--no-evs`: the EVS setting when none is asked for."""
     evs = parser.add_mutually_exclusive_group()

@@ -20,7 +20,7 @@ WILDCARD_ADDRESSES = ("0.0.0.0", "::")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_evs_arguments
+    from stillcut.service.cli import add_evs_arguments, add_precision_arguments
 
     parser = commands.add_parser("serve", help="run the HTTP service")
     parser.set_defaults(run=run)
@@ -101,6 +101,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--max-sessions", type=int, default=4, help="live WebSocket sessions at once (default 4)"
     )
     add_evs_arguments(parser)
+    add_precision_arguments(parser)
     parser.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
@@ -112,7 +113,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from stillcut.service.api import VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config
+    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config, precision_options
     from stillcut.service.config import MIB, ServerConfig
     from stillcut.service.server import serve
     from stillcut.vision.decode import DecodeConfig
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             kv_cache_memory=args.kv_cache_memory * MIB,
             mamba_snapshot_interval=args.mamba_snapshot_interval,
         ),
+        **precision_options(args),
     )
     decode_config = DecodeConfig(max_image_pixels=args.max_image_pixels)
     llm = VideoLLM(
