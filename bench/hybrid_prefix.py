@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-from stillcut.engine.cache_groups import kv_bytes_per_block, state_bytes_per_request
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
@@ -107,12 +106,13 @@ def ttft_table(engine, pipeline, questions, num_rounds: int) -> None:
 
 
 def bytes_table(engine: LLMEngine) -> None:
-    dtype_bytes = torch.finfo(engine.runner.kv_caches[0].dtype).bits // 8
-    groups, interval = engine.cache_groups, engine.config.cache.mamba_snapshot_interval
-    snapshot = state_bytes_per_request(groups, dtype_bytes)
-    block = kv_bytes_per_block(groups, engine.block_size, dtype_bytes)
+    runner, interval = engine.runner, engine.config.cache.mamba_snapshot_interval
+    snapshot = sum(
+        t[0].numel() * t.element_size() for s in runner.state_snapshots.values() for t in s
+    )
+    block = sum(t[:, 0].numel() * t.element_size() for t in runner.kv_caches)
     print(f"\n| per cached block of {engine.block_size} tokens | bytes |\n|---|---:|")
-    print(f"| K/V (3 attention layers) | {block:,} |")
+    print(f"| K/V ({len(runner.kv_caches)} attention layers) | {block:,} |")
     print(
         f"| snapshot share (one {snapshot:,}-byte snapshot per {interval} blocks) | "
         f"{snapshot // interval:,} |"
