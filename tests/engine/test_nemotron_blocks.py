@@ -157,7 +157,7 @@ def test_mamba2_block_over_split_prompts_and_batched_decodes_equals_transformers
 
 def test_mamba2_states_saved_mid_chunk_and_after_a_step_restart_to_the_same_outputs():
     ours_config, hf_config = _configs("mamba")
-    ours = Mamba2Block(_hf_block(hf_config, seed=0), ours_config, layer_id=0, dtype=torch.float32)
+    ours = Mamba2Block(_hf_block(hf_config, seed=0), ours_config, layer_id=0)
     shapes = ((ours_config.conv_dim, ours_config.conv_kernel - 1), (4, 8, 8))
     states = {0: tuple(torch.zeros(2, *shape) for shape in shapes)}
     saved = {"snapshots": {0: tuple(torch.zeros(3, *shape) for shape in shapes)}}
