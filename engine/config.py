@@ -64,7 +64,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one scheduler step and of one request.
+    """Limits of one scheduler step and of one request. `max_num_held_seqs` live requests
+    (held prefixes, streaming requests) may exist besides the `max_num_seqs` running ones.
 
     Without chunked prefill a whole prompt must fit one step, so `max_num_batched_tokens` must
     then cover `max_model_len` (a preempted request recomputes its prompt and its output).
@@ -72,6 +73,7 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    max_num_held_seqs: int = 16
     max_model_len: int = 32768
     max_visual_tokens_per_request: int = 16384
     enable_chunked_prefill: bool = True
@@ -80,6 +82,8 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_num_held_seqs < 0:
+            raise ValueError(f"max_num_held_seqs={self.max_num_held_seqs} must be >= 0")
         if self.max_visual_tokens_per_request < 0:
             raise ValueError(
                 f"max_visual_tokens_per_request={self.max_visual_tokens_per_request} must be >= 0"

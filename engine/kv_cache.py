@@ -285,54 +285,38 @@ class KVCacheManager:
             self.block_pool.cache(blocks[index], hashes[index])
         self._num_cached_blocks[request_id] = max(num_cached, num_full)
 
-    def restored_state_slot(self, request: Request, prefix: CachedPrefix) -> int | None:
-        """The snapshot slot a request starting this step restores its recurrent state from:
-        its hit's, or a held prefix's own when it resumes after an extension; None when it
-        starts from zeros (or the model has no recurrent layers)."""
-        if self.snapshots is None:
-            return None
-        if request.num_computed_tokens:
-            return self.snapshots.pinned(request.request_id)
-        if prefix.restart_hash is None:
+    def restored_state_slot(self, prefix: CachedPrefix) -> int | None:
+        """The snapshot slot a request starting from `prefix` restores its recurrent state
+        from; None when it starts from zeros (or the model has no recurrent layers)."""
+        if self.snapshots is None or prefix.restart_hash is None:
             return None
         return self.snapshots.restore(prefix.restart_hash)
 
     def plan_state_captures(self, request: Request, num_new_tokens: int) -> list[StateCapture]:
         """Where this step saves the request's recurrent state: at each restart point among
-        its next `num_new_tokens` tokens that has no snapshot yet, and at the end of a held
-        prefix (into the slot it pins)."""
-        if self.snapshots is None:
+        its next `num_new_tokens` tokens that has no snapshot yet."""
+        if self.snapshots is None or not self.enable_prefix_caching:
             return []
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
-        captures = []
-        if self.enable_prefix_caching:
-            size, hashes = self.block_size, self.block_hashes(request)
-            num_shared = self._num_shared_blocks.get(request.request_id, 0)
-            for j in restart_blocks(request, start, end, size, self.snapshots.interval, num_shared):
-                if self.snapshots.has(hashes[j - 1]):
-                    continue
-                slot = self.snapshots.reserve(hashes[j - 1])
-                if slot is None:
-                    break
-                captures.append(StateCapture(j * size - start, slot, hashes[j - 1]))
-        if request.hold and end == request.num_tokens:
-            slot = self.snapshots.pinned(request.request_id)
-            assert slot is not None, "a held prefix pins its slot when it is admitted"
-            captures.append(StateCapture(num_new_tokens, slot, None))
+        captures, size, hashes = [], self.block_size, self.block_hashes(request)
+        num_shared = self._num_shared_blocks.get(request.request_id, 0)
+        for j in restart_blocks(request, start, end, size, self.snapshots.interval, num_shared):
+            if self.snapshots.has(hashes[j - 1]):
+                continue
+            slot = self.snapshots.reserve(hashes[j - 1])
+            if slot is None:
+                break
+            captures.append(StateCapture(j * size - start, slot, hashes[j - 1]))
         return captures
 
     def commit_state_captures(self, captures: Iterable[StateCapture]) -> None:
         """After the step: keep each captured state whose block is now in the prefix cache."""
         for capture in captures:
-            if capture.block_hash is not None:
-                cached = self.block_pool.lookup(capture.block_hash) is not None
-                self.snapshots.commit(capture, cached)
+            self.snapshots.commit(capture, self.block_pool.lookup(capture.block_hash) is not None)
 
     def free(self, request: Request) -> None:
         """Release every block of the request; hashed ones stay findable until reused."""
         blocks = self._req_blocks.pop(request.request_id, [])
-        if self.snapshots is not None:
-            self.snapshots.unpin(request.request_id)
         # last blocks first: they are the least likely to be shared, so they are evicted first
         self.block_pool.free(reversed(blocks))
         request.block_ids.clear()

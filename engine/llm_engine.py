@@ -5,6 +5,10 @@ runner computes them and samples, the scheduler applies the results, and the eng
 tokens into text (incremental detokenizer, stop strings) and per-request metrics. Prompts
 arrive as token ids with their multimodal items already encoded (see `PromptProcessor` and
 the vision pipeline): the engine never imports the vision side.
+
+Live requests take input while they live (`append_input`): a held prefix (`hold=True`) grows by
+prefill only; a `streaming` request generates in segments, and each stop (EOS, a stop token,
+`max_tokens`) ends a segment (`RequestOutput.segment_end`) and waits for the next input.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from stillcut.engine.admission import BidirectionalItemTooLong
 from stillcut.engine.cache_groups import (
     num_blocks_for_budget,
     num_snapshots_for_budget,
+    recurrent_groups,
     state_bytes_per_request,
 )
 from stillcut.engine.config import EngineConfig, SchedulerConfig
@@ -72,6 +77,7 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     logprobs: list = field(default_factory=list)
+    counting_append: bool = False  # its appended input is being prefilled
 
 
 class LLMEngine:
@@ -105,6 +111,7 @@ class LLMEngine:
         budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(config))
         num_snapshots = self._num_state_snapshots(budget, kv_dtype, state_dtype, num_rows)
         num_blocks = self._num_blocks(budget, kv_dtype, state_dtype, num_rows + num_snapshots)
+        self.has_recurrent_state = bool(recurrent_groups(self.cache_groups))
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, num_snapshots)
         if num_snapshots:
             log.info(
@@ -148,16 +155,28 @@ class LLMEngine:
         request_id: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         hold: bool = False,
+        streaming: bool = False,
         cache_salt: str | None = None,
     ) -> str:
         """Queue a request (admission errors raise here); returns its id.
 
         `prompt` is a `Prompt` from the processor, or token ids whose placeholder runs match
-        `mm_items` in order. `hold=True` makes a prefill-only held prefix (see `extend_held`).
+        `mm_items` in order. `hold=True` makes a prefill-only held prefix, `streaming=True` a
+        request generating in segments; both take more input (see `append_input`).
         """
+        if streaming and self.has_recurrent_state:
+            raise ValueError(
+                "streaming requests are not supported for models with recurrent layers yet "
+                "(held prefixes are)"
+            )
+        params = sampling_params or SamplingParams()
+        if streaming and params.stop:
+            raise ValueError(
+                f"stop={params.stop!r}: a streaming request ends its segments at stop tokens "
+                "(stop_token_ids), not at stop strings"
+            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids, items, positions = self._placed(prompt, mm_items)
-        params = sampling_params or SamplingParams()
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -167,6 +186,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids,
             hold=hold,
+            streaming=streaming,
         )
         self.scheduler.add_request(request)
         detokenizer = IncrementalDetokenizer(
@@ -182,14 +202,21 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(request, detokenizer, metrics)
         return request_id
 
-    def extend_held(
+    def append_input(
         self, request_id: str, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem] = ()
     ) -> None:
-        """Append tokens (and the items they hold) to a held prefix; only they are prefilled."""
+        """Append tokens (and the items they hold) to a live request: a held prefix, or a
+        streaming request waiting for input or generating (its output so far is kept and the
+        new input follows it). Only the new tokens are prefilled; O(new tokens)."""
         ids, items, positions = self._placed(list(token_ids), mm_items)
-        self.scheduler.extend_held(request_id, ids, items, positions)
+        self.scheduler.append_input(request_id, ids, items, positions)
         tracked = self._tracked[request_id]
-        tracked.metrics.num_prompt_tokens += len(ids)
+        request, metrics = tracked.request, tracked.metrics
+        metrics.num_prompt_tokens += len(ids)
+        metrics.append_prefill_tokens.append(0)
+        tracked.counting_append = True
+        context = request.token_ids_between(max(request.num_tokens - 8, 0), request.num_tokens)
+        tracked.detokenizer = IncrementalDetokenizer(self.processor.tokenizer, context)
 
     def release_held(self, request_id: str) -> None:
         """Free a held prefix; requests started from it keep the blocks they share."""
@@ -215,6 +242,10 @@ class LLMEngine:
             if tracked is not None and tracked.metrics.first_scheduled_time is None:
                 tracked.metrics.first_scheduled_time = now
                 tracked.metrics.num_cached_tokens = tracked.request.num_cached_tokens
+        for request_id, num_tokens in scheduled.num_scheduled_tokens.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and tracked.counting_append:
+                tracked.metrics.append_prefill_tokens[-1] += num_tokens
         result = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, result.sampled)
         now = time.monotonic()
@@ -223,6 +254,7 @@ class LLMEngine:
             tracked = self._tracked.get(update.request_id)
             if tracked is None:
                 continue
+            tracked.counting_append = False  # its input is computed: it sampled or is held
             if update.request_id in result.logprobs:
                 tracked.logprobs.append(result.logprobs[update.request_id])
             outputs.append(self._postprocess(tracked, update, now))
@@ -251,12 +283,13 @@ class LLMEngine:
             metrics.first_token_time = now
         metrics.num_generated_tokens = len(request.output_token_ids)
         delta = tracked.detokenizer.push(new_token_ids)
-        finish_reason, stop_reason = _finish_reason(update.status), update.stop_reason
+        finish_reason = None if update.segment_end else _finish_reason(update.status)
+        stop_reason = update.stop_reason
         if tracked.detokenizer.finished and finish_reason not in ("stop", "held"):
             # a stop string completed: end the request here, whatever the tokens said
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             finish_reason, stop_reason = "stop", tracked.detokenizer.stop_reason
-        elif finish_reason in ("stop", "length", "abort"):
+        elif finish_reason in ("stop", "length", "abort") or update.segment_end is not None:
             delta += tracked.detokenizer.flush()
         finished = finish_reason is not None
         if finished:
@@ -274,6 +307,7 @@ class LLMEngine:
             stop_reason=stop_reason,
             metrics=metrics,
             logprobs=Snapshot(tracked.logprobs),
+            segment_end=update.segment_end,
         )
 
     # ---- helpers -----------------------------------------------------------------------------

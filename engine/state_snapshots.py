@@ -15,8 +15,8 @@ prompt like them hits there).
 
 The runner owns the slot tensors `[num_slots, *shape]`; this module decides which slot holds
 what. Saved snapshots are evicted least recently used first when a new one needs a slot, and
-with their block when the block pool reuses it. A held prefix pins one slot for its lifetime:
-its state at its exact end, which its next extension restores.
+with their block when the block pool reuses it. (A held prefix keeps its runner row, and so
+its state, between extensions: it needs no snapshot of its own.)
 """
 
 from __future__ import annotations
@@ -24,21 +24,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
-from stillcut.engine.admission import ResourceExhausted
 from stillcut.engine.request import Request
 
 
 class StateCapture(NamedTuple):
     """Save the recurrent state after `num_tokens` of a request's scheduled tokens this step
-    into `slot`; `block_hash` is the block ending there (None: the slot a held prefix pins)."""
+    into `slot`, under `block_hash`, the hash of the block ending there."""
 
     num_tokens: int
     slot: int
-    block_hash: bytes | None
+    block_hash: bytes
 
 
 class SnapshotPool:
-    """Snapshot slots: free, in flight (reserved this step), saved by hash (LRU), or pinned."""
+    """Snapshot slots: free, in flight (reserved this step), or saved by hash (LRU)."""
 
     def __init__(self, num_slots: int, interval: int) -> None:
         assert num_slots >= 1 and interval >= 1, (num_slots, interval)
@@ -47,7 +46,6 @@ class SnapshotPool:
         self._free = list(range(num_slots - 1, -1, -1))
         self._saved: OrderedDict[bytes, int] = OrderedDict()  # first = least recently used
         self._in_flight: set[bytes] = set()
-        self._pinned: dict[str, int] = {}
         self.num_saved = 0
         self.num_restored = 0
         self.num_evicted = 0
@@ -74,7 +72,7 @@ class SnapshotPool:
 
     def reserve(self, block_hash: bytes) -> int | None:
         """A slot to save the state at `block_hash` into this step: a free one, else the least
-        recently used saved one (evicted). None when every slot is pinned or in flight."""
+        recently used saved one (evicted). None when every slot is in flight."""
         slot = self._take_slot()
         if slot is not None:
             self._in_flight.add(block_hash)
@@ -82,7 +80,6 @@ class SnapshotPool:
 
     def commit(self, capture: StateCapture, block_cached: bool) -> None:
         """After the step: keep the captured state if its block is in the prefix cache."""
-        assert capture.block_hash is not None, "a pinned slot is never committed"
         self._in_flight.discard(capture.block_hash)
         if block_cached:
             self._saved[capture.block_hash] = capture.slot
@@ -97,36 +94,15 @@ class SnapshotPool:
             self._free.append(slot)
             self.num_evicted += 1
 
-    def pin(self, request_id: str) -> int:
-        """A slot of its own for a held prefix, until `unpin`; raises when none can be had."""
-        if request_id in self._pinned:
-            return self._pinned[request_id]
-        slot = self._take_slot()
-        if slot is None:
-            raise ResourceExhausted(
-                f"every one of the {self.num_slots} recurrent-state snapshot slots is pinned by "
-                "a held prefix or in use this step; release a held prefix or retry later"
-            )
-        self._pinned[request_id] = slot
-        return slot
-
-    def pinned(self, request_id: str) -> int | None:
-        return self._pinned.get(request_id)
-
-    def unpin(self, request_id: str) -> None:
-        slot = self._pinned.pop(request_id, None)
-        if slot is not None:
-            self._free.append(slot)
-
     def clear(self) -> None:
-        """Forget every saved snapshot (with the prefix cache); pinned ones stay."""
+        """Forget every saved snapshot (with the prefix cache)."""
         self._free.extend(self._saved.values())
         self._saved.clear()
 
     def check_consistency(self) -> None:
-        """Every slot is exactly one of free, saved, pinned (in flight only inside a step)."""
+        """Every slot is exactly one of free or saved (in flight only inside a step)."""
         assert not self._in_flight, self._in_flight
-        slots = [*self._free, *self._saved.values(), *self._pinned.values()]
+        slots = [*self._free, *self._saved.values()]
         assert sorted(slots) == list(range(self.num_slots)), slots
 
     def _take_slot(self) -> int | None:

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from os import PathLike
 from pathlib import Path
@@ -31,6 +31,8 @@ from stillcut.engine.request import SamplingParams
 from stillcut.service.async_engine import AsyncEngine
 from stillcut.service.evs_default import DEFAULT_EVS, UNSET, EVSChoice, resolve_evs_default
 from stillcut.service.media_budget import MediaBudget, check_media_budget, media_identity
+from stillcut.service.narrate_api import Frames, Segment, file_frames, narrate_frames
+from stillcut.service.narrate_options import NarrateOptions
 from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
 from stillcut.vision.decode import DecodeConfig
@@ -38,6 +40,7 @@ from stillcut.vision.pipeline import ImageInput, VideoInput, VideoSource, Vision
 
 __all__ = ["DEFAULT_EVS", "DEFAULT_PROMPT", "VideoLLM", "describe_video"]
 DEFAULT_PROMPT = "Describe this video."
+DEFAULT_NARRATE_PROMPT = "Narrate what happens, one short line at a time."
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 # A bounded KV pool: the engine's own default takes half the free memory, too much for a tool.
@@ -192,6 +195,31 @@ class VideoLLM:
             describe_result([item], output, arrival, setting)
             for item, output in zip(items, outputs, strict=True)
         ]
+
+    def narrate(
+        self,
+        source: str | PathLike | Frames,
+        prompt: str = DEFAULT_NARRATE_PROMPT,
+        *,
+        realtime: bool = False,
+        **options,
+    ) -> Iterator[Segment]:
+        """Narrate a video file (a path) or an iterator of (timestamp, [H, W, 3] uint8 frame),
+        yielding segments as they come. Options are the WebSocket's narrate options
+        (`NarrateOptions`; here `lag` defaults to "queue"); `realtime` paces frames at their
+        timestamps. The engine is busy with it until the iterator ends or is closed."""
+        narrate_options = NarrateOptions(prompt=prompt, **{"lag": "queue", **options})
+        if isinstance(source, str | PathLike):
+            source = file_frames(source, narrate_options.fps)
+        with self._engine_lock:
+            if self._async_engine is not None:
+                raise RuntimeError(
+                    "this VideoLLM serves requests through its AsyncEngine; "
+                    "narrate through the server's WebSocket instead"
+                )
+            yield from narrate_frames(
+                self.engine, self.pipeline, source, narrate_options, realtime=realtime
+            )
 
     def _generate(
         self, prompts: list[Prompt], params: SamplingParams, *, progress: bool

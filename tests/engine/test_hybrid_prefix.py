@@ -72,10 +72,10 @@ def _assert_same(ours, cold) -> None:
 def _assert_all_free(engine: LLMEngine) -> None:
     engine.step()  # rows of requests that finished in the last step are dropped at the next
     kv = engine.scheduler.kv_cache
-    kv.check_consistency()  # every snapshot slot free, saved under a cached block, or pinned
+    kv.check_consistency()  # every snapshot slot free or saved under a cached block
     assert kv.num_free_blocks == kv.num_blocks
     assert not engine.runner.rows
-    assert kv.reset_prefix_cache()  # nothing pinned: every slot comes back
+    assert kv.reset_prefix_cache()  # every slot comes back
     assert kv.snapshots.num_free_slots == kv.snapshots.num_slots
 
 
@@ -151,7 +151,7 @@ def test_a_held_prefix_extended_by_tubelets_serves_forks_like_fresh_requests(set
     for num_tubelets in range(1, len(items) + 1):
         if num_tubelets > 1:
             start, end = places[num_tubelets - 2].end, places[num_tubelets - 1].end
-            engine.extend_held(held, ids[start:end], items[num_tubelets - 1 : num_tubelets])
+            engine.append_input(held, ids[start:end], items[num_tubelets - 1 : num_tubelets])
         _run(engine)
         if num_tubelets in asked:
             fork = ids[: places[num_tubelets - 1].end] + suffix

@@ -1,8 +1,5 @@
-"""Snapshot slots of recurrent states: LRU eviction, eviction with their block, pinning."""
+"""Snapshot slots of recurrent states: LRU eviction, and eviction with their block."""
 
-import pytest
-
-from stillcut.engine.admission import ResourceExhausted
 from stillcut.engine.kv_cache import BlockPool
 from stillcut.engine.state_snapshots import SnapshotPool, StateCapture
 
@@ -36,19 +33,4 @@ def test_a_snapshot_leaves_with_its_block_and_an_uncached_capture_frees_its_slot
     blocks.free([block])
     blocks.allocate(1)  # reused for other content: its hash and snapshot go
     assert pool.slot_of(b"a") is None and pool.num_free_slots == 2
-    pool.check_consistency()
-
-
-def test_held_prefixes_pin_slots_until_none_is_left():
-    pool = SnapshotPool(2, interval=1)
-    _save(pool, b"a")
-    first = pool.pin("held-1")
-    assert pool.pin("held-1") == first  # one slot per held prefix
-    pool.pin("held-2")  # evicts the saved snapshot
-    assert pool.slot_of(b"a") is None
-    with pytest.raises(ResourceExhausted, match="every one of the 2 recurrent-state snapshot"):
-        pool.pin("held-3")
-    assert pool.reserve(b"b") is None  # a capture then goes without
-    pool.unpin("held-1")
-    assert pool.pinned("held-1") is None and pool.num_free_slots == 1
     pool.check_consistency()
