@@ -171,11 +171,15 @@ def test_states_and_their_snapshots_fit_the_budget(setup):
     runner = sized.runner
     num_blocks = sized.scheduler.kv_cache.num_blocks
     num_snapshots = sized.scheduler.kv_cache.snapshots.num_slots
+    num_rows = len(runner.token_ids)  # running and live requests' rows
     state_bytes = sum(t[0].numel() * 4 for s in runner.recurrent_states.values() for t in s)
     block_bytes = sum(t.numel() * 4 for t in runner.kv_caches) // num_blocks
     assert all(len(t) == num_snapshots for s in runner.state_snapshots.values() for t in s)
     # one state per runner row first, then one snapshot per 4 blocks of what is left
-    assert num_snapshots == (budget - 8 * state_bytes) // (4 * block_bytes + state_bytes) > 0
+    unit = 4 * block_bytes + state_bytes
+    assert num_snapshots == (budget - num_rows * state_bytes) // unit > 0
     assert num_blocks >= 4 * num_snapshots
-    assert runner.num_kv_bytes == (8 + num_snapshots) * state_bytes + num_blocks * block_bytes
+    assert (
+        runner.num_kv_bytes == (num_rows + num_snapshots) * state_bytes + num_blocks * block_bytes
+    )
     assert budget - block_bytes < runner.num_kv_bytes <= budget
