@@ -14,7 +14,10 @@ keeps, so input appended to a live request costs O(its tokens): its ids, positio
 are added to the row, nothing is recomputed. The caches are allocated from the family's cache
 groups: one paged K/V tensor per attention layer (handed to the model in layer order) and one
 recurrent state per row and recurrent layer (handed to it in the step's `metadata.recurrent`,
-with each request's row and whether its state starts fresh).
+with each request's row and whether its state starts fresh), beside the slots of
+recurrent-state snapshots: a request entering from a snapshot (a prefix-cache hit) has
+its row's states copied from its slot, and the recurrent layers save their states into
+the slots the step's captures name.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class ModelRunner:
         kv_dtype: torch.dtype = torch.float32,
         state_dtype: torch.dtype | None = None,
         decode_buckets: Sequence[int] = (),
+        num_state_snapshots: int = 0,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -90,14 +94,12 @@ class ModelRunner:
             cache_groups, num_cache_blocks, block_size, kv_dtype, device
         )
         # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
-        self.recurrent_states = {
-            layer: tuple(
-                torch.zeros(max_num_reqs, *shape, dtype=state_dtype or kv_dtype, device=device)
-                for shape in group.state_shapes
-            )
-            for group in recurrent_groups(cache_groups)
-            for layer in group.layer_ids
-        }
+        state_dtype = state_dtype or kv_dtype
+        self.recurrent_states = _recurrent_states(cache_groups, max_num_reqs, state_dtype, device)
+        # layer id -> its snapshot tensors, each [num_state_snapshots, *shape]
+        self.state_snapshots = _recurrent_states(
+            cache_groups, num_state_snapshots, state_dtype, device
+        )
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
@@ -125,8 +127,13 @@ class ModelRunner:
 
     @property
     def num_kv_bytes(self) -> int:
-        """Bytes of the paged K/V and of the recurrent states."""
-        states = [t for layer in self.recurrent_states.values() for t in layer]
+        """Bytes of the paged K/V, the recurrent states and their snapshots."""
+        states = [
+            t
+            for layers in (self.recurrent_states, self.state_snapshots)
+            for layer in layers.values()
+            for t in layer
+        ]
         return sum(t.numel() * t.element_size() for t in [*self.kv_caches, *states])
 
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -198,6 +205,11 @@ class ModelRunner:
         self.rows[new.request_id] = state
         self._append_blocks(state, new.block_ids)
         self.sampling.admit(new.request_id, new.sampling_params)
+        if new.restore_slot is not None:
+            # before this step's forward, which may save other states into the same slot
+            for layer, states in self.recurrent_states.items():
+                for tensor, snapshot in zip(states, self.state_snapshots[layer], strict=True):
+                    tensor[row] = snapshot[new.restore_slot]
 
     def _append_input(self, state: RowState, appended: AppendedInput) -> None:
         """Write appended input into a row: the sampled tokens it follows become placed (at the
@@ -334,12 +346,15 @@ class ModelRunner:
         query_start: list[int],
     ) -> RecurrentMetadata | None:
         """Each request's state row, whether its state starts fresh (its first computed
-        token is token 0: a new request, or one recomputed after preemption) and which
-        scheduled tokens are prompt tokens. None for a model without recurrent layers."""
+        token is token 0: a new request, or one recomputed after preemption), which
+        scheduled tokens are prompt tokens, and where to save snapshots. None for a model
+        without recurrent layers."""
         if not self.recurrent_states:
             return None
-        # a recurrent state is never resumed from cached K/V (no prefix hits, no held prefixes)
-        assert all(computed[n.request_id] == 0 for n in output.scheduled_new), "resumed state"
+        # a request resuming after cached tokens had its state restored from a snapshot
+        assert all(
+            n.num_computed_tokens == 0 or n.restore_slot is not None for n in output.scheduled_new
+        ), "a state resumed without a snapshot"
         prompt_token_mask = torch.zeros(query_start[-1], dtype=torch.bool)
         for b, request_id in enumerate(request_ids):
             # a request's prompt tokens come first among its scheduled ones
@@ -352,6 +367,10 @@ class ModelRunner:
             fresh=[computed[r] == 0 for r in request_ids],
             query_start_loc_cpu=query_start,
             prompt_token_mask=prompt_token_mask.to(self.device),
+            snapshots=self.state_snapshots,
+            captures=[
+                [capture[:2] for capture in output.state_captures.get(r, ())] for r in request_ids
+            ],
         )
 
     def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:
@@ -407,6 +426,20 @@ class _Batch:
     sample_ids: list[str]
     sample_index: torch.Tensor | None  # [S]; None when every token samples
     bucket: int | None = None  # decode rows padded to this many; None: not padded
+
+
+def _recurrent_states(
+    groups: Sequence[CacheGroup], num_slots: int, dtype: torch.dtype, device: torch.device | str
+) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Layer id -> its zeroed state tensors, each [num_slots, *shape], for recurrent layers."""
+    return {
+        layer: tuple(
+            torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+            for shape in group.state_shapes
+        )
+        for group in recurrent_groups(groups)
+        for layer in group.layer_ids
+    }
 
 
 def _paged_kv_caches(

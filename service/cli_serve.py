@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # imported where used, so `stillcut --help` stays instant
     from stillcut.service.config import ServerConfig
     from stillcut.vision.decode import DecodeConfig
 
+from stillcut.engine.config import DEFAULT_SNAPSHOT_INTERVAL
 from stillcut.service.reasoning import REASONING_PARSERS
 
 API_KEY_ENV = "STILLCUT_API_KEY"
@@ -94,6 +95,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--kv-cache-memory", type=int, default=256, help="KV cache size in MiB (default 256)"
+    )
+    parser.add_argument(
+        "--mamba-snapshot-interval",
+        type=int,
+        default=DEFAULT_SNAPSHOT_INTERVAL,
+        help="hybrid models: save the recurrent state every N full KV blocks for the prefix "
+        f"cache, besides at the ends of prompts and media (default {DEFAULT_SNAPSHOT_INTERVAL})",
     )
     parser.add_argument("--max-model-len", type=int, default=32768, help="context length")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once")
@@ -202,7 +210,10 @@ def server_settings(
     engine_config = EngineConfig(
         enforce_eager=args.enforce_eager,
         scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),
-        cache=CacheConfig(kv_cache_memory=args.kv_cache_memory * MIB),
+        cache=CacheConfig(
+            kv_cache_memory=args.kv_cache_memory * MIB,
+            mamba_snapshot_interval=args.mamba_snapshot_interval,
+        ),
         **precision_options(args),
     )
     return config, engine_config, DecodeConfig(max_image_pixels=args.max_image_pixels)
