@@ -23,8 +23,9 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
-from stillcut.kernels.attention import AttentionMetadata
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
+
+from .reference import hf_greedy, prefill_logits
 
 NUM_NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
@@ -147,50 +148,6 @@ def _qwen_inputs(pipeline, prompt, videos, video_token_id: int) -> dict:
     return inputs
 
 
-def _prefill_logits(model, prompt) -> torch.Tensor:
-    """Our logits [L, vocab] at every prompt position, from one prefill as the runner makes it."""
-    ids = torch.tensor(prompt.token_ids)
-    num_tokens, block_size = ids.numel(), 16
-    num_blocks = -(-num_tokens // block_size)
-    positions, _ = model.prompt_positions(ids, prompt.items, prompt.mm_positions)
-    ranges = [
-        (0, place.offset, place.end)
-        for item, place in zip(prompt.items, prompt.mm_positions, strict=True)
-        if item.bidirectional
-    ]
-    mm_mask = torch.zeros(num_tokens, dtype=torch.bool)
-    for place in prompt.mm_positions:
-        mm_mask[place.offset : place.end] = True
-    mm_mask = mm_mask if prompt.items else None
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(num_tokens),
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-        mm_ranges=torch.tensor(ranges, dtype=torch.int32) if ranges else None,
-    )
-    kv_caches = [torch.zeros(model.kv_cache_shape(num_blocks, block_size)) for _ in model.layers]
-    embeds = torch.cat([item.embeds for item in prompt.items]) if prompt.items else None
-    with torch.inference_mode():
-        hidden = model(ids, positions, kv_caches, metadata, mm_embeds=embeds, mm_mask=mm_mask)
-        return model.compute_logits(hidden)
-
-
-def _hf_greedy(reference, inputs) -> list[int]:
-    with torch.inference_mode():
-        out = reference.generate(
-            **inputs,
-            max_new_tokens=NUM_NEW_TOKENS,
-            min_new_tokens=NUM_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 def test_the_engine_stores_its_matrices_narrow(setup):
     """Every matrix narrow; norms and position tables (kept as vectors' values) float32."""
     engine, pipeline, _, _, mode = setup
@@ -211,11 +168,11 @@ def test_greedy_tokens_and_prefill_logits_equal_transformers(setup, case):
     assert prompt.token_ids == hf_inputs["input_ids"][0].tolist()
     with torch.inference_mode():
         theirs = reference(**hf_inputs).logits[0]  # [L, vocab]
-    ours = _prefill_logits(engine.model, prompt)
+    ours = prefill_logits(engine.model, prompt)
     assert theirs.abs().max() > 0.1  # the tolerance means something
     assert (ours - theirs).abs().max().item() < TOLERANCE
     (generated,) = engine.generate([prompt], GREEDY)
-    assert generated.token_ids == _hf_greedy(reference, hf_inputs)
+    assert generated.token_ids == hf_greedy(reference, hf_inputs, NUM_NEW_TOKENS)
 
 
 def test_the_reference_differs_from_the_fp32_model(setup):
