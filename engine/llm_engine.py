@@ -5,6 +5,10 @@ runner computes them and samples, the scheduler applies the results, and the eng
 tokens into text (incremental detokenizer, stop strings) and per-request metrics. Prompts
 arrive as token ids with their multimodal items already encoded (see `PromptProcessor` and
 the vision pipeline): the engine never imports the vision side.
+
+Live requests take input while they live (`append_input`): a held prefix (`hold=True`) grows by
+prefill only; a `streaming` request generates in segments, and each stop (EOS, a stop token,
+`max_tokens`) ends a segment (`RequestOutput.segment_end`) and waits for the next input.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from os import PathLike
 
 import torch
@@ -23,9 +27,12 @@ from stillcut.engine.admission import BidirectionalItemTooLong
 from stillcut.engine.cache_groups import (
     kv_bytes_per_block,
     num_blocks_for_budget,
+    num_snapshots_for_budget,
     recurrent_groups,
+    state_bytes_per_request,
 )
 from stillcut.engine.config import EngineConfig, SchedulerConfig
+from stillcut.engine.cuda_graphs import decode_buckets, graphs_unavailable
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.model_config import CheckpointError
@@ -74,6 +81,7 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     logprobs: list = field(default_factory=list)
+    counting_append: bool = False  # its appended input is being prefilled
 
 
 class LLMEngine:
@@ -105,15 +113,30 @@ class LLMEngine:
         num_rows = max_num_live_requests(config.scheduler)
         kv_dtype = self.weight_format.kv_cache_dtype(config.kv_cache_dtype)
         state_dtype = self.weight_format.compute_dtype  # recurrent states: what layers compute in
-        num_blocks = self._num_blocks(kv_dtype, state_dtype, num_rows)
-        # Until hybrid prefix caching saves recurrent states at block boundaries, cached K/V of
-        # a prefix comes without the Mamba2 state after it: such a model never takes a
-        # prefix-cache hit and holds no prefixes (held requests resume from their K/V).
+        cache = config.cache
+        budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(config))
+        budget = self._target_budget(budget, kv_dtype)
+        num_snapshots = self._num_state_snapshots(budget, kv_dtype, state_dtype, num_rows)
+        num_blocks = self._num_blocks(budget, kv_dtype, state_dtype, num_rows + num_snapshots)
         self.has_recurrent_state = bool(recurrent_groups(self.cache_groups))
-        cache_config = config.cache
-        if self.has_recurrent_state:
-            cache_config = replace(cache_config, enable_prefix_caching=False)
-        self.scheduler = Scheduler(config.scheduler, cache_config, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, num_snapshots)
+        if num_snapshots:
+            log.info(
+                "%d recurrent-state snapshots of %d bytes each, one saved every %d KV blocks",
+                num_snapshots,
+                state_bytes_per_request(self.cache_groups, state_dtype.itemsize),
+                config.cache.mamba_snapshot_interval,
+            )
+        no_graphs = graphs_unavailable(torch.device(config.device), self.has_recurrent_state)
+        if config.enforce_eager:
+            no_graphs = "enforce_eager is set"
+        # a step decodes at most max_num_seqs running requests (rows may hold more, waiting)
+        max_decodes = min(config.scheduler.max_num_seqs, num_rows)
+        buckets = (
+            ()
+            if no_graphs
+            else decode_buckets(max_decodes, config.scheduler.max_num_batched_tokens)
+        )
         self.runner = ModelRunner(
             self.model,
             self.cache_groups,
@@ -125,7 +148,9 @@ class LLMEngine:
             device=config.device,
             kv_dtype=kv_dtype,
             state_dtype=state_dtype,
-            keyed_draws=config.speculative is not None,
+            decode_buckets=buckets,
+            num_state_snapshots=num_snapshots,
+            max_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
         )
         self.speculator = None
         if config.speculative is not None:
@@ -138,6 +163,10 @@ class LLMEngine:
             num_blocks,
         )
         log.info("%s", self.memory)
+        if no_graphs:
+            log.info("decode steps run eagerly: %s", no_graphs)
+        else:
+            self.runner.capture_decode_graphs()
         self.eos_token_ids = self.processor.special.eos_token_ids
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -152,21 +181,28 @@ class LLMEngine:
         request_id: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         hold: bool = False,
+        streaming: bool = False,
         cache_salt: str | None = None,
     ) -> str:
         """Queue a request (admission errors raise here); returns its id.
 
         `prompt` is a `Prompt` from the processor, or token ids whose placeholder runs match
-        `mm_items` in order. `hold=True` makes a prefill-only held prefix (see `extend_held`).
+        `mm_items` in order. `hold=True` makes a prefill-only held prefix, `streaming=True` a
+        request generating in segments; both take more input (see `append_input`).
         """
-        if hold and self.has_recurrent_state:
+        if streaming and self.has_recurrent_state:
             raise ValueError(
-                "held prefixes are not supported for models with recurrent layers yet: their "
-                "state after the prefix is not kept"
+                "streaming requests are not supported for models with recurrent layers yet "
+                "(held prefixes are)"
+            )
+        params = sampling_params or SamplingParams()
+        if streaming and params.stop:
+            raise ValueError(
+                f"stop={params.stop!r}: a streaming request ends its segments at stop tokens "
+                "(stop_token_ids), not at stop strings"
             )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids, items, positions = self._placed(prompt, mm_items)
-        params = sampling_params or SamplingParams()
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -176,6 +212,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids,
             hold=hold,
+            streaming=streaming,
         )
         self.scheduler.add_request(request)
         detokenizer = IncrementalDetokenizer(
@@ -191,14 +228,21 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(request, detokenizer, metrics)
         return request_id
 
-    def extend_held(
+    def append_input(
         self, request_id: str, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem] = ()
     ) -> None:
-        """Append tokens (and the items they hold) to a held prefix; only they are prefilled."""
+        """Append tokens (and the items they hold) to a live request: a held prefix, or a
+        streaming request waiting for input or generating (its output so far is kept and the
+        new input follows it). Only the new tokens are prefilled; O(new tokens)."""
         ids, items, positions = self._placed(list(token_ids), mm_items)
-        self.scheduler.extend_held(request_id, ids, items, positions)
+        self.scheduler.append_input(request_id, ids, items, positions)
         tracked = self._tracked[request_id]
-        tracked.metrics.num_prompt_tokens += len(ids)
+        request, metrics = tracked.request, tracked.metrics
+        metrics.num_prompt_tokens += len(ids)
+        metrics.append_prefill_tokens.append(0)
+        tracked.counting_append = True
+        context = request.token_ids_between(max(request.num_tokens - 8, 0), request.num_tokens)
+        tracked.detokenizer = IncrementalDetokenizer(self.processor.tokenizer, context)
 
     def release_held(self, request_id: str) -> None:
         """Free a held prefix; requests started from it keep the blocks they share."""
@@ -226,6 +270,10 @@ class LLMEngine:
             if tracked is not None and tracked.metrics.first_scheduled_time is None:
                 tracked.metrics.first_scheduled_time = now
                 tracked.metrics.num_cached_tokens = tracked.request.num_cached_tokens
+        for request_id, num_tokens in scheduled.num_scheduled_tokens.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and tracked.counting_append:
+                tracked.metrics.append_prefill_tokens[-1] += num_tokens
         result = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, result.sampled)
         now = time.monotonic()
@@ -234,6 +282,7 @@ class LLMEngine:
             tracked = self._tracked.get(update.request_id)
             if tracked is None:
                 continue
+            tracked.counting_append = False  # its input is computed: it sampled or is held
             self._record_drafts(tracked, scheduled.spec_token_ids, result.sampled)
             logprobs = result.logprobs.get(update.request_id, [])
             outputs.append(self._postprocess(tracked, update, now, logprobs))
@@ -275,7 +324,8 @@ class LLMEngine:
         if new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
         delta = tracked.detokenizer.push(new_token_ids)
-        finish_reason, stop_reason = _finish_reason(update.status), update.stop_reason
+        finish_reason = None if update.segment_end else _finish_reason(update.status)
+        stop_reason = update.stop_reason
         if tracked.detokenizer.finished and finish_reason not in ("stop", "held"):
             # a stop string completed: end the request here, whatever the tokens said; tokens
             # after it (accepted drafts, sampled in the same step) were never generated
@@ -285,7 +335,7 @@ class LLMEngine:
                 new_token_ids = new_token_ids[:-num_unread]
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             finish_reason, stop_reason = "stop", tracked.detokenizer.stop_reason
-        elif finish_reason in ("stop", "length", "abort"):
+        elif finish_reason in ("stop", "length", "abort") or update.segment_end is not None:
             delta += tracked.detokenizer.flush()
         metrics.num_generated_tokens = len(request.output_token_ids)
         tracked.logprobs.extend(logprobs[: len(new_token_ids)])
@@ -307,6 +357,7 @@ class LLMEngine:
             stop_reason=stop_reason,
             metrics=metrics,
             logprobs=Snapshot(tracked.logprobs),
+            segment_end=update.segment_end,
         )
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -321,29 +372,56 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
 
-    def _num_blocks(self, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_rows: int) -> int:
-        """KV blocks for the budget, after one recurrent state per runner row (if any)."""
+    def _target_budget(self, budget: int, kv_dtype: torch.dtype) -> int:
+        """Our share of the K/V budget: all of it, or with a draft model (whose pool has as
+        many blocks as ours) the part in proportion to our block bytes."""
+        if self.config.speculative is None:
+            return budget
+        ours = kv_bytes_per_block(self.cache_groups, self.block_size, kv_dtype.itemsize)
+        theirs = draft_block_bytes(self.config.speculative, self.block_size, kv_dtype.itemsize)
+        return budget * ours // (ours + theirs)
+
+    def _num_blocks(
+        self, budget: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_state_slots: int
+    ) -> int:
+        """KV blocks for the budget, after the recurrent states (one per runner row) and their
+        snapshots, if any."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_blocks is not None:
             return cache.num_blocks
         # never more than every seat filled to max_model_len could use
         needed = 2 * sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
-        budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
-        dtype_bytes = kv_dtype.itemsize
-        if self.config.speculative is not None:
-            # a draft model's pool has as many blocks as ours: split the budget by block bytes
-            ours = kv_bytes_per_block(self.cache_groups, self.block_size, dtype_bytes)
-            theirs = draft_block_bytes(self.config.speculative, self.block_size, dtype_bytes)
-            budget = budget * ours // (ours + theirs)
         fitting = num_blocks_for_budget(
             budget,
             self.cache_groups,
             block_size=self.block_size,
-            dtype_bytes=dtype_bytes,
+            dtype_bytes=kv_dtype.itemsize,
             state_dtype_bytes=state_dtype.itemsize,
-            num_state_slots=num_rows,
+            num_state_slots=num_state_slots,
         )
         return min(fitting, needed)
+
+    def _num_state_snapshots(
+        self, budget: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_rows: int
+    ) -> int:
+        """Recurrent-state snapshot slots (0 without recurrent layers): as configured, one per
+        `mamba_snapshot_interval` configured blocks, or their share of the budget."""
+        cache = self.config.cache
+        if not state_bytes_per_request(self.cache_groups, state_dtype.itemsize):
+            return 0
+        if cache.num_state_snapshots is not None:
+            return cache.num_state_snapshots
+        if cache.num_blocks is not None:
+            return max(1, cache.num_blocks // cache.mamba_snapshot_interval)
+        return num_snapshots_for_budget(
+            budget,
+            self.cache_groups,
+            block_size=self.block_size,
+            dtype_bytes=kv_dtype.itemsize,
+            state_dtype_bytes=state_dtype.itemsize,
+            num_state_slots=num_rows,
+            snapshot_interval=cache.mamba_snapshot_interval,
+        )
 
 
 def _check_item_budget(num_item_tokens: int, config: SchedulerConfig) -> None:

@@ -2,32 +2,43 @@
 
 In the style of vLLM's Model Runner V2, each request the runner knows owns one row of
 persistent tensors for its lifetime (token ids, block table) plus its position table, items and
-sampling state. A step gathers only what the scheduler asked for into preallocated input
-buffers, builds the attention metadata once (slot mapping, block tables, bidirectional item
-ranges), runs the model over the flat batch, computes logits only for the requests that sample,
-and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`,
-and the caches are allocated from the family's cache groups: one paged K/V tensor per attention
-layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
-(handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
-starts fresh). A request with drafts (`SchedulerOutput.spec_token_ids`) runs its last sampled
-token and its drafts, written into its row after its tokens, as that many one-token rows of
-the attention metadata (so a verify step is a step of decodes, which the native CPU step
-takes), and samples at each of them (see `RowSampler.sample`); rejected drafts stay in the row
-until later tokens overwrite them.
+sampling state. A step gathers only what the scheduler asked for into persistent input
+buffers (`StepBuffers`: staged on the host, one copy to the device), builds the attention
+metadata once (slot mapping, block tables, bidirectional item ranges), runs the model over the
+flat batch, computes logits only for the requests that sample, and samples. With
+`decode_buckets`, a step of decodes only is padded to the next bucket (pad rows are one-token
+requests writing to a sink block of their own) and, once `capture_decode_graphs` has run,
+replayed as that bucket's CUDA graph (`cuda_graphs`). Nothing here is specific to one model:
+positions come from `model.extend_positions`, a fold over the sequence whose cursor the row
+keeps, so input appended to a live request costs O(its tokens): its ids, positions and items
+are added to the row, nothing is recomputed. The caches are allocated from the family's cache
+groups: one paged K/V tensor per attention layer (handed to the model in layer order) and one
+recurrent state per row and recurrent layer (handed to it in the step's `metadata.recurrent`,
+with each request's row and whether its state starts fresh), beside the slots of
+recurrent-state snapshots: a request entering from a snapshot (a prefix-cache hit) has
+its row's states copied from its slot, and the recurrent layers save their states into
+the slots the step's captures name. A request with drafts (`SchedulerOutput.spec_token_ids`)
+runs its last sampled token and its drafts, written into its row after its tokens, as that
+many one-token rows of the attention metadata (so a verify step is a step of decodes, which
+the native CPU step takes), and samples at each of them (see `RowSampler.sample`); rejected
+drafts stay in the row until later tokens overwrite them.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from stillcut.engine.cache_groups import CacheGroup, attention_groups, recurrent_groups
+from stillcut.engine.cuda_graphs import DecodeGraphs, bucket_for
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.row_sampler import RowSampler, StepResult
-from stillcut.engine.scheduler_output import NewRequestData, SchedulerOutput
+from stillcut.engine.scheduler_output import AppendedInput, NewRequestData, SchedulerOutput
+from stillcut.engine.step_buffers import StepBuffers
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
@@ -37,16 +48,21 @@ class RowState:
     """What the runner keeps for one request between steps (beside its tensor row)."""
 
     row: int
-    prompt_len: int
+    prompt_len: int  # tokens placed by the model: the prompt and all appended input so far
     num_tokens: int  # tokens written into the row (prompt + sampled)
-    positions: torch.Tensor  # [num_position_rows, prompt_len] long, from the model
-    next_position: int  # position of the first token after the prompt
+    positions: torch.Tensor  # [num_position_rows, >= prompt_len] long; grows by doubling
+    cursor: object  # the model's position cursor after the first prompt_len tokens
     items: list[MultiModalItem]
     placements: list[PlaceholderRange]
     params: SamplingParams
     hold: bool
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # sampled since the last placement
     block_ids: list[int] = field(default_factory=list)  # the row of `block_table`, in Python
+
+    @property
+    def next_position(self) -> int:
+        """Position of the first sampled token after the placed ones."""
+        return self.cursor.next_position
 
 
 class ModelRunner:
@@ -65,39 +81,67 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
         state_dtype: torch.dtype | None = None,
-        keyed_draws: bool = False,
+        decode_buckets: Sequence[int] = (),
+        num_state_snapshots: int = 0,
+        max_spec_tokens: int = 0,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv_caches = _paged_kv_caches(cache_groups, num_blocks, block_size, kv_dtype, device)
+        self.max_model_len = max_model_len
+        # Padded decode rows write their K/V into one extra block that no request owns.
+        self.decode_buckets = tuple(decode_buckets)
+        assert max(self.decode_buckets, default=0) <= min(max_num_reqs, max_num_batched_tokens)
+        self.sink_block = num_blocks
+        num_cache_blocks = num_blocks + (1 if self.decode_buckets else 0)
+        self.kv_caches = _paged_kv_caches(
+            cache_groups, num_cache_blocks, block_size, kv_dtype, device
+        )
         # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
-        self.recurrent_states = {
-            layer: tuple(
-                torch.zeros(max_num_reqs, *shape, dtype=state_dtype or kv_dtype, device=device)
-                for shape in group.state_shapes
-            )
-            for group in recurrent_groups(cache_groups)
-            for layer in group.layer_ids
-        }
+        state_dtype = state_dtype or kv_dtype
+        self.recurrent_states = _recurrent_states(cache_groups, max_num_reqs, state_dtype, device)
+        # layer id -> its snapshot tensors, each [num_state_snapshots, *shape]
+        self.state_snapshots = _recurrent_states(
+            cache_groups, num_state_snapshots, state_dtype, device
+        )
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.rows: dict[str, RowState] = {}
-        self.sampling = RowSampler(self.device, keyed_draws)
-        # Preallocated per-step input buffers (host side; copied to the device in one go).
-        self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
-        self.positions = torch.zeros(
-            model.num_position_rows, max_num_batched_tokens, dtype=torch.long
+        # with speculation, seeded draws are keyed by output position (see `RowSampler`)
+        self.sampling = RowSampler(self.device, keyed_draws=max_spec_tokens > 0)
+        # a verifying request is 1 + K rows of the attention metadata
+        max_meta_rows = min(max_num_reqs * (1 + max_spec_tokens), max_num_batched_tokens)
+        self.buffers = StepBuffers(
+            max_num_tokens=max_num_batched_tokens,
+            max_num_reqs=max(max_num_reqs, max_meta_rows),
+            max_num_blocks=max_blocks,
+            num_position_rows=model.num_position_rows,
+            block_size=block_size,
+            device=self.device,
         )
-        self.slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.long)
+        # `_prepare` writes token inputs straight into the staging views.
+        self.input_ids = self.buffers.host.input_ids
+        self.positions = self.buffers.host.positions
+        self.slot_mapping = self.buffers.host.slot_mapping
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self) -> DecodeGraphs:
+        """Capture one CUDA graph per decode bucket (see `cuda_graphs`); decodes then replay."""
+        self.graphs = DecodeGraphs.capture(self)
+        return self.graphs
 
     @property
     def num_kv_bytes(self) -> int:
-        """Bytes of the paged K/V and of the recurrent states."""
-        states = [t for layer in self.recurrent_states.values() for t in layer]
+        """Bytes of the paged K/V, the recurrent states and their snapshots."""
+        states = [
+            t
+            for layers in (self.recurrent_states, self.state_snapshots)
+            for layer in layers.values()
+            for t in layer
+        ]
         return sum(t.numel() * t.element_size() for t in [*self.kv_caches, *states])
 
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -107,6 +151,9 @@ class ModelRunner:
             return StepResult({}, {})
         batch = self._prepare(output)
         with torch.inference_mode():
+            if self.graphs is not None and batch.bucket in self.graphs.logits:
+                logits = self.graphs.replay(batch.bucket)[: len(batch.sample_ids)]
+                return self._sample(batch.sample_ids, logits)
             hidden = self.model(
                 batch.input_ids,
                 batch.positions,
@@ -119,6 +166,8 @@ class ModelRunner:
                 return StepResult({}, {})
             if batch.sample_index is not None:
                 hidden = hidden[batch.sample_index]  # [S, hidden]
+            elif batch.bucket is not None:
+                hidden = hidden[: len(batch.sample_ids)]  # [S, hidden]: the pad rows dropped
             logits = self.model.compute_logits(hidden)  # [S, vocab]
             return self._sample(batch.sample_ids, logits, output.spec_token_ids)
 
@@ -131,28 +180,32 @@ class ModelRunner:
         for request_id in output.preempted_ids:
             self._drop_row(request_id)
         for new in output.scheduled_new:
-            self._drop_row(new.request_id)  # an extended held prefix re-enters with a new prompt
+            assert new.request_id not in self.rows, "a request with a row is never new"
             self._add_row(new)
         for cached in output.scheduled_cached:
+            state = self.rows[cached.request_id]
+            for appended in cached.appended:
+                self._append_input(state, appended)
             if cached.new_block_ids:
-                self._append_blocks(self.rows[cached.request_id], cached.new_block_ids)
+                self._append_blocks(state, cached.new_block_ids)
 
     def _add_row(self, new: NewRequestData) -> None:
         row = self.free_rows.pop()
+        num_prompt = len(new.prompt_token_ids)
         prompt = torch.tensor(new.prompt_token_ids, dtype=torch.long)
-        positions, next_position = self.model.prompt_positions(
-            prompt, new.mm_items, new.mm_positions
+        positions, cursor = self.model.extend_positions(
+            None, prompt, new.mm_items, [tuple(p) for p in new.mm_positions]
         )
         all_ids = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, : len(all_ids)] = torch.tensor(all_ids, dtype=torch.long)
         state = RowState(
             row=row,
-            prompt_len=len(new.prompt_token_ids),
+            prompt_len=num_prompt,
             num_tokens=len(all_ids),
             positions=positions,
-            next_position=next_position,
-            items=new.mm_items,
-            placements=new.mm_positions,
+            cursor=cursor,
+            items=list(new.mm_items),
+            placements=list(new.mm_positions),
             params=new.sampling_params,
             hold=new.hold,
             output_ids=list(new.output_token_ids),
@@ -160,6 +213,41 @@ class ModelRunner:
         self.rows[new.request_id] = state
         self._append_blocks(state, new.block_ids)
         self.sampling.admit(new.request_id, new.sampling_params)
+        if new.restore_slot is not None:
+            # before this step's forward, which may save other states into the same slot
+            for layer, states in self.recurrent_states.items():
+                for tensor, snapshot in zip(states, self.state_snapshots[layer], strict=True):
+                    tensor[row] = snapshot[new.restore_slot]
+
+    def _append_input(self, state: RowState, appended: AppendedInput) -> None:
+        """Write appended input into a row: the sampled tokens it follows become placed (at the
+        positions they were computed at), then the model places the new tokens after them."""
+        num_kept = appended.start - state.prompt_len  # sampled tokens kept before the input
+        assert 0 <= num_kept <= len(state.output_ids), (appended.start, state.prompt_len)
+        num_new = len(appended.token_ids)
+        new_ids = torch.tensor(appended.token_ids, dtype=torch.long)
+        offsets = [(p.offset - appended.start, p.length) for p in appended.mm_positions]
+        kept = torch.arange(num_kept) + state.next_position  # [num_kept]
+        cursor = state.cursor.after_decoded(num_kept) if num_kept else state.cursor
+        positions, state.cursor = self.model.extend_positions(
+            cursor, new_ids, appended.mm_items, offsets
+        )
+        self._place(state, torch.cat([kept.expand(positions.shape[0], -1), positions], dim=1))
+        self.token_ids[state.row, appended.start : appended.start + num_new] = new_ids
+        state.num_tokens = appended.start + num_new
+        state.output_ids = []
+        state.items.extend(appended.mm_items)
+        state.placements.extend(appended.mm_positions)
+
+    def _place(self, state: RowState, positions: torch.Tensor) -> None:
+        """Add `positions` [rows, n] after the placed ones, doubling the table when full."""
+        end = state.prompt_len + positions.shape[1]
+        if end > state.positions.shape[1]:
+            grown = state.positions.new_empty(state.positions.shape[0], 2 * end)
+            grown[:, : state.prompt_len] = state.positions[:, : state.prompt_len]
+            state.positions = grown
+        state.positions[:, state.prompt_len : end] = positions
+        state.prompt_len = end
 
     def rewrite_tokens(self, request_id: str, start: int, token_ids: Sequence[int]) -> None:
         """Make a row's tokens from `start` on `token_ids` (a draft model's mirror of a target
@@ -190,6 +278,7 @@ class ModelRunner:
 
     def _prepare(self, output: SchedulerOutput) -> _Batch:
         request_ids = list(output.num_scheduled_tokens)
+        self.buffers.staging()  # the previous step's copy has read the staging buffer
         computed = {c.request_id: c.num_computed_tokens for c in output.scheduled_cached}
         computed.update({n.request_id: n.num_computed_tokens for n in output.scheduled_new})
         query_start = [0]
@@ -234,33 +323,35 @@ class ModelRunner:
                 sample_index.extend(range(q1 - 1 - len(drafts), q1))
         if decodes:
             self._write_decodes(decodes)
-        device = self.device
-        num_tokens = query_start[-1]
-        metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=self.block_table[rows, :max_blocks].to(device),
-            slot_mapping=self.slot_mapping[:num_tokens].to(device),
-            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
-            max_seq_len=max(seq_lens),
-            mm_ranges=torch.tensor(mm_ranges, dtype=torch.int32, device=device)
-            if mm_ranges
-            else None,
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-            recurrent=self._recurrent_metadata(output, request_ids, rows, computed, query_start),
+        recurrent = self._recurrent_metadata(output, request_ids, rows, computed, query_start)
+        every_token_samples = len(sample_index) == query_start[-1]  # a step of decodes only
+        bucket = None
+        if every_token_samples and len(decodes) == len(request_ids) and recurrent is None:
+            bucket = bucket_for(len(request_ids), self.decode_buckets)
+        if mm_pieces:
+            self.buffers.stage_items(query_start[-1], mm_spans, mm_ranges)
+        if bucket is not None:
+            self.buffers.stage_pads(query_start, seq_lens, bucket, self.sink_block)
+        self.buffers.stage_requests(
+            query_start,
+            seq_lens,
+            self.block_table,
+            rows,
+            max_blocks,
+            None if every_token_samples else sample_index,
         )
-        every_token_samples = len(sample_index) == num_tokens  # a step of decodes only
+        metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), len(mm_ranges))
+        metadata.recurrent = recurrent
+        device, inputs, num_tokens = self.device, self.buffers.device, query_start[-1]
         return _Batch(
-            input_ids=self.input_ids[:num_tokens].to(device),
-            positions=self.positions[:, :num_tokens].to(device),
+            input_ids=inputs.input_ids[:num_tokens],
+            positions=inputs.positions[:, :num_tokens],
             metadata=metadata,
             mm_embeds=torch.cat(mm_pieces).to(device) if mm_pieces else None,
-            mm_mask=_mask(num_tokens, mm_spans).to(device) if mm_pieces else None,
+            mm_mask=inputs.mm_mask[:num_tokens] if mm_pieces else None,
             sample_ids=sample_ids,
-            sample_index=None
-            if every_token_samples
-            else torch.tensor(sample_index, dtype=torch.long, device=device),
+            sample_index=None if every_token_samples else inputs.sample_index[: len(sample_index)],
+            bucket=bucket,
         )
 
     def _write_decodes(self, decodes: list[tuple[int, int, int, int]]) -> None:
@@ -285,13 +376,16 @@ class ModelRunner:
         query_start: list[int],
     ) -> RecurrentMetadata | None:
         """Each request's state row, whether its state starts fresh (its first computed
-        token is token 0: a new request, or one recomputed after preemption) and which
-        scheduled tokens are prompt tokens. None for a model without recurrent layers."""
+        token is token 0: a new request, or one recomputed after preemption), which
+        scheduled tokens are prompt tokens, and where to save snapshots. None for a model
+        without recurrent layers."""
         if not self.recurrent_states:
             return None
         assert not output.spec_token_ids, "recurrent layers cannot roll back drafts"
-        # a recurrent state is never resumed from cached K/V (no prefix hits, no held prefixes)
-        assert all(computed[n.request_id] == 0 for n in output.scheduled_new), "resumed state"
+        # a request resuming after cached tokens had its state restored from a snapshot
+        assert all(
+            n.num_computed_tokens == 0 or n.restore_slot is not None for n in output.scheduled_new
+        ), "a state resumed without a snapshot"
         prompt_token_mask = torch.zeros(query_start[-1], dtype=torch.bool)
         for b, request_id in enumerate(request_ids):
             # a request's prompt tokens come first among its scheduled ones
@@ -304,6 +398,10 @@ class ModelRunner:
             fresh=[computed[r] == 0 for r in request_ids],
             query_start_loc_cpu=query_start,
             prompt_token_mask=prompt_token_mask.to(self.device),
+            snapshots=self.state_snapshots,
+            captures=[
+                [capture[:2] for capture in output.state_captures.get(r, ())] for r in request_ids
+            ],
         )
 
     def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:
@@ -315,14 +413,18 @@ class ModelRunner:
 
     def _gather_items(self, state, start, end, q0, b, mm_pieces, mm_spans, mm_ranges) -> None:
         """Embeddings of item tokens in [start, end), the batch spans they fill, and the
-        bidirectional ranges to honour."""
-        for item, place in zip(state.items, state.placements, strict=True):
+        bidirectional ranges to honour (at any step: appended input may follow decodes)."""
+        # placements are sorted and disjoint: the overlapping ones start at the first ending after
+        first = bisect.bisect_right(state.placements, start, key=lambda p: p.end)
+        for index in range(first, len(state.placements)):
+            item, place = state.items[index], state.placements[index]
+            if place.offset >= end:
+                break
             lo, hi = max(start, place.offset), min(end, place.end)
-            if lo < hi:
-                mm_pieces.append(item.embeds[lo - place.offset : hi - place.offset])
-                mm_spans.append((q0 + lo - start, q0 + hi - start))
-                if item.bidirectional:
-                    mm_ranges.append((b, place.offset, place.end))
+            mm_pieces.append(item.embeds[lo - place.offset : hi - place.offset])
+            mm_spans.append((q0 + lo - start, q0 + hi - start))
+            if item.bidirectional:
+                mm_ranges.append((b, place.offset, place.end))
 
     # ---- sampling ----------------------------------------------------------------------------
 
@@ -362,14 +464,21 @@ class _Batch:
     mm_mask: torch.Tensor | None  # [N] bool
     sample_ids: list[str]
     sample_index: torch.Tensor | None  # [S]; None when every token samples
+    bucket: int | None = None  # decode rows padded to this many; None: not padded
 
 
-def _mask(num_tokens: int, spans: list[tuple[int, int]]) -> torch.Tensor:
-    """[num_tokens] bool, True inside `spans` (half-open batch ranges)."""
-    mask = torch.zeros(num_tokens, dtype=torch.bool)
-    for lo, hi in spans:
-        mask[lo:hi] = True
-    return mask
+def _recurrent_states(
+    groups: Sequence[CacheGroup], num_slots: int, dtype: torch.dtype, device: torch.device | str
+) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Layer id -> its zeroed state tensors, each [num_slots, *shape], for recurrent layers."""
+    return {
+        layer: tuple(
+            torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+            for shape in group.state_shapes
+        )
+        for group in recurrent_groups(groups)
+        for layer in group.layer_ids
+    }
 
 
 def _paged_kv_caches(

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from os import PathLike
 from pathlib import Path
@@ -31,6 +31,8 @@ from stillcut.engine.request import SamplingParams
 from stillcut.service.async_engine import AsyncEngine
 from stillcut.service.evs_default import DEFAULT_EVS, UNSET, EVSChoice, resolve_evs_default
 from stillcut.service.media_budget import MediaBudget, check_media_budget, media_identity
+from stillcut.service.narrate_api import Frames, Segment, file_frames, narrate_frames
+from stillcut.service.narrate_options import NarrateOptions
 from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
 from stillcut.vision.decode import DecodeConfig
@@ -38,6 +40,7 @@ from stillcut.vision.pipeline import ImageInput, VideoInput, VideoSource, Vision
 
 __all__ = ["DEFAULT_EVS", "DEFAULT_PROMPT", "VideoLLM", "describe_video"]
 DEFAULT_PROMPT = "Describe this video."
+DEFAULT_NARRATE_PROMPT = "Narrate what happens, one short line at a time."
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 # A bounded KV pool: the engine's own default takes half the free memory, too much for a tool.
@@ -91,6 +94,7 @@ class VideoLLM:
             device=engine_config.device,
             decode_config=decode_config,
             cache_bytes=encoder_cache_bytes,
+            enforce_eager=engine_config.enforce_eager,
         )
         self.vision_weight_bytes = stored_bytes(self.pipeline.tower)
         log.info("vision tower weights: %.1f MiB", self.vision_weight_bytes / 2**20)
@@ -115,8 +119,22 @@ class VideoLLM:
             if budget is not None:
                 check_media_budget(self.pipeline, specs, budget)
             items = self.pipeline.encode(list(distinct.values()))
-        encoded = dict(zip(distinct, items, strict=True))
-        return [encoded[media_identity(spec)] for spec in specs]
+        return _repeated(specs, dict(zip(distinct, items, strict=True)))
+
+    def encode_cached(
+        self, inputs: Sequence[VideoInput | ImageInput], *, budget: MediaBudget | None = None
+    ) -> list[MultiModalItem] | None:
+        """What `encode` returns when every input is in the encoder cache, else None. It waits
+        for no encode in progress (only hashing, EVS and the budget check run), so a question
+        about a video already seen is not queued behind other videos' encoding."""
+        specs = list(inputs)
+        distinct = {media_identity(spec): spec for spec in specs}
+        items = self.pipeline.encode_cached(list(distinct.values()))
+        if items is None:
+            return None
+        if budget is not None:
+            check_media_budget(self.pipeline, specs, budget)
+        return _repeated(specs, dict(zip(distinct, items, strict=True)))
 
     def start_async(self, *, max_queue: int = 64) -> AsyncEngine:
         """Hand the engine to a background `AsyncEngine`; `describe` is refused from then on."""
@@ -193,6 +211,31 @@ class VideoLLM:
             for item, output in zip(items, outputs, strict=True)
         ]
 
+    def narrate(
+        self,
+        source: str | PathLike | Frames,
+        prompt: str = DEFAULT_NARRATE_PROMPT,
+        *,
+        realtime: bool = False,
+        **options,
+    ) -> Iterator[Segment]:
+        """Narrate a video file (a path) or an iterator of (timestamp, [H, W, 3] uint8 frame),
+        yielding segments as they come. Options are the WebSocket's narrate options
+        (`NarrateOptions`; here `lag` defaults to "queue"); `realtime` paces frames at their
+        timestamps. The engine is busy with it until the iterator ends or is closed."""
+        narrate_options = NarrateOptions(prompt=prompt, **{"lag": "queue", **options})
+        if isinstance(source, str | PathLike):
+            source = file_frames(source, narrate_options.fps)
+        with self._engine_lock:
+            if self._async_engine is not None:
+                raise RuntimeError(
+                    "this VideoLLM serves requests through its AsyncEngine; "
+                    "narrate through the server's WebSocket instead"
+                )
+            yield from narrate_frames(
+                self.engine, self.pipeline, source, narrate_options, realtime=realtime
+            )
+
     def _generate(
         self, prompts: list[Prompt], params: SamplingParams, *, progress: bool
     ) -> list[RequestOutput]:
@@ -249,3 +292,10 @@ def _model_name(model: str | PathLike) -> str:
     """A local folder is named by its last part (never a machine path); a hub id as given."""
     path = Path(model)
     return path.name if path.is_dir() else os.fspath(model)
+
+
+def _repeated(
+    specs: list[VideoInput | ImageInput], encoded: dict[object, MultiModalItem]
+) -> list[MultiModalItem]:
+    """One item per spec, repeats sharing their distinct input's item."""
+    return [encoded[media_identity(spec)] for spec in specs]

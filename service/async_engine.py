@@ -56,6 +56,10 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_step: tuple[int, ...] = ()  # verify steps with j drafts accepted, by j
+    # recurrent-state snapshots of a hybrid model's prefix cache (0 for other models)
+    state_snapshots_saved: int = 0
+    state_snapshots_restored: int = 0
+    state_snapshots_evicted: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -135,12 +139,15 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         hold: bool = False,
+        streaming: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them; the last has `finished`.
 
         Admission errors (`QueueFull`, `RequestTooLong`, ...) raise on the first iteration.
         Leaving the iteration early, or cancelling it, aborts the request. A `hold=True`
-        request yields one output with finish_reason "held" once its prefill is done.
+        request yields one output with finish_reason "held" once its prefill is done. A
+        `streaming=True` request yields its segments' outputs (each segment's last has
+        `segment_end`) for as long as it gets input (`append_input`).
         """
         self._reserve_slot()
         request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
@@ -150,7 +157,12 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(
-                    prompt, params, request_id=request_id, cache_salt=cache_salt, hold=hold
+                    prompt,
+                    params,
+                    request_id=request_id,
+                    cache_salt=cache_salt,
+                    hold=hold,
+                    streaming=streaming,
                 )
                 self._streams[request_id] = stream
             finally:
@@ -174,11 +186,17 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
 
         def extend() -> None:
-            self.engine.extend_held(request_id, token_ids, mm_items)
+            self.engine.append_input(request_id, token_ids, mm_items)
             self._streams[request_id] = stream
 
         await self._submit(extend)
         return await stream.get()
+
+    async def append_input(
+        self, request_id: str, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem] = ()
+    ) -> None:
+        """Give a streaming request more input; its outputs go on in its `generate` stream."""
+        await self._submit(lambda: self.engine.append_input(request_id, token_ids, mm_items))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps; its result or exception."""
@@ -326,6 +344,7 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         scheduler = self.engine.scheduler
         kv = scheduler.kv_cache
+        snapshots = kv.snapshots
         self.stats = EngineStats(
             num_waiting=scheduler.num_waiting,
             num_running=scheduler.num_running,
@@ -335,6 +354,9 @@ class AsyncEngine:
             prefix_query_tokens=kv.num_query_tokens,
             prefix_hit_tokens=kv.num_hit_tokens,
             **_speculation_stats(self.engine.speculator),
+            state_snapshots_saved=snapshots.num_saved if snapshots else 0,
+            state_snapshots_restored=snapshots.num_restored if snapshots else 0,
+            state_snapshots_evicted=snapshots.num_evicted if snapshots else 0,
         )
 
 

@@ -1,7 +1,8 @@
 """The `stillcut` command line.
 
 `stillcut describe VIDEO` answers a prompt about a video (`cli_describe`); `stillcut serve`
-runs the HTTP service (`cli_serve`); `stillcut inspect VIDEO` runs only the vision half of the
+runs the HTTP service (`cli_serve`); `stillcut narrate VIDEO` prints running commentary
+(`cli_narrate`); `stillcut inspect VIDEO` runs only the vision half of the
 pipeline — decode, preprocess, encode, EVS — and prints what was decoded, the token grid and
 what EVS kept. All use the built-in demo checkpoint unless given `--model`. Heavy imports
 wait until a command runs, so `stillcut --help` is instant.
@@ -22,11 +23,12 @@ RANDOM_WEIGHTS_NOTICE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stillcut.service import cli_describe, cli_serve
+    from stillcut.service import cli_describe, cli_narrate, cli_serve
 
     parser = argparse.ArgumentParser(prog="stillcut", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     cli_describe.add_parser(commands)
+    cli_narrate.add_parser(commands)
     cli_serve.add_parser(commands)
     inspect = commands.add_parser("inspect", help="decode, encode and prune a video; print it")
     inspect.set_defaults(run=_inspect)

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stillcut.engine.anon_memory import release_freed_memory
 from stillcut.engine.loader import load_weights
 from stillcut.engine.models.weight_snapshot import WeightSnapshot
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.positions import LinearCursor
 from stillcut.engine.quantization import WeightFormat, dense, plan_formats
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
 from stillcut.kernels.cpu_decode import CpuDecoder, NativeMatrix, bind, native_matrix
@@ -222,8 +225,9 @@ def _band_count(num_out: int, wanted: int) -> int:
 
 class PagedLanguageModel(nn.Module):
     """What the runner asks of every language model beside `forward`, `compute_logits` and
-    `prompt_positions`: its layer count and the shape of one layer's paged KV cache. `config`
-    has `num_layers`, `num_kv_heads` and `head_dim`. `prepare_weights` (called by the model's
+    `prompt_positions`: `extend_positions` (positions as a fold over appended input), its layer
+    count and the shape of one layer's paged KV cache. `config` has `num_layers`,
+    `num_kv_heads` and `head_dim`. `prepare_weights` (called by the model's
     `from_checkpoint`) makes what is derived from the weights: `head_matrices` and the layers'
     prepared projections (`prepare_matrices`), and `cpu_decoder`, the native CPU decode step,
     from `native_stack` where the kernel serves it. `weight_format` is how its weights are
@@ -234,6 +238,20 @@ class PagedLanguageModel(nn.Module):
     weight_format: WeightFormat | None = None
     cpu_decoder: CpuDecoder | None = None  # None: the torch ops run (also set so by benches)
     weights_seen: WeightSnapshot | None = None  # the weights `prepare_weights` saw
+
+    def extend_positions(
+        self,
+        cursor: LinearCursor | None,
+        token_ids: torch.Tensor,
+        items: Sequence[MultiModalItem],
+        placements: Sequence[tuple[int, int]],
+    ) -> tuple[torch.Tensor, LinearCursor]:
+        """Positions of tokens appended after `cursor` (None: at a sequence's start) and the
+        cursor after them; placements relative to `token_ids`. This default serves 1-D
+        positions, which shift with the sequence before them; M-RoPE overrides it."""
+        start = 0 if cursor is None else cursor.next_position
+        positions, next_position = self.prompt_positions(token_ids, items, placements)
+        return positions + start, LinearCursor(start + next_position)
 
     def native_stack(self) -> Stack | None:
         """The model as the native CPU decode step reads it; None: it has none."""
@@ -425,7 +443,7 @@ def fused_weight(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
 def fuse_projections(layer: nn.Module, stored: nn.Module) -> None:
     """Set `layer`'s fused `[in, out]` weights (and int8 scales) from a checkpoint-named layer:
     `qkv_weight` (q, k, v columns side by side), `o_weight`, `gate_up_weight` (gate, up) and
-    `down_weight`."""
+    `down_weight`. The stored layer's linear weights are dropped (its biases stay)."""
     attn, mlp = stored.self_attn, stored.mlp
     parts = {
         "qkv_weight": [attn.q_proj, attn.k_proj, attn.v_proj],
@@ -435,3 +453,8 @@ def fuse_projections(layer: nn.Module, stored: nn.Module) -> None:
     }
     for name, linears in parts.items():
         set_weight(layer, name, *fused_weight(linears))
+        for part in linears:  # released as soon as fused: one projection's copy at a time
+            part.weight = None
+            if hasattr(part, "weight_scale"):
+                del part.weight_scale
+        release_freed_memory()

@@ -42,7 +42,13 @@ from stillcut.engine.models.layers import (
 )
 from stillcut.engine.models.qwen2_vl_config import TextConfig, text_config
 from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
+from stillcut.engine.positions import (
+    MRopeCursor,
+    MRopePositions,
+    MRopeSpec,
+    extend_mrope,
+    mrope_positions,
+)
 from stillcut.engine.quantization import Conversion, WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
@@ -206,6 +212,17 @@ class Qwen2LanguageModel(PagedLanguageModel):
         """M-RoPE positions [3, prompt_len] of a prompt, and where the tokens after it go.
         `placements` (offset, length) per item; by default read off the placeholder runs."""
         return mrope_positions(token_ids, items, self.rope_spec, placements)
+
+    def extend_positions(
+        self,
+        cursor: MRopeCursor | None,
+        token_ids: torch.Tensor,
+        items: Sequence[MultiModalItem],
+        placements: Sequence[tuple[int, int]],
+    ) -> tuple[torch.Tensor, MRopeCursor]:
+        """M-RoPE positions [3, n] of tokens appended after `cursor` (None: a sequence's
+        start) and the cursor after them (see `extend_mrope`)."""
+        return extend_mrope(cursor or MRopeCursor(), token_ids, items, self.rope_spec, placements)
 
     @classmethod
     def from_checkpoint(
