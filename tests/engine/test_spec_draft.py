@@ -2,10 +2,17 @@
 
 A draft that is a copy of the target has every draft accepted; a copy with a perturbed head
 has some accepted and some rejected, and an unrelated random draft none, with outputs equal to
-decoding without speculation in every case (batched, with chunked prefill; an image prompt in
-the batch gets no drafts). A draft whose tokenizer or preprocessing differs, or that is larger
-than the target, is refused with a message that says what is allowed.
+decoding without speculation in every case (batched, with chunked prefill; an image encoded
+without the draft gets no drafts). On images and video encoded with the draft's tower too
+(`VisionPipeline(draft_model=...)`), a copy of the target has every draft accepted (Qwen2.5-VL
+with EVS on, Gemma 3's bidirectional images), also on items appended to a streaming request,
+and a smaller unrelated draft proposes, has some drafts accepted and some rejected, and gives
+the tokens of decoding without speculation and of transformers' `generate`. A draft whose
+tokenizer or preprocessing differs, or that is larger than the target, is refused with a
+message that says what is allowed.
 """
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,9 +22,12 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, S
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.models.layers import set_weight
-from stillcut.engine.request import SamplingParams
+from stillcut.engine.request import RequestStatus, SamplingParams
 from stillcut.engine.spec_decode.draft import DraftMismatch
-from stillcut.vision.pipeline import ImageInput, VisionPipeline
+from stillcut.kernels.evs import EVSConfig
+from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
+
+from .reference import hf_greedy, qwen_hf_inputs
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 WIDE = {"initializer_range": 0.2}  # a tiny Qwen whose greedy text varies
@@ -80,7 +90,7 @@ def test_a_perturbed_copy_and_an_unrelated_draft_give_exact_outputs(target):
     drafted = sum(o.metrics.num_draft_tokens for o in outputs)
     accepted = sum(o.metrics.num_accepted_tokens for o in outputs)
     assert 0 < accepted < drafted, (drafted, accepted)
-    assert outputs[2].metrics.num_draft_tokens == 0  # the image prompt: no draft embeddings
+    assert outputs[2].metrics.num_draft_tokens == 0  # an image encoded without the draft
     _assert_pool_whole(engine)
 
     unrelated = cached_checkpoint("tiny", seed=1, family="qwen2_5_vl", text=WIDE)
@@ -88,6 +98,73 @@ def test_a_perturbed_copy_and_an_unrelated_draft_give_exact_outputs(target):
     outputs = engine.generate(prompts[:2], GREEDY)
     assert [o.token_ids for o in outputs] == expected[:2]
     assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
+    _assert_pool_whole(engine)
+
+
+def _media_prompts(engine, pipeline, specs: dict) -> dict:
+    """name -> the prompt asking about one medium, encoded by `pipeline`."""
+    prompts = {}
+    for name, spec in specs.items():
+        kind = "image" if isinstance(spec, ImageInput) else "video"
+        parts = [{"type": kind}, {"type": "text", "text": "What happens? What happens?"}]
+        (item,) = pipeline.encode([spec])
+        prompts[name] = engine.processor.build([{"role": "user", "content": parts}], [item])
+    return prompts
+
+
+def _media(num_frames: int = 4):
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 256, (num_frames, 56, 84, 3), dtype=np.uint8)
+    image = rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)
+    return {
+        "video evs": VideoInput(frames, evs=EVSConfig(mode="rate", rate=0.5)),
+        "video": VideoInput(frames),
+        "image": ImageInput(image),
+    }
+
+
+def _assert_all_accepted(outputs):
+    for output in outputs:
+        assert output.metrics.num_accepted_tokens == output.metrics.num_draft_tokens > 0
+
+
+def test_a_copy_of_the_target_accepts_every_draft_on_video_and_image(target):
+    path, _, _ = target
+    base = LLMEngine(path, _config())
+    specs = _media()
+    del specs["video"]  # EVS on is the case where kept rows must line up
+    prompts = _media_prompts(base, VisionPipeline(path, draft_model=path), specs)
+    video = prompts["video evs"].items[0]
+    assert video.num_tokens < video.num_dense_tokens
+    engine = LLMEngine(path, _config(draft=path))
+    outputs = engine.generate(list(prompts.values()), GREEDY)
+    expected = base.generate(list(prompts.values()), GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    _assert_all_accepted(outputs)
+    _assert_pool_whole(engine)
+
+
+def test_an_unrelated_smaller_draft_is_exact_on_video_and_image(target, small_draft_checkpoint):
+    from transformers import AutoModelForImageTextToText
+
+    path, _, _ = target
+    base = LLMEngine(path, _config())
+    specs = _media()
+    pipeline = VisionPipeline(path, draft_model=small_draft_checkpoint)
+    prompts = _media_prompts(base, pipeline, specs)
+    assert prompts["image"].items[0].draft_embeds.shape[1] == 24  # the draft's width, not 32
+    engine = LLMEngine(path, _config(draft=small_draft_checkpoint))
+    outputs = dict(zip(prompts, engine.generate(list(prompts.values()), GREEDY), strict=True))
+    expected = base.generate(list(prompts.values()), GREEDY)
+    assert [o.token_ids for o in outputs.values()] == [o.token_ids for o in expected]
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    for name in ("video", "image"):  # EVS off: transformers' own positions and embeddings
+        inputs = qwen_hf_inputs(pipeline, prompts[name], [specs[name]], "qwen2_5_vl")
+        assert outputs[name].token_ids == hf_greedy(reference, inputs, GREEDY.max_tokens)
+    assert all(o.metrics.num_draft_tokens > 0 for o in outputs.values())
+    drafted = sum(o.metrics.num_draft_tokens for o in outputs.values())
+    accepted = sum(o.metrics.num_accepted_tokens for o in outputs.values())
+    assert 0 < accepted < drafted, (drafted, accepted)
     _assert_pool_whole(engine)
 
 
