@@ -168,6 +168,74 @@ def test_an_unrelated_smaller_draft_is_exact_on_video_and_image(target, small_dr
     _assert_pool_whole(engine)
 
 
+def test_a_gemma3_copy_accepts_every_draft_on_bidirectional_images():
+    """Two images, each one bidirectional item, under a budget that splits the prompt (a
+    mirror's step never ends inside an item)."""
+    path = cached_checkpoint("tiny", family="gemma3")
+    rng = np.random.default_rng(0)
+    images = [ImageInput(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)) for _ in range(2)]
+    items = VisionPipeline(path, draft_model=path).encode(images)
+    parts = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
+    parts.append({"type": "text", "text": "Describe them."})
+    base = LLMEngine(path, _config())
+    prompt = base.processor.build([{"role": "user", "content": parts}], items)
+    engine = LLMEngine(path, _config(draft=path, max_num_batched_tokens=24))
+    outputs = engine.generate([prompt], GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in base.generate([prompt], GREEDY)]
+    _assert_all_accepted(outputs)
+    _assert_pool_whole(engine)
+
+
+def _narrate(engine, tubelets, params) -> tuple[str, list, list[int]]:
+    """A streaming request that speaks a segment, then takes each tubelet and speaks again:
+    its id, each segment's tokens, and the drafts proposed for it by each segment's end."""
+    processor = engine.processor
+    prompt = processor.build_text("Narrate what you see.")
+    request_id = engine.add_request(prompt, params, streaming=True)
+    segments, drafted = [], []
+    for k, item in enumerate([None, *tubelets]):
+        if item is not None:
+            assert engine.scheduler.requests[request_id].status is RequestStatus.HELD
+            engine.append_input(request_id, processor.narration_input(item, float(k)), [item])
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        segments.append(list(outputs[-1].token_ids))
+        drafted.append(outputs[-1].metrics.num_draft_tokens)  # the request's metrics, so far
+    return request_id, segments, drafted
+
+
+def test_a_mirror_takes_the_items_appended_to_a_streaming_request(target):
+    path, _, _ = target
+    frames = np.random.default_rng(7).integers(0, 256, (2, 56, 84, 3), dtype=np.uint8)
+    item = VisionPipeline(path, draft_model=path).video(frames, frames_fps=2.0)
+    tubelets = [
+        replace(
+            item, identifier=f"t{k}", embeds=item.embeds * k, draft_embeds=item.draft_embeds * k
+        )
+        for k in (1, 2, 3)
+    ]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    config = replace(_config(draft=path), cache=CacheConfig(num_blocks=256, held_share=0.5))
+    engine = LLMEngine(path, config)
+    request_id, segments, drafted = _narrate(engine, tubelets, params)
+    base = LLMEngine(path, replace(config, speculative=None))
+    assert segments == _narrate(base, tubelets, params)[1]
+    # every segment after an append had drafts, and the copy's were all accepted
+    assert all(after > before for before, after in zip(drafted, drafted[1:], strict=False))
+    assert engine.scheduler.requests[request_id].num_accepted_tokens == drafted[-1]
+    # the mirror's row was placed append by append exactly as the target's
+    ours, theirs = (
+        engine.speculator.proposer.runner.rows[request_id],
+        engine.runner.rows[request_id],
+    )
+    assert ours.prompt_len == theirs.prompt_len
+    assert torch.equal(ours.positions[:, : ours.prompt_len], theirs.positions[:, : ours.prompt_len])
+    engine.abort(request_id)
+    engine.step()
+    _assert_pool_whole(engine)
+
+
 @pytest.mark.parametrize(
     ("draft", "message"),
     [
