@@ -166,47 +166,54 @@ class DraftProposer:
 
     def _catch_up(self, requests: Sequence[Request]) -> SchedulerOutput:
         """One step computing, for each request, the tokens its mirror lacks (within the step
-        budget); samples the first draft. A mirror whose tokens differ from the target's is
-        rolled back to where they agree; one that gets no blocks is dropped (that request gets
-        no drafts)."""
+        budget); samples the first draft."""
         output, budget = self._output(), self.runner.max_num_batched_tokens
         for request in requests:
             if budget == 0:
                 break  # the rest catch up in a later round
-            tokens = request.all_token_ids
-            mirror = self.mirrors.get(request.request_id)
-            if mirror is None:
-                mirror = _mirror(request)
-                self.mirrors[request.request_id] = mirror
-                num_valid = 0
-            else:
-                num_valid = _common_prefix(
-                    mirror.all_token_ids[: mirror.num_computed_tokens], tokens
-                )
-                if len(request.mm_items) > len(mirror.mm_items):
-                    num_valid = self._append_items(request, mirror, tokens, num_valid)
-                mirror.output_token_ids[:] = tokens[mirror.num_prompt_tokens :]
-                mirror.num_computed_tokens = num_valid
-                self.runner.rewrite_tokens(request.request_id, num_valid, tokens[num_valid:])
-            # a mirror that cannot catch up in one step samples nothing until it has; a step
-            # never ends inside a bidirectional item
-            end = mirror.chunk_end_at_or_before(num_valid + min(len(tokens) - num_valid, budget))
-            num_new = end - num_valid
-            if num_new <= 0:
-                continue
-            budget -= num_new
-            new_block_ids = self.kv_cache.allocate_slots(mirror, num_new)
-            if new_block_ids is None:
-                self.finish(request)
-                continue
-            if num_valid == 0 and request.request_id not in self.runner.rows:
-                output.scheduled_new.append(NewRequestData.from_request(mirror))
-            else:
-                output.scheduled_cached.append(
-                    CachedRequestData(request.request_id, new_block_ids, num_valid)
-                )
-            output.num_scheduled_tokens[request.request_id] = num_new
+            budget -= self._schedule_mirror(request, budget, output)
         return output
+
+    def _schedule_mirror(self, request: Request, budget: int, output: SchedulerOutput) -> int:
+        """Schedule into `output` the tokens `request`'s mirror lacks, at most `budget` and
+        never ending inside a bidirectional item; returns how many. The mirror is made at
+        first, then kept in step with the target (`_sync`); one that gets no blocks is dropped
+        (that request gets no drafts). A mirror that cannot catch up in one step samples
+        nothing until it has."""
+        tokens = request.all_token_ids
+        mirror = self.mirrors.get(request.request_id)
+        is_new = mirror is None
+        if is_new:
+            mirror, num_valid = _mirror(request), 0
+        else:
+            num_valid = self._sync(request, mirror, tokens)
+        num_new = mirror.chunk_end_at_or_before(min(len(tokens), num_valid + budget)) - num_valid
+        if num_new <= 0:
+            return 0
+        new_block_ids = self.kv_cache.allocate_slots(mirror, num_new)
+        if new_block_ids is None:
+            self.finish(request)
+            return 0
+        if is_new:
+            self.mirrors[request.request_id] = mirror
+            output.scheduled_new.append(NewRequestData.from_request(mirror))
+        else:
+            cached = CachedRequestData(request.request_id, new_block_ids, num_valid)
+            output.scheduled_cached.append(cached)
+        output.num_scheduled_tokens[request.request_id] = num_new
+        return num_new
+
+    def _sync(self, request: Request, mirror: Request, tokens: list[int]) -> int:
+        """Make `mirror`'s tokens the target's `tokens` (its row too), taking input appended
+        to the target since; returns how many of its computed tokens stay valid (the rest,
+        drafts the target rejected, are overwritten when computed again)."""
+        num_valid = _common_prefix(mirror.all_token_ids[: mirror.num_computed_tokens], tokens)
+        if len(request.mm_items) > len(mirror.mm_items):
+            num_valid = self._append_items(request, mirror, tokens, num_valid)
+        mirror.output_token_ids[:] = tokens[mirror.num_prompt_tokens :]
+        mirror.num_computed_tokens = num_valid
+        self.runner.rewrite_tokens(request.request_id, num_valid, tokens[num_valid:])
+        return num_valid
 
     def _append_items(
         self, request: Request, mirror: Request, tokens: list[int], num_valid: int
