@@ -130,8 +130,10 @@ class LLMEngine:
         no_graphs = graphs_unavailable(torch.device(config.device), self.has_recurrent_state)
         if config.enforce_eager:
             no_graphs = "enforce_eager is set"
-        # a step decodes at most max_num_seqs running requests (rows may hold more, waiting)
-        max_decodes = min(config.scheduler.max_num_seqs, num_rows)
+        # a step decodes at most max_num_seqs running requests (rows may hold more, waiting),
+        # each 1 + K one-token rows when it verifies drafts
+        max_spec_tokens = config.speculative.num_speculative_tokens if config.speculative else 0
+        max_decodes = min(config.scheduler.max_num_seqs, num_rows) * (1 + max_spec_tokens)
         buckets = (
             ()
             if no_graphs
@@ -150,7 +152,7 @@ class LLMEngine:
             state_dtype=state_dtype,
             decode_buckets=buckets,
             num_state_snapshots=num_snapshots,
-            max_spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0,
+            max_spec_tokens=max_spec_tokens,
         )
         self.speculator = None
         if config.speculative is not None:

@@ -2,26 +2,26 @@
 
 In the style of vLLM's Model Runner V2, each request the runner knows owns one row of
 persistent tensors for its lifetime (token ids, block table) plus its position table, items and
-sampling state. A step gathers only what the scheduler asked for into persistent input
-buffers (`StepBuffers`: staged on the host, one copy to the device), builds the attention
-metadata once (slot mapping, block tables, bidirectional item ranges), runs the model over the
-flat batch, computes logits only for the requests that sample, and samples. With
-`decode_buckets`, a step of decodes only is padded to the next bucket (pad rows are one-token
-requests writing to a sink block of their own) and, once `capture_decode_graphs` has run,
-replayed as that bucket's CUDA graph (`cuda_graphs`). Nothing here is specific to one model:
-positions come from `model.extend_positions`, a fold over the sequence whose cursor the row
-keeps, so input appended to a live request costs O(its tokens): its ids, positions and items
-are added to the row, nothing is recomputed. The caches are allocated from the family's cache
-groups: one paged K/V tensor per attention layer (handed to the model in layer order) and one
-recurrent state per row and recurrent layer (handed to it in the step's `metadata.recurrent`,
-with each request's row and whether its state starts fresh), beside the slots of
-recurrent-state snapshots: a request entering from a snapshot (a prefix-cache hit) has
-its row's states copied from its slot, and the recurrent layers save their states into
-the slots the step's captures name. A request with drafts (`SchedulerOutput.spec_token_ids`)
-runs its last sampled token and its drafts, written into its row after its tokens, as that
-many one-token rows of the attention metadata (so a verify step is a step of decodes, which
-the native CPU step takes), and samples at each of them (see `RowSampler.sample`); rejected
-drafts stay in the row until later tokens overwrite them.
+sampling state. A step gathers only what the scheduler asked for into persistent input buffers
+(`StepBuffers`: staged on the host, one copy to the device), builds the attention metadata once
+(slot mapping, block tables, bidirectional item ranges), runs the model over the flat batch,
+computes logits only for the requests that sample, and samples. With `decode_buckets`, a step
+of one-token rows only (decodes, and verify steps: see below) is padded to the next bucket (pad
+rows are one-token requests writing to a sink block of their own) and, once
+`capture_decode_graphs` has run, replayed as that bucket's CUDA graph (`cuda_graphs`). Nothing
+here is specific to one model: positions come from `model.extend_positions`, a fold over the
+sequence whose cursor the row keeps, so input appended to a live request costs O(its tokens):
+its ids, positions and items are added to the row, nothing is recomputed. The caches are
+allocated from the family's cache groups: one paged K/V tensor per attention layer (handed to
+the model in layer order) and one recurrent state per row and recurrent layer (handed to it in
+the step's `metadata.recurrent`, with each request's row and whether its state starts fresh),
+beside the slots of recurrent-state snapshots: a request entering from a snapshot (a
+prefix-cache hit) has its row's states copied from its slot, and the recurrent layers save
+their states into the slots the step's captures name. A request with drafts
+(`SchedulerOutput.spec_token_ids`) runs its last sampled token and its drafts, written into its
+row after its tokens, as that many one-token rows of the attention metadata (so a verify step
+is a step of decodes, which the native CPU step takes), and samples at each of them (see
+`RowSampler.sample`); rejected drafts stay in the row until later tokens overwrite them.
 """
 
 from __future__ import annotations
@@ -92,7 +92,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # Padded decode rows write their K/V into one extra block that no request owns.
         self.decode_buckets = tuple(decode_buckets)
-        assert max(self.decode_buckets, default=0) <= min(max_num_reqs, max_num_batched_tokens)
         self.sink_block = num_blocks
         num_cache_blocks = num_blocks + (1 if self.decode_buckets else 0)
         self.kv_caches = _paged_kv_caches(
@@ -114,6 +113,7 @@ class ModelRunner:
         self.sampling = RowSampler(self.device, keyed_draws=max_spec_tokens > 0)
         # a verifying request is 1 + K rows of the attention metadata
         max_meta_rows = min(max_num_reqs * (1 + max_spec_tokens), max_num_batched_tokens)
+        assert max(self.decode_buckets, default=0) <= max(max_num_reqs, max_meta_rows)
         self.buffers = StepBuffers(
             max_num_tokens=max_num_batched_tokens,
             max_num_reqs=max(max_num_reqs, max_meta_rows),
@@ -152,8 +152,8 @@ class ModelRunner:
         batch = self._prepare(output)
         with torch.inference_mode():
             if self.graphs is not None and batch.bucket in self.graphs.logits:
-                logits = self.graphs.replay(batch.bucket)[: len(batch.sample_ids)]
-                return self._sample(batch.sample_ids, logits)
+                logits = self.graphs.replay(batch.bucket)[: batch.num_sampled]
+                return self._sample(batch.sample_ids, logits, output.spec_token_ids)
             hidden = self.model(
                 batch.input_ids,
                 batch.positions,
@@ -167,7 +167,7 @@ class ModelRunner:
             if batch.sample_index is not None:
                 hidden = hidden[batch.sample_index]  # [S, hidden]
             elif batch.bucket is not None:
-                hidden = hidden[: len(batch.sample_ids)]  # [S, hidden]: the pad rows dropped
+                hidden = hidden[: batch.num_sampled]  # [S, hidden]: the pad rows dropped
             logits = self.model.compute_logits(hidden)  # [S, vocab]
             return self._sample(batch.sample_ids, logits, output.spec_token_ids)
 
@@ -326,8 +326,9 @@ class ModelRunner:
         recurrent = self._recurrent_metadata(output, request_ids, rows, computed, query_start)
         every_token_samples = len(sample_index) == query_start[-1]  # a step of decodes only
         bucket = None
-        if every_token_samples and len(decodes) == len(request_ids) and recurrent is None:
-            bucket = bucket_for(len(request_ids), self.decode_buckets)
+        if every_token_samples and len(seq_lens) == query_start[-1] and recurrent is None:
+            # one-token rows that all sample (decodes, verify rows): padded to a bucket of rows
+            bucket = bucket_for(len(seq_lens), self.decode_buckets)
         if mm_pieces:
             self.buffers.stage_items(query_start[-1], mm_spans, mm_ranges)
         if bucket is not None:
@@ -351,6 +352,7 @@ class ModelRunner:
             mm_mask=inputs.mm_mask[:num_tokens] if mm_pieces else None,
             sample_ids=sample_ids,
             sample_index=None if every_token_samples else inputs.sample_index[: len(sample_index)],
+            num_sampled=len(sample_index),
             bucket=bucket,
         )
 
@@ -464,6 +466,7 @@ class _Batch:
     mm_mask: torch.Tensor | None  # [N] bool
     sample_ids: list[str]
     sample_index: torch.Tensor | None  # [S]; None when every token samples
+    num_sampled: int  # S: rows whose hidden state samples (1 + K for a verifying request)
     bucket: int | None = None  # decode rows padded to this many; None: not padded
 
 

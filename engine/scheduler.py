@@ -332,7 +332,9 @@ class Scheduler:
 
     def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The drafts to verify with a decode: as many of the proposed ones as the step budget,
-        `max_tokens` and `max_model_len` leave room for (a verify step yields up to K + 1)."""
+        `max_tokens` and `max_model_len` leave room for (a verify step yields up to K + 1).
+        None with more than one new token: a prompt chunk, or input appended to a live request
+        (drafts guessed before it came would continue the tokens it follows)."""
         if num_new != 1 or not request.spec_token_ids or request.hold:
             return []
         params = request.sampling_params
