@@ -5,11 +5,11 @@ has some accepted and some rejected, and an unrelated random draft none, with ou
 decoding without speculation in every case (batched, with chunked prefill; an image encoded
 without the draft gets no drafts). On images and video encoded with the draft's tower too
 (`VisionPipeline(draft_model=...)`), a copy of the target has every draft accepted (Qwen2.5-VL
-with EVS on, Gemma 3's bidirectional images), also on items appended to a streaming request,
-and a smaller unrelated draft proposes, has some drafts accepted and some rejected, and gives
-the tokens of decoding without speculation and of transformers' `generate`. A draft whose
-tokenizer or preprocessing differs, or that is larger than the target, is refused with a
-message that says what is allowed.
+with EVS on; Gemma 3's bidirectional images and frames, never split by the draft's steps), also
+on items appended to a streaming request, and a smaller unrelated draft proposes, has some
+drafts accepted and some rejected, and gives the tokens of decoding without speculation and of
+transformers' `generate`. A draft whose tokenizer or preprocessing differs, or that is larger
+than the target, is refused with a message that says what is allowed.
 """
 
 from dataclasses import replace
@@ -168,22 +168,42 @@ def test_an_unrelated_smaller_draft_is_exact_on_video_and_image(target, small_dr
     _assert_pool_whole(engine)
 
 
-def test_a_gemma3_copy_accepts_every_draft_on_bidirectional_images():
-    """Two images, each one bidirectional item, under a budget that splits the prompt (a
-    mirror's step never ends inside an item)."""
+def test_a_gemma3_copy_accepts_every_draft_on_bidirectional_images_and_frames():
+    """An image and an EVS-pruned video (one image item per frame, each bidirectional), under
+    a budget that splits the prompt (a mirror's step never ends inside an item)."""
     path = cached_checkpoint("tiny", family="gemma3")
     rng = np.random.default_rng(0)
-    images = [ImageInput(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)) for _ in range(2)]
-    items = VisionPipeline(path, draft_model=path).encode(images)
-    parts = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
-    parts.append({"type": "text", "text": "Describe them."})
+    image = ImageInput(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8))
+    frames = rng.integers(0, 256, (3, 60, 90, 3), dtype=np.uint8)
+    video = VideoInput(frames, evs=EVSConfig(mode="rate", rate=0.5))
+    items = VisionPipeline(path, draft_model=path).encode([image, video])
+    parts = [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "video"}]
+    parts.append({"type": "text", "text": "What happens?"})
     base = LLMEngine(path, _config())
     prompt = base.processor.build([{"role": "user", "content": parts}], items)
+    assert len(prompt.items) == 4 and all(i.draft_embeds is not None for i in prompt.items)
     engine = LLMEngine(path, _config(draft=path, max_num_batched_tokens=24))
+    step_ends = _record_step_ends(engine.speculator.proposer.runner)
     outputs = engine.generate([prompt], GREEDY)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in base.generate([prompt], GREEDY)]
     _assert_all_accepted(outputs)
+    assert prompt.mm_positions[0].offset < 24 < prompt.mm_positions[0].end  # 24 would split
+    assert not [e for e in step_ends for p in prompt.mm_positions if p.offset < e < p.end]
     _assert_pool_whole(engine)
+
+
+def _record_step_ends(runner) -> list[int]:
+    """Where each request's computed tokens end after each step `runner` executes."""
+    ends, execute = [], runner.execute
+
+    def recorded(step):
+        starts = {c.request_id: c.num_computed_tokens for c in step.scheduled_cached}
+        starts |= {n.request_id: n.num_computed_tokens for n in step.scheduled_new}
+        ends.extend(starts[r] + n for r, n in step.num_scheduled_tokens.items())
+        return execute(step)
+
+    runner.execute = recorded
+    return ends
 
 
 def _narrate(engine, tubelets, params) -> tuple[str, list, list[int]]:
