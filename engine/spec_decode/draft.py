@@ -21,13 +21,13 @@ items a Python caller encoded with another pipeline) gets no drafts. A mirror ke
 output as output, so its positions are the ones the target's runner gave it.
 
 Input appended to a live request (streaming input, narration): the mirror takes it as the
-target's runner did, O(new tokens): the tokens before the first new item (output the target
-kept, text) become the mirror's output, then the rest of the new prompt is appended to the
-mirror's row with the new items (the draft's copies), before it catches up. Only a split the
-mirror cannot see differs from the target's: text input before the first new item following
-no kept output is placed as output would be, which moves its positions only where the
-sequence so far ended with a video whose positions run past its text (never for one-tubelet
-narration items). Positions differing there cost acceptance, never exactness.
+target's runner did, O(new tokens): the tokens before the first new item become its output
+(output the target kept, text), and the rest of the new prompt goes into its row as appended
+input, with the new items (the draft's copies), before it catches up. The mirror does not see
+where the target's input began, nor output between two appends it takes at once, so such text
+is placed as output (or as prompt) would be; its positions differ from the target's only where
+the sequence before it ended with a video whose positions run past its text (never after
+one-tubelet narration items), which costs acceptance, never exactness.
 """
 
 from __future__ import annotations
