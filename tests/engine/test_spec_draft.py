@@ -60,7 +60,7 @@ def target():
     items = VisionPipeline(path).encode([image])
     prompts.append(base.processor.build([{"role": "user", "content": parts}], items))
     expected = [o.token_ids for o in base.generate(prompts, GREEDY)]
-    return path, prompts, expected
+    return path, prompts, expected, base
 
 
 def _assert_pool_whole(engine):
@@ -70,7 +70,7 @@ def _assert_pool_whole(engine):
 
 
 def test_a_copy_of_the_target_has_every_draft_accepted(target):
-    path, prompts, expected = target
+    path, prompts, expected, _ = target
     engine = LLMEngine(path, _config(draft=path))
     outputs = engine.generate(prompts[:2], GREEDY)
     assert [o.token_ids for o in outputs] == expected[:2]
@@ -80,7 +80,7 @@ def test_a_copy_of_the_target_has_every_draft_accepted(target):
 
 
 def test_a_perturbed_copy_and_an_unrelated_draft_give_exact_outputs(target):
-    path, prompts, expected = target
+    path, prompts, expected, _ = target
     engine = LLMEngine(path, _config(draft=path))
     draft_model = engine.speculator.proposer.model
     noise = torch.randn(draft_model.lm_head.shape, generator=torch.Generator().manual_seed(0))
@@ -129,8 +129,7 @@ def _assert_all_accepted(outputs):
 
 
 def test_a_copy_of_the_target_accepts_every_draft_on_video_and_image(target):
-    path, _, _ = target
-    base = LLMEngine(path, _config())
+    path, _, _, base = target
     specs = _media()
     del specs["video"]  # EVS on is the case where kept rows must line up
     prompts = _media_prompts(base, VisionPipeline(path, draft_model=path), specs)
@@ -147,9 +146,9 @@ def test_a_copy_of_the_target_accepts_every_draft_on_video_and_image(target):
 def test_an_unrelated_smaller_draft_is_exact_on_video_and_image(target, small_draft_checkpoint):
     from transformers import AutoModelForImageTextToText
 
-    path, _, _ = target
-    base = LLMEngine(path, _config())
+    path, _, _, base = target
     specs = _media()
+    del specs["video evs"]  # the copy's test has it: here transformers' positions are the reference
     pipeline = VisionPipeline(path, draft_model=small_draft_checkpoint)
     prompts = _media_prompts(base, pipeline, specs)
     assert prompts["image"].items[0].draft_embeds.shape[1] == 24  # the draft's width, not 32
@@ -226,7 +225,7 @@ def _narrate(engine, tubelets, params) -> tuple[str, list, list[int]]:
 
 
 def test_a_mirror_takes_the_items_appended_to_a_streaming_request(target):
-    path, _, _ = target
+    path, _, _, _ = target
     frames = np.random.default_rng(7).integers(0, 256, (2, 56, 84, 3), dtype=np.uint8)
     item = VisionPipeline(path, draft_model=path).video(frames, frames_fps=2.0)
     tubelets = [
@@ -268,7 +267,7 @@ def test_a_mirror_takes_the_items_appended_to_a_streaming_request(target):
     ],
 )
 def test_a_mismatched_draft_is_refused(target, draft, message):
-    path, _, _ = target
+    path, _, _, _ = target
     with pytest.raises(DraftMismatch, match=message):
         LLMEngine(path, _config(draft=cached_checkpoint("tiny", seed=2, **draft)))
 
