@@ -119,9 +119,9 @@ class VisionPipeline:
         self.work = VisionWork()
 
     def encode_prepared(self, prepared: list) -> tuple[list[torch.Tensor], list | None]:
-        """One tower pass over preprocessed inputs (the media class's): each input's dense
-        embeddings [tokens, hidden], and the draft tower's [tokens, draft hidden] (None without
-        a draft)."""
+        """Encode preprocessed inputs (the media class's), all in one pass of the tower (and
+        one of the draft's): each input's dense embeddings [tokens, hidden], and the draft
+        tower's [tokens, draft hidden] (None without a draft)."""
         with torch.inference_mode():
             embeds = self.media.encode(self.tower, prepared, self.device)
             if self.draft is None:
