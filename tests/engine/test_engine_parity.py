@@ -79,8 +79,9 @@ def _cases(pipeline):
     }
 
 
-def _hf_inputs(pipeline, prompt, specs, family):
-    """Inputs for transformers: our patches (equal to its processor's) for each medium."""
+def _hf_inputs(pipeline, prompt, specs, engine):
+    """Inputs for transformers: our patches (equal to its processor's) for each medium, and
+    the token types its processor gives (without them it places media tokens as text)."""
     from stillcut.vision.preprocess import preprocess_image, preprocess_video
 
     videos, grids, seconds, images, image_grids = [], [], [], [], []
@@ -94,10 +95,13 @@ def _hf_inputs(pipeline, prompt, specs, family):
             prepared = preprocess_image(spec.source, pipeline.image_preprocess)
             images.append(prepared.patches)
             image_grids.append(prepared.grid_thw)
-    inputs = {"input_ids": torch.tensor([prompt.token_ids])}
+    ids = torch.tensor([prompt.token_ids])
+    special = engine.processor.special
+    types = (ids == special.image_token_id).int() + (ids == special.video_token_id).int() * 2
+    inputs = {"input_ids": ids, "mm_token_type_ids": types}  # 0 text, 1 image, 2 video
     if videos:
         inputs |= {"pixel_values_videos": torch.cat(videos), "video_grid_thw": torch.tensor(grids)}
-        if family == "qwen2_5_vl":  # Qwen2-VL counts tubelets, not seconds
+        if engine.model_config.family == "qwen2_5_vl":  # Qwen2-VL counts tubelets, not seconds
             inputs["second_per_grid_ts"] = torch.tensor(seconds)
     if images:
         inputs |= {"pixel_values": torch.cat(images), "image_grid_thw": torch.tensor(image_grids)}
@@ -110,7 +114,7 @@ def test_greedy_equals_transformers_generate(setup, case):
     parts, items, specs = _cases(pipeline)[case]
     prompt = engine.processor.build([{"role": "user", "content": parts}], items)
     (ours,) = engine.generate([prompt], GREEDY)
-    inputs = _hf_inputs(pipeline, prompt, specs, engine.model_config.family)
+    inputs = _hf_inputs(pipeline, prompt, specs, engine)
     assert ours.token_ids == hf_greedy(reference, inputs, NUM_NEW_TOKENS)
     _assert_pool_whole(engine)
 
