@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stillcut.engine.config import SpeculativeConfig
-from stillcut.engine.spec_decode.calibration import StepCosts, measure_step_costs
+from stillcut.engine.spec_decode.calibration import measure_step_costs
 from stillcut.engine.spec_decode.ngram import NgramProposer
 from stillcut.engine.spec_decode.policy import SpeculationPolicy
 from stillcut.engine.spec_decode.speculator import Speculator
@@ -35,5 +35,6 @@ def build_speculator(engine, config: SpeculativeConfig) -> Speculator:
     step_cost = None
     if config.dynamic:
         max_batch, max_k = engine.config.scheduler.max_num_seqs, config.num_speculative_tokens
-        step_cost = StepCosts(measure_step_costs(engine.runner, max_batch, max_k), max_k)
+        draft_runner = getattr(proposer, "runner", None)  # a draft model's proposals cost too
+        step_cost = measure_step_costs(engine.runner, max_batch, max_k, draft_runner)
     return Speculator(config, proposer, SpeculationPolicy(config, step_cost))
