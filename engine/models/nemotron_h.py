@@ -29,7 +29,6 @@ from stillcut.engine.models.layers import (
     embedding_rows,
     head_layout,
     load_head,
-    prepare_matrices,
     scale_of,
     set_weight,
     vocab_logits,
@@ -56,6 +55,7 @@ from stillcut.engine.models.nemotron_text_config import (
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode_stack import Block, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
@@ -89,7 +89,7 @@ class NemotronHLanguageModel(PagedLanguageModel):
             set_weight(self, "embeddings", *embeddings)
         self.norm = frozen(final_norm)
         set_weight(self, "lm_head", *lm_head)
-        prepare_matrices(self)
+        self.prepare_weights()
 
     def forward(
         self,
@@ -108,6 +108,9 @@ class NemotronHLanguageModel(PagedLanguageModel):
         """
         if (mm_embeds is None) != (mm_mask is None):
             raise ValueError("mm_embeds and mm_mask must be given together")
+        native = self.native_decode(input_ids, positions, kv_caches, metadata, mm_embeds)
+        if native is not None:
+            return native  # a step of decodes, in one native call
         hidden = self.embed(input_ids)  # [N, hidden]
         if mm_embeds is not None:
             hidden[mm_mask] = mm_embeds.to(hidden.dtype)
@@ -122,6 +125,25 @@ class NemotronHLanguageModel(PagedLanguageModel):
         name = "lm_head" if self.embeddings is None else "embeddings"
         table = self.lm_head.T if self.embeddings is None else self.embeddings
         return embedding_rows(input_ids, table, scale_of(self, name), self.norm.dtype)
+
+    def native_stack(self) -> Stack:
+        """Each layer as one block of its kind for the native CPU decode step (attention
+        without rotary: no tables); the embedding is the tied head's rows when there is no
+        table of its own."""
+        attention = [isinstance(block, AttentionBlock) for block in self.layers]
+        caches = [sum(attention[:index]) for index in range(len(attention))]
+        tied = self.embeddings is None
+        return Stack(
+            [Block(block.norm, block.native_mixer(cache)) for block, cache in zip(
+                self.layers, caches, strict=True
+            )],
+            embedding=self.lm_head.T if tied else self.embeddings,
+            embedding_scales=scale_of(self, "lm_head" if tied else "embeddings"),
+            final_norm=self.norm,
+            inv_freqs=[],
+            section=torch.zeros(0, dtype=torch.int64),
+            eps=self.config.layer_norm_epsilon,
+        )  # fmt: skip
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
