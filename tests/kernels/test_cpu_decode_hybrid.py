@@ -64,11 +64,39 @@ def models():
         key = repr((text, weight_format))
         if key not in loaded:
             path = cached_checkpoint("tiny", seed=1, family="nemotron_h_omni", text=text)
-            loaded[key] = NemotronHLanguageModel.from_checkpoint(path, weight_format)
-            assert loaded[key].cpu_decoder is not None, f"{name}: the kernel declined the model"
+            model = NemotronHLanguageModel.from_checkpoint(path, weight_format)
+            assert model.cpu_decoder is not None, f"{name}: the kernel declined the model"
+            _redraw(model, torch.Generator().manual_seed(3))
+            loaded[key] = model
         return loaded[key]
 
     return load
+
+
+@torch.no_grad()
+def _redraw(model: NemotronHLanguageModel, generator: torch.Generator) -> None:
+    """Weights of std 0.3 and norms around one, redrawn in place (the kernel keeps their
+    addresses): at the checkpoint's init scale a dropped term, such as dt's prompt-only
+    floor, would hide below the tolerance. An int8 weight keeps its values and gets scales to
+    match; the tables and the Mamba2 time-step biases and decays stay; the dt columns of
+    `in_proj` shrink so that the time steps stay spread across `time_step_min`."""
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("embeddings", "lm_head", "dt_bias", "A") or leaf.endswith("_scale"):
+            continue
+        if param.dtype == torch.int8:
+            scale = params[f"{name}_scale"]
+            noise = torch.randn(scale.shape, generator=generator)
+            scale.copy_(0.3 / param.float().std() * (1 + 0.1 * noise))
+            continue
+        noise = torch.randn(param.shape, generator=generator)
+        param.copy_(1 + 0.2 * noise if "norm" in leaf else 0.3 * noise)
+    heads = model.config.mamba_num_heads
+    for layer in model.config.layer_ids("mamba"):
+        block = model.layers[layer]
+        dt_columns = block.in_proj_scale if block.in_proj.dtype == torch.int8 else block.in_proj
+        dt_columns[..., -heads:].mul_(0.05)
 
 
 @dataclass
@@ -215,13 +243,14 @@ def test_native_hybrid_steps_match_the_torch_layers(models, variant):
     for step, (mine, reference) in enumerate(zip(ours, theirs, strict=True)):
         torch.testing.assert_close(mine, reference, atol=TOLERANCE, rtol=TOLERANCE, msg=str(step))
     assert not torch.allclose(ours[1], ours[2])  # the steps really differ
-    for layer, tensors in native_caches[1].items():  # every state row, fresh ones included
-        for mine, reference in zip(tensors, torch_caches[1][layer], strict=True):
-            torch.testing.assert_close(mine, reference, atol=TOLERANCE, rtol=TOLERANCE)
-    for layer, tensors in native_caches[2].items():  # the snapshot, and nothing else
-        for mine, reference in zip(tensors, torch_caches[2][layer], strict=True):
-            assert mine[CAPTURE[2]].abs().sum() > 0
-            torch.testing.assert_close(mine, reference, atol=TOLERANCE, rtol=TOLERANCE)
+    # every state row (fresh ones included), and the snapshot and nothing else; float32 sums
+    # in another order are apart by their largest terms' rounding, not the smallest result's
+    for kept in (1, 2):
+        for layer, tensors in native_caches[kept].items():
+            for mine, reference in zip(tensors, torch_caches[kept][layer], strict=True):
+                scale = TOLERANCE * reference.abs().max()
+                torch.testing.assert_close(mine, reference, atol=scale, rtol=TOLERANCE)
+                assert kept == 1 or mine[CAPTURE[2]].abs().sum() > 0
     for mine, reference in zip(native_caches[0], torch_caches[0], strict=True):
         if kv_dtype == torch.float32:
             torch.testing.assert_close(mine, reference, atol=TOLERANCE, rtol=TOLERANCE)
