@@ -544,6 +544,8 @@ class CpuDecoder(_Kept):
         seq_lens = metadata.seq_lens.contiguous()
         slot_mapping = metadata.slot_mapping.contiguous()
         recurrent = metadata.recurrent if self.state_layers else None
+        if self.state_layers and not self._states_fit(recurrent, rows):
+            raise ValueError("the step's recurrent states are not the blocks' (see `supports`)")
         if recurrent is not None:  # read by the kernel: kept until it returns
             state_rows = torch.tensor(recurrent.state_rows_cpu, dtype=torch.int32)
             fresh = torch.tensor(recurrent.fresh, dtype=torch.uint8)

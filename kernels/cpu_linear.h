@@ -252,24 +252,35 @@ static int check_matrix(const Matrix *w, int in, int out) {
            (!w->out_in || w->format == F32) && (w->format == I8) == (w->scales != NULL);
 }
 
-/* y = x @ w (+ add), x [rows, w.in] with rows `stride` apart, y [rows, w.out]. Every thread of
- * the region calls it; it ends with a barrier. `partials` holds threads * rows * w.out floats. */
-static void linear(const float *x, size_t stride, int rows, const Matrix *matrix,
-                   const float *add, float *y, float *partials) {
-    int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
-    int in = matrix->in, out = matrix->out;
+/* The first half of `linear` on this thread: its band of input rows of w into its partial sums
+ * (`partials` holds threads * rows * w.out floats); nothing for an [out, in] weight, which is
+ * read whole in the second half. Before the second half, a barrier. */
+static void linear_band(const float *x, size_t stride, int rows, const Matrix *matrix,
+                        float *partials) {
+    if (matrix->out_in) return;
+    int thread = omp_get_thread_num(), begin, end;
+    share(matrix->in, omp_get_num_threads(), thread, &begin, &end);
+    band_product(matrix->format, x, stride, rows, matrix->data, matrix->out, begin, end,
+                 partials + (size_t)thread * rows * matrix->out);
+}
+
+/* The output columns [begin, end) of y this thread writes in `linear_columns` (and the input
+ * columns of x it reads in a `linear_band` of a weight with as many inputs). */
+static void linear_share(int columns, int *begin, int *end) {
+    share(columns, omp_get_num_threads(), omp_get_thread_num(), begin, end);
+}
+
+/* The second half of `linear` on this thread: its `linear_share` of y's columns, the partial
+ * sums added (times I8's scales) or, for an [out, in] weight, dot products (+ add). */
+static void linear_columns(const float *x, size_t stride, int rows, const Matrix *matrix,
+                           const float *add, float *y, const float *partials) {
+    int threads = omp_get_num_threads(), begin, end, in = matrix->in, out = matrix->out;
+    linear_share(out, &begin, &end);
     if (matrix->out_in) {
-        share(out, threads, thread, &begin, &end);
         row_products(x, stride, rows, in, matrix->data, out, begin, end, add, y);
-#pragma omp barrier
         return;
     }
-    share(in, threads, thread, &begin, &end);
     size_t size = (size_t)rows * out;
-    band_product(matrix->format, x, stride, rows, matrix->data, out, begin, end,
-                 partials + (size_t)thread * size);
-#pragma omp barrier
-    share(out, threads, thread, &begin, &end);
     const float *scales = matrix->scales;
     for (int r = 0; r < rows; r++) {
         for (int c = begin; c < end; c++) {
@@ -280,5 +291,16 @@ static void linear(const float *x, size_t stride, int rows, const Matrix *matrix
             y[at] = add ? add[at] + sum : sum;
         }
     }
+}
+
+/* y = x @ w (+ add), x [rows, w.in] with rows `stride` apart, y [rows, w.out]. Every thread of
+ * the region calls it; it ends with a barrier. `partials` holds threads * rows * w.out floats. */
+static void linear(const float *x, size_t stride, int rows, const Matrix *matrix,
+                   const float *add, float *y, float *partials) {
+    linear_band(x, stride, rows, matrix, partials);
+    if (!matrix->out_in) {
+#pragma omp barrier
+    }
+    linear_columns(x, stride, rows, matrix, add, y, partials);
 #pragma omp barrier
 }
