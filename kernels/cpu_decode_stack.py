@@ -175,8 +175,8 @@ class Moe:
     kind: ClassVar[Kind] = Kind.MOE
     router: torch.Tensor  # [hidden, E] float32
     correction_bias: torch.Tensor  # [E]
-    experts_up_weight: torch.Tensor  # [E, width, mid]: each expert's [in, out]
-    experts_down_weight: torch.Tensor  # [E, mid, width]
+    experts_up_weight: torch.Tensor  # [E, width, mid] contiguous: each expert's [in, out]
+    experts_down_weight: torch.Tensor  # [E, mid, width] contiguous
     shared: Mlp
     top_k: int
     num_groups: int = 1
@@ -203,6 +203,10 @@ class Moe:
                 f"num_groups={self.num_groups} must divide {num_experts} experts and be >= "
                 f"kept_groups={self.kept_groups} >= 1"
             )
+        if not (
+            self.experts_up_weight.is_contiguous() and self.experts_down_weight.is_contiguous()
+        ):
+            raise ValueError("expert weights must be contiguous stacks of [in, out] matrices")
         if (self.latent_in_weight is None) != (self.latent_out_weight is None):
             raise ValueError("latent_in_weight and latent_out_weight come together")
         _check_shape("router", self.router, self.hidden, num_experts)
@@ -273,7 +277,9 @@ class Mamba2:
         _check_shape("out_proj_bias", self.out_proj_bias, self.hidden)
         _check_shape("conv_bias", self.conv_bias, self.conv_dim)
         if self.conv_weight.shape[0] != self.conv_dim or self.conv_weight.shape[1] < 2:
-            raise ValueError(f"conv_weight {tuple(self.conv_weight.shape)}: [{self.conv_dim}, >= 2]")
+            raise ValueError(
+                f"conv_weight {tuple(self.conv_weight.shape)}: [{self.conv_dim}, >= 2]"
+            )
         for name in ("dt_bias", "A", "D"):
             _check_shape(name, getattr(self, name), self.num_heads)
         _check_shape("gate_norm", self.gate_norm, inner)

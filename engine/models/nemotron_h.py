@@ -130,20 +130,20 @@ class NemotronHLanguageModel(PagedLanguageModel):
         """Each layer as one block of its kind for the native CPU decode step (attention
         without rotary: no tables); the embedding is the tied head's rows when there is no
         table of its own."""
-        attention = [isinstance(block, AttentionBlock) for block in self.layers]
-        caches = [sum(attention[:index]) for index in range(len(attention))]
+        blocks, num_caches = [], 0  # attention blocks take the step's K/V caches in order
+        for block in self.layers:
+            blocks.append(Block(block.norm, block.native_mixer(num_caches)))
+            num_caches += isinstance(block, AttentionBlock)
         tied = self.embeddings is None
         return Stack(
-            [Block(block.norm, block.native_mixer(cache)) for block, cache in zip(
-                self.layers, caches, strict=True
-            )],
+            blocks,
             embedding=self.lm_head.T if tied else self.embeddings,
             embedding_scales=scale_of(self, "lm_head" if tied else "embeddings"),
             final_norm=self.norm,
             inv_freqs=[],
             section=torch.zeros(0, dtype=torch.int64),
             eps=self.config.layer_norm_epsilon,
-        )  # fmt: skip
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""

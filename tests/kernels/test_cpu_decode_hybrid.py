@@ -119,7 +119,13 @@ class Request:
 
 def _requests() -> list[Request]:
     # request 3's last two prompt tokens come one per step; request 4 joins at step 1, fresh
-    return [Request(0, 5, 6), Request(1, 9, 1), Request(2, 3, 4), Request(3, 7, 2), Request(4, 1, 0)]
+    return [
+        Request(0, 5, 6),
+        Request(1, 9, 1),
+        Request(2, 3, 4),
+        Request(3, 7, 2),
+        Request(4, 1, 0),
+    ]
 
 
 def _metadata(scheduled, states, snapshots, captures=None) -> AttentionMetadata:
