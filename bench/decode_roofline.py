@@ -5,14 +5,15 @@ layer's weights and the LM head once (the embedding table is only gathered, a fe
 mixture-of-experts layer a token reads only the experts it routes to (`num_experts_per_tok` of
 them), and a recurrent layer reads its state row (a Mamba2 layer's conv and SSM states). The
 floor is those bytes divided by the read bandwidth measured in this run, with the same thread
-count (summing a buffer as large as what is read). The first table shows the engine's full
-decode step (schedule, inputs, forward, logits, sampling) at batch 1 and 8 next to that floor,
-measured in back-to-back pairs (the ratio is the median of the pairs' ratios); the target at
-batch 1, for a model of at least 100M parameters, is a ratio of 1.25 or less (1.3 for a hybrid
-with recurrent layers, whose step also scans states and routes tokens through many small
-expert matrices). On CPU a model
-runs its decode steps as one native call (`kernels/cpu_decode`) where the kernel builds; the
-last row runs the same steps through the model's torch ops, for comparison.
+count (summing a buffer as large as what is read). At batch 8 the floor counts each row's state
+but still one token's experts: a lower bound, since the rows may route to more of them. The
+first table shows the engine's full decode step (schedule, inputs, forward, logits, sampling)
+at batch 1 and 8 next to that floor, measured in back-to-back pairs (the ratio is the median of
+the pairs' ratios); the target at batch 1, for a model of at least 100M parameters, is a ratio
+of 1.25 or less (1.3 for a hybrid with recurrent layers, whose step also scans states and
+routes tokens through many small expert matrices). On CPU a model runs its decode steps as one
+native call (`kernels/cpu_decode`) where the kernel builds; the last row runs the same steps
+through the model's torch ops, for comparison.
 
 The second table is the loop around the model: what scheduling, input preparation, sampling,
 detokenization and output building add to a step. Each round is one `LLMEngine.generate`, at

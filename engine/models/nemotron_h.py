@@ -4,9 +4,11 @@ A stack of Mamba2, attention, MoE and MLP blocks (`nemotron_mamba`, `nemotron_bl
 `nemotron_moe`) between an embedding and a final RMSNorm. Attention layers take the runner's
 paged K/V caches in layer order; Mamba2 layers read and write the runner's recurrent states
 through `metadata.recurrent`. Positions play no part (no rotary anywhere), so the position row
-the runner passes is ignored. Weights load as the checkpoint stores them (release layout:
-`backbone.layers.{i}.mixer.*`, one tensor per expert) and are rearranged once into `[in, out]`
-matrices; multi-token-prediction tensors, if any, are skipped as transformers skips them.
+the runner passes is ignored. On CPU a step of decodes runs as one native call (`native_stack`:
+each block as its kind for `kernels/cpu_decode`). Weights load as the checkpoint stores them
+(release layout: `backbone.layers.{i}.mixer.*`, one tensor per expert) and are rearranged once
+into `[in, out]` matrices; multi-token-prediction tensors, if any, are skipped as transformers
+skips them.
 """
 
 from __future__ import annotations
