@@ -331,7 +331,7 @@ static void attention_inputs(const Context *c, const Attention *a, float *qkv, v
             store_kv(step->kv_format, values, at, v, D);
         }
     }
-#pragma omp barrier
+    region_barrier();
 }
 
 static void attention(const Context *c, const void *params, const float *out_norm) {
@@ -362,7 +362,7 @@ static void attention(const Context *c, const void *params, const float *out_nor
                      first + (int)((int64_t)length * (slice + 1) / splits), kv_head, a,
                      step->block_size, parts + (size_t)unit * group * (D + 2));
     }
-#pragma omp barrier
+    region_barrier();
     share(rows * Hq, threads, thread, &begin, &end);
     for (int unit = begin; unit < end; unit++) {
         int r = unit / Hq, head = unit % Hq, kv_head = head / group, g = head % group;
@@ -371,7 +371,7 @@ static void attention(const Context *c, const void *params, const float *out_nor
         merge_parts(first_part, splits, (size_t)group * (D + 2), D,
                     attn + ((size_t)r * Hq + head) * D);
     }
-#pragma omp barrier
+    region_barrier();
     residual_projection(c, attn, (size_t)Hq * D, &a->o, out_norm, NULL);
 }
 
@@ -405,7 +405,7 @@ static void gated_mlp(const Context *c, const void *params, const float *out_nor
         int col = unit % I;
         row[col] = activate(m->activation, row[col]) * row[I + col];
     }
-#pragma omp barrier
+    region_barrier();
     residual_projection(c, gate_up, (size_t)2 * I, &m->down, out_norm, NULL);
 }
 
@@ -562,8 +562,13 @@ static void embed_rows(const Context *c) {
 int matmul(const Matrix *matrix, const float *x, int64_t stride, int rows, const float *add,
            float *y, float *partials, int threads) {
     if (!check_matrix(matrix, matrix->in, matrix->out) || rows < 1) return 1;
+    Barrier barrier = {0, 0};
 #pragma omp parallel num_threads(threads)
-    linear(x, (size_t)stride, rows, matrix, add, y, partials);
+    {
+        enter_region(&barrier);
+        linear(x, (size_t)stride, rows, matrix, add, y, partials);
+        enter_region(NULL);
+    }
     return 0;
 }
 
@@ -592,23 +597,26 @@ int decode_step(const Model *model, const Block *blocks, int num_blocks, const S
         .partials = work + largest_work(blocks, num_blocks, step),
     };
 
+    Barrier barrier = {0, 0};
 #pragma omp parallel num_threads(step->threads)
     {
         int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
+        enter_region(&barrier);
         embed_rows(&c);
-#pragma omp barrier
+        region_barrier();
         for (int b = 0; b < num_blocks; b++) {
             share(rows, threads, thread, &begin, &end);
             for (int r = begin; r < end; r++)
                 rms_norm(c.hidden + (size_t)r * H, blocks[b].norm, c.normed + (size_t)r * H, H,
                          model->eps);
-#pragma omp barrier
+            region_barrier();
             KINDS[blocks[b].kind].run(&c, blocks[b].params, blocks[b].out_norm);
         }
         share(rows, threads, thread, &begin, &end);
         for (int r = begin; r < end; r++)
             rms_norm(c.hidden + (size_t)r * H, model->final_norm, out + (size_t)r * H, H,
                      model->eps);
+        enter_region(NULL);
     }
     return 0;
 }

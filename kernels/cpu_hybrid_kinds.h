@@ -79,7 +79,7 @@ typedef struct {
 static void products_band(const Product *jobs, int count) {
     for (int j = 0; j < count; j++)
         linear_band(jobs[j].x, jobs[j].stride, jobs[j].rows, jobs[j].w, jobs[j].partials);
-#pragma omp barrier
+    region_barrier();
 }
 
 /* The second half of every product (see `linear_columns`): no barrier. */
@@ -108,10 +108,10 @@ static void add_branch(const Context *c, const float *out_norm) {
         linear_share(H, &begin, &end);
         for (int r = 0; r < rows; r++)
             for (int i = begin; i < end; i++) c->hidden[(size_t)r * H + i] += c->branch[(size_t)r * H + i];
-#pragma omp barrier
+        region_barrier();
         return;
     }
-#pragma omp barrier
+    region_barrier();
     share(rows, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
     for (int r = begin; r < end; r++) {
         float *branch = c->branch + (size_t)r * H, *hidden = c->hidden + (size_t)r * H;
@@ -134,9 +134,7 @@ static void mlp(const Context *c, const void *params, const float *out_norm) {
     products_band(&up, 1);
     products_columns(&up, 1);
     activate_columns(c->work, rows, I, m->up_bias, m->activation);
-    if (m->down.out_in) { /* an [out, in] weight reads every column */
-#pragma omp barrier
-    }
+    if (m->down.out_in) region_barrier(); /* an [out, in] weight reads every column */
     products_band(&down, 1);
     products_columns(&down, 1);
     if (m->down_bias) {
@@ -298,9 +296,7 @@ static void moe(const Context *c, const void *params, const float *out_norm) {
     products_columns(jobs, count);
     activate_columns(routed_mid, pairs, M, NULL, m->shared.activation);
     activate_columns(shared_mid, rows, S, m->shared.up_bias, m->shared.activation);
-    if (m->shared.down.out_in) { /* an [out, in] weight reads every column */
-#pragma omp barrier
-    }
+    if (m->shared.down.out_in) region_barrier(); /* an [out, in] weight reads every column */
     Product shared_down = {shared_mid, S, rows, &m->shared.down, shared_out, NULL};
     count = expert_products(m, m->experts_down, start, routed_mid, M, routed_out, W, shared_down,
                             down_partials, threads, jobs);
@@ -322,9 +318,7 @@ static void moe(const Context *c, const void *params, const float *out_norm) {
     }
     const float *routed_h = routed;
     if (m->latent_out.data) {
-        if (m->latent_out.out_in) { /* an [out, in] weight reads every column */
-#pragma omp barrier
-        }
+        if (m->latent_out.out_in) region_barrier(); /* an [out, in] weight reads every column */
         Product back = {routed, W, rows, &m->latent_out, projected, c->partials};
         products_band(&back, 1);
         products_columns(&back, 1);
@@ -341,11 +335,8 @@ static void moe(const Context *c, const void *params, const float *out_norm) {
             if (out_norm) c->branch[at] = routed_h[at] + shared;
             else c->hidden[at] = c->hidden[at] + routed_h[at] + shared;
         }
-    if (out_norm) {
-        add_branch(c, out_norm);
-    } else {
-#pragma omp barrier
-    }
+    if (out_norm) add_branch(c, out_norm);
+    else region_barrier();
 }
 
 static int moe_widest(const void *params) {
@@ -476,7 +467,7 @@ static void mamba2(const Context *c, const void *params, const float *out_norm) 
         for (int h = g * heads; h < (g + 1) * heads; h++) mamba2_head(c, m, r, h, proj, conv_out, y);
         mamba2_gated_norm(c, m, r, g, proj, y);
     }
-#pragma omp barrier
+    region_barrier();
     residual_projection(c, y, inner, &m->out_proj, out_norm, m->out_proj_bias);
 }
 
