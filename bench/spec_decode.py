@@ -9,11 +9,11 @@ proposing cost. Modes run interleaved (every mode once per round, the order rota
 the rounds' ratios to no speculation. Replay runs with K pinned to 4 and with dynamic K (the
 start-up calibration's step costs, per-request acceptance). Then the real proposers on repeated
 questions about the same sample videos: ngram, suffix (one cache salt, so a repeated question
-finds the earlier answer) and a draft about 10x smaller than the target (same tokenizer; it
-proposes for text prompts only, so a text question is asked beside the video ones), with their
-acceptance and the draft's cost per step. Last, the batch-1 verify step of 5 tokens (forward
-and logits) beside its floor, max(weight bytes / read bandwidth, FLOPs / the fp32 rate of a
-2048^3 matmul), all three measured interleaved in this run.
+finds the earlier answer) and a draft about 10x smaller than the target (same tokenizer and
+preprocessing; its own tower encodes the videos too; a text question is asked beside the video
+ones), with their acceptance and the draft's cost per step. Last, the batch-1 verify step of 5
+tokens (forward and logits) beside its floor, max(weight bytes / read bandwidth, FLOPs / the
+fp32 rate of a 2048^3 matmul), all three measured interleaved in this run.
 
 Targets: verify step <= 1.7x its floor; batch 1, alpha 0.7, K = 4: >= 1.8x the tokens/s of no
 speculation; with dynamic K no batch size and no alpha below 0.95x of no speculation.
@@ -148,7 +148,7 @@ def replay_table(engine, truth, rounds, max_tokens, step_costs) -> None:
 def proposer_table(engine, draft_path, rounds, max_tokens) -> None:
     from stillcut.vision.pipeline import VisionPipeline
 
-    pipeline = VisionPipeline(engine.path)
+    pipeline = VisionPipeline(engine.path, draft_model=draft_path)  # the draft sees the videos
     videos = [pipeline.video(SAMPLES / name) for name in ("moving_object.mp4", "pan.mp4")]
     prompts = [engine.processor.build_text("What happens in this video?", [v]) for v in videos]
     prompts.append(engine.processor.build_text(QUESTIONS[0]))
@@ -162,7 +162,7 @@ def proposer_table(engine, draft_path, rounds, max_tokens) -> None:
     def timed_propose(requests, num_tokens):
         start = time.perf_counter()
         drafts = propose(requests, num_tokens)
-        if any(drafts):  # a round that ran the draft model (video prompts get no drafts)
+        if any(drafts):  # a round that ran the draft model
             draft_seconds.append(time.perf_counter() - start)
         return drafts
 

@@ -9,8 +9,25 @@ is rolled back by overwriting) are computed in one step that samples the first d
 K - 1 one-token steps sample the rest, all mirrors batched. Memory: the draft's pool has as many
 blocks as the target's, and when the target's pool is sized from a memory budget the two split
 it in proportion to their bytes per block (`LLMEngine._num_blocks`), so both hold the same
-number of tokens. Requests with images or video get no drafts: the draft would need its own
-tower's embeddings of the same frames, which the engine does not have.
+number of tokens.
+
+Images and video: the draft sees what the target sees. The vision pipeline built with the
+engine's draft (`VisionPipeline(draft_model=...)`) runs the draft's own tower on the same
+preprocessed frames and keeps exactly the tokens the target's EVS kept, so each item carries
+`draft_embeds`; a mirror holds copies of the target's items whose `embeds` are the draft's, at
+the target's placements, and the draft model places them with its own position math. A request
+with an item lacking draft embeddings of the draft's width (encoded without the draft, e.g.
+items a Python caller encoded with another pipeline) gets no drafts. A mirror keeps the target's
+output as output, so its positions are the ones the target's runner gave it.
+
+Input appended to a live request (streaming input, narration): the mirror takes it as the
+target's runner did, O(new tokens): the tokens before the first new item become its output
+(output the target kept, text), and the rest of the new prompt goes into its row as appended
+input, with the new items (the draft's copies), before it catches up. The mirror does not see
+where the target's input began, nor output between two appends it takes at once, so such text
+is placed as output (or as prompt) would be; its positions differ from the target's only where
+the sequence before it ended with a video whose positions run past its text (never after
+one-tubelet narration items), which costs acceptance, never exactness.
 """
 
 from __future__ import annotations
@@ -26,14 +43,25 @@ from stillcut.engine.config import SpeculativeConfig
 from stillcut.engine.kv_cache import KVCacheManager
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.quantization import WeightFormat
-from stillcut.engine.request import Request, SamplingParams
+from stillcut.engine.request import PlaceholderRange, Request, SamplingParams
 from stillcut.engine.runner import ModelRunner
-from stillcut.engine.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from stillcut.engine.scheduler_output import (
+    AppendedInput,
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 GREEDY = SamplingParams(temperature=0.0)
 # the files and vision fields that decide how media become tokens: they must be the target's
 PREPROCESSING_FILES = ("preprocessor_config.json", "video_preprocessor_config.json")
-PATCH_FIELDS = ("patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels")
+PATCH_FIELDS = (
+    "patch_size",
+    "temporal_patch_size",
+    "spatial_merge_size",
+    "in_channels",
+    "mm_tokens_per_image",
+)
 
 
 class DraftMismatch(ValueError):
@@ -52,10 +80,16 @@ class DraftProposer:
     """Greedy drafts from a smaller model (see the module docstring)."""
 
     def __init__(
-        self, model: torch.nn.Module, runner: ModelRunner, num_blocks: int, block_size: int
+        self,
+        model: torch.nn.Module,
+        runner: ModelRunner,
+        num_blocks: int,
+        block_size: int,
+        hidden_size: int,
     ):
         self.model = model
         self.runner = runner
+        self.hidden_size = hidden_size  # the width of the item embeddings it places
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.mirrors: dict[str, Request] = {}
         self._finished: list[str] = []  # rows the draft runner drops at its next step
@@ -94,11 +128,16 @@ class DraftProposer:
             kv_dtype=engine.runner.kv_caches[0].dtype,
             state_dtype=weight_format.compute_dtype,
         )
-        return cls(model, runner, num_blocks, engine.block_size)
+        return cls(model, runner, num_blocks, engine.block_size, draft_config.text["hidden_size"])
 
     def propose(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> list[list[int]]:
         drafts: dict[str, list[int]] = {}
-        active = [(r, k) for r, k in zip(requests, num_tokens, strict=True) if k and not r.mm_items]
+        active = []
+        for request, k in zip(requests, num_tokens, strict=True):
+            if not self._sees_items(request):
+                self.finish(request)  # an item the draft cannot see was appended: no drafts
+            elif k:
+                active.append((request, k))
         step = self._catch_up([r for r, _ in active])
         for i in range(max((k for _, k in active), default=0)):
             if i:
@@ -116,45 +155,88 @@ class DraftProposer:
             self.kv_cache.free(mirror)
             self._finished.append(request.request_id)
 
+    def _sees_items(self, request: Request) -> bool:
+        """Whether every item of `request` carries the draft's embeddings."""
+        return all(
+            item.draft_embeds is not None and item.draft_embeds.shape[1] == self.hidden_size
+            for item in request.mm_items
+        )
+
     # ---- steps -------------------------------------------------------------------------------
 
     def _catch_up(self, requests: Sequence[Request]) -> SchedulerOutput:
         """One step computing, for each request, the tokens its mirror lacks (within the step
-        budget); samples the first draft. A mirror whose tokens differ from the target's is
-        rolled back to where they agree; one that gets no blocks is dropped (that request gets
-        no drafts)."""
+        budget); samples the first draft."""
         output, budget = self._output(), self.runner.max_num_batched_tokens
         for request in requests:
             if budget == 0:
                 break  # the rest catch up in a later round
-            tokens = request.all_token_ids
-            mirror = self.mirrors.get(request.request_id)
-            if mirror is None:
-                mirror = Request(request.request_id, tokens, sampling_params=GREEDY)
-                self.mirrors[request.request_id] = mirror
-                num_valid = 0
-            else:
-                num_valid = _common_prefix(
-                    mirror.all_token_ids[: mirror.num_computed_tokens], tokens
-                )
-                mirror.output_token_ids[:] = tokens[mirror.num_prompt_tokens :]
-                mirror.num_computed_tokens = num_valid
-                self.runner.rewrite_tokens(request.request_id, num_valid, tokens[num_valid:])
-            # a mirror that cannot catch up in one step samples nothing until it has
-            num_new = min(len(tokens) - num_valid, budget)
-            budget -= num_new
-            new_block_ids = self.kv_cache.allocate_slots(mirror, num_new)
-            if new_block_ids is None:
-                self.finish(request)
-                continue
-            if num_valid == 0 and request.request_id not in self.runner.rows:
-                output.scheduled_new.append(NewRequestData.from_request(mirror))
-            else:
-                output.scheduled_cached.append(
-                    CachedRequestData(request.request_id, new_block_ids, num_valid)
-                )
-            output.num_scheduled_tokens[request.request_id] = num_new
+            budget -= self._schedule_mirror(request, budget, output)
         return output
+
+    def _schedule_mirror(self, request: Request, budget: int, output: SchedulerOutput) -> int:
+        """Schedule into `output` the tokens `request`'s mirror lacks, at most `budget` and
+        never ending inside a bidirectional item; returns how many. The mirror is made at
+        first, then kept in step with the target (`_sync`); one that gets no blocks is dropped
+        (that request gets no drafts). A mirror that cannot catch up in one step samples
+        nothing until it has."""
+        tokens = request.all_token_ids
+        mirror = self.mirrors.get(request.request_id)
+        is_new = mirror is None
+        if is_new:
+            mirror, num_valid = _mirror(request), 0
+        else:
+            num_valid = self._sync(request, mirror, tokens)
+        num_new = mirror.chunk_end_at_or_before(min(len(tokens), num_valid + budget)) - num_valid
+        if num_new <= 0:
+            return 0
+        new_block_ids = self.kv_cache.allocate_slots(mirror, num_new)
+        if new_block_ids is None:
+            self.finish(request)
+            return 0
+        if is_new:
+            self.mirrors[request.request_id] = mirror
+            output.scheduled_new.append(NewRequestData.from_request(mirror))
+        else:
+            cached = CachedRequestData(request.request_id, new_block_ids, num_valid)
+            output.scheduled_cached.append(cached)
+        output.num_scheduled_tokens[request.request_id] = num_new
+        return num_new
+
+    def _sync(self, request: Request, mirror: Request, tokens: list[int]) -> int:
+        """Make `mirror`'s tokens the target's `tokens` (its row too), taking input appended
+        to the target since; returns how many of its computed tokens stay valid (the rest,
+        drafts the target rejected, are overwritten when computed again)."""
+        num_valid = _common_prefix(mirror.all_token_ids[: mirror.num_computed_tokens], tokens)
+        if len(request.mm_items) > len(mirror.mm_items):
+            num_valid = self._append_items(request, mirror, tokens, num_valid)
+        mirror.output_token_ids[:] = tokens[mirror.num_prompt_tokens :]
+        mirror.num_computed_tokens = num_valid
+        self.runner.rewrite_tokens(request.request_id, num_valid, tokens[num_valid:])
+        return num_valid
+
+    def _append_items(
+        self, request: Request, mirror: Request, tokens: list[int], num_valid: int
+    ) -> int:
+        """Give `mirror` the input appended to `request` since it last caught up: the tokens
+        before the first new item become its output, the rest of the prompt and the new items
+        (the draft's copies) go into its row now (a step that runs no tokens), so that output
+        after them can be written into the row. Returns how many of its tokens stay valid."""
+        first = len(mirror.mm_items)
+        start = request.mm_positions[first].offset
+        num_valid = min(num_valid, start)
+        mirror.output_token_ids[:] = tokens[mirror.num_prompt_tokens : start]
+        self.runner.rewrite_tokens(request.request_id, num_valid, tokens[num_valid:start])
+        new_ids = tokens[start : request.num_prompt_tokens]
+        items = [item.for_draft() for item in request.mm_items[first:]]
+        offsets = [
+            PlaceholderRange(p.offset - start, p.length) for p in request.mm_positions[first:]
+        ]
+        mirror.append_input(new_ids, items, offsets)
+        appended = AppendedInput(start, new_ids, items, mirror.mm_positions[first:])
+        cached = CachedRequestData(request.request_id, [], num_valid, (appended,))
+        self.runner.execute(SchedulerOutput(scheduled_cached=[cached]))
+        return num_valid
 
     def _decode_step(self, requests: Sequence[Request]) -> SchedulerOutput:
         """One token each: the draft each mirror sampled last."""
@@ -205,6 +287,21 @@ def check_draft(target_path: Path, target_config, draft_path: Path, draft_config
             )
     if recurrent_groups(draft_config.cache_groups):
         raise DraftMismatch(f"{where}: the draft has recurrent layers; allowed: attention only")
+
+
+def _mirror(request: Request) -> Request:
+    """A greedy copy of `request` whose items carry the draft's embeddings; its output stays
+    output, placed after the prompt as the target's runner placed it."""
+    items = [item.for_draft() for item in request.mm_items]
+    mirror = Request(
+        request.request_id,
+        request.prompt_token_ids,
+        mm_items=items,
+        mm_positions=request.mm_positions,
+        sampling_params=GREEDY,
+    )
+    mirror.output_token_ids = list(request.output_token_ids)
+    return mirror
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -1,8 +1,11 @@
 """Speculative decoding through the service: chat usage reports OpenAI's prediction token
 counts and `/metrics` the draft counters and the accepted-per-step histogram; the answer is
-the one decoding without speculation gives."""
+the one decoding without speculation gives. With a draft model, `VideoLLM` has its pipeline
+encode media with the draft's tower too, so describing a video and narrating frames get
+drafts (a copy of the target has them all accepted)."""
 
 import httpx
+import numpy as np
 import openai
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
@@ -44,6 +47,26 @@ def test_chat_usage_and_metrics_report_speculation():
         assert _value(metrics, "stillcut_spec_accepted_tokens_per_step_sum") == accepted
     finally:
         server.stop()
+
+
+def test_a_draft_model_drafts_for_a_described_and_a_narrated_video():
+    checkpoint = cached_checkpoint("tiny", seed=0, text={"initializer_range": 0.2})
+    speculative = SpeculativeConfig(
+        method="draft", draft_model=str(checkpoint), num_speculative_tokens=3, dynamic=False
+    )
+    llm = VideoLLM(checkpoint, engine_config=_config(speculative))
+    reference = VideoLLM(checkpoint, engine_config=_config(None))
+    assert llm.pipeline.draft is not None and reference.pipeline.draft is None
+    frames = np.random.default_rng(0).integers(0, 256, (4, 56, 84, 3), dtype=np.uint8)
+    described = llm.describe(frames, max_tokens=16)
+    assert described.token_ids == reference.describe(frames, max_tokens=16).token_ids
+    speculator = llm.engine.speculator
+    assert speculator.num_draft_tokens == speculator.num_accepted_tokens > 0
+    num_described = speculator.num_draft_tokens
+    stamped = [(k / 2.0, frame) for k, frame in enumerate(frames)]
+    ours = [s.text for s in llm.narrate(iter(stamped), max_tokens_per_segment=8)]
+    assert ours == [s.text for s in reference.narrate(iter(stamped), max_tokens_per_segment=8)]
+    assert speculator.num_draft_tokens == speculator.num_accepted_tokens > num_described
 
 
 def _config(speculative: SpeculativeConfig | None) -> EngineConfig:
