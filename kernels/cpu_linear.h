@@ -45,6 +45,12 @@ typedef struct {
 
 #define SPINS 64 /* pause-spins before yielding: a quiet step's threads arrive within them */
 
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause() /* a spinning thread's hint to its core */
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
 static __thread Barrier *region_barrier_of_thread;
 
 static void enter_region(Barrier *barrier) { region_barrier_of_thread = barrier; }
@@ -64,7 +70,7 @@ static void region_barrier(void) {
         return;
     }
     for (int spin = 0; __atomic_load_n(&b->generation, __ATOMIC_ACQUIRE) == generation; spin++) {
-        if (spin < SPINS) __builtin_ia32_pause();
+        if (spin < SPINS) CPU_RELAX();
         else sched_yield();
     }
 }
