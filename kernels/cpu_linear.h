@@ -204,16 +204,26 @@ INLINE void widen_row(int format, const void *data, size_t at, int n, float *out
     for (; d < n; d++) out[d] = widen1(format, data, at + d);
 }
 
-/* An int8 weight streamed with no more than the hardware prefetcher read at about half the
- * bandwidth a plain read of it reaches (each widened vector takes only 16 bytes, so fewer of
- * its cache lines are in flight); asking for each row's line 2 KiB ahead, once per 64
- * columns, brought a one-row product from 37 to 62 GB/s beside a 73 GB/s read. The wider
- * formats gained nothing from it. */
+/* Software prefetch, where the hardware prefetcher alone left the read short of the bandwidth
+ * (measured on a 2-core AVX-512 CPU beside a plain read of about 73 GB/s):
+ * - a one-row int8 product read its weight at 37 GB/s (each widened vector takes only 16
+ *   bytes, so fewer of its cache lines are in flight); asking for each row's line 2 KiB ahead,
+ *   once per line, brought it to 62. The wider formats gained nothing from it there.
+ * - products of 2-16 rows do 4-16 FMAs per weight vector, so the loads of the next lines
+ *   start late; the same prefetch in every format took a 5-row fp32 verify step (its 150k-row
+ *   head read at 26 GB/s) from 12.0 to 10.5 ms (1 KiB ahead: the same; 4 KiB: 11.6). */
 #define PREFETCH_BYTES 2048
-INLINE void prefetch_rows(int format, const void *w, size_t at, size_t stride, int rows, int c) {
-    if (format != I8 || c % 64) return;
+
+INLINE size_t format_bytes(int format) { return format == F32 ? 4 : format == I8 ? 1 : 2; }
+
+/* Ahead of columns [c, c + LANES) of `rows` rows of w `stride` elements apart from `at`: a
+ * prefetch of each row's line once per line, for one-row products only in int8. */
+INLINE void prefetch_rows(int format, const void *w, size_t at, size_t stride, int rows, int c,
+                          int single) {
+    size_t bytes = format_bytes(format);
+    if ((single && format != I8) || (c * bytes) % 64) return;
     for (int j = 0; j < rows; j++)
-        __builtin_prefetch((const int8_t *)w + at + j * stride + PREFETCH_BYTES);
+        __builtin_prefetch((const char *)w + (at + j * stride) * bytes + PREFETCH_BYTES);
 }
 
 /* partial[k][c] += sum over j < 4 of x[k][i + j] * w[i + j][c] for the `group` rows k of x
@@ -226,7 +236,7 @@ INLINE void band_group(int format, int group, const float *x, size_t stride, con
     int c = c0;
     for (; c + LANES <= c1; c += LANES) {
         size_t at = (size_t)i * out + c;
-        prefetch_rows(format, w, at, out, 4, c);
+        prefetch_rows(format, w, at, out, 4, c, 0);
         vecw w0 = widenw(format, w, at), w1 = widenw(format, w, at + out);
         vecw w2 = widenw(format, w, at + 2 * (size_t)out);
         vecw w3 = widenw(format, w, at + 3 * (size_t)out);
@@ -258,7 +268,7 @@ INLINE void band_single8(int format, const float *x, const void *w, int out, int
     int c = c0;
     for (; c + LANES <= c1; c += LANES) {
         size_t at = (size_t)i * out + c;
-        prefetch_rows(format, w, at, o, 8, c);
+        prefetch_rows(format, w, at, o, 8, c, 1);
         vecw s0 = xs[0] * widenw(format, w, at) + xs[1] * widenw(format, w, at + o);
         vecw s1 = xs[2] * widenw(format, w, at + 2 * o) + xs[3] * widenw(format, w, at + 3 * o);
         vecw s2 = xs[4] * widenw(format, w, at + 4 * o) + xs[5] * widenw(format, w, at + 5 * o);
