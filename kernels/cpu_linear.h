@@ -17,11 +17,14 @@
  * weight vector serves the whole group from registers; a single row of x takes eight input
  * rows per load and store of its partial sums, in four independent chains, which brought
  * one-row products of the narrow formats near their read floors (int8 1.7x -> 1.1x of it);
- * the partials are then added by column)
+ * the partials are then added by column; a one-row bf16 product widens 32 columns per load,
+ * see `widen_bf16_pair`)
  * or, in F32 only, as a contiguous [out, in] (each thread owns a band of output rows: dot
  * products). Measured on the 2-core CPU (see `bench/matmul_formats.py`): widening in
  * registers keeps a one-row product at its read floor in every format, and grouping rows made
  * eight-row products of the narrow formats 1.5-3x faster than widening once per row.
+ * Vectors are 16 floats where the compiler targets AVX-512 and 8 elsewhere (`LANES`), and rows
+ * are prefetched ahead where the hardware alone fell short (`PREFETCH_BYTES`).
  */
 
 #include <omp.h>
