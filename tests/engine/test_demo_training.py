@@ -27,7 +27,9 @@ from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.pipeline import VisionPipeline
 from stillcut.vision.preprocess import VideoPreprocessConfig, preprocess_video
 
-FEW_STEPS = TrainConfig(num_clips=6, steps=3, clips_per_step=2, questions_per_clip=2, log_every=1)
+FEW_STEPS = TrainConfig(
+    num_clips=6, vision_steps=2, steps=3, clips_per_step=2, questions_per_clip=2, log_every=1
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def test_checkpoint_loads_in_transformers_and_stillcut(trained):
     engine = LLMEngine(folder)
     pipeline = VisionPipeline(folder)
     item = pipeline.video(clip_bytes(sample_scene(0)))
-    assert item.llm_grid == (6, 3, 4)  # every 4:3 clip is resized to 112x84
+    assert item.llm_grid == (6, 6, 8)  # every 4:3 clip is resized to 224x168
     prompt = engine.processor.build_text("Describe this video.", [item])
     (output,) = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(output.token_ids) == 4

@@ -1,11 +1,12 @@
 """The trained demo's shape: a Qwen2.5-VL small enough to train from scratch on two CPU cores.
 
-The preprocessor configs pin the pixel budget to one size, 112x84, so every 4:3 input is
-resized to exactly what training saw (a 6x8-patch, 3x4-token grid per tubelet); other aspect
-ratios get about as many pixels. All vision blocks attend over the whole frame (a frame is
-smaller than one 112 px window). The language model's rotary base is 10 rather than Qwen's
-10^6: its grids are a few tokens wide, and with a large base the height and width sections,
-which take the slowest frequencies, would barely turn between neighbouring tokens.
+The preprocessor configs pin the pixel budget to one size, 224x168, so every 4:3 input is
+resized to exactly what training saw (a 12x16-patch, 6x8-token grid per tubelet: a task shape
+spans two to three patches); other aspect ratios get about as many pixels. All vision blocks
+attend over the whole frame: it is only 192 patches. The language model's rotary base is
+10^4 rather than Qwen's 10^6: its prompts are a few hundred tokens long, and at 10^4 the
+fastest pairs still tell neighbouring tokens apart while the slowest stay nearly still across
+the whole prompt, for attention by content from an answer back to the video.
 `write_skeleton` writes everything but the weights: config, tokenizer, preprocessor and
 generation configs, so the trainer can read them back through stillcut's own loaders.
 """
@@ -25,7 +26,7 @@ from stillcut.engine.factory.qwen_presets import (
 )
 
 FAMILY = "qwen2_5_vl"
-INPUT_WIDTH, INPUT_HEIGHT = 112, 84
+INPUT_WIDTH, INPUT_HEIGHT = 224, 168
 INPUT_PIXELS = INPUT_WIDTH * INPUT_HEIGHT
 VOCAB_MULTIPLE = 64  # embedding rows are padded to a multiple of this
 TEXT: dict[str, Any] = {
@@ -37,7 +38,7 @@ TEXT: dict[str, Any] = {
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6,
 }
-ROPE_THETA = 10.0
+ROPE_THETA = 1e4
 VISION: dict[str, Any] = {
     "depth": 4,
     "hidden_size": 64,

@@ -51,7 +51,7 @@ def ground(scene: Scene, rng: np.random.Generator) -> np.ndarray:
         y0, x0 = rng.integers(0, (h, w))
         size_y, size_x = rng.integers(10, 50, size=2)
         region = image[y0 : y0 + size_y, x0 : x0 + size_x]
-        shade = rng.uniform(low.min(), high.max()) + rng.uniform(-10, 10, 3)
+        shade = low + rng.uniform(0, 1) * (high - low) + rng.uniform(-10, 10, 3)
         region[:] = 0.6 * region + 0.4 * shade.astype(np.float32)
     return image
 

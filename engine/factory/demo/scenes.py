@@ -40,7 +40,7 @@ DURATION_S = 6.0
 MAX_OBJECTS = 3
 _MARGIN = 6  # px between an object and the frame edge, and between two objects
 _SIZE_RANGE = (22.0, 30.0)  # half the object's extent, px
-_TRAVEL = {"horizontal": (110.0, 170.0), "vertical": (70.0, 110.0)}  # px over the clip
+_TRAVEL = {"horizontal": (150.0, 230.0), "vertical": (100.0, 150.0)}  # px over the clip
 _APPEAR_RANGE_S, _DISAPPEAR_RANGE_S = (1.5, 4.0), (2.0, 4.5)
 _COLOUR_JITTER = 12  # per channel, so a colour is a range, not one exact value
 # Kinds of scene and how often each is drawn.

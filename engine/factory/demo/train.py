@@ -1,15 +1,23 @@
 """Train the demo checkpoint from scratch on the synthetic task, on the CPU.
 
-    python -m stillcut.engine.factory.demo.train --out DIR [--seed 0] [--steps N] [--clips N]
+    python -m stillcut.engine.factory.demo.train --out DIR [--seed 0] [--vision-steps N]
+        [--steps N] [--clips N] [--threads 1]
 
 The model is a transformers `Qwen2_5_VLForConditionalGeneration` (`architecture`); the vision
 tower runs as stillcut's own `Qwen2_5_VLVisionTower` (the same parameters under the same names,
 but it batches equal-sized frames into one attention call, tens of times faster on a CPU than
-transformers' per-frame loop), the language model as transformers' own. Each step encodes a
-batch of training clips (randomly mirrored, which swaps left and right in the answers), asks a
-few random question types about each, each with its own EVS pruning (`sequences`), and takes
-one AdamW step on the answers' cross-entropy. The result is saved in bf16 with
-`save_pretrained`: a Hugging Face checkpoint like any other.
+transformers' per-frame loop), the language model as transformers' own. The tower's patch
+embedding starts from designed filters (`patch_init`).
+
+Training has two stages over the same clips, each step a batch of randomly mirrored clips
+(mirroring swaps left and right in the answers). First the tower alone learns what each video
+token shows, through a linear head used only in training (`token_labels`): colour comes in
+tens of steps, motion in a few hundred, shape in about a thousand, and answers cannot be learned
+before the tower sees them (with the answers alone, a tower trained from scratch collapsed to
+one constant embedding). Then everything trains together on the answers of a few random
+question types per clip, each sequence pruned by EVS its own way (`sequences`), the token loss
+kept alongside. The result is saved in bf16 with `save_pretrained`: a Hugging Face checkpoint
+like any other.
 
 Given its seed, training is deterministic on one torch build, thread count and instruction set:
 the data comes from seeded numpy, single-threaded x264 and PIL, and the steps from seeded torch
@@ -19,10 +27,18 @@ with deterministic algorithms.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+# Waiting threads sleep instead of spinning: on a shared machine a spinning thread takes the
+# core its partner needs (steps ran 2-3x slower here). It must be set before torch loads
+# OpenMP, and changes no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np
 import torch
@@ -31,9 +47,16 @@ import torch.nn.functional as F
 from stillcut.engine.disk_cache import atomic_folder
 from stillcut.engine.factory.demo import architecture
 from stillcut.engine.factory.demo.clips import training_seeds
+from stillcut.engine.factory.demo.patch_init import init_patch_embedding
 from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, answer
 from stillcut.engine.factory.demo.scenes import mirrored
 from stillcut.engine.factory.demo.sequences import EVSSchedule, Sequence, build_sequence
+from stillcut.engine.factory.demo.token_labels import (
+    COLOUR_CLASSES,
+    MOTION_CLASSES,
+    SHAPE_CLASSES,
+    mirrored_labels,
+)
 from stillcut.engine.factory.demo.training_data import SAMPLE_FPS, TrainingClip, training_clips
 from stillcut.engine.model_config import load_model_config
 from stillcut.engine.positions import MRopeSpec
@@ -42,6 +65,13 @@ from stillcut.vision.preprocess import VideoPreprocessConfig, preprocess_video
 from stillcut.vision.qwen2_5_vl import Qwen2_5_VLVisionTower
 
 TASK_VERSION = 1  # bump when the task, its answers or the recipe change
+AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES)
+# Most tokens show only ground, and few the moving object: class weights make up for it.
+AUX_WEIGHTS = (
+    torch.tensor([1.0] * (COLOUR_CLASSES - 1) + [0.25]),
+    torch.tensor([1.0] * (SHAPE_CLASSES - 1) + [0.25]),
+    torch.tensor([4.0, 4.0, 4.0, 4.0, 1.0, 0.25]),  # left, right, up, down, still, none
+)
 
 
 @dataclass(frozen=True)
@@ -49,13 +79,15 @@ class TrainConfig:
     """The whole training recipe; with the seed it determines the checkpoint."""
 
     seed: int = 0
-    num_clips: int = 2500
-    steps: int = 2000
+    num_clips: int = 1500
+    vision_steps: int = 1500  # first the tower alone learns what each token shows
+    steps: int = 1000  # then everything learns the answers
     clips_per_step: int = 12
     questions_per_clip: int = 3
     learning_rate: float = 3e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
+    aux_weight: float = 1.0  # of the per-token loss beside the answers' loss
     threads: int = 2
     evs: EVSSchedule = field(default_factory=EVSSchedule)
     log_every: int = 50
@@ -64,12 +96,17 @@ class TrainConfig:
         for name in ("num_clips", "steps", "clips_per_step", "threads", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.vision_steps < 0:
+            raise ValueError(f"vision_steps={self.vision_steps}: must be >= 0")
         if not 1 <= self.questions_per_clip <= len(QUESTION_TYPES):
             raise ValueError(
                 f"questions_per_clip={self.questions_per_clip}: allowed 1..{len(QUESTION_TYPES)}"
             )
-        if not (self.learning_rate > 0 and self.warmup_steps >= 0 and self.weight_decay >= 0):
-            raise ValueError("learning_rate must be > 0, warmup_steps and weight_decay >= 0")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate}: must be > 0")
+        for name in ("warmup_steps", "weight_decay", "aux_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
 
 
 class DemoTrainer:
@@ -92,33 +129,78 @@ class DemoTrainer:
         self.model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(folder))
         self.tower = Qwen2_5_VLVisionTower(model_config.vision)
         self.tower.load_state_dict(self.model.model.visual.state_dict())  # transformers' init
+        init_patch_embedding(self.tower.patch_embed.proj.weight)
         self.language_model = self.model.model.language_model
+        self.aux_head = torch.nn.Linear(model_config.vision.out_hidden_size, sum(AUX_CLASSES))
         self.optimizer = torch.optim.AdamW(
-            _parameter_groups([self.tower, self.language_model], config.weight_decay),
+            _parameter_groups(
+                [self.tower, self.language_model, self.aux_head], config.weight_decay
+            ),
             lr=config.learning_rate,
             betas=(0.9, 0.98),
             foreach=True,
         )
 
     def train(self, clips: list[TrainingClip]) -> None:
-        """Run `config.steps` steps over `clips`, logging the loss."""
-        config = self.config
-        rng = np.random.default_rng([config.seed, 2])
-        started, running = time.perf_counter(), []
-        for step in range(config.steps):
-            for group in self.optimizer.param_groups:
-                group["lr"] = config.learning_rate * _schedule(step, config)
-            batch = rng.choice(len(clips), config.clips_per_step, replace=False)
-            loss = self.step([clips[i] for i in batch], rng)
-            running.append(loss)
-            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-                mean, elapsed = sum(running) / len(running), time.perf_counter() - started
-                line = f"  step {step + 1}/{config.steps}  loss {mean:.4f}  {elapsed:.0f} s"
-                print(line, flush=True)
-                running = []
+        """Both stages over `clips`: the tower alone, then everything together."""
+        rng = np.random.default_rng([self.config.seed, 2])
+        self._stage("vision", self.config.vision_steps, clips, rng, self.vision_step)
+        self._stage("joint", self.config.steps, clips, rng, self.joint_step)
 
-    def step(self, clips: list[TrainingClip], rng: np.random.Generator) -> float:
-        """One optimizer step on a batch of clips; returns the batch's mean token loss."""
+    def vision_step(self, clips: list[TrainingClip], rng: np.random.Generator) -> dict:
+        """One step of the tower and the token head on what each token shows."""
+        embeds, _, _, labels = self._encode(clips, rng)
+        token_loss = self._token_loss(embeds, labels)
+        self._update(token_loss)
+        return {"token loss": token_loss.item()}
+
+    def joint_step(self, clips: list[TrainingClip], rng: np.random.Generator) -> dict:
+        """One step of everything on the answers (and the tokens) of a few questions a clip."""
+        embeds, prepared, flips, labels = self._encode(clips, rng)
+        per_clip = embeds.split([t * h * w // 4 for t, h, w in (p.grid_thw for p in prepared)])
+        sequences = []
+        for clip, flip, clip_embeds, video in zip(clips, flips, per_clip, prepared, strict=True):
+            scene = mirrored(clip.scene) if flip else clip.scene
+            kinds = rng.choice(QUESTION_TYPES, self.config.questions_per_clip, replace=False)
+            for kind in map(str, kinds):
+                prompts = PROMPTS[kind]
+                sequences.append(
+                    build_sequence(
+                        self.processor,
+                        self.rope_spec,
+                        clip_embeds,
+                        video.grid_thw,
+                        video.second_per_grid_ts,
+                        prompts[int(rng.integers(len(prompts)))],
+                        answer(scene, kind),
+                        self.config.evs.draw(rng),
+                    )
+                )
+        answer_loss = self._answer_loss(sequences)
+        token_loss = self._token_loss(embeds, labels)
+        self._update(answer_loss + self.config.aux_weight * token_loss)
+        return {"answer loss": answer_loss.item(), "token loss": token_loss.item()}
+
+    def _stage(self, name: str, steps: int, clips, rng, step) -> None:
+        started, logged = time.perf_counter(), []
+        for index in range(steps):
+            scale = _schedule(index, steps, self.config.warmup_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.config.learning_rate * scale
+            batch = rng.choice(len(clips), self.config.clips_per_step, replace=False)
+            logged.append(step([clips[i] for i in batch], rng))
+            if (index + 1) % self.config.log_every == 0 or index + 1 == steps:
+                means = "  ".join(f"{k} {np.mean([d[k] for d in logged]):.4f}" for k in logged[0])
+                elapsed = time.perf_counter() - started
+                print(f"  {name} step {index + 1}/{steps}  {means}  {elapsed:.0f} s", flush=True)
+                logged = []
+
+    def _encode(self, clips: list[TrainingClip], rng: np.random.Generator):
+        """Mirror some clips at random, encode them all in one tower pass.
+
+        Returns the embeddings [num_tokens, hidden], each clip's patches, the mirror flags
+        and the token labels [num_tokens, 3].
+        """
         flips = rng.random(len(clips)) < 0.5
         prepared = [
             preprocess_video(
@@ -128,37 +210,32 @@ class DemoTrainer:
             )
             for c, flip in zip(clips, flips, strict=True)
         ]
-        grids = [p.grid_thw for p in prepared]
-        embeds = self.tower(torch.cat([p.patches for p in prepared]), torch.tensor(grids))
-        per_clip = embeds.split([t * h * w // 4 for t, h, w in grids])
-        sequences = []
-        for clip, flip, clip_embeds, video in zip(clips, flips, per_clip, prepared, strict=True):
-            scene = mirrored(clip.scene) if flip else clip.scene
-            kinds = rng.choice(QUESTION_TYPES, self.config.questions_per_clip, replace=False)
-            for kind in kinds:
-                prompts = PROMPTS[str(kind)]
-                sequences.append(
-                    build_sequence(
-                        self.processor,
-                        self.rope_spec,
-                        clip_embeds,
-                        video.grid_thw,
-                        video.second_per_grid_ts,
-                        prompts[int(rng.integers(len(prompts)))],
-                        answer(scene, str(kind)),
-                        self.config.evs.draw(rng),
-                    )
-                )
-        loss = self._loss(sequences)
+        grids = torch.tensor([p.grid_thw for p in prepared])
+        embeds = self.tower(torch.cat([p.patches for p in prepared]), grids)
+        labels = [
+            mirrored_labels(c.labels) if flip else c.labels
+            for c, flip in zip(clips, flips, strict=True)
+        ]
+        return embeds, prepared, flips, torch.from_numpy(np.stack(labels)).view(-1, 3)
+
+    def _update(self, loss: torch.Tensor) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(
             [p for group in self.optimizer.param_groups for p in group["params"]], 1.0
         )
         self.optimizer.step()
-        return loss.item()
 
-    def _loss(self, sequences: list[Sequence]) -> torch.Tensor:
+    def _token_loss(self, embeds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the auxiliary head's colour, shape and motion guesses per token;
+        `embeds` [num_tokens, hidden], `labels` [num_tokens, 3]."""
+        parts = self.aux_head(embeds).split(AUX_CLASSES, dim=-1)
+        return sum(
+            F.cross_entropy(part, labels[:, k], weight=weights)
+            for k, (part, weights) in enumerate(zip(parts, AUX_WEIGHTS, strict=True))
+        )
+
+    def _answer_loss(self, sequences: list[Sequence]) -> torch.Tensor:
         """Mean cross-entropy of every answer token, the batch padded on the right."""
         length = max(len(s.input_ids) for s in sequences)
         batch = len(sequences)
@@ -191,19 +268,18 @@ class DemoTrainer:
 
 
 def train_checkpoint(out: str | Path, config: TrainConfig = TrainConfig()) -> dict[str, float]:
-    """Train a demo checkpoint into `out` (a new or empty folder); returns the timings."""
-    torch.set_num_threads(config.threads)
-    torch.use_deterministic_algorithms(True)
+    """Train a demo checkpoint into `out` (a new or empty folder); returns the timings.
+    The caller's torch threads, determinism flag and random state are left as they were."""
     folder = Path(out)
     metadata = {"task_version": TASK_VERSION, "recipe": asdict(config)}
     wall, cpu = time.perf_counter(), time.process_time()
-    with atomic_folder(folder, exist_ok=False) as partial:
+    with _reproducible(config.threads), atomic_folder(folder, exist_ok=False) as partial:
         architecture.write_skeleton(partial, metadata)
         trainer = DemoTrainer(partial, config)
         print(f"rendering {config.num_clips} training clips", flush=True)
         clips = training_clips(training_seeds(config.num_clips), trainer.preprocess)
         data_wall, data_cpu = time.perf_counter() - wall, time.process_time() - cpu
-        print(f"training {config.steps} steps", flush=True)
+        print(f"training {config.vision_steps} + {config.steps} steps", flush=True)
         trainer.train(clips)
         trainer.save(partial)
     timings = {
@@ -216,11 +292,25 @@ def train_checkpoint(out: str | Path, config: TrainConfig = TrainConfig()) -> di
     return timings
 
 
-def _schedule(step: int, config: TrainConfig) -> float:
+@contextlib.contextmanager
+def _reproducible(threads: int) -> Iterator[None]:
+    """Run with `threads` torch threads, deterministic algorithms and a forked random state."""
+    previous = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads(previous[0])
+        torch.use_deterministic_algorithms(previous[1])
+
+
+def _schedule(step: int, steps: int, warmup_steps: int) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -237,7 +327,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="a new or empty folder")
     defaults = TrainConfig()
-    for name in ("seed", "steps", "num_clips", "clips_per_step", "threads"):
+    for name in ("seed", "vision_steps", "steps", "num_clips", "clips_per_step", "threads"):
         flag = "--clips" if name == "num_clips" else f"--{name.replace('_', '-')}"
         parser.add_argument(flag, dest=name, type=int, default=getattr(defaults, name))
     args = parser.parse_args()

@@ -20,6 +20,7 @@ from PIL import Image
 
 from stillcut.engine.factory.demo.clips import clip_bytes
 from stillcut.engine.factory.demo.scenes import Scene, sample_scene
+from stillcut.engine.factory.demo.token_labels import token_labels
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.preprocess import VideoPreprocessConfig, smart_resize
 
@@ -28,10 +29,12 @@ SAMPLE_FPS = DecodeConfig().fps  # what describe samples at
 
 @dataclass(frozen=True)
 class TrainingClip:
-    """One scene and its sampled frames [T, H, W, 3] uint8 at the model's input size."""
+    """One scene, its sampled frames [T, H, W, 3] uint8 at the model's input size, and what
+    each of its merged video tokens shows ([t, h, w, 3], `token_labels`)."""
 
     scene: Scene
     frames: np.ndarray
+    labels: np.ndarray
 
 
 def model_frames(data: bytes, config: VideoPreprocessConfig) -> np.ndarray:
@@ -55,7 +58,10 @@ def training_clips(
     clips, started = [], time.perf_counter()
     for index, seed in enumerate(seeds):
         scene = sample_scene(seed, fps=round(SAMPLE_FPS))
-        clips.append(TrainingClip(scene, model_frames(clip_bytes(scene), config)))
+        frames = model_frames(clip_bytes(scene), config)
+        times = [k / SAMPLE_FPS for k in range(len(frames))]  # every frame is a sampled one
+        grid = (frames.shape[1] // config.factor, frames.shape[2] // config.factor)
+        clips.append(TrainingClip(scene, frames, token_labels(scene, times, grid)))
         if log_every and (index + 1) % log_every == 0:
             print(f"  {index + 1} clips, {time.perf_counter() - started:.0f} s", flush=True)
     return clips
