@@ -58,8 +58,8 @@ class VideoLLM:
         encoder_cache_bytes: int = 1 << 30,
         name: str | None = None,
     ) -> None:
-        """`model` is a checkpoint folder or hub id; None builds (once) the random-weight demo
-        checkpoint. `name` is the id the server reports (default: the folder name)."""
+        """`model` is a checkpoint folder or hub id; None is the trained demo checkpoint shipped
+        with the package. `name` is the id the server reports (default: the folder name)."""
         from stillcut.engine.factory import demo_checkpoint
 
         self.engine = LLMEngine(demo_checkpoint() if model is None else model, engine_config)

@@ -3,8 +3,8 @@
 `stillcut describe VIDEO` answers a prompt about a video (`cli_describe`); `stillcut serve`
 runs the HTTP service (`cli_serve`); `stillcut inspect VIDEO` runs only the vision half of the
 pipeline — decode, preprocess, encode, EVS — and prints what was decoded, the token grid and
-what EVS kept. All use the built-in demo checkpoint unless given `--model`. Heavy imports
-wait until a command runs, so `stillcut --help` is instant.
+what EVS kept. All use the trained demo checkpoint shipped with the package unless given
+`--model`. Heavy imports wait until a command runs, so `stillcut --help` is instant.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 DEFAULT_EVS_RATE = 0.75
 RANDOM_WEIGHTS_NOTICE = (
-    "note: the demo checkpoint has random weights: decoding, token counts and EVS numbers "
+    "note: this checkpoint has random weights: decoding, token counts and EVS numbers "
     "are real, generated words would not be"
 )
 

@@ -24,6 +24,7 @@ VIDEO_TOKEN_ID = 151656
 PIXELS_PER_TOKEN = 28 * 28  # one merged 2x2 group of 14-pixel patches
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP, as Qwen-VL uses
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+RANDOM_DEMO = "random-demo"  # the random-weight preset the speed benchmarks measure
 
 _VISION_COMMON = MappingProxyType(
     {"patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2}
@@ -65,8 +66,8 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                 "fullatt_block_indexes": (1,),
             },
         ),
-        # The CLI's default: ~110M parameters (78M of them the tied embedding), 2 cores.
-        "demo": Preset(
+        # What the speed benchmarks measure: ~110M parameters (78M of them the tied embedding).
+        RANDOM_DEMO: Preset(
             dtype="bfloat16",
             text={
                 "hidden_size": 512,
