@@ -20,7 +20,6 @@ import torch
 
 from stillcut.engine.factory import random_demo_checkpoint
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
-from stillcut.engine.models import MODEL_CLASSES
 from stillcut.kernels.attention import AttentionMetadata
 
 BLOCK_SIZE = 16
@@ -52,7 +51,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()
     folder = resolve_checkpoint(args.model or random_demo_checkpoint())
-    model = MODEL_CLASSES[load_model_config(folder).family].from_checkpoint(folder)
+    model = load_model_config(folder).family.language_model_class().from_checkpoint(folder)
     native = model.cpu_decoder
     if native is None:
         raise SystemExit("the native CPU decode step is not built here (no C compiler?)")

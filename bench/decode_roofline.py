@@ -1,32 +1,59 @@
-"""Decode step time against the memory-bandwidth floor.
+"""Decode step time against the memory-bandwidth floor, and the loop around the model.
 
 A batch-1 decode step of a small model is bound by reading its weights: every step reads each
 layer's weights and the LM head once (the embedding table is only gathered, a few rows). The
 floor is those bytes divided by the read bandwidth measured in this run, with the same thread
-count (summing a buffer as large as the weights). The table shows the engine's full decode step
-(schedule, inputs, forward, logits, sampling) at batch 1 and 8 next to that floor, measured in
-back-to-back pairs (the ratio is the median of the pairs' ratios); the target at batch 1, for a
-model of at least 100M parameters, is a ratio of 1.25 or less. On CPU a model runs its decode
-steps as one native call (`kernels/cpu_decode`) where the kernel builds; the last row runs the
-same steps through the model's torch ops, for comparison.
+count (summing a buffer as large as the weights). The first table shows the engine's full
+decode step (schedule, inputs, forward, logits, sampling) at batch 1 and 8 next to that floor,
+measured in back-to-back pairs (the ratio is the median of the pairs' ratios); the target at
+batch 1, for a model of at least 100M parameters, is a ratio of 1.25 or less. On CPU a model
+runs its decode steps as one native call (`kernels/cpu_decode`) where the kernel builds; the
+last row runs the same steps through the model's torch ops, for comparison.
 
-    python bench/decode_roofline.py [--model PATH] [--threads 1] [--rounds 25]
+The second table is the loop around the model: what scheduling, input preparation, sampling,
+detokenization and output building add to a step. Each round is one `LLMEngine.generate`, at
+batch 1 and 16, interleaved step by step with the model call alone: after each decode step the
+bench replays that step's forward and logits on its inputs (time it leaves out of the
+generate's). It gives the model call, the whole `engine.step()`, and generate's mean wall time
+per token from its second token on (each request gets one token a step); ratios are medians of
+the rounds' ratios of means. Targets: generate per token <= 1.08x the model call at batch 1,
+<= 1.05x at batch 16. Then one long greedy generation (2,048 tokens) records each step's host
+time outside the model call: the median of its last 100 steps must be within 10 % of its first
+100. Minutes apart on a shared machine the same work can take other times, so a second such
+generation counts instead (Python calls and peak bytes the host allocates per step), which no
+neighbour can blur. Last, where the host time goes, per step, from one instrumented pass per
+batch.
+
+The default model is the `lm180m` preset: the `random-demo` shape with an untied 152k vocabulary, 180M
+language-model parameters (random weights; only the shapes matter here).
+
+    python bench/decode_roofline.py [--preset lm180m | --model PATH] [--threads N]
+        [--rounds 25] [--loop-rounds 7] [--long 2048]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import statistics
+import sys
 import time
+import tracemalloc
+from collections.abc import Callable
 
 import torch
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from stillcut.engine.factory import demo_checkpoint
+from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 
 TARGET = 1.25
+LOOP_TARGETS = {1: 1.08, 16: 1.05}  # generate per token / model call
+LONG_TARGET = 0.10  # last 100 steps' host time within 10 % of the first 100's
+LOOP_TOKENS = 48  # tokens per generate call in a loop round
+PROMPT = "Tell me about the sea."
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> tuple[int, int]:
@@ -46,31 +73,72 @@ def read_seconds(buffer: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def timed(call: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
 class PartTimer:
-    """Seconds spent in the model's decoder layers (`forward`) and head (`compute_logits`),
-    recorded by wrapping the two methods of one model instance."""
+    """Seconds spent in each call of some methods, recorded by wrapping them on the given
+    instances (the engine, its scheduler, runner or model)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-        self.parts: dict[str, list[float]] = {"forward": [], "compute_logits": []}
-        for name, spent in self.parts.items():
-            setattr(model, name, self._timed(getattr(model, name), spent))
+    def __init__(self, parts: dict[str, tuple[object, str]]) -> None:
+        self.parts = parts
+        self.calls: dict[str, list[tuple[float, float]]] = {name: [] for name in parts}
+        for name, (owner, method) in parts.items():
+            setattr(owner, method, self._timed(getattr(owner, method), self.calls[name]))
 
-    def stop(self) -> dict[str, float]:
-        """Unwrap the methods; the median seconds of each part."""
-        for name in self.parts:
-            delattr(self.model, name)  # back to the class's method
-        return {name: statistics.median(spent) for name, spent in self.parts.items()}
+    def stop(self) -> None:
+        """Unwrap the methods (back to the class's own)."""
+        for owner, method in self.parts.values():
+            delattr(owner, method)
+
+    def seconds(self, name: str) -> list[float]:
+        return [end - start for start, end in self.calls[name]]
+
+    def starts(self, name: str) -> list[float]:
+        return [start for start, _ in self.calls[name]]
 
     @staticmethod
-    def _timed(method, spent: list[float]):
-        def timed(*args, **kwargs):
+    def _timed(method, calls: list[tuple[float, float]]):
+        def timed_method(*args, **kwargs):
             start = time.perf_counter()
             result = method(*args, **kwargs)
-            spent.append(time.perf_counter() - start)
+            calls.append((start, time.perf_counter()))
             return result
 
-        return timed
+        return timed_method
+
+
+def model_parts(model: torch.nn.Module) -> dict[str, tuple[object, str]]:
+    return {"forward": (model, "forward"), "compute_logits": (model, "compute_logits")}
+
+
+def model_seconds(timer: PartTimer) -> list[float]:
+    """Seconds in the model per step: its forward and its logits (one call of each a step)."""
+    forward, logits = timer.seconds("forward"), timer.seconds("compute_logits")
+    return [f + c for f, c in zip(forward, logits, strict=True)]
+
+
+def start_decoding(engine: LLMEngine, batch: int, max_tokens: int) -> list[str]:
+    """`batch` requests, stepped until every one decodes, and a few steps more."""
+    prompt = engine.processor.build_text(PROMPT)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for _ in range(batch)]
+    while any(
+        engine.scheduler.requests[i].num_computed_tokens < len(prompt.token_ids) for i in ids
+    ):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    return ids
+
+
+def stop_decoding(engine: LLMEngine, ids: list[str]) -> None:
+    for request_id in ids:
+        engine.abort(request_id)
+    engine.step()
 
 
 def paired_rounds(engine: LLMEngine, batch: int, rounds: int, num_bytes: int) -> list[tuple]:
@@ -78,41 +146,149 @@ def paired_rounds(engine: LLMEngine, batch: int, rounds: int, num_bytes: int) ->
     seconds to read `num_bytes`) measured back to back, so that both see the same machine: on a
     shared host the read bandwidth drifts by tens of percent within a minute."""
     buffer = torch.ones(num_bytes // 4)
-    prompt = engine.processor.build_text("Tell me about the sea.")
-    params = SamplingParams(max_tokens=3 * rounds + 16, ignore_eos=True)
-    ids = [engine.add_request(prompt, params) for _ in range(batch)]
-    while any(
-        engine.scheduler.requests[i].num_computed_tokens < len(prompt.token_ids) for i in ids
-    ):
-        engine.step()  # prefill (and the first decodes)
-    for _ in range(5):
-        engine.step()  # warm up
+    ids = start_decoding(engine, batch, max_tokens=3 * rounds + 16)
     pairs = []
     for _ in range(rounds):
-        steps = []
-        for _ in range(3):
-            start = time.perf_counter()
-            engine.step()
-            steps.append(time.perf_counter() - start)
+        steps = [timed(engine.step) for _ in range(3)]
         pairs.append((statistics.median(steps), read_seconds(buffer)))
-    for request_id in ids:
-        engine.abort(request_id)
-    engine.step()
+    stop_decoding(engine, ids)
     return pairs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="checkpoint (default: the demo checkpoint, 110M params)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--rounds", type=int, default=25, help="paired step/floor rounds")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    config = EngineConfig(
-        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=512),
-        cache=CacheConfig(num_blocks=512),
+def replay_model_call(runner, batch) -> float:
+    """Seconds of the model call of a decode step the runner just ran, run again alone:
+    forward over the step's inputs (still in the runner's buffers), then logits of every row.
+    It writes the same keys and values to the same slots, so the engine's state stays as is."""
+    metadata = dataclasses.replace(batch.metadata, plans={})  # as fresh as the step's was
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, metadata)
+        runner.model.compute_logits(hidden)
+    return time.perf_counter() - start
+
+
+def loop_round(engine: LLMEngine, batch: int) -> tuple[float, float, float]:
+    """Mean seconds of (the model call, an engine step, a generated token) over one
+    `generate` of `batch` prompts, interleaved step by step: after each of its decode steps
+    the bench replays that step's model call alone, and leaves that time out of the
+    generate's. Means, not medians: a generate's mean per token takes the pauses a shared
+    machine inflicts, so the model calls it is compared with must take theirs too."""
+    runner, step = engine.runner, engine.step
+    prepare = runner._prepare
+    last_batch, replays, steps, extra = [], [], [], []
+
+    def capturing(output):
+        last_batch[:] = [prepare(output)]
+        return last_batch[0]
+
+    def stepping():
+        started = time.perf_counter()
+        outputs = step()
+        ended = time.perf_counter()
+        (last,) = last_batch
+        if last.sample_index is None:  # a step of decodes: every row sampled
+            replays.append(replay_model_call(runner, last))
+            steps.append((started, ended))
+            extra.append(time.perf_counter() - ended)
+        return outputs
+
+    runner._prepare, engine.step = capturing, stepping
+    prompt = engine.processor.build_text(PROMPT)
+    try:
+        engine.generate([prompt] * batch, SamplingParams(max_tokens=LOOP_TOKENS, ignore_eos=True))
+        finished = time.perf_counter()
+    finally:
+        del runner._prepare, engine.step
+    assert len(steps) == LOOP_TOKENS - 1, len(steps)
+    starts = [started for started, _ in steps]
+    walls = [b - a - e for a, b, e in zip(starts, [*starts[1:], finished], extra, strict=True)]
+    step_seconds = [ended - started for started, ended in steps]
+    return statistics.mean(replays), statistics.mean(step_seconds), statistics.mean(walls)
+
+
+def long_generation(engine: LLMEngine, num_tokens: int) -> list[float]:
+    """Host seconds outside the model call of each decode step of one greedy generation: a
+    step's wall time (from its start to the next step's start, so the loop of `generate`
+    counts) less its forward and logits."""
+    timer = PartTimer({"step": (engine, "step"), **model_parts(engine.model)})
+    prompt = engine.processor.build_text(PROMPT)
+    try:
+        engine.generate([prompt], SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+        ended = time.perf_counter()
+    finally:
+        timer.stop()
+    starts = timer.starts("step")
+    walls = [b - a for a, b in zip(starts, [*starts[1:], ended], strict=True)]
+    model = model_seconds(timer)
+    assert len(model) == len(walls) == num_tokens, (len(model), len(walls))
+    return [wall - inside for wall, inside in zip(walls[1:], model[1:], strict=True)]
+
+
+MODEL_AND_STEP = ("forward", "compute_logits", "step")
+
+
+def host_work(engine: LLMEngine, num_tokens: int, window: int = 100) -> list[list[tuple]]:
+    """(Python calls, peak bytes the host allocates) of each step in the first and the last
+    `window` decode steps of one greedy generation. Counts, not times: on a shared machine
+    minutes apart the same work takes different times, but not different counts."""
+    step, steps = engine.step, itertools.count()
+    counts: list[tuple[int, int]] = []
+
+    def counting():
+        index = next(steps)
+        if not (1 <= index <= window or index > num_tokens - window):
+            return step()
+        calls = itertools.count()
+        tracemalloc.start()
+        sys.setprofile(lambda frame, event, arg: event.endswith("call") and next(calls))
+        try:
+            return step()
+        finally:
+            sys.setprofile(None)
+            counts.append((next(calls), tracemalloc.get_traced_memory()[1]))
+            tracemalloc.stop()
+
+    engine.step = counting
+    prompt = engine.processor.build_text(PROMPT)
+    try:
+        engine.generate([prompt], SamplingParams(max_tokens=num_tokens, ignore_eos=True))
+    finally:
+        del engine.step
+    return [counts[:window], counts[-window:]]
+
+
+def host_breakdown(engine: LLMEngine, batch: int, num_steps: int = 20) -> dict[str, float]:
+    """Median microseconds per decode step in each part of the loop around the model."""
+    runner, scheduler = engine.runner, engine.scheduler
+    ids = start_decoding(engine, batch, max_tokens=num_steps + 8)
+    timer = PartTimer(
+        {
+            "step": (engine, "step"),
+            "schedule": (scheduler, "schedule"),
+            "rows": (runner, "_update_rows"),
+            "inputs": (runner, "_prepare"),
+            "sample": (runner, "_sample"),
+            "update": (scheduler, "update_from_output"),
+            "outputs": (engine, "_postprocess"),
+            **model_parts(engine.model),
+        }
     )
-    engine = LLMEngine(args.model or demo_checkpoint(), config)
+    try:
+        for _ in range(num_steps):
+            engine.step()
+    finally:
+        timer.stop()
+    stop_decoding(engine, ids)
+    model, steps = model_seconds(timer), timer.seconds("step")
+    per_step = {name: timer.seconds(name) for name in timer.parts if name not in MODEL_AND_STEP}
+    outputs = per_step.pop("outputs")  # one call per request: summed per step
+    per_step["outputs"] = [sum(outputs[i : i + batch]) for i in range(0, len(outputs), batch)]
+    parts = {name: statistics.median(values) * 1e6 for name, values in per_step.items()}
+    outside = statistics.median(s - m for s, m in zip(steps, model, strict=True)) * 1e6
+    return {"outside the model": outside, **parts, "other": outside - sum(parts.values())}
+
+
+def roofline_table(engine: LLMEngine, rounds: int) -> None:
     num_bytes, num_params = weight_bytes_per_step(engine.model)
     head_bytes = engine.model.lm_head.numel() * engine.model.lm_head.element_size()
     native = engine.model.cpu_decoder
@@ -121,10 +297,11 @@ def main() -> None:
     rows, parts = [], {}
     for batch, how in runs:
         engine.model.cpu_decoder = native if how == "native step" else None
-        timer = PartTimer(engine.model) if not rows else None
-        pairs = paired_rounds(engine, batch, args.rounds, num_bytes)
+        timer = PartTimer(model_parts(engine.model)) if not rows else None
+        pairs = paired_rounds(engine, batch, rounds, num_bytes)
         if timer is not None:
-            parts = timer.stop()
+            timer.stop()
+            parts = {name: statistics.median(timer.seconds(name)) for name in timer.parts}
         step = statistics.median(p[0] for p in pairs)
         floor = statistics.median(p[1] for p in pairs)
         ratio = statistics.median(p[0] / p[1] for p in pairs)
@@ -132,7 +309,7 @@ def main() -> None:
     engine.model.cpu_decoder = native
     print(
         f"model: {num_params / 1e6:.1f}M parameters, {num_bytes / 1e6:.0f} MB read per step, "
-        f"{args.threads} thread(s), {args.rounds} paired rounds"
+        f"{torch.get_num_threads()} thread(s), {rounds} paired rounds"
     )
     print(
         f"{'batch':>6}  {'decode':<12}{'step ms':>9}{'floor ms':>10}{'ratio':>8}{'read GB/s':>11}"
@@ -155,6 +332,76 @@ def main() -> None:
     print(
         f"batch 1: {ratio:.2f}x the floor, median of paired rounds (target <= {TARGET}: {verdict})"
     )
+
+
+def loop_table(engine: LLMEngine, rounds: int) -> None:
+    results = {batch: [loop_round(engine, batch) for _ in range(rounds)] for batch in LOOP_TARGETS}
+    print(f"\nthe loop around the model: {rounds} interleaved rounds per batch, medians of means")
+    print(
+        f"{'batch':>6}{'model ms':>10}{'step ms':>9}{'generate ms/token':>19}"
+        f"{'step/model':>12}{'generate/model':>16}{'target':>8}  verdict"
+    )
+    for batch, target in LOOP_TARGETS.items():
+        rows = results[batch]
+        model, step, generate = (statistics.median(r[i] for r in rows) for i in range(3))
+        step_ratio = statistics.median(r[1] / r[0] for r in rows)
+        ratio = statistics.median(r[2] / r[0] for r in rows)
+        verdict = "met" if ratio <= target else "MISSED"
+        print(
+            f"{batch:>6}{model * 1e3:>10.2f}{step * 1e3:>9.2f}{generate * 1e3:>19.2f}"
+            f"{step_ratio:>12.3f}{ratio:>16.3f}{target:>8.2f}  {verdict}"
+        )
+
+
+def long_line(engine: LLMEngine, num_tokens: int) -> None:
+    outside = long_generation(engine, num_tokens)
+    first, last = statistics.median(outside[:100]), statistics.median(outside[-100:])
+    change = last / first - 1
+    verdict = "met" if abs(change) <= LONG_TARGET else "MISSED"
+    print(
+        f"\n{num_tokens}-token greedy generation, host time per step outside the model call "
+        f"(median of 100 steps): first 100 {first * 1e3:.3f} ms, last 100 {last * 1e3:.3f} ms, "
+        f"{change:+.1%} (target within {LONG_TARGET:.0%}: {verdict})"
+    )
+    (calls, peaks) = (
+        [statistics.median(step[i] for step in window) for window in host_work(engine, num_tokens)]
+        for i in range(2)
+    )
+    print(
+        f"the same, counted in a second generation: Python calls per step {calls[0]:.0f} then "
+        f"{calls[1]:.0f}; peak bytes allocated per step {peaks[0]:.0f} then {peaks[1]:.0f}"
+    )
+
+
+def breakdown_table(engine: LLMEngine) -> None:
+    columns = {batch: host_breakdown(engine, batch) for batch in LOOP_TARGETS}
+    print("\nwhere the host time of a decode step goes (us, medians of 20 instrumented steps)")
+    print(f"{'part':<20}" + "".join(f"{f'batch {b}':>10}" for b in columns))
+    for name in columns[1]:
+        print(f"{name:<20}" + "".join(f"{column[name]:>10.0f}" for column in columns.values()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", default="lm180m", help="factory preset (default: lm180m)")
+    parser.add_argument("--model", help="checkpoint folder instead of a preset")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--rounds", type=int, default=25, help="paired step/floor rounds")
+    parser.add_argument("--loop-rounds", type=int, default=7, help="rounds per loop batch")
+    parser.add_argument("--long", type=int, default=2048, help="tokens of the long generation")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=1024, max_num_seqs=16, max_model_len=args.long + 128
+        ),
+        cache=CacheConfig(num_blocks=512),
+    )
+    engine = LLMEngine(args.model or cached_checkpoint(args.preset), config)
+    roofline_table(engine, args.rounds)
+    loop_table(engine, args.loop_rounds)
+    long_line(engine, args.long)
+    breakdown_table(engine)
 
 
 if __name__ == "__main__":

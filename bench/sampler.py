@@ -1,9 +1,11 @@
 """Sampler speed per path: what one decode step's sampling costs at a real vocabulary size.
 
 Random fp32 logits `[batch, vocab]` (Qwen2.5's 151,936 by default) go through `Sampler` under
-one parameter mix per row of the table. "build" is `build_sampling_batch` from Python lists (the
-runner pays it every step, histories included); "sample" is the sampler call. Timed runs
-alternate between the mixes so machine noise hits all alike; the table shows medians.
+one parameter mix per row of the table. "build" is `build_sampling_batch` from the rows'
+parameters and penalty `TokenCounts` (the runner pays it when the rows that sample change, and
+every step while one of them is penalized; the counts themselves grow one token a step); "sample"
+is the sampler call. Timed runs alternate between the mixes so machine noise hits all alike; the
+table shows medians.
 
     python bench/sampler.py [--batch 32] [--vocab 151936] [--runs 10] [--device cpu|cuda]
 """
@@ -16,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from stillcut.engine.request import SamplingParams
-from stillcut.engine.sampler import Sampler, build_sampling_batch
+from stillcut.engine.sampler import Sampler, TokenCounts, build_sampling_batch
 
 PROMPT_LEN, OUTPUT_LEN = 2048, 256
 
@@ -52,12 +54,21 @@ def time_mix(name: str, batch: int, vocab: int, device: torch.device) -> tuple[f
     generators = [
         None if p.seed is None else torch.Generator(device).manual_seed(p.seed) for p in params
     ]
-    prompts = [list(range(row, row + PROMPT_LEN)) for row in range(batch)]
-    outputs = [[(row * 7 + i) % vocab for i in range(OUTPUT_LEN)] for row in range(batch)]
+    counts = [
+        TokenCounts(
+            range(row, row + PROMPT_LEN),
+            [(row * 7 + i) % vocab for i in range(OUTPUT_LEN)],
+            vocab,
+            device,
+        )
+        if TokenCounts.needed(p)
+        else None
+        for row, p in enumerate(params)
+    ]
     logits = torch.randn(batch, vocab, device=device)
     sync(device)
     start = time.perf_counter()
-    sampling_batch = build_sampling_batch(params, prompts, outputs, generators, device)
+    sampling_batch = build_sampling_batch(params, counts, generators, device)
     sync(device)
     built = time.perf_counter()
     Sampler()(logits, sampling_batch)

@@ -25,6 +25,7 @@ from stillcut.engine.model_config import CheckpointError
 
 # The tokenizer_config.json entries that transformers hands the template as variables.
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
+RENDER_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 class ChatTemplate:
@@ -49,9 +50,18 @@ class ChatTemplate:
         return cls(_template_source(folder, config), _special_token_strings(config))
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        extra: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text for `messages` (plain dicts, as the template expects them)."""
+        """The prompt text for `messages` (plain dicts, as the template expects them).
+        `extra` are more template variables (`chat_template_kwargs`, e.g. `enable_thinking`);
+        they may not replace the ones set here."""
+        taken = sorted(set(extra or ()) & {*RENDER_VARIABLES, *self.special_tokens})
+        if taken:
+            raise ValueError(f"chat template variables {taken} are set by the server")
         try:
             return self._template.render(
                 messages=list(messages),
@@ -59,6 +69,7 @@ class ChatTemplate:
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.special_tokens,
+                **(extra or {}),
             )
         except jinja2.TemplateError as error:
             raise ValueError(f"the chat template rejected the messages: {error}") from error

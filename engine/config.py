@@ -2,8 +2,9 @@
 
 Both configs are frozen and checked on construction, so a bad value fails where it is set, with
 the field's name and allowed range, instead of deep inside a step. How many KV blocks exist is
-decided once, by the runner, from `CacheConfig` and the model's shape (`num_blocks_for_budget`);
-the scheduler and the block manager only ever see the resulting count.
+decided once, by the engine, from `CacheConfig` and the family's cache groups
+(`cache_groups.num_blocks_for_budget`); the scheduler and the block manager only ever see the
+resulting count.
 """
 
 from __future__ import annotations
@@ -76,39 +77,6 @@ class SchedulerConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= "
                 f"max_model_len={self.max_model_len} when enable_chunked_prefill is False"
             )
-
-
-def num_blocks_for_budget(
-    budget_bytes: int,
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype_bytes: int,
-) -> int:
-    """How many KV blocks fit in `budget_bytes`.
-
-    One block holds keys and values of `block_size` tokens in every layer:
-    `2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes` bytes.
-    """
-    shape = {
-        "num_layers": num_layers,
-        "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "block_size": block_size,
-        "dtype_bytes": dtype_bytes,
-    }
-    for name, value in shape.items():
-        if value < 1:
-            raise ValueError(f"{name}={value} must be >= 1")
-    block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
-    num_blocks = max(budget_bytes, 0) // block_bytes
-    if num_blocks < 1:
-        raise ValueError(
-            f"budget_bytes={budget_bytes} holds no KV block; one block needs {block_bytes} bytes"
-        )
-    return num_blocks
 
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -7,6 +7,9 @@ character. Stop strings are matched on the accumulated text. Text that could be 
 stop string is held back until the next tokens show it is not, so a client never receives
 characters that later turn out to belong to a stop; when a stop completes, the output ends
 right before it. `flush` releases what is still held when a request ends for another reason.
+A push costs the same however long the output already is: stops are searched for only in the
+text not yet returned (a stop never starts in returned text), and returned text is kept as
+its pieces, joined only when asked for.
 """
 
 from __future__ import annotations
@@ -47,16 +50,15 @@ class IncrementalDetokenizer:
         self._stream = DecodeStream(ids=self._context_ids, skip_special_tokens=skip_special_tokens)
         self._output_ids: list[int] = []
         self._num_pending_ids = 0  # pushed ids whose text the stream still holds
-        self._decoded = ""  # all text decoded so far, stop strings included
-        self._num_searched = 0  # chars of `_decoded` already searched for complete stops
-        self._num_emitted = 0  # chars of `_decoded` returned as deltas
+        self.pieces: list[str] = []  # every non-empty delta returned, in order; append-only
+        self._unreturned = ""  # text decoded after the pieces: held back, or a stop's
         self.finished = False
         self.stop_reason: str | None = None
 
     @property
     def text(self) -> str:
         """The output text returned so far (the concatenation of every delta)."""
-        return self._decoded[: self._num_emitted]
+        return "".join(self.pieces)
 
     def push(self, token_ids: int | Sequence[int]) -> str:
         """Add output tokens; return the new text that is safe to show (may be empty)."""
@@ -69,7 +71,7 @@ class IncrementalDetokenizer:
                 self._num_pending_ids += 1
             else:
                 self._num_pending_ids = 0
-                self._decoded += chunk
+                self._unreturned += chunk
         return self._advance(final=False)
 
     def flush(self) -> str:
@@ -83,10 +85,11 @@ class IncrementalDetokenizer:
         if self._num_pending_ids:
             context = self._decode(self._context_ids)
             full = self._decode(self._context_ids + self._output_ids)[len(context) :]
+            decoded = self.text + self._unreturned
             # Only a decoder that renders invalid bytes differently in a window than in the whole
             # could break this; then the text already shown stands.
-            if full.startswith(self._decoded):
-                self._decoded = full
+            if full.startswith(decoded):
+                self._unreturned += full[len(decoded) :]
             self._num_pending_ids = 0
         return self._advance(final=True)
 
@@ -101,7 +104,7 @@ class IncrementalDetokenizer:
         except Exception as error:  # tokenizers raises a bare Exception
             if _INVALID_PREFIX not in str(error):
                 raise
-        context = (self._context_ids + self._output_ids)[-NUM_CONTEXT_TOKENS:]
+        context = (self._context_ids + self._output_ids[-NUM_CONTEXT_TOKENS:])[-NUM_CONTEXT_TOKENS:]
         self._stream = DecodeStream(ids=context, skip_special_tokens=self._skip_special_tokens)
         return self._stream.step(self._tokenizer, token_id)
 
@@ -109,21 +112,20 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _advance(self, *, final: bool) -> str:
-        longest = max((len(s) for s in self._stop), default=0)
-        # A stop not found before must end in the new text, so it starts at most this far back.
-        start = max(0, self._num_searched - longest + 1)
-        stop_at, stop = find_stop(self._decoded, self._stop, start)
-        self._num_searched = len(self._decoded)
+        # Text that could begin a stop is never returned, so a stop lies in the unreturned text:
+        # what was held back (shorter than the longest stop) and what came since.
+        text = self._unreturned
+        stop_at, stop = find_stop(text, self._stop)
         if stop is not None:
             self.finished, self.stop_reason = True, stop
             safe_end = stop_at
         elif final:
-            safe_end = len(self._decoded)
+            safe_end = len(text)
         else:
-            safe_end = len(self._decoded) - _held_back(self._decoded, self._stop)
-        assert safe_end >= self._num_emitted, "emitted text became part of a stop string"
-        delta = self._decoded[self._num_emitted : safe_end]
-        self._num_emitted = safe_end
+            safe_end = len(text) - _held_back(text, self._stop)
+        delta, self._unreturned = text[:safe_end], text[safe_end:]
+        if delta:
+            self.pieces.append(delta)
         return delta
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import pickle
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from stillcut.engine.request import Request
+from stillcut.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True, eq=False)
@@ -103,10 +103,30 @@ class BlockPool:
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple) -> bytes:
-    """sha256 of a block's content and its parent's hash. Pickle of plain ints, strings, bytes
-    and tuples is deterministic, unlike Python's `hash()` of strings."""
-    payload = pickle.dumps((parent, tuple(token_ids), extra_keys), protocol=5)
-    return hashlib.sha256(payload).digest()
+    """sha256 of a block's content and its parent's hash.
+
+    Every part is written in one fixed layout (counts and lengths before what they count), so
+    equal content hashes equally in every process: no Python `hash()`, whose strings differ
+    per process, and no pickle, whose bytes depend on which equal strings are one object.
+    """
+    salt, items = extra_keys
+    digest = hashlib.sha256(parent if parent is not None else _NO_PARENT)
+    digest.update(struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids))
+    digest.update(_encoded(salt) + struct.pack("<I", len(items)))
+    for identifier, offset in items:
+        digest.update(_encoded(identifier) + struct.pack("<q", offset))
+    return digest.digest()
+
+
+_NO_PARENT = bytes(32)  # a first block's parent: no sha256 digest is all zeros in practice
+
+
+def _encoded(text: str | None) -> bytes:
+    """None, or a string as its UTF-8 length and bytes: no two values encode alike."""
+    if text is None:
+        return b"\0"
+    data = text.encode()
+    return b"\1" + struct.pack("<I", len(data)) + data
 
 
 def block_extra_keys(request: Request, block_index: int, block_size: int) -> tuple:
@@ -138,7 +158,8 @@ class KVCacheManager:
 
     Per step the scheduler asks `find_cached_prefix` (first schedule only) and `allocate_slots`;
     after the step `cache_full_blocks` registers what became full; `free` ends a request's
-    claim. Counters `num_query_tokens` / `num_hit_tokens` measure the prefix cache in tokens.
+    claim. Counters `num_query_tokens` / `num_hit_tokens` measure the prefix cache in tokens,
+    once per request: at its first allocation, not again when it resumes after preemption.
     """
 
     def __init__(
@@ -207,8 +228,9 @@ class KVCacheManager:
         if num_needed > num_free:
             return None
         if not blocks and self.enable_prefix_caching:
-            self.num_query_tokens += request.num_tokens
-            self.num_hit_tokens += prefix.num_tokens
+            if request.status is RequestStatus.WAITING:  # a preempted one was counted already
+                self.num_query_tokens += request.num_tokens
+                self.num_hit_tokens += prefix.num_tokens
             self._num_cached_blocks[request.request_id] = len(prefix.blocks)
         self.block_pool.touch(prefix.blocks)
         added = [*prefix.blocks, *self.block_pool.allocate(num_needed)]
@@ -248,16 +270,12 @@ class KVCacheManager:
         assert all(b.ref_cnt == holders[b.block_id] for b in self.block_pool.blocks)
 
     def block_hashes(self, request: Request) -> list[bytes]:
-        """Hashes of all full blocks of the request's tokens, extended as the tokens grow."""
+        """Hashes of all full blocks of the request's tokens, extended as the tokens grow:
+        only the blocks that filled since the last call are read and hashed."""
         hashes = self._block_hashes.setdefault(request.request_id, [])
-        num_full = request.num_tokens // self.block_size
-        if len(hashes) < num_full:
-            token_ids = request.all_token_ids
-            for index in range(len(hashes), num_full):
-                start = index * self.block_size
-                extra_keys = block_extra_keys(request, index, self.block_size)
-                parent = hashes[-1] if hashes else None
-                hashes.append(
-                    hash_block(parent, token_ids[start : start + self.block_size], extra_keys)
-                )
+        size = self.block_size
+        for index in range(len(hashes), request.num_tokens // size):
+            token_ids = request.token_ids_between(index * size, (index + 1) * size)
+            extra_keys = block_extra_keys(request, index, size)
+            hashes.append(hash_block(hashes[-1] if hashes else None, token_ids, extra_keys))
         return hashes

@@ -19,11 +19,13 @@ from os import PathLike
 import torch
 
 from stillcut.engine.admission import BidirectionalItemTooLong
-from stillcut.engine.config import EngineConfig, SchedulerConfig, num_blocks_for_budget
+from stillcut.engine.cache_groups import num_blocks_for_budget, recurrent_groups
+from stillcut.engine.config import EngineConfig, SchedulerConfig
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
-from stillcut.engine.models import MODEL_CLASSES
+from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.outputs import RequestMetrics, RequestOutput, Snapshot
 from stillcut.engine.processor import Prompt, PromptProcessor
 from stillcut.engine.request import (
     PlaceholderRange,
@@ -33,52 +35,10 @@ from stillcut.engine.request import (
     placeholder_ranges,
 )
 from stillcut.engine.runner import ModelRunner
-from stillcut.engine.scheduler import Scheduler
+from stillcut.engine.scheduler import Scheduler, max_num_live_requests
+from stillcut.engine.scheduler_output import RequestUpdate
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RequestMetrics:
-    """Times (monotonic seconds) and token counts of one request."""
-
-    arrival_time: float
-    num_prompt_tokens: int
-    video_tokens_kept: int
-    video_tokens_total: int
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_cached_tokens: int = 0
-    num_generated_tokens: int = 0
-
-    @property
-    def queue_time(self) -> float | None:
-        return _span(self.arrival_time, self.first_scheduled_time)
-
-    @property
-    def ttft(self) -> float | None:
-        return _span(self.arrival_time, self.first_token_time)
-
-    @property
-    def decode_time(self) -> float | None:
-        return _span(self.first_token_time, self.finished_time)
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (cumulative token ids and text, plus deltas)."""
-
-    request_id: str
-    token_ids: list[int]
-    new_token_ids: list[int]
-    text: str
-    delta: str
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", or "held" for a finished prefill
-    stop_reason: str | int | None
-    metrics: RequestMetrics
-    logprobs: list[tuple[list[int], list[float], float]] = field(default_factory=list)
 
 
 @dataclass
@@ -98,18 +58,33 @@ class LLMEngine:
         self.model_config = load_model_config(self.path)
         self.processor = PromptProcessor.from_checkpoint(self.path)
         dtype = _DTYPES[config.dtype]
-        model_class = MODEL_CLASSES[self.model_config.family]
+        family = self.model_config.family
+        self.cache_groups = self.model_config.cache_groups
+        model_class = family.language_model_class()
         self.model = model_class.from_checkpoint(self.path, dtype=dtype, device=config.device)
+        if self.model.num_position_rows != family.num_position_rows:
+            raise CheckpointError(
+                f"family {family.model_type!r} declares {family.positions!r} positions, but "
+                f"its language model takes {self.model.num_position_rows} position rows"
+            )
         _check_item_budget(self.model.bidirectional_item_tokens, config.scheduler)
         self.block_size = config.cache.block_size
-        num_blocks = self._num_blocks(dtype)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        num_rows = max_num_live_requests(config.scheduler)
+        num_blocks = self._num_blocks(dtype, num_rows)
+        # Until hybrid prefix caching saves recurrent states at block boundaries, cached K/V of
+        # a prefix comes without the Mamba2 state after it: such a model never takes a
+        # prefix-cache hit and holds no prefixes (held requests resume from their K/V).
+        self.has_recurrent_state = bool(recurrent_groups(self.cache_groups))
+        cache_config = config.cache
+        if self.has_recurrent_state:
+            cache_config = replace(cache_config, enable_prefix_caching=False)
+        self.scheduler = Scheduler(config.scheduler, cache_config, num_blocks)
         self.runner = ModelRunner(
             self.model,
+            self.cache_groups,
             num_blocks=num_blocks,
             block_size=self.block_size,
-            # rows of requests that finished this step are dropped only at the next one
-            max_num_reqs=2 * config.scheduler.max_num_seqs,
+            max_num_reqs=num_rows,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.scheduler.max_model_len,
             device=config.device,
@@ -136,6 +111,11 @@ class LLMEngine:
         `prompt` is a `Prompt` from the processor, or token ids whose placeholder runs match
         `mm_items` in order. `hold=True` makes a prefill-only held prefix (see `extend_held`).
         """
+        if hold and self.has_recurrent_state:
+            raise ValueError(
+                "held prefixes are not supported for models with recurrent layers yet: their "
+                "state after the prefix is not kept"
+            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids, items, positions = self._placed(prompt, mm_items)
         params = sampling_params or SamplingParams()
@@ -144,9 +124,9 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             mm_items=items,
             mm_positions=positions,
-            sampling_params=_with_eos(params, self.eos_token_ids),
+            sampling_params=params,
             cache_salt=cache_salt,
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            eos_token_ids=self.eos_token_ids,
             hold=hold,
         )
         self.scheduler.add_request(request)
@@ -206,7 +186,7 @@ class LLMEngine:
                 continue
             if update.request_id in result.logprobs:
                 tracked.logprobs.append(result.logprobs[update.request_id])
-            outputs.append(self._postprocess(tracked, update.new_token_ids, update.status, now))
+            outputs.append(self._postprocess(tracked, update, now))
         return outputs
 
     def generate(
@@ -225,15 +205,14 @@ class LLMEngine:
                     final[output.request_id] = output
         return [final[i] for i in ids]
 
-    def _postprocess(
-        self, tracked: _Tracked, new_token_ids: list[int], status: RequestStatus, now: float
-    ) -> RequestOutput:
+    def _postprocess(self, tracked: _Tracked, update: RequestUpdate, now: float) -> RequestOutput:
         request, metrics = tracked.request, tracked.metrics
+        new_token_ids = update.new_token_ids
         if new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.num_generated_tokens = len(request.output_token_ids)
         delta = tracked.detokenizer.push(new_token_ids)
-        finish_reason, stop_reason = _finish_reason(status, request, new_token_ids)
+        finish_reason, stop_reason = _finish_reason(update.status), update.stop_reason
         if tracked.detokenizer.finished and finish_reason not in ("stop", "held"):
             # a stop string completed: end the request here, whatever the tokens said
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -247,15 +226,15 @@ class LLMEngine:
                 self._tracked.pop(request.request_id, None)
         return RequestOutput(
             request_id=request.request_id,
-            token_ids=list(request.output_token_ids),
-            new_token_ids=list(new_token_ids),
-            text=tracked.detokenizer.text,
+            token_ids=Snapshot(request.output_token_ids),
+            new_token_ids=new_token_ids,
+            text_pieces=Snapshot(tracked.detokenizer.pieces),
             delta=delta,
             finished=finished,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
             metrics=metrics,
-            logprobs=list(tracked.logprobs),
+            logprobs=Snapshot(tracked.logprobs),
         )
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -270,21 +249,22 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
 
-    def _num_blocks(self, dtype: torch.dtype) -> int:
+    def _num_blocks(self, dtype: torch.dtype, num_rows: int) -> int:
+        """KV blocks for the budget, after one recurrent state per runner row (if any)."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_blocks is not None:
             return cache.num_blocks
-        per_block = dict(
-            num_layers=self.model.num_layers,
-            num_kv_heads=self.model.config.num_kv_heads,
-            head_dim=self.model.config.head_dim,
-            block_size=self.block_size,
-            dtype_bytes=torch.finfo(dtype).bits // 8,
-        )
         # never more than every seat filled to max_model_len could use
         needed = 2 * sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
         budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
-        return min(num_blocks_for_budget(budget, **per_block), needed)
+        fitting = num_blocks_for_budget(
+            budget,
+            self.cache_groups,
+            block_size=self.block_size,
+            dtype_bytes=torch.finfo(dtype).bits // 8,
+            num_state_slots=num_rows,
+        )
+        return min(fitting, needed)
 
 
 def _check_item_budget(num_item_tokens: int, config: SchedulerConfig) -> None:
@@ -305,25 +285,7 @@ def _free_memory(config: EngineConfig) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _with_eos(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> SamplingParams:
-    """Every eos id of the checkpoint stops the request (unless `ignore_eos`)."""
-    if params.ignore_eos or len(eos_token_ids) < 2:
-        return params
-    extra = tuple(t for t in eos_token_ids[1:] if t not in params.stop_token_ids)
-    return replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
-
-
-def _finish_reason(
-    status: RequestStatus, request: Request, new_token_ids: list[int]
-) -> tuple[str | None, str | int | None]:
+def _finish_reason(status: RequestStatus) -> str | None:
     if status is RequestStatus.HELD:
-        return "held", None
-    if not status.is_finished:
-        return None, None
-    reason = status.value
-    stop_reason = new_token_ids[-1] if reason == "stop" and new_token_ids else None
-    return reason, stop_reason
-
-
-def _span(start: float | None, end: float | None) -> float | None:
-    return None if start is None or end is None else end - start
+        return "held"
+    return status.value if status.is_finished else None

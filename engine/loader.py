@@ -1,19 +1,13 @@
 """Checkpoint loading: find a Hugging Face checkpoint folder and load its weights into modules.
 
 A checkpoint is a folder with config.json (read by `model_config.load_model_config`) and
-safetensors weights, one file or shards with an index. Real Qwen2.5-VL checkpoints name their
-tensors in two layouts: `visual.*` / `model.*` / `lm_head.*` (the original releases; transformers
-5.x saves this too) and `model.visual.*` / `model.language_model.*` / `lm_head.*` (saves by
-transformers 4.52 to 4.x). Gemma 3 checkpoints use `vision_tower.vision_model.*` /
-`multi_modal_projector.*` / `language_model.model.*` (the original releases; transformers 5.x
-saves this without `vision_model.`) or the same under `model.` with `model.language_model.*` and
-`lm_head.*` (transformers 4.5x saves). All are normalised to one canonical naming: `visual.*`
-(everything that turns pixels into language-model embeddings: Gemma 3's tower becomes
-`visual.vision_tower.*`, its projector `visual.multi_modal_projector.*`), `language_model.*`,
-`lm_head.*`. Weights are read through
-safetensors' memory map one shard at a time, converted to the target dtype once, and assigned
-to the module in place of its parameters, so a multi-GB checkpoint is never held twice (build
-the module on the meta device to skip allocating and initialising it at all).
+safetensors weights, one file or shards with an index. Checkpoints of one family name their
+tensors in several layouts (releases, and saves by different transformers versions); the
+family's registry entry maps each stored prefix to one canonical naming: `visual.*` (everything
+that turns pixels into language-model embeddings), `language_model.*`, `lm_head.*`. Weights are
+read through safetensors' memory map one shard at a time, converted to the target dtype once,
+and assigned to the module in place of its parameters, so a multi-GB checkpoint is never held
+twice (build the module on the meta device to skip allocating and initialising it at all).
 
 This module imports neither PyAV nor FastAPI: the engine and the GPU machine use it.
 """
@@ -21,9 +15,10 @@ This module imports neither PyAV nor FastAPI: the engine and the GPU machine use
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from os import PathLike
 from pathlib import Path
 from typing import TypeVar
@@ -33,6 +28,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointError",
@@ -48,31 +45,6 @@ HUB_ETAG_TIMEOUT_S = 5.0
 # Files a checkpoint needs: config, weights, tokenizer and chat template (never .bin/.pth).
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
-_GEMMA3_TOWER = "visual.vision_tower."
-_GEMMA3_PROJECTOR = "visual.multi_modal_projector."
-# Stored prefix -> canonical prefix, longest first so that `model.visual.` is not taken by the
-# bare `model.` rule.
-_NAME_PREFIXES = tuple(
-    sorted(
-        {
-            "model.visual.": "visual.",
-            "model.language_model.": "language_model.",
-            "visual.": "visual.",
-            "model.": "language_model.",
-            "lm_head.": "lm_head.",
-            "model.vision_tower.vision_model.": _GEMMA3_TOWER,
-            "model.vision_tower.": _GEMMA3_TOWER,
-            "vision_tower.vision_model.": _GEMMA3_TOWER,
-            "vision_tower.": _GEMMA3_TOWER,
-            "model.multi_modal_projector.": _GEMMA3_PROJECTOR,
-            "multi_modal_projector.": _GEMMA3_PROJECTOR,
-            "language_model.model.": "language_model.",
-            "language_model.lm_head.": "lm_head.",
-        }.items(),
-        key=lambda rule: len(rule[0]),
-        reverse=True,
-    )
-)
 _MAX_NAMES_IN_ERROR = 8
 _T = TypeVar("_T")
 
@@ -117,17 +89,19 @@ def _download_from_hub(repo_id: str) -> Path:
     return Path(folder)
 
 
-def canonical_tensor_name(name: str) -> str:
-    """The canonical name of a checkpoint tensor, whichever layout the checkpoint uses."""
-    for stored_prefix, canonical_prefix in _NAME_PREFIXES:
+def canonical_tensor_name(name: str, prefixes: Mapping[str, str]) -> str:
+    """The canonical name of a checkpoint tensor: the longest matching stored prefix of
+    `prefixes` (a family's `weight_prefixes`) replaced by its canonical one."""
+    for stored_prefix in sorted(prefixes, key=len, reverse=True):
         if name.startswith(stored_prefix):
-            return canonical_prefix + name[len(stored_prefix) :]
+            return prefixes[stored_prefix] + name[len(stored_prefix) :]
     return name
 
 
 def checkpoint_tensors(path: str | PathLike[str]) -> dict[str, tuple[Path, str]]:
     """Canonical tensor name -> (safetensors file, name stored in it); reads headers only."""
     folder = Path(path)
+    prefixes = load_model_config(folder).family.weight_prefixes
     index_file = folder / "model.safetensors.index.json"
     single_file = folder / "model.safetensors"
     if index_file.is_file():
@@ -146,7 +120,7 @@ def checkpoint_tensors(path: str | PathLike[str]) -> dict[str, tuple[Path, str]]
         raise CheckpointError(f"{folder} has neither model.safetensors nor {index_file.name}")
     tensors: dict[str, tuple[Path, str]] = {}
     for name, file in stored.items():
-        canonical = canonical_tensor_name(name)
+        canonical = canonical_tensor_name(name, prefixes)
         if canonical in tensors:
             raise CheckpointError(
                 f"{folder}: tensors {tensors[canonical][1]!r} and {name!r} "
@@ -162,13 +136,16 @@ def load_weights(
     prefix: str,
     dtype: torch.dtype | None = torch.float32,
     device: torch.device | str = "cpu",
+    unused: Collection[str] = (),
 ) -> None:
     """Load every checkpoint tensor named `prefix + <module state name>` into `module`, strictly.
 
     Floating tensors are converted to `dtype` (None keeps the stored dtype) and replace the
     module's parameters and buffers, so a module built on the meta device loads too. Parameters
     shared under several names (tied embeddings) need only one of the names in the checkpoint.
-    Missing tensors, unexpected tensors under `prefix` and wrong shapes raise CheckpointError
+    Tensors under `prefix` + one of `unused` are stored parts the model never reads (as
+    transformers' own model never reads them): they are skipped, and logged once. Missing
+    tensors, other unexpected tensors under `prefix` and wrong shapes raise CheckpointError
     naming them before anything is assigned; an unreadable safetensors file raises naming it.
     """
     stored = {
@@ -176,6 +153,10 @@ def load_weights(
         for name, location in checkpoint_tensors(path).items()
         if name.startswith(prefix)
     }
+    skipped = [name for name in stored if name.startswith(tuple(unused))]
+    if skipped:
+        log.info("%s: skipping %d unused tensors: %s", path, len(skipped), _name_list(skipped))
+        stored = {name: location for name, location in stored.items() if name not in skipped}
     plan = _plan_loads(module, stored, prefix, path)
     targets = module.state_dict(keep_vars=True)
     wrong = []

@@ -1,13 +1,9 @@
-"""What stillcut needs from a checkpoint's config.json, for Qwen2-VL, Qwen2.5-VL and Gemma 3.
+"""What stillcut needs from a checkpoint's config.json, whatever its family.
 
-Real checkpoints come in two layouts: transformers 5.x nests the language model's fields in
-`text_config`, older saves keep them at the top level; both nest `vision_config`. Qwen2-VL
-also names the vision fields differently (`embed_dim` is the tower width, `hidden_size` its
-output width, `mlp_ratio` instead of `intermediate_size`). `load_model_config` reads either
-into the same frozen dataclasses; the text section stays a read-only dict for the language
-model to interpret. Missing optional vision fields take transformers' defaults. Gemma 3's
-vision side (SigLIP tower and pooling projector) and image token ids are read by
-`gemma3_config`.
+`model_type` picks the family's registry entry (`models.families`); its config reader turns the
+vision section into the family's own frozen vision config and reads the media token ids. The
+text section stays a read-only dict for the family's language model to interpret: transformers
+5.x nests it in `text_config`, older saves keep its fields at the top level.
 """
 
 from __future__ import annotations
@@ -18,37 +14,11 @@ from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stillcut.engine.gemma3_config import (
-    GEMMA3_FAMILY,
-    SiglipVisionConfig,
-    gemma3_token_ids,
-    gemma3_vision_config,
-)
-
-QWEN_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
-MODEL_FAMILIES = (*QWEN_FAMILIES, GEMMA3_FAMILY)
-# transformers' defaults for fields that real config.json files may omit.
-_VISION_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2_5_vl": {
-        "hidden_act": "silu",
-        "window_size": 112,
-        "fullatt_block_indexes": (7, 15, 23, 31),
-        "tokens_per_second": 4,
-    },
-    "qwen2_vl": {"hidden_act": "quick_gelu", "mlp_ratio": 4},
-}
-_POSITIVE_FIELDS = (
-    "depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
-    "patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels",
-)  # fmt: skip
-_TOKEN_ID_DEFAULTS = {
-    "image_token_id": 151655,
-    "video_token_id": 151656,
-    "vision_start_token_id": 151652,
-    "vision_end_token_id": 151653,
-}
+if TYPE_CHECKING:
+    from stillcut.engine.cache_groups import CacheGroup
+    from stillcut.engine.models.registry import ModelFamily
 
 
 class CheckpointError(ValueError):
@@ -56,258 +26,90 @@ class CheckpointError(ValueError):
 
 
 @dataclass(frozen=True)
-class VisionConfig:
-    """A Qwen vision tower's shape. Blocks not in `fullatt_block_indexes` use window attention."""
-
-    family: str
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    out_hidden_size: int
-    hidden_act: str
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    window_size: int = 0  # pixels; 0 only when every block is full attention
-    fullatt_block_indexes: tuple[int, ...] = ()
-    tokens_per_second: float | None = None
-    rope_theta: float = 10000.0
-
-    def __post_init__(self) -> None:
-        if self.family not in QWEN_FAMILIES:
-            raise ValueError(f"family={self.family!r}; allowed: {', '.join(QWEN_FAMILIES)}")
-        for name in _POSITIVE_FIELDS:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.hidden_size % (4 * self.num_heads):
-            raise ValueError(
-                f"hidden_size={self.hidden_size} must be a multiple of 4 * num_heads="
-                f"{4 * self.num_heads} (2-D rotary splits each head in four)"
-            )
-        if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
-            raise ValueError(
-                f"fullatt_block_indexes={self.fullatt_block_indexes} must lie in [0, {self.depth})"
-            )
-        window_step = self.patch_size * self.spatial_merge_size
-        if self.has_windows and (self.window_size < 1 or self.window_size % window_step):
-            raise ValueError(
-                f"window_size={self.window_size} must be a positive multiple of patch_size * "
-                f"spatial_merge_size={window_step} when some blocks use window attention"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one flattened patch: channels * frames * pixels * pixels."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
-
-    @property
-    def has_windows(self) -> bool:
-        return len(set(self.fullatt_block_indexes)) < self.depth
-
-    @property
-    def window_merged_tokens(self) -> int:
-        """Side of an attention window in merged (2x2) tokens: 112 px / 14 / 2 = 4."""
-        return self.window_size // (self.patch_size * self.spatial_merge_size)
-
-
-@dataclass(frozen=True)
 class ModelConfig:
-    """A checkpoint's config; `text` and `raw` are read-only dicts.
+    """A checkpoint's config: its family's entry, its vision config, the media token ids, and
+    read-only views of the text section and of the whole file (`raw`).
 
-    For Gemma 3 the vision start/end ids are `<start_of_image>` / `<end_of_image>` (boi, eoi)
-    and `video_token_id` is None: a video's frames are image items.
+    `video_token_id` is None for a family whose videos are frames of images, the vision
+    start/end ids for one whose prompt format writes its delimiters as text.
+    `native_evs_rate` is the checkpoint's own pruning rate (0.0: it asks for EVS off), None
+    when its family has no such setting.
     """
 
-    family: str
-    vision: VisionConfig | SiglipVisionConfig
+    model_type: str
+    family: ModelFamily
+    vision: Any
     text: Mapping[str, Any]
     image_token_id: int
     video_token_id: int | None
-    vision_start_token_id: int
-    vision_end_token_id: int
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
     tie_word_embeddings: bool
     raw: Mapping[str, Any]
+    native_evs_rate: float | None = None
 
     def __post_init__(self) -> None:
-        if self.family != self.vision.family:
-            raise ValueError(f"family={self.family!r} differs from vision.family")
-        if (self.video_token_id is None) != (self.family == GEMMA3_FAMILY):
+        if (self.video_token_id is None) == self.family.has_video_token:
             raise ValueError(
-                f"video_token_id={self.video_token_id}: None for Gemma 3 (frames are images), "
-                "an id for the Qwen families"
+                f"video_token_id={self.video_token_id}: family {self.model_type!r} "
+                f"{'has' if self.family.has_video_token else 'has no'} video token"
             )
-        for name in _TOKEN_ID_DEFAULTS:
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name}={value} must be >= 0")
+        rate = self.native_evs_rate
+        if rate is not None and not 0.0 <= rate < 1.0:
+            raise ValueError(f"the checkpoint's EVS pruning rate {rate} must be in [0, 1)")
+
+    @property
+    def cache_groups(self) -> tuple[CacheGroup, ...]:
+        """Which layers keep paged K/V and which keep recurrent state (see `cache_groups`)."""
+        return self.family.cache_groups(self)
+
+    @property
+    def live_sessions_refusal(self) -> str | None:
+        """Why this checkpoint serves no live sessions, or None when it serves them. A session
+        is a held prefix extended tubelet by tubelet: layers with recurrent state cannot resume
+        one until their states are kept at block boundaries (hybrid prefix caching)."""
+        from stillcut.engine.cache_groups import recurrent_groups
+
+        where = f"live sessions are not supported for {self.model_type!r} checkpoints"
+        if recurrent_groups(self.cache_groups):
+            return f"{where}: the model's recurrent layers keep a state a held prefix cannot resume"
+        return None if self.family.live_sessions else where
 
 
 def load_model_config(path: str | PathLike[str]) -> ModelConfig:
     """Read `<path>/config.json` (or a config.json path) into a ModelConfig."""
+    from stillcut.engine.models.families import FAMILIES
+
     file = Path(path)
     file = file / "config.json" if file.is_dir() else file
     try:
         raw = json.loads(file.read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"cannot read model config {file}: {error}") from error
-    family = raw.get("model_type")
-    if family not in MODEL_FAMILIES:
+    model_type = raw.get("model_type")
+    family = FAMILIES.get(model_type)
+    if family is None:
         raise CheckpointError(
-            f"{file}: model_type {family!r} is not supported; "
-            f"supported: {', '.join(MODEL_FAMILIES)}"
+            f"{file}: model_type {model_type!r} is not supported; "
+            f"supported: {', '.join(FAMILIES.model_types)}"
         )
     text = raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"}
     try:
-        if family == GEMMA3_FAMILY:
-            vision = gemma3_vision_config(raw)
-            token_ids = {"video_token_id": None, **gemma3_token_ids(raw)}
-        else:
-            vision = _vision_config(family, raw["vision_config"])
-            token_ids = {
-                name: int(raw.get(name, default)) for name, default in _TOKEN_ID_DEFAULTS.items()
-            }
+        read = family.read_config(raw)
+        rate = None if family.native_evs_rate is None else family.native_evs_rate(raw)
         return ModelConfig(
+            model_type=model_type,
             family=family,
-            vision=vision,
+            vision=read.vision,
             text=MappingProxyType(text),
             tie_word_embeddings=bool(
                 raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")
             ),
             raw=MappingProxyType(raw),
-            **token_ids,
+            native_evs_rate=rate,
+            **read.token_ids.__dict__,
         )
     except KeyError as error:
         raise CheckpointError(f"{file}: required field {error} is missing") from error
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"{file}: {error}") from error
-
-
-def _vision_config(family: str, fields: Mapping[str, Any]) -> VisionConfig:
-    fields = {**_VISION_DEFAULTS[family], **fields}
-    common = {
-        "family": family,
-        "depth": int(fields["depth"]),
-        "num_heads": int(fields["num_heads"]),
-        "hidden_act": str(fields["hidden_act"]),
-        "patch_size": int(fields.get("patch_size", 14)),
-        "temporal_patch_size": int(fields.get("temporal_patch_size", 2)),
-        "spatial_merge_size": int(fields.get("spatial_merge_size", 2)),
-        # Original Qwen releases call it `in_chans`.
-        "in_channels": int(fields.get("in_channels", fields.get("in_chans", 3))),
-        "rope_theta": float((fields.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-    }
-    if family == "qwen2_vl":
-        width = int(fields["embed_dim"])
-        return VisionConfig(
-            hidden_size=width,
-            intermediate_size=int(width * fields["mlp_ratio"]),
-            out_hidden_size=int(fields["hidden_size"]),
-            fullatt_block_indexes=tuple(range(common["depth"])),
-            **common,
-        )
-    return VisionConfig(
-        hidden_size=int(fields["hidden_size"]),
-        intermediate_size=int(fields["intermediate_size"]),
-        out_hidden_size=int(fields["out_hidden_size"]),
-        window_size=int(fields["window_size"]),
-        fullatt_block_indexes=tuple(int(i) for i in fields["fullatt_block_indexes"]),
-        tokens_per_second=float(fields["tokens_per_second"]),
-        **common,
-    )
-
-
-_TEXT_POSITIVE_FIELDS = (
-    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-)  # fmt: skip
-# Qwen configs spell the rotary type "mrope" (older saves) or "default" (transformers 5.x).
-_TEXT_ROPE_TYPES = ("default", "mrope")
-
-
-@dataclass(frozen=True)
-class TextConfig:
-    """The Qwen2 language model's shape: GQA attention, SwiGLU MLP, M-RoPE over (t, h, w).
-
-    `mrope_section` splits the head_dim / 2 rotary frequencies into temporal, height and width
-    parts, in that order.
-    """
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    mrope_section: tuple[int, int, int]
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 1e6
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        for name in _TEXT_POSITIVE_FIELDS:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads="
-                f"{self.num_kv_heads}: num_heads must divide hidden_size and num_kv_heads must "
-                "divide num_heads"
-            )
-        if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != self.head_dim:
-            raise ValueError(
-                f"mrope_section={self.mrope_section} must be three sizes summing to "
-                f"head_dim / 2 = {self.head_dim / 2}"
-            )
-        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
-            raise ValueError(
-                f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-
-def text_config(config: ModelConfig) -> TextConfig:
-    """The language model's TextConfig from a checkpoint's text fields, in either key spelling.
-
-    Raises CheckpointError for what the Qwen2 language model does not implement: another
-    family, another activation, sliding-window layers or a rotary type other than plain M-RoPE.
-    """
-    if config.family not in QWEN_FAMILIES:
-        raise CheckpointError(f"family {config.family!r} has no Qwen2 language model")
-    text = config.text
-    # transformers 5.x writes `rope_parameters`; older saves `rope_scaling` plus `rope_theta`.
-    rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    layer_types = text.get("layer_types") or ()
-    if text.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"text hidden_act={text['hidden_act']!r}; supported: 'silu'")
-    if text.get("use_sliding_window") or "sliding_attention" in layer_types:
-        raise CheckpointError("text sliding-window attention is not supported; full attention only")
-    if rope_type not in _TEXT_ROPE_TYPES:
-        raise CheckpointError(f"text rope type {rope_type!r}; supported: {_TEXT_ROPE_TYPES}")
-    try:
-        num_heads = int(text["num_attention_heads"])
-        return TextConfig(
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=int(text["hidden_size"]),
-            num_layers=int(text["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(text.get("num_key_value_heads") or num_heads),
-            intermediate_size=int(text["intermediate_size"]),
-            # transformers' default when the field is absent: 16:24:24 for head_dim 128.
-            mrope_section=tuple(int(s) for s in rope.get("mrope_section", (16, 24, 24))),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1e6))),
-            tie_word_embeddings=config.tie_word_embeddings,
-        )
-    except KeyError as error:
-        raise CheckpointError(f"text config field {error} is missing") from error
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"text config: {error}") from error

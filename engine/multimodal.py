@@ -28,6 +28,10 @@ class MultiModalItem:
     merge_size: int = 2
     second_per_grid_ts: float = 1.0
     timestamps: tuple[float, ...] = ()
+    # each sampled frame's index in its source video, and the source's frame rate (a video's
+    # prompt may label its frames with them); empty / None when unknown
+    source_indices: tuple[int, ...] = ()
+    source_fps: float | None = None
     media_key: str = ""
     identifier: str = ""
     bidirectional: bool = False

@@ -33,14 +33,15 @@ class MRopeSpec:
     """
 
     image_token_id: int
-    video_token_id: int
+    video_token_id: int | None  # None: the family writes videos as images
     tokens_per_second: float | None = None
     text_after_vision: TextAfterVision = "spatial_extent"
 
     def __post_init__(self) -> None:
         for name in ("image_token_id", "video_token_id"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+            value = getattr(self, name)
+            if (value is None and name == "image_token_id") or (value is not None and value < 0):
+                raise ValueError(f"{name}={value} must be >= 0")
         if self.image_token_id == self.video_token_id:
             raise ValueError(
                 f"image_token_id and video_token_id must differ, both are {self.image_token_id}"
@@ -165,7 +166,9 @@ def _logical_items(
                 f"item {index} ({item.kind}) has {item.num_tokens} tokens but its placeholder "
                 f"run has {length}; the two counts must be equal"
             )
-        expected = spec.video_token_id if item.kind == "video" else spec.image_token_id
+        # a family without a video token writes a video's frames on image placeholders
+        is_video = item.kind == "video" and spec.video_token_id is not None
+        expected = spec.video_token_id if is_video else spec.image_token_id
         if not bool((ids[offset : offset + length] == expected).all()):
             raise ValueError(
                 f"item {index} ({item.kind}) must sit on {length} tokens of its placeholder "

@@ -1,14 +1,13 @@
 """Prompt processing: chat messages plus encoded media items to the token ids the engine runs.
 
 Media are encoded (and pruned by EVS) before the prompt exists, so each item already knows how
-many tokens it keeps. The chat template is rendered with one `<|video_pad|>` / `<|image_pad|>`
-per media part, the text is tokenized, and each pad is then expanded into `item.num_tokens`
-copies. Pads are special tokens, so BPE never merges across them and expanding after
-tokenizing gives the ids that tokenizing the expanded text would. Live sessions split the same
-prompt in two: `vision_prefix` (everything up to and including the video pads, held and
-extended tubelet by tubelet) and `ask_suffix` (from `<|vision_end|>` to the assistant header).
-Gemma 3 checkpoints (no video pad) expand images and video frames as Gemma 3 image sequences
-instead (`gemma3_prompt`); they have no live sessions.
+many tokens it keeps. The chat template renders one marker per media part, the family's
+`PromptFormat` writes each with one placeholder token (`prompt_formats`), the text is
+tokenized, and each placeholder is then expanded into `item.num_tokens` copies. A family
+without a video token writes each video as its frames, one image item per grid step. Live
+sessions (families that serve them) split a one-video prompt in two: `vision_prefix`
+(everything up to and including the video's placeholders, held and extended tubelet by
+tubelet) and `ask_suffix` (from the vision end marker to the assistant header).
 """
 
 from __future__ import annotations
@@ -23,10 +22,11 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from stillcut.engine.chat_template import ChatTemplate
-from stillcut.engine.gemma3_prompt import ImageSequence, videos_as_frames
 from stillcut.engine.loader import resolve_checkpoint
 from stillcut.engine.model_config import CheckpointError, load_model_config
+from stillcut.engine.models.registry import ModelFamily
 from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.prompt_formats import MarkerTexts, videos_as_frames
 from stillcut.engine.request import PlaceholderRange
 
 ROLES = ("system", "user", "assistant")
@@ -46,22 +46,20 @@ class PromptError(ValueError):
 
 @dataclass(frozen=True)
 class SpecialTokenIds:
-    """The token ids the processor places or the engine stops on.
-
-    `video_token_id` is None for Gemma 3, whose videos are frames of images; its vision start
-    and end are `<start_of_image>` and `<end_of_image>`, its image token the soft token.
-    """
+    """The token ids the processor places or the engine stops on; `video_token_id` is None
+    for a family whose videos are frames of images, the vision start/end ids for a family
+    whose prompt format writes its delimiters as text."""
 
     image_token_id: int
     video_token_id: int | None
-    vision_start_token_id: int
-    vision_end_token_id: int
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
         for name in _VISION_TOKEN_FIELDS:
             value = getattr(self, name)
-            if (value is None and name != "video_token_id") or (value is not None and value < 0):
+            if (value is None and name == "image_token_id") or (value is not None and value < 0):
                 raise ValueError(f"{name}={value} must be >= 0")
         if self.image_token_id == self.video_token_id:
             raise ValueError(
@@ -79,32 +77,42 @@ class Prompt:
 
 
 class PromptProcessor:
-    """Builds prompts for one checkpoint from its tokenizer, chat template and token ids."""
+    """Builds prompts for one checkpoint from its tokenizer, chat template, token ids and the
+    family's registry entry (its prompt format, video token and live-session flags)."""
 
     def __init__(
-        self, tokenizer: Tokenizer, chat_template: ChatTemplate, special: SpecialTokenIds
+        self,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate,
+        special: SpecialTokenIds,
+        family: ModelFamily,
     ) -> None:
+        if (special.video_token_id is None) == family.has_video_token:
+            raise ValueError(
+                f"video_token_id={special.video_token_id} disagrees with family "
+                f"{family.model_type!r} (has_video_token={family.has_video_token})"
+            )
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.special = special
+        self.family = family
         self._pad_kinds = {special.image_token_id: "image", special.video_token_id: "video"}
         self._pad_kinds.pop(None, None)
-        # Text that would smuggle placeholders or vision markers into the prompt.
-        vision_ids = (*self._pad_kinds, special.vision_start_token_id, special.vision_end_token_id)
-        self._reserved_text = tuple(
-            text for text in map(tokenizer.id_to_token, vision_ids) if text is not None
+        marker_ids = (
+            special.vision_start_token_id,
+            special.image_token_id,
+            special.vision_end_token_id,
+            special.video_token_id,
         )
-        # Gemma 3: no video pad; images and frames are expanded as image sequences.
-        self._image_sequence = None
+        begin, placeholder, end, video = (
+            None if i is None else tokenizer.id_to_token(i) for i in marker_ids
+        )
+        # Text that would smuggle placeholders or vision markers into the prompt.
+        reserved = (begin, placeholder, end, video)
+        self._reserved_text = tuple(dict.fromkeys(t for t in reserved if t is not None))
+        self._markers = None if placeholder is None else MarkerTexts(placeholder, begin, end, video)
         self._video_prefix_ids: list[int] = []
-        if special.video_token_id is None:
-            marker_ids = (
-                special.vision_start_token_id,
-                special.image_token_id,
-                special.vision_end_token_id,
-            )
-            self._image_sequence = ImageSequence(*map(tokenizer.id_to_token, marker_ids))
-        else:
+        if family.live_sessions:
             self._video_prefix_ids, _ = self._split_at_video_pad("")
 
     @classmethod
@@ -124,23 +132,40 @@ class PromptProcessor:
             vision_end_token_id=config.vision_end_token_id,
             eos_token_ids=_eos_token_ids(folder, tokenizer_config, tokenizer),
         )
-        return cls(tokenizer, ChatTemplate.from_checkpoint(folder, tokenizer_config), special)
+        template = ChatTemplate.from_checkpoint(folder, tokenizer_config)
+        return cls(tokenizer, template, special, config.family)
 
-    def build(self, messages: Sequence[Message], items: Sequence[MultiModalItem] = ()) -> Prompt:
+    def build(
+        self,
+        messages: Sequence[Message],
+        items: Sequence[MultiModalItem] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> Prompt:
         """The prompt for an OpenAI-style conversation, ending with the assistant header.
 
         `messages` have a `role` (system, user, assistant) and a `content`: a string or a list
         of parts `{"type": "text", "text": ...}`, `{"type": "video"}`, `{"type": "image"}`.
-        `items` are the encoded media, in the order their parts appear.
+        `items` are the encoded media, in the order their parts appear. `template_kwargs` are
+        extra variables for the chat template (e.g. `{"enable_thinking": False}`).
         """
-        if self._image_sequence is None:
-            return self._expand(self._tokenize(messages), list(items))
         plain = self._plain_messages(messages)
-        _check_media(_media_kinds(plain), list(items))
-        plain, placed = videos_as_frames(plain, items)
-        text = self.chat_template.render(plain, add_generation_prompt=True)
-        text = self._image_sequence.expand(text, len(placed))
-        return _place(self.encode(text), placed, {self.special.image_token_id})
+        items = list(items)
+        _check_media(_media_kinds(plain), items)
+        if self.family.has_video_token:
+            # the video's placeholder run is where its positions start: it must not vanish
+            for index, item in enumerate(items):
+                if item.num_tokens < 1:
+                    raise PromptError(f"item {index} has no tokens; every item needs one")
+        else:
+            plain, items = videos_as_frames(plain, items)
+        try:
+            text = self.chat_template.render(
+                plain, add_generation_prompt=True, extra=template_kwargs
+            )
+        except ValueError as error:
+            raise PromptError(str(error)) from None
+        text, items = self.family.prompt_format.expand(text, items, self._markers)
+        return _place(self.encode(text), items, self._pad_kinds)
 
     def build_text(self, prompt: str, items: Sequence[MultiModalItem] = ()) -> Prompt:
         """One user message: the items first, then `prompt`."""
@@ -148,10 +173,10 @@ class PromptProcessor:
         return self.build([{"role": "user", "content": parts}], items)
 
     def vision_prefix(self, items: Sequence[MultiModalItem] = ()) -> Prompt:
-        """A live session's held prefix: the template up to `<|vision_start|>`, then the pads
-        of `items` (the session's tubelets so far) as one video. A tubelet EVS pruned away
-        entirely is a 0-token item: it still extends the logical video's grid."""
-        self._require_video_pad()
+        """A live session's held prefix: the template up to the video's placeholders, then the
+        placeholders of `items` (the session's tubelets so far) as one video. A tubelet EVS
+        pruned away entirely is a 0-token item: it still extends the logical video's grid."""
+        self._require_live_sessions()
         if any(item.kind != "video" for item in items):
             raise PromptError("a live session's items must all be videos")
         positions, offset = [], len(self._video_prefix_ids)
@@ -162,17 +187,16 @@ class PromptProcessor:
         return Prompt(self._video_prefix_ids + pads, list(items), positions)
 
     def ask_suffix(self, question: str) -> list[int]:
-        """What follows a live session's pads to ask `question`: `<|vision_end|>`, the question,
-        the end of the user turn and the assistant header."""
+        """What follows a live session's placeholders to ask `question`: the vision end marker,
+        the question, the end of the user turn and the assistant header."""
+        self._require_live_sessions()
         return self._split_at_video_pad(question)[1]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special token strings in it become special tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def _tokenize(self, messages: Sequence[Message]) -> list[int]:
-        plain = self._plain_messages(messages)
-        return self.encode(self.chat_template.render(plain, add_generation_prompt=True))
+        # encode_batch releases the GIL while it works (encode holds it), so a long prompt
+        # tokenized on a server's worker thread does not stall its event loop
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def _plain_messages(self, messages: Sequence[Message]) -> list[dict[str, Any]]:
         plain = [self._plain_message(index, message) for index, message in enumerate(messages)]
@@ -180,17 +204,17 @@ class PromptProcessor:
             raise PromptError("messages must hold at least one message")
         return plain
 
-    def _require_video_pad(self) -> None:
-        if self.special.video_token_id is None:
+    def _require_live_sessions(self) -> None:
+        if not self.family.live_sessions:
             raise PromptError(
-                "live sessions need a video placeholder token; this checkpoint's videos are "
-                "frames of images (Gemma 3)"
+                f"live sessions are not supported for {self.family.model_type!r} checkpoints"
+                f"{'' if self.family.has_video_token else ' (its videos are frames of images)'}"
             )
 
     def _split_at_video_pad(self, question: str) -> tuple[list[int], list[int]]:
-        self._require_video_pad()
         parts = [{"type": "video"}, {"type": "text", "text": question}]
-        token_ids = self._tokenize([{"role": "user", "content": parts}])
+        plain = self._plain_messages([{"role": "user", "content": parts}])
+        token_ids = self.encode(self.chat_template.render(plain, add_generation_prompt=True))
         video_pads = [i for i, t in enumerate(token_ids) if t == self.special.video_token_id]
         if len(video_pads) != 1:
             raise CheckpointError(
@@ -198,13 +222,6 @@ class PromptProcessor:
                 "live sessions need exactly one"
             )
         return token_ids[: video_pads[0]], token_ids[video_pads[0] + 1 :]
-
-    def _expand(self, token_ids: list[int], items: list[MultiModalItem]) -> Prompt:
-        _check_media([self._pad_kinds[t] for t in token_ids if t in self._pad_kinds], items)
-        for index, item in enumerate(items):
-            if item.num_tokens < 1:
-                raise PromptError(f"item {index} has no tokens; every item needs at least one")
-        return _place(token_ids, items, self._pad_kinds)
 
     def _plain_message(self, index: int, message: Message) -> dict[str, Any]:
         where = f"messages[{index}]"
@@ -270,6 +287,12 @@ def _place(
     token_ids: list[int], items: list[MultiModalItem], placeholder_ids: Collection[int]
 ) -> Prompt:
     """Repeat each placeholder token `item.num_tokens` times for the next item (0 drops it)."""
+    num_placeholders = sum(token_id in placeholder_ids for token_id in token_ids)
+    if num_placeholders != len(items):
+        raise CheckpointError(
+            f"the chat template rendered {num_placeholders} media placeholder tokens for "
+            f"{len(items)} media items; it must render one per media part"
+        )
     expanded: list[int] = []
     positions: list[PlaceholderRange] = []
     remaining = iter(items)
@@ -280,7 +303,6 @@ def _place(
         num_tokens = next(remaining).num_tokens
         positions.append(PlaceholderRange(len(expanded), num_tokens))
         expanded.extend([token_id] * num_tokens)
-    assert next(remaining, None) is None, "one placeholder token per item"
     return Prompt(expanded, items, positions)
 
 

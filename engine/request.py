@@ -155,7 +155,7 @@ class Request:
     mm_positions: list[PlaceholderRange] = field(default_factory=list)
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # the checkpoint's; each stops unless ignore_eos
     arrival_time: float = field(default_factory=time.monotonic)
     hold: bool = False
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -169,6 +169,7 @@ class Request:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         self.mm_items = list(self.mm_items)
         self.mm_positions = [PlaceholderRange(*p) for p in self.mm_positions]
+        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: prompt_token_ids must not be empty")
         if min(self.prompt_token_ids) < 0:
@@ -179,6 +180,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt then output: what the KV cache holds once everything is computed."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]`, without copying the rest."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        output = self.output_token_ids[max(start - num_prompt, 0) : end - num_prompt]
+        return self.prompt_token_ids[start:] + output if start < num_prompt else output
 
     @property
     def num_tokens(self) -> int:

@@ -5,20 +5,27 @@ persistent tensors for its lifetime (token ids, block table) plus its position t
 sampling state. A step gathers only what the scheduler asked for into preallocated input
 buffers, builds the attention metadata once (slot mapping, block tables, bidirectional item
 ranges), runs the model over the flat batch, computes logits only for the requests that sample,
-and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`.
+and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`,
+and the caches are allocated from the family's cache groups: one paged K/V tensor per attention
+layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
+(handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
+starts fresh).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from stillcut.engine.cache_groups import CacheGroup, attention_groups, recurrent_groups
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, SamplingParams
-from stillcut.engine.sampler import LogprobsTensors, Sampler, build_sampling_batch
+from stillcut.engine.row_sampler import RowSampler, StepResult
 from stillcut.engine.scheduler_output import NewRequestData, SchedulerOutput
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.mamba2 import RecurrentMetadata
 
 
 @dataclass
@@ -38,20 +45,13 @@ class RowState:
     block_ids: list[int] = field(default_factory=list)  # the row of `block_table`, in Python
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """Sampled tokens (one per sampling request) and, when asked for, their logprobs."""
-
-    sampled: dict[str, list[int]]
-    logprobs: dict[str, tuple[list[int], list[float], float]]
-
-
 class ModelRunner:
     """Runs one model over a paged KV cache for the scheduler's steps."""
 
     def __init__(
         self,
         model: torch.nn.Module,
+        cache_groups: Sequence[CacheGroup],
         *,
         num_blocks: int,
         block_size: int,
@@ -65,18 +65,22 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv_caches = [
-            torch.zeros(model.kv_cache_shape(num_blocks, block_size), dtype=kv_dtype, device=device)
-            for _ in range(model.num_layers)
-        ]
+        self.kv_caches = _paged_kv_caches(cache_groups, num_blocks, block_size, kv_dtype, device)
+        # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
+        self.recurrent_states = {
+            layer: tuple(
+                torch.zeros(max_num_reqs, *shape, dtype=kv_dtype, device=device)
+                for shape in group.state_shapes
+            )
+            for group in recurrent_groups(cache_groups)
+            for layer in group.layer_ids
+        }
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.rows: dict[str, RowState] = {}
-        # Seeded generators outlive preemption, so a resumed request keeps drawing where it was.
-        self.generators: dict[str, torch.Generator] = {}
-        self.sampler = Sampler()
+        self.sampling = RowSampler(self.device)
         # Preallocated per-step input buffers (host side; copied to the device in one go).
         self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
         self.positions = torch.zeros(
@@ -86,7 +90,9 @@ class ModelRunner:
 
     @property
     def num_kv_bytes(self) -> int:
-        return sum(cache.numel() * cache.element_size() for cache in self.kv_caches)
+        """Bytes of the paged K/V and of the recurrent states."""
+        states = [t for layer in self.recurrent_states.values() for t in layer]
+        return sum(t.numel() * t.element_size() for t in [*self.kv_caches, *states])
 
     def execute(self, output: SchedulerOutput) -> StepResult:
         """Apply the scheduler's row changes, run the scheduled tokens, sample."""
@@ -105,7 +111,9 @@ class ModelRunner:
             )  # [N, hidden]
             if not batch.sample_ids:
                 return StepResult({}, {})
-            logits = self.model.compute_logits(hidden[batch.sample_index])  # [S, vocab]
+            if batch.sample_index is not None:
+                hidden = hidden[batch.sample_index]  # [S, hidden]
+            logits = self.model.compute_logits(hidden)  # [S, vocab]
             return self._sample(batch.sample_ids, logits)
 
     # ---- rows ------------------------------------------------------------------------------
@@ -113,15 +121,15 @@ class ModelRunner:
     def _update_rows(self, output: SchedulerOutput) -> None:
         for request_id in output.finished_ids:
             self._drop_row(request_id)
-            self.generators.pop(request_id, None)
+            self.sampling.forget(request_id)
         for request_id in output.preempted_ids:
             self._drop_row(request_id)
         for new in output.scheduled_new:
             self._drop_row(new.request_id)  # an extended held prefix re-enters with a new prompt
             self._add_row(new)
         for cached in output.scheduled_cached:
-            state = self.rows[cached.request_id]
-            self._append_blocks(state, cached.new_block_ids)
+            if cached.new_block_ids:
+                self._append_blocks(self.rows[cached.request_id], cached.new_block_ids)
 
     def _add_row(self, new: NewRequestData) -> None:
         row = self.free_rows.pop()
@@ -145,9 +153,7 @@ class ModelRunner:
         )
         self.rows[new.request_id] = state
         self._append_blocks(state, new.block_ids)
-        seed = new.sampling_params.seed
-        if seed is not None and new.request_id not in self.generators:
-            self.generators[new.request_id] = torch.Generator(self.device).manual_seed(seed)
+        self.sampling.admit(new.request_id, new.sampling_params)
 
     def _append_blocks(self, state: RowState, block_ids: list[int]) -> None:
         start = len(state.block_ids)
@@ -159,6 +165,8 @@ class ModelRunner:
     def _drop_row(self, request_id: str) -> None:
         state = self.rows.pop(request_id, None)
         if state is not None:
+            # the attention backends read a row's padding as block 0, never as someone else's
+            self.block_table[state.row, : len(state.block_ids)] = 0
             self.free_rows.append(state.row)
 
     # ---- inputs ------------------------------------------------------------------------------
@@ -168,10 +176,10 @@ class ModelRunner:
         computed = {c.request_id: c.num_computed_tokens for c in output.scheduled_cached}
         computed.update({n.request_id: n.num_computed_tokens for n in output.scheduled_new})
         query_start = [0]
-        seq_lens, mm_pieces, mm_ranges, sample_ids, sample_index = [], [], [], [], []
-        mm_mask = torch.zeros(output.total_num_scheduled_tokens, dtype=torch.bool)
+        seq_lens, rows, mm_pieces, mm_spans, mm_ranges = [], [], [], [], []
+        sample_ids, sample_index = [], []
         decodes: list[tuple[int, int, int, int]] = []  # (row in the batch, id, position, slot)
-        size = self.block_size
+        size, max_blocks = self.block_size, 0
         for b, request_id in enumerate(request_ids):
             state = self.rows[request_id]
             start = computed[request_id]
@@ -188,20 +196,16 @@ class ModelRunner:
                 token_index = torch.arange(start, end)
                 blocks = self.block_table[state.row, token_index // size].long()
                 self.slot_mapping[q0:q1] = blocks * size + token_index % size
-                self._gather_items(state, start, end, q0, b, mm_pieces, mm_mask, mm_ranges)
+                self._gather_items(state, start, end, q0, b, mm_pieces, mm_spans, mm_ranges)
             query_start.append(q1)
             seq_lens.append(end)
+            rows.append(state.row)
+            max_blocks = max(max_blocks, len(state.block_ids))
             if end == state.num_tokens and not state.hold:
                 sample_ids.append(request_id)
                 sample_index.append(q1 - 1)
         if decodes:
-            columns = zip(*decodes, strict=True)
-            batch_rows, ids, positions, slots = (torch.tensor(c) for c in columns)
-            self.input_ids[batch_rows] = ids
-            self.positions[:, batch_rows] = positions  # a text token: t = h = w
-            self.slot_mapping[batch_rows] = slots
-        rows = [self.rows[r].row for r in request_ids]
-        max_blocks = max(len(self.rows[r].block_ids) for r in request_ids)
+            self._write_decodes(decodes)
         device = self.device
         num_tokens = query_start[-1]
         metadata = AttentionMetadata(
@@ -216,15 +220,61 @@ class ModelRunner:
             else None,
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
+            recurrent=self._recurrent_metadata(output, request_ids, rows, computed, query_start),
         )
+        every_token_samples = len(sample_index) == num_tokens  # a step of decodes only
         return _Batch(
             input_ids=self.input_ids[:num_tokens].to(device),
             positions=self.positions[:, :num_tokens].to(device),
             metadata=metadata,
             mm_embeds=torch.cat(mm_pieces).to(device) if mm_pieces else None,
-            mm_mask=mm_mask.to(device) if mm_pieces else None,
+            mm_mask=_mask(num_tokens, mm_spans).to(device) if mm_pieces else None,
             sample_ids=sample_ids,
-            sample_index=torch.tensor(sample_index, dtype=torch.long, device=device),
+            sample_index=None
+            if every_token_samples
+            else torch.tensor(sample_index, dtype=torch.long, device=device),
+        )
+
+    def _write_decodes(self, decodes: list[tuple[int, int, int, int]]) -> None:
+        """Token id, position and slot of each decode: one sampled text token (t = h = w)."""
+        batch_rows, ids, positions, slots = zip(*decodes, strict=True)
+        if batch_rows[-1] == len(batch_rows) - 1:  # decodes are scheduled first: rows 0..D-1
+            self.input_ids[: len(ids)] = torch.tensor(ids)
+            self.positions[:, : len(ids)] = torch.tensor(positions)
+            self.slot_mapping[: len(ids)] = torch.tensor(slots)
+            return
+        index = torch.tensor(batch_rows)
+        self.input_ids[index] = torch.tensor(ids)
+        self.positions[:, index] = torch.tensor(positions)
+        self.slot_mapping[index] = torch.tensor(slots)
+
+    def _recurrent_metadata(
+        self,
+        output: SchedulerOutput,
+        request_ids: list[str],
+        rows: list[int],
+        computed: dict[str, int],
+        query_start: list[int],
+    ) -> RecurrentMetadata | None:
+        """Each request's state row, whether its state starts fresh (its first computed
+        token is token 0: a new request, or one recomputed after preemption) and which
+        scheduled tokens are prompt tokens. None for a model without recurrent layers."""
+        if not self.recurrent_states:
+            return None
+        # a recurrent state is never resumed from cached K/V (no prefix hits, no held prefixes)
+        assert all(computed[n.request_id] == 0 for n in output.scheduled_new), "resumed state"
+        prompt_token_mask = torch.zeros(query_start[-1], dtype=torch.bool)
+        for b, request_id in enumerate(request_ids):
+            # a request's prompt tokens come first among its scheduled ones
+            num_prompt = max(self.rows[request_id].prompt_len - computed[request_id], 0)
+            end = min(query_start[b] + num_prompt, query_start[b + 1])
+            prompt_token_mask[query_start[b] : end] = True
+        return RecurrentMetadata(
+            states=self.recurrent_states,
+            state_rows_cpu=rows,
+            fresh=[computed[r] == 0 for r in request_ids],
+            query_start_loc_cpu=query_start,
+            prompt_token_mask=prompt_token_mask.to(self.device),
         )
 
     def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:
@@ -234,13 +284,14 @@ class ModelRunner:
         after = torch.arange(split, end) - state.prompt_len + state.next_position
         return torch.cat([prompt_part, after.expand(prompt_part.shape[0], -1)], dim=1)
 
-    def _gather_items(self, state, start, end, q0, b, mm_pieces, mm_mask, mm_ranges) -> None:
-        """Embeddings of item tokens in [start, end), and the bidirectional ranges to honour."""
+    def _gather_items(self, state, start, end, q0, b, mm_pieces, mm_spans, mm_ranges) -> None:
+        """Embeddings of item tokens in [start, end), the batch spans they fill, and the
+        bidirectional ranges to honour."""
         for item, place in zip(state.items, state.placements, strict=True):
             lo, hi = max(start, place.offset), min(end, place.end)
             if lo < hi:
                 mm_pieces.append(item.embeds[lo - place.offset : hi - place.offset])
-                mm_mask[q0 + lo - start : q0 + hi - start] = True
+                mm_spans.append((q0 + lo - start, q0 + hi - start))
                 if item.bidirectional:
                     mm_ranges.append((b, place.offset, place.end))
 
@@ -248,21 +299,21 @@ class ModelRunner:
 
     def _sample(self, request_ids: list[str], logits: torch.Tensor) -> StepResult:
         states = [self.rows[r] for r in request_ids]
-        batch = build_sampling_batch(
-            [s.params for s in states],
-            [self.token_ids[s.row, : s.prompt_len] for s in states],
-            [s.output_ids for s in states],
-            [self.generators.get(r) for r in request_ids],
-            self.device,
-        )
-        output = self.sampler(logits, batch)
-        token_ids = output.token_ids.tolist()
+
+        def history(index: int) -> tuple[torch.Tensor, list[int]]:
+            state = states[index]
+            return self.token_ids[state.row, : state.prompt_len], state.output_ids
+
+        params = [state.params for state in states]
+        token_ids, result = self.sampling.sample(request_ids, params, history, logits)
+        rows, columns = [], []
         for state, token_id in zip(states, token_ids, strict=True):
-            self.token_ids[state.row, state.num_tokens] = token_id
+            rows.append(state.row)
+            columns.append(state.num_tokens)
             state.num_tokens += 1
             state.output_ids.append(token_id)
-        sampled = {r: [t] for r, t in zip(request_ids, token_ids, strict=True)}
-        return StepResult(sampled, _logprobs_by_request(request_ids, states, output.logprobs))
+        self.token_ids[rows, columns] = torch.tensor(token_ids)
+        return result
 
 
 @dataclass
@@ -273,22 +324,28 @@ class _Batch:
     mm_embeds: torch.Tensor | None  # [M, hidden]
     mm_mask: torch.Tensor | None  # [N] bool
     sample_ids: list[str]
-    sample_index: torch.Tensor  # [S]
+    sample_index: torch.Tensor | None  # [S]; None when every token samples
 
 
-def _logprobs_by_request(
-    request_ids: list[str], states: list[RowState], logprobs: LogprobsTensors | None
-) -> dict[str, tuple[list[int], list[float], float]]:
-    if logprobs is None:
-        return {}
-    result = {}
-    for i, (request_id, state) in enumerate(zip(request_ids, states, strict=True)):
-        n = state.params.logprobs
-        if n is None:
-            continue
-        result[request_id] = (
-            logprobs.top_token_ids[i, :n].tolist(),
-            logprobs.top_logprobs[i, :n].tolist(),
-            float(logprobs.sampled_logprobs[i]),
-        )
-    return result
+def _mask(num_tokens: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """[num_tokens] bool, True inside `spans` (half-open batch ranges)."""
+    mask = torch.zeros(num_tokens, dtype=torch.bool)
+    for lo, hi in spans:
+        mask[lo:hi] = True
+    return mask
+
+
+def _paged_kv_caches(
+    groups: Sequence[CacheGroup],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One zeroed K/V tensor per attention layer, in layer order."""
+    by_layer = {
+        layer: group.layer_cache_shape(num_blocks, block_size)
+        for group in attention_groups(groups)
+        for layer in group.layer_ids
+    }
+    return [torch.zeros(by_layer[layer], dtype=dtype, device=device) for layer in sorted(by_layer)]

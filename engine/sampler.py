@@ -6,7 +6,8 @@ take the argmax and random rows go through temperature → top-k → top-p → m
 race. Everything is vectorized over the batch except the draws of seeded rows, each of which comes
 from the request's own generator, so a seeded request samples the same tokens whatever shares its
 batch. A parameter no row uses is None in the batch and costs nothing: no sort unless some row
-has top-p.
+has top-p. Penalties read a request's `TokenCounts`, which the runner keeps one token at a time,
+so a step costs the same however long the request is.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from stillcut.engine.request import SamplingParams
 
@@ -31,10 +31,10 @@ class SamplingBatch:
     """Per-row sampling parameters of one step, as tensors on the logits' device.
 
     Build it with `build_sampling_batch`. An optional field is None when no row uses it, which
-    selects the fast path; the three penalties and `output_token_ids` are all set or all None,
-    and `prompt_token_ids` is set only when some row has a repetition penalty. Token histories
-    are padded with -1. `all_greedy` / `all_random` are decided on the host so the sampler never
-    waits on the device to pick a path. Value ranges are those `SamplingParams` enforces.
+    selects the fast path; the three penalties and `output_counts` are all set or all None,
+    and `prompt_mask` is set only when some row has a repetition penalty. `all_greedy` /
+    `all_random` are decided on the host so the sampler never waits on the device to pick a
+    path. Value ranges are those `SamplingParams` enforces.
     """
 
     temperature: torch.Tensor  # [num_reqs] f32; <= GREEDY_TEMPERATURE means greedy
@@ -47,8 +47,8 @@ class SamplingBatch:
     repetition_penalty: torch.Tensor | None = None  # [num_reqs] f32, 1.0 = off
     presence_penalty: torch.Tensor | None = None  # [num_reqs] f32, 0.0 = off
     frequency_penalty: torch.Tensor | None = None  # [num_reqs] f32, 0.0 = off
-    prompt_token_ids: torch.Tensor | None = None  # [num_reqs, max_prompt_len] i64, -1 padded
-    output_token_ids: torch.Tensor | None = None  # [num_reqs, max_output_len] i64, -1 padded
+    prompt_mask: torch.Tensor | None = None  # [num_reqs, vocab] bool: in the prompt
+    output_counts: torch.Tensor | None = None  # [num_reqs, vocab] f32: occurrences in the output
     num_logprobs: int | None = None  # top-n per row (max over the batch); None = no logprobs
 
     def __post_init__(self) -> None:
@@ -63,18 +63,19 @@ class SamplingBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != (num_reqs,):
                 raise ValueError(f"{name} must have shape ({num_reqs},), got {tuple(value.shape)}")
-        penalty_parts = (*_PENALTY_FIELDS, "output_token_ids")
+        penalty_parts = (*_PENALTY_FIELDS, "output_counts")
         if len({getattr(self, name) is None for name in penalty_parts}) != 1:
             raise ValueError(f"{', '.join(penalty_parts)} must be all set or all None")
-        if self.prompt_token_ids is not None and self.output_token_ids is None:
-            raise ValueError("prompt_token_ids is only used with penalties; penalties are None")
-        for name in ("prompt_token_ids", "output_token_ids"):
-            ids = getattr(self, name)
-            if ids is not None and (
-                ids.dim() != 2 or ids.shape[0] != num_reqs or ids.dtype != torch.long
+        if self.prompt_mask is not None and self.output_counts is None:
+            raise ValueError("prompt_mask is only used with penalties; penalties are None")
+        for name, dtype in (("prompt_mask", torch.bool), ("output_counts", torch.float32)):
+            table = getattr(self, name)
+            if table is not None and (
+                table.dim() != 2 or table.shape[0] != num_reqs or table.dtype != dtype
             ):
                 raise ValueError(
-                    f"{name} must be long [{num_reqs}, max_len], got {ids.dtype} {list(ids.shape)}"
+                    f"{name} must be {dtype} [{num_reqs}, vocab], got {table.dtype} "
+                    f"{list(table.shape)}"
                 )
         if self.num_logprobs is not None and self.num_logprobs < 0:
             raise ValueError(f"num_logprobs={self.num_logprobs} must be >= 0 or None")
@@ -97,28 +98,54 @@ class SamplerOutput(NamedTuple):
     logprobs: LogprobsTensors | None
 
 
+class TokenCounts:
+    """What the penalties read of one request's tokens: which vocab ids its prompt holds and
+    how often each occurs in its output, kept up to date by `add` one sampled token at a time.
+    Ids the head cannot produce (outside `[0, vocab_size)`) are left out."""
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        output_ids: Sequence[int] | torch.Tensor,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.prompt_mask = _token_counts(prompt_ids, vocab_size, device) > 0  # [vocab] bool
+        self.output_counts = _token_counts(output_ids, vocab_size, device)  # [vocab] f32
+
+    @staticmethod
+    def needed(params: SamplingParams) -> bool:
+        """Whether a request with these parameters is penalized, so needs its counts."""
+        return params.repetition_penalty != 1.0 or bool(
+            params.presence_penalty or params.frequency_penalty
+        )
+
+    def add(self, token_id: int) -> None:
+        """Count one more output token."""
+        self.output_counts[token_id] += 1
+
+
 def build_sampling_batch(
     params_list: Sequence[SamplingParams],
-    prompt_ids_list: Sequence[Sequence[int] | torch.Tensor],
-    output_ids_list: Sequence[Sequence[int] | torch.Tensor],
+    token_counts: Sequence[TokenCounts | None],
     generators: Sequence[torch.Generator | None],
     device: torch.device | str,
 ) -> SamplingBatch:
-    """Gather the sampling parameters and token histories of the rows that sample this step.
+    """Gather the sampling parameters and token counts of the rows that sample this step.
 
     `generators[i]` is request i's own seeded generator (None when it has no seed) and must live
-    on `device`. Token histories are read only when some row has a penalty.
+    on `device`. `token_counts[i]` is needed (on `device`) when row i has a penalty; rows
+    without one may give None. Counts are read only when some row has a penalty.
     """
     num_reqs = len(params_list)
-    for name, seq in (
-        ("prompt_ids_list", prompt_ids_list),
-        ("output_ids_list", output_ids_list),
-        ("generators", generators),
-    ):
+    for name, seq in (("token_counts", token_counts), ("generators", generators)):
         if len(seq) != num_reqs:
             raise ValueError(
                 f"{name} has {len(seq)} entries, expected {num_reqs} (one per request)"
             )
+    for row, (params, counts) in enumerate(zip(params_list, token_counts, strict=True)):
+        if counts is None and TokenCounts.needed(params):
+            raise ValueError(f"row {row} has a penalty but token_counts[{row}] is None")
     greedy = [p.temperature <= GREEDY_TEMPERATURE for p in params_list]
 
     def column(name: str, dtype: torch.dtype, off: float) -> torch.Tensor | None:
@@ -129,9 +156,7 @@ def build_sampling_batch(
         return torch.tensor(values, dtype=dtype, device=device)
 
     has_repetition = any(p.repetition_penalty != 1.0 for p in params_list)
-    has_penalty = has_repetition or any(
-        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params_list
-    )
+    has_penalty = any(TokenCounts.needed(p) for p in params_list)
 
     def penalty(name: str) -> torch.Tensor | None:
         values = [getattr(p, name) for p in params_list]
@@ -151,17 +176,17 @@ def build_sampling_batch(
         repetition_penalty=penalty("repetition_penalty"),
         presence_penalty=penalty("presence_penalty"),
         frequency_penalty=penalty("frequency_penalty"),
-        prompt_token_ids=_pad_token_ids(prompt_ids_list, device) if has_repetition else None,
-        output_token_ids=_pad_token_ids(output_ids_list, device) if has_penalty else None,
+        prompt_mask=_stacked(token_counts, "prompt_mask") if has_repetition else None,
+        output_counts=_stacked(token_counts, "output_counts") if has_penalty else None,
         num_logprobs=max(logprobs, default=None),
     )
 
 
-def _pad_token_ids(
-    ids_list: Sequence[Sequence[int] | torch.Tensor], device: torch.device | str
-) -> torch.Tensor:
-    rows = [torch.as_tensor(ids, dtype=torch.long).reshape(-1) for ids in ids_list]
-    return pad_sequence(rows, batch_first=True, padding_value=-1).to(device)  # [num_reqs, max_len]
+def _stacked(token_counts: Sequence[TokenCounts | None], name: str) -> torch.Tensor:
+    """One `TokenCounts` table per row, [num_reqs, vocab]; zeros for rows without counts."""
+    tables = [None if counts is None else getattr(counts, name) for counts in token_counts]
+    like = next(table for table in tables if table is not None)  # a penalized row has counts
+    return torch.stack([torch.zeros_like(like) if table is None else table for table in tables])
 
 
 class Sampler:
@@ -176,7 +201,7 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_reqs, logits.shape
         logits = logits.float()
         raw_logprobs = None if batch.num_logprobs is None else logits.log_softmax(dim=-1)
-        if batch.output_token_ids is not None:
+        if batch.output_counts is not None:
             logits = apply_penalties(logits, batch)
         token_ids = self._sample(logits, batch)  # [num_reqs]
         if raw_logprobs is None:
@@ -205,13 +230,11 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     RepetitionPenaltyLogitsProcessor: positive logits divided, negative multiplied, once per
     token), then OpenAI's frequency (per occurrence) and presence (once) penalties over output
     tokens only. Returns new logits [num_reqs, vocab]."""
-    assert batch.output_token_ids is not None and batch.repetition_penalty is not None
-    vocab_size = logits.shape[-1]
-    output_counts = _token_counts(batch.output_token_ids, vocab_size)  # [num_reqs, vocab]
+    assert batch.output_counts is not None and batch.repetition_penalty is not None
+    assert batch.output_counts.shape == logits.shape, (batch.output_counts.shape, logits.shape)
+    output_counts = batch.output_counts  # [num_reqs, vocab]
     output_seen = output_counts > 0
-    seen = output_seen
-    if batch.prompt_token_ids is not None:
-        seen = seen | (_token_counts(batch.prompt_token_ids, vocab_size) > 0)
+    seen = output_seen if batch.prompt_mask is None else output_seen | batch.prompt_mask
     repetition = batch.repetition_penalty[:, None]  # [num_reqs, 1]
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalized, logits)
@@ -220,13 +243,13 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Occurrences of each vocab id per row: [num_reqs, vocab] f32."""
-    # Padding (-1) and ids the lm_head cannot produce land in one extra bin that is dropped.
-    bins = token_ids.masked_fill(token_ids < 0, vocab_size).clamp_(max=vocab_size)
-    counts = torch.zeros(bins.shape[0], vocab_size + 1, device=bins.device)
-    counts.scatter_add_(1, bins, torch.ones_like(bins, dtype=counts.dtype))
-    return counts[:, :vocab_size]
+def _token_counts(
+    token_ids: Sequence[int] | torch.Tensor, vocab_size: int, device: torch.device | str
+) -> torch.Tensor:
+    """Occurrences of each vocab id in `token_ids`: [vocab] f32."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    ids = ids[(ids >= 0) & (ids < vocab_size)]  # ids the lm_head cannot produce are no logits
+    return torch.bincount(ids, minlength=vocab_size).to(device, torch.float32)
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:

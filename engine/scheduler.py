@@ -8,6 +8,13 @@ budget, whichever is smaller, but never ends inside a bidirectional item. When b
 the newest running request is preempted: freed, and recomputed later, outputs included. Held
 requests (live sessions) are prefill-only, keep their KV afterwards and are never preempted.
 
+Progress is guaranteed by a prefill reservation: while any running request goes without tokens
+in a step (the budget is spent, its next chunk is a bidirectional item that does not fit what
+the decodes left, or blocks are short), no waiting request is admitted. New requests would
+become decodes scheduled ahead of it, so an image could wait forever behind arrivals; held
+back, the requests ahead of it only finish, and an item always fits an empty step (admission
+checks it against `max_num_batched_tokens`).
+
 `schedule()`, the runner's step and `update_from_output()` strictly alternate.
 """
 
@@ -125,8 +132,9 @@ class Scheduler:
         output = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        # after a preemption blocks are short: admitting more would only preempt again
-        if not output.preempted_ids:
+        # after a preemption blocks are short: admitting more would only preempt again; and a
+        # running request left out this step has a reservation on the next (module docstring)
+        if not output.preempted_ids and len(output.num_scheduled_tokens) == len(self.running):
             self._schedule_waiting(output, budget)
         return output
 
@@ -149,10 +157,12 @@ class Scheduler:
                 updates.append(RequestUpdate(request_id, [], RequestStatus.HELD))
                 continue
             assert sampled_token_ids.get(request_id), f"no token sampled for {request_id!r}"
-            new_token_ids, stop_status = self._append_tokens(request, sampled_token_ids[request_id])
+            new_token_ids, stop_status, stop_reason = self._append_tokens(
+                request, sampled_token_ids[request_id]
+            )
             if stop_status is not None:
                 self._finish(request, stop_status)
-            updates.append(RequestUpdate(request_id, new_token_ids, request.status))
+            updates.append(RequestUpdate(request_id, new_token_ids, request.status, stop_reason))
         return updates
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -238,18 +248,15 @@ class Scheduler:
 
     def _append_tokens(
         self, request: Request, token_ids: Sequence[int]
-    ) -> tuple[list[int], RequestStatus | None]:
-        """Append sampled tokens up to the first that stops the request."""
-        params = request.sampling_params
+    ) -> tuple[list[int], RequestStatus | None, int | None]:
+        """Append sampled tokens up to the first that stops the request. Returns them, the
+        finished status if one stopped it, and the stop token id (None for EOS, as OpenAI)."""
         for index, token_id in enumerate(token_ids):
             request.output_token_ids.append(token_id)
-            if (token_id == request.eos_token_id and not params.ignore_eos) or (
-                token_id in params.stop_token_ids
-            ):
-                return list(token_ids[: index + 1]), RequestStatus.FINISHED_STOPPED
-            if len(request.output_token_ids) >= params.max_tokens:
-                return list(token_ids[: index + 1]), RequestStatus.FINISHED_LENGTH
-        return list(token_ids), None
+            status, stop_reason = _stop(request, token_id)
+            if status is not None:
+                return list(token_ids[: index + 1]), status, stop_reason
+        return list(token_ids), None, None
 
     def _hold(self, request: Request) -> None:
         """A prefill-only request is done: keep its blocks, let the runner drop its row."""
@@ -301,3 +308,22 @@ class Scheduler:
             num_blocks=self.kv_cache.num_blocks,
             held_share=self.cache_config.held_share,
         )
+
+
+def _stop(request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
+    """Whether the output token just appended ends the request, and its stop token id."""
+    params = request.sampling_params
+    if token_id in request.eos_token_ids and not params.ignore_eos:
+        return RequestStatus.FINISHED_STOPPED, None
+    if token_id in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED, token_id
+    if len(request.output_token_ids) >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None, None
+
+
+def max_num_live_requests(config: SchedulerConfig) -> int:
+    """How many requests can hold a runner row at once: the running ones, since the rows of
+    finished, preempted and held requests are dropped before new ones are added. (Requests
+    waiting for streaming input, once the engine has them, will count here too.)"""
+    return config.max_num_seqs

@@ -78,11 +78,13 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class RequestUpdate:
-    """What a step changed for one request: tokens it generated and its status after them."""
+    """What a step changed for one request: tokens it generated and its status after them.
+    `stop_reason` is the stop token id that finished it (None for EOS, length or no stop)."""
 
     request_id: str
     new_token_ids: list[int]
     status: RequestStatus
+    stop_reason: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,10 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import pairwise
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from stillcut.kernels.mamba2 import RecurrentMetadata
 
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
@@ -47,6 +50,8 @@ class AttentionMetadata:
     mm_ranges: torch.Tensor | None = None  # [R, 3] int32 (b, start, end), or None
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # For models with recurrent layers: each request's state row and whether it starts fresh.
+    recurrent: RecurrentMetadata | None = None
     # What the torch backend derives from this metadata once and every layer reuses: each
     # request's bidirectional items ("items"), and per window and cache shape the decode batch
     # and the prefill chunks.

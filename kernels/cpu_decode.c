@@ -1,26 +1,31 @@
-/* Decode steps of a Qwen2 or Gemma 3 decoder stack on CPU, in one OpenMP parallel region.
+/* Decode steps of a decoder stack on CPU, in one OpenMP parallel region.
  *
  * A step of a few single-token rows is bound by reading the weights, but run op by op it also
  * pays a fixed cost per op (dispatch, allocation, waking the thread pool) about forty times per
  * layer, and the first ops after the weights have streamed through the caches run cold. Here
  * the threads stay in one parallel region from the token ids to the final norm and meet at
- * barriers between phases:
+ * barriers between phases.
+ *
+ * The model is a stack of residual blocks, each of a kind (`enum kind`):
  *
  *   embedding rows (times a scale), rotary tables (angle j from position row section[j])
- *   per layer: RMSNorm -> qkv = x @ Wqkv (+ b) -> per-head RMSNorm of q, k (optional)
- *     -> rotary(q, k), k/v into the paged cache -> attention (optional sliding window, soft
- *     cap) -> x += [RMSNorm](attn @ Wo) -> RMSNorm -> gate|up = x @ Wgu
- *     -> act(gate) * up (SiLU or tanh GELU) -> x += [RMSNorm](act @ Wdown)
+ *   per block: x = RMSNorm(hidden) -> y = kind(x) -> hidden += [RMSNorm](y)
  *   final RMSNorm
  *
- * Qwen2 has the bias, no q/k norms and no norms on the two residual branches; Gemma 3 has the
- * norms (their scales stored as 1 + weight already), GELU, local layers with a window and its
- * own rotary table per layer type. RMSNorm is x / sqrt(mean(x^2) + eps) * scale.
+ *   ATTENTION  qkv = x @ Wqkv (+ b) -> per-head RMSNorm of q, k (optional) -> rotary(q, k),
+ *              k/v into the block's paged cache -> attention (optional sliding window and
+ *              soft cap) -> y = attn @ Wo
+ *   GATED_MLP  gate|up = x @ Wgu -> y = (act(gate) * up) @ Wdown, act SiLU or tanh GELU
+ *
+ * The kernel reads only the description: which kind each block is, its weights and options.
+ * A new kind is a struct beside `Attention`, its functions beside `attention`'s (check,
+ * fits, work, widest output, run) and one row of `KINDS`. A weight is a `Matrix`; a new
+ * storage format is a case in `linear`. RMSNorm is x / sqrt(mean(x^2) + eps) * scale.
  *
  * A weight `[in, out]` is read either as a contiguous [in, out] (each thread streams its own
  * contiguous band of input rows into a private partial sum; the partials are then added by
  * column) or as a contiguous [out, in] (each thread owns a band of output rows: dot products).
- * Rotation is rotate_half's: x * cos + (x[d + D/2], the first half negated) * sin. The KV cache
+ * Rotation is rotate_half's: x * cos + (x[d + D/2], the first half negated) * sin. A KV cache
  * is [2, num_blocks, block_size, num_kv_heads, head_dim]; row r is the single new token of
  * request r, at position seq_lens[r] - 1, and attends to the keys before it (within the window).
  * Everything is float32.
@@ -34,41 +39,76 @@
 #define MAX_BLOCK 256
 #define MAX_TABLES 2
 
+enum kind { ATTENTION = 1, GATED_MLP = 2 };
+enum activation { SILU = 1, GELU_TANH = 2 };
+enum format { F32 = 1 };
+
 typedef struct {
-    const float *input_norm;     /* [hidden] */
-    const float *qkv_weight;     /* [hidden, qkv_width] or its [out, in] transpose */
-    const float *qkv_bias;       /* [qkv_width] or NULL */
+    const void *data;            /* [in, out] or its [out, in] transpose, in `format` */
+    int32_t format;
+    int32_t out_in;              /* 1: stored [out, in] */
+    int32_t in, out;
+} Matrix;
+
+typedef struct {
+    Matrix qkv;                  /* [hidden, (heads + 2 kv_heads) * head_dim]: q, k, v columns */
+    Matrix o;                    /* [heads * head_dim, hidden] */
+    const float *qkv_bias;       /* [qkv width] or NULL */
     const float *qk_norm;        /* [heads + kv_heads, head_dim] or NULL */
-    const float *o_weight;       /* [heads * head_dim, hidden] */
-    const float *attention_out_norm; /* [hidden] or NULL: the attention branch added as is */
-    const float *mlp_norm;       /* [hidden] */
-    const float *gate_up_weight; /* [hidden, 2 * intermediate]: gate columns, then up */
-    const float *down_weight;    /* [intermediate, hidden] */
-    const float *mlp_out_norm;   /* [hidden] or NULL */
-    float *kv_cache;             /* [2, num_blocks, block_size, kv_heads, head_dim] */
-    int32_t qkv_out_in, o_out_in, gate_up_out_in, down_out_in; /* 1: stored [out, in] */
+    int32_t num_heads, num_kv_heads, head_dim;
     int32_t window;              /* keys within this many positions, 0: all */
     int32_t table;               /* which rotary table */
-} Layer;
+    int32_t cache;               /* which of the step's KV caches */
+    float scale;                 /* multiplies scores */
+    float soft_cap;              /* scores: cap * tanh(score / cap); 0: none */
+} Attention;
+
+typedef struct {
+    Matrix gate_up;              /* [hidden, 2 * intermediate]: gate columns, then up */
+    Matrix down;                 /* [intermediate, hidden] */
+    int32_t activation;
+} GatedMlp;
+
+typedef struct {
+    int32_t kind;
+    const float *norm;           /* [hidden]: the block's input norm */
+    const float *out_norm;       /* [hidden] or NULL: the block's output added as is */
+    const void *params;          /* the kind's struct: Attention, GatedMlp */
+} Block;
 
 typedef struct {
     const float *embedding;      /* [vocab, hidden] with the strides below (a tied head's view) */
-    const float *final_norm;     /* [hidden] */
-    const float *inv_freq[MAX_TABLES]; /* [head_dim / 2] each */
-    const int32_t *section;      /* [head_dim / 2]: the position row of each rotary frequency */
     int64_t embedding_row_stride, embedding_column_stride;
     float embedding_scale;
-    float soft_cap;              /* attention scores: cap * tanh(score / cap); 0: none */
-    int32_t num_tables;
-    int32_t gelu;                /* 1: tanh GELU, 0: SiLU */
+    const float *final_norm;     /* [hidden] */
+    const float *inv_freq[MAX_TABLES]; /* [rotary_dim / 2] each */
+    const int32_t *section;      /* [rotary_dim / 2]: the position row of each rotary frequency */
+    int32_t hidden, num_tables, rotary_dim;
+    float eps;
 } Model;
 
 typedef struct {
-    int32_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int32_t num_blocks, block_size, block_table_stride;
-    int64_t positions_stride; /* elements between the position rows (t, h, w) */
-    float eps, scale;
-} Shape;
+    int32_t rows, threads;
+    const int64_t *ids;          /* [rows] */
+    const int64_t *positions;    /* [position rows, rows], rows `positions_stride` apart */
+    int64_t positions_stride;
+    const int32_t *block_tables; /* [rows, block_table_stride] */
+    int32_t block_table_stride;
+    const int32_t *seq_lens;     /* [rows] */
+    const int64_t *slot_mapping; /* [rows] */
+    float *const *kv_caches;     /* [num_kv_caches] */
+    int32_t num_kv_caches, cache_blocks, block_size;
+} Step;
+
+/* What every block of one step shares: the step, the model and the scratch regions. */
+typedef struct {
+    const Model *model;
+    const Step *step;
+    float *hidden, *normed, *branch; /* [rows, hidden] each */
+    float *cos, *sin;            /* [tables, rows, rotary_dim] each */
+    float *work;                 /* the running block's own buffers (`KindOps.work_floats`) */
+    float *partials;             /* [threads, rows, widest output] */
+} Context;
 
 /* Rows [begin, end) of `count` split evenly over `parts`: part `index`'s share. */
 static void share(int count, int parts, int index, int *begin, int *end) {
@@ -196,13 +236,15 @@ static void row_products(const float *x, size_t stride, int rows, int in, const 
     }
 }
 
-/* y = x @ w (+ add), x [rows, in] with rows `stride` apart, y [rows, out], w in either layout.
- * Every thread of the region calls it; it ends with a barrier. `partials` holds
- * threads * rows * out floats. */
-static void linear(const float *x, size_t stride, int rows, int in, const float *w, int out_in,
-                   int out, const float *add, float *y, float *partials) {
+/* y = x @ w (+ add), x [rows, w.in] with rows `stride` apart, y [rows, w.out]. Every thread of
+ * the region calls it; it ends with a barrier. `partials` holds threads * rows * w.out floats.
+ * F32 is the only format so far (`check_matrix`). */
+static void linear(const float *x, size_t stride, int rows, const Matrix *matrix,
+                   const float *add, float *y, float *partials) {
     int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
-    if (out_in) {
+    const float *w = matrix->data;
+    int in = matrix->in, out = matrix->out;
+    if (matrix->out_in) {
         share(out, threads, thread, &begin, &end);
         row_products(x, stride, rows, in, w, out, begin, end, add, y);
 #pragma omp barrier
@@ -224,6 +266,25 @@ static void linear(const float *x, size_t stride, int rows, int in, const float 
 #pragma omp barrier
 }
 
+/* hidden += [RMSNorm](x @ w): a block's output projection and its residual add. Without an
+ * out norm the add rides along in the product; with one, each thread adds the rows it then
+ * also normalises first in the next block (or the final norm), so no barrier is needed. */
+static void residual_projection(const Context *c, const float *x, size_t stride,
+                                const Matrix *w, const float *out_norm) {
+    int rows = c->step->rows, H = c->model->hidden, begin, end;
+    if (!out_norm) {
+        linear(x, stride, rows, w, c->hidden, c->hidden, c->partials);
+        return;
+    }
+    linear(x, stride, rows, w, NULL, c->branch, c->partials);
+    share(rows, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
+    for (int r = begin; r < end; r++) {
+        float *branch = c->branch + (size_t)r * H, *hidden = c->hidden + (size_t)r * H;
+        rms_norm(branch, out_norm, branch, H, c->model->eps);
+        for (int i = 0; i < H; i++) hidden[i] += branch[i];
+    }
+}
+
 /* x [head_dim] rotated in place: x * cos + rotate_half(x) * signed sin. */
 static void rotate(float *x, const float *cos, const float *sin, int dim) {
     float rotated[dim];
@@ -232,15 +293,16 @@ static void rotate(float *x, const float *cos, const float *sin, int dim) {
     memcpy(x, rotated, sizeof(float) * dim);
 }
 
-/* The `group` query heads `q` [group, head_dim] that share one KV head, over the request's
- * paged keys [first, last): each key and value is read once for the whole group. Online
- * softmax block by block; `part` gets, per query head, its running max, its sum of
+/* The `group` query heads `q` [group, head_dim] that share KV head `kv_head`, over the
+ * request's paged keys [first, last): each key and value is read once for the whole group.
+ * Online softmax block by block; `part` gets, per query head, its running max, its sum of
  * exponentials and its unnormalised output [head_dim] (max -inf and sum 0 for no keys). */
 static void attend_group(const float *q, int group, const float *keys, const float *values,
                          const int32_t *block_table, int first, int last, int kv_head,
-                         float soft_cap, const Shape *s, float *part) {
-    int dim = s->head_dim, bs = s->block_size;
-    size_t slot_stride = (size_t)s->num_kv_heads * dim;
+                         const Attention *a, int bs, float *part) {
+    int dim = a->head_dim;
+    float scale = a->scale, soft_cap = a->soft_cap;
+    size_t slot_stride = (size_t)a->num_kv_heads * dim;
     if (first >= last) { /* an empty slice */
         for (int g = 0; g < group; g++) {
             float *out = part + (size_t)g * (dim + 2);
@@ -266,7 +328,7 @@ static void attend_group(const float *q, int group, const float *keys, const flo
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                 for (int d = 0; d < dim; d++) dot += qg[d] * k[d];
-                float score = dot * s->scale;
+                float score = dot * scale;
                 scores[g][j] = soft_cap > 0.0f ? soft_cap * tanhf(score / soft_cap) : score;
             }
         }
@@ -324,171 +386,303 @@ static void merge_parts(const float *part, int splits, size_t stride, int dim, f
     for (int d = 0; d < dim; d++) out[d] /= total;
 }
 
-/* hidden[r] += RMSNorm(branch[r]) * scale, or += branch[r] without a scale, for this
- * thread's rows. */
-static void add_branch(float *hidden, float *branch, const float *scale, int rows, int H,
-                       float eps, int thread, int threads) {
-    int begin, end;
-    share(rows, threads, thread, &begin, &end);
-    for (int r = begin; r < end; r++) {
-        float *x = branch + (size_t)r * H, *y = hidden + (size_t)r * H;
-        if (scale) rms_norm(x, scale, x, H, eps);
-        for (int i = 0; i < H; i++) y[i] += x[i];
+/* Key slices per (row, KV head): enough units to keep every thread busy. */
+static int key_splits(const Step *step, int num_kv_heads) {
+    int units = step->rows * num_kv_heads;
+    return (step->threads + units - 1) / units;
+}
+
+static int qkv_width(const Attention *a) {
+    return (a->num_heads + 2 * a->num_kv_heads) * a->head_dim;
+}
+
+/* Attention's work: qkv [rows, qkv width], attn [rows, heads * head_dim], then the key slices'
+ * parts [rows, heads, splits, head_dim + 2]. */
+static size_t attention_floats(const void *params, const Step *step) {
+    const Attention *a = params;
+    size_t rows = step->rows, D = a->head_dim, Hq = a->num_heads;
+    return rows * qkv_width(a) + rows * Hq * D +
+           rows * Hq * key_splits(step, a->num_kv_heads) * (D + 2);
+}
+
+/* q, k, v of every row after bias, q/k norms and rotary; k and v into their slots. */
+static void attention_inputs(const Context *c, const Attention *a, float *qkv, float *keys,
+                             float *values) {
+    const Step *step = c->step;
+    int rows = step->rows, D = a->head_dim, Hq = a->num_heads, Hkv = a->num_kv_heads;
+    int width = qkv_width(a), begin, end;
+    const float *cos = c->cos + (size_t)a->table * rows * D;
+    const float *sin = c->sin + (size_t)a->table * rows * D;
+    share(rows * (Hq + Hkv), omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
+    for (int unit = begin; unit < end; unit++) {
+        int r = unit / (Hq + Hkv), head = unit % (Hq + Hkv);
+        float *row = qkv + (size_t)r * width;
+        float *x = row + (size_t)head * D;
+        if (a->qkv_bias)
+            for (int d = 0; d < D; d++) x[d] += a->qkv_bias[(size_t)head * D + d];
+        if (a->qk_norm) rms_norm(x, a->qk_norm + (size_t)head * D, x, D, c->model->eps);
+        rotate(x, cos + (size_t)r * D, sin + (size_t)r * D, D);
+        if (head >= Hq) {
+            int kv_head = head - Hq;
+            float *v = row + (size_t)(Hq + Hkv + kv_head) * D;
+            if (a->qkv_bias)
+                for (int d = 0; d < D; d++)
+                    v[d] += a->qkv_bias[(size_t)(Hq + Hkv + kv_head) * D + d];
+            size_t at = ((size_t)step->slot_mapping[r] * Hkv + kv_head) * D;
+            memcpy(keys + at, x, sizeof(float) * D);
+            memcpy(values + at, v, sizeof(float) * D);
+        }
     }
+#pragma omp barrier
+}
+
+static void attention(const Context *c, const void *params, const float *out_norm) {
+    const Attention *a = params;
+    const Step *step = c->step;
+    int rows = step->rows, D = a->head_dim, Hq = a->num_heads, Hkv = a->num_kv_heads;
+    int group = Hq / Hkv, width = qkv_width(a), splits = key_splits(step, Hkv);
+    int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
+    float *qkv = c->work, *attn = qkv + (size_t)rows * width;
+    float *parts = attn + (size_t)rows * Hq * D;
+    float *keys = step->kv_caches[a->cache];
+    float *values = keys + (size_t)step->cache_blocks * step->block_size * Hkv * D;
+
+    linear(c->normed, c->model->hidden, rows, &a->qkv, NULL, qkv, c->partials);
+    attention_inputs(c, a, qkv, keys, values);
+    /* one unit per (row, KV head, slice of its keys); then the slices of each query head are
+     * merged */
+    share(rows * Hkv * splits, threads, thread, &begin, &end);
+    for (int unit = begin; unit < end; unit++) {
+        int r = unit / (Hkv * splits), kv_head = unit / splits % Hkv;
+        int slice = unit % splits, seq_len = step->seq_lens[r];
+        int first = a->window > 0 && seq_len > a->window ? seq_len - a->window : 0;
+        int length = seq_len - first;
+        attend_group(qkv + (size_t)r * width + (size_t)kv_head * group * D, group, keys, values,
+                     step->block_tables + (size_t)r * step->block_table_stride,
+                     first + (int)((int64_t)length * slice / splits),
+                     first + (int)((int64_t)length * (slice + 1) / splits), kv_head, a,
+                     step->block_size, parts + (size_t)unit * group * (D + 2));
+    }
+#pragma omp barrier
+    share(rows * Hq, threads, thread, &begin, &end);
+    for (int unit = begin; unit < end; unit++) {
+        int r = unit / Hq, head = unit % Hq, kv_head = head / group, g = head % group;
+        const float *first_part =
+            parts + ((size_t)(r * Hkv + kv_head) * splits * group + g) * (D + 2);
+        merge_parts(first_part, splits, (size_t)group * (D + 2), D,
+                    attn + ((size_t)r * Hq + head) * D);
+    }
+#pragma omp barrier
+    residual_projection(c, attn, (size_t)Hq * D, &a->o, out_norm);
 }
 
 static float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-/* `out` [rows, hidden]: the final-normed hidden states of the rows' tokens `ids` at
- * `positions` [position rows, rows]. scratch: rows * (3 * hidden + 2 * tables * head_dim
- * + qkv_width + heads * head_dim + 2 * intermediate + heads * threads * (head_dim + 2))
- * floats, then threads * rows * max(qkv_width, hidden, 2 * intermediate) for partial sums. */
-int decode_step(const Model *model, const Layer *layers, int num_layers, const Shape *s,
-                int rows, int num_threads, const int64_t *ids, const int64_t *positions,
-                const int32_t *block_tables, const int32_t *seq_lens,
-                const int64_t *slot_mapping, float *scratch, float *out) {
-    if (s->block_size > MAX_BLOCK || s->head_dim % 2) return 1;
-    if (model->num_tables < 1 || model->num_tables > MAX_TABLES) return 2;
-    int H = s->hidden, D = s->head_dim, Hq = s->num_heads, Hkv = s->num_kv_heads;
-    int I = s->intermediate, qkv_width = (Hq + 2 * Hkv) * D, group = Hq / Hkv;
-    int tables = model->num_tables;
-    float *hidden = scratch;
-    float *normed = hidden + (size_t)rows * H;
-    float *branch = normed + (size_t)rows * H;
-    float *cos = branch + (size_t)rows * H; /* [tables, rows, D] */
-    float *sin = cos + (size_t)tables * rows * D;
-    float *qkv = sin + (size_t)tables * rows * D;
-    float *attn = qkv + (size_t)rows * qkv_width;
-    float *gate_up = attn + (size_t)rows * Hq * D;
-    float *parts = gate_up + (size_t)rows * 2 * I; /* rows * heads * splits * (D + 2) */
-    /* key slices per (row, KV head): enough units to keep every thread busy */
-    int splits = (num_threads + rows * Hkv - 1) / (rows * Hkv);
-    float *partials = parts + (size_t)rows * Hq * splits * (D + 2);
-    size_t cache_half = (size_t)s->num_blocks * s->block_size * Hkv * D;
+static float activate(int activation, float x) {
+    return activation == GELU_TANH ? gelu_tanh(x) : x / (1.0f + expf(-x));
+}
 
-#pragma omp parallel num_threads(num_threads)
-    {
-        int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
-        share(rows, threads, thread, &begin, &end);
-        for (int r = begin; r < end; r++) {
-            const float *row = model->embedding + ids[r] * model->embedding_row_stride;
-            for (int i = 0; i < H; i++)
-                hidden[(size_t)r * H + i] =
-                    row[i * model->embedding_column_stride] * model->embedding_scale;
-            for (int t = 0; t < tables; t++) {
-                float *c_row = cos + ((size_t)t * rows + r) * D;
-                float *s_row = sin + ((size_t)t * rows + r) * D;
-                for (int j = 0; j < D / 2; j++) {
-                    float angle = (float)positions[model->section[j] * s->positions_stride + r] *
-                                  model->inv_freq[t][j];
-                    float c = cosf(angle), n = sinf(angle);
-                    c_row[j] = c_row[j + D / 2] = c;
-                    s_row[j] = -n;
-                    s_row[j + D / 2] = n;
-                }
+/* Gated MLP's work: gate|up [rows, 2 * intermediate]. */
+static size_t gated_mlp_floats(const void *params, const Step *step) {
+    return (size_t)step->rows * ((const GatedMlp *)params)->gate_up.out;
+}
+
+static void gated_mlp(const Context *c, const void *params, const float *out_norm) {
+    const GatedMlp *m = params;
+    int rows = c->step->rows, I = m->down.in, begin, end;
+    float *gate_up = c->work;
+    linear(c->normed, c->model->hidden, rows, &m->gate_up, NULL, gate_up, c->partials);
+    /* act(gate) * up into the gate half of each row */
+    share(rows * I, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
+    for (int unit = begin; unit < end; unit++) {
+        float *row = gate_up + (size_t)(unit / I) * 2 * I;
+        int col = unit % I;
+        row[col] = activate(m->activation, row[col]) * row[I + col];
+    }
+#pragma omp barrier
+    residual_projection(c, gate_up, (size_t)2 * I, &m->down, out_norm);
+}
+
+static int larger(int a, int b) { return a > b ? a : b; }
+
+/* The widest output of the block's products (their partial sums share one buffer). */
+static int attention_widest(const void *params) {
+    const Attention *a = params;
+    return larger(a->qkv.out, a->o.out);
+}
+
+static int gated_mlp_widest(const void *params) {
+    const GatedMlp *m = params;
+    return larger(m->gate_up.out, m->down.out);
+}
+
+static int check_matrix(const Matrix *w, int in, int out) {
+    return w->data && w->format == F32 && w->in == in && w->out == out;
+}
+
+/* 0 when the kernel can run the block's params in `model` (fields in range, weights' shapes
+ * consistent), else a status that names what is wrong. */
+static int attention_check(const Model *model, const void *params) {
+    const Attention *a = params;
+    int H = model->hidden, D = a->head_dim;
+    if (a->num_kv_heads < 1 || a->num_heads % a->num_kv_heads) return 11;
+    if (D != model->rotary_dim || a->table < 0 || a->table >= model->num_tables) return 12;
+    if (!check_matrix(&a->qkv, H, qkv_width(a))) return 13;
+    if (!check_matrix(&a->o, a->num_heads * D, H)) return 14;
+    return a->window < 0 || a->cache < 0 ? 15 : 0;
+}
+
+static int gated_mlp_check(const Model *model, const void *params) {
+    const GatedMlp *m = params;
+    int H = model->hidden, I = m->down.in;
+    if (m->activation != SILU && m->activation != GELU_TANH) return 20;
+    return check_matrix(&m->gate_up, H, 2 * I) && check_matrix(&m->down, I, H) ? 0 : 21;
+}
+
+/* Whether the step holds what the block reads and writes besides its weights. */
+static int attention_fits(const void *params, const Step *step) {
+    return ((const Attention *)params)->cache < step->num_kv_caches;
+}
+
+static int gated_mlp_fits(const void *params, const Step *step) {
+    (void)params, (void)step;
+    return 1;
+}
+
+/* What the kernel does with a block of each kind: every kind is one row here. */
+typedef struct {
+    int (*check)(const Model *model, const void *params);
+    int (*fits)(const void *params, const Step *step);
+    size_t (*work_floats)(const void *params, const Step *step); /* its own buffers */
+    int (*widest_output)(const void *params);
+    void (*run)(const Context *c, const void *params, const float *out_norm);
+} KindOps;
+
+static const KindOps KINDS[] = {
+    [ATTENTION] = {attention_check, attention_fits, attention_floats, attention_widest, attention},
+    [GATED_MLP] = {gated_mlp_check, gated_mlp_fits, gated_mlp_floats, gated_mlp_widest, gated_mlp},
+};
+
+static const KindOps *kind_ops(int kind) {
+    int known = kind > 0 && kind < (int)(sizeof KINDS / sizeof KINDS[0]) && KINDS[kind].run;
+    return known ? KINDS + kind : NULL;
+}
+
+/* 0 when `decode_step` can run these blocks, else a status naming what is wrong: 1, 2 the
+ * model's own fields, 9 a kind this kernel does not know, 10 a block's missing norm or params,
+ * from 11 on the kind's own `check`. */
+int check_model(const Model *model, const Block *blocks, int num_blocks) {
+    if (model->rotary_dim % 2 || model->rotary_dim < 2) return 1;
+    if (model->num_tables < 1 || model->num_tables > MAX_TABLES) return 2;
+    for (int b = 0; b < num_blocks; b++) {
+        const Block *block = blocks + b;
+        const KindOps *ops = kind_ops(block->kind);
+        if (!ops) return 9;
+        if (!block->norm || !block->params) return 10;
+        int status = ops->check(model, block->params);
+        if (status) return status;
+    }
+    return 0;
+}
+
+static size_t fixed_floats(const Model *model, int rows) {
+    return (size_t)rows * (3 * model->hidden + 2 * model->num_tables * model->rotary_dim);
+}
+
+/* The work of the block that needs the most: blocks run one after another and share it. */
+static size_t largest_work(const Block *blocks, int num_blocks, const Step *step) {
+    size_t work = 0;
+    for (int b = 0; b < num_blocks; b++) {
+        size_t floats = KINDS[blocks[b].kind].work_floats(blocks[b].params, step);
+        work = floats > work ? floats : work;
+    }
+    return work;
+}
+
+/* Floats of scratch `decode_step` needs for `step`'s rows and threads: the shared rows, the
+ * largest block's work, then the partial sums of the widest product. */
+int64_t scratch_floats(const Model *model, const Block *blocks, int num_blocks,
+                       const Step *step) {
+    size_t widest = model->hidden;
+    for (int b = 0; b < num_blocks; b++) {
+        size_t width = KINDS[blocks[b].kind].widest_output(blocks[b].params);
+        widest = width > widest ? width : widest;
+    }
+    return fixed_floats(model, step->rows) + largest_work(blocks, num_blocks, step) +
+           (size_t)step->threads * step->rows * widest;
+}
+
+/* Embedding rows times their scale, and every rotary table's cos and signed sin, for this
+ * thread's rows. */
+static void embed_rows(const Context *c) {
+    const Model *model = c->model;
+    const Step *step = c->step;
+    int rows = step->rows, H = model->hidden, D = model->rotary_dim, begin, end;
+    share(rows, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
+    for (int r = begin; r < end; r++) {
+        const float *row = model->embedding + step->ids[r] * model->embedding_row_stride;
+        for (int i = 0; i < H; i++)
+            c->hidden[(size_t)r * H + i] =
+                row[i * model->embedding_column_stride] * model->embedding_scale;
+        for (int t = 0; t < model->num_tables; t++) {
+            float *c_row = c->cos + ((size_t)t * rows + r) * D;
+            float *s_row = c->sin + ((size_t)t * rows + r) * D;
+            for (int j = 0; j < D / 2; j++) {
+                float angle =
+                    (float)step->positions[model->section[j] * step->positions_stride + r] *
+                    model->inv_freq[t][j];
+                float cos = cosf(angle), sin = sinf(angle);
+                c_row[j] = c_row[j + D / 2] = cos;
+                s_row[j] = -sin;
+                s_row[j + D / 2] = sin;
             }
         }
-#pragma omp barrier
-        for (int l = 0; l < num_layers; l++) {
-            const Layer *layer = layers + l;
-            float *keys = layer->kv_cache, *values = layer->kv_cache + cache_half;
-            const float *layer_cos = cos + (size_t)layer->table * rows * D;
-            const float *layer_sin = sin + (size_t)layer->table * rows * D;
+    }
+}
 
+/* `out` [rows, hidden]: the final-normed hidden states of the step's tokens through the blocks
+ * (checked by `check_model`), with `scratch_floats` floats of `scratch`. 0, or 1 when the
+ * step's caches do not match the blocks. */
+int decode_step(const Model *model, const Block *blocks, int num_blocks, const Step *step,
+                float *scratch, float *out) {
+    if (step->block_size > MAX_BLOCK) return 1;
+    for (int b = 0; b < num_blocks; b++)
+        if (!KINDS[blocks[b].kind].fits(blocks[b].params, step)) return 1;
+    int rows = step->rows, H = model->hidden;
+    size_t row_floats = (size_t)rows * H;
+    size_t table_floats = (size_t)model->num_tables * rows * model->rotary_dim;
+    float *work = scratch + fixed_floats(model, rows);
+    const Context c = {
+        .model = model,
+        .step = step,
+        .hidden = scratch,
+        .normed = scratch + row_floats,
+        .branch = scratch + 2 * row_floats,
+        .cos = scratch + 3 * row_floats,
+        .sin = scratch + 3 * row_floats + table_floats,
+        .work = work,
+        .partials = work + largest_work(blocks, num_blocks, step),
+    };
+
+#pragma omp parallel num_threads(step->threads)
+    {
+        int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
+        embed_rows(&c);
+#pragma omp barrier
+        for (int b = 0; b < num_blocks; b++) {
             share(rows, threads, thread, &begin, &end);
             for (int r = begin; r < end; r++)
-                rms_norm(hidden + (size_t)r * H, layer->input_norm, normed + (size_t)r * H, H,
-                         s->eps);
+                rms_norm(c.hidden + (size_t)r * H, blocks[b].norm, c.normed + (size_t)r * H, H,
+                         model->eps);
 #pragma omp barrier
-            linear(normed, H, rows, H, layer->qkv_weight, layer->qkv_out_in, qkv_width,
-                   NULL, qkv, partials);
-            /* bias, q/k norms, rotary of q and k heads, k and v into their slots */
-            share(rows * (Hq + Hkv), threads, thread, &begin, &end);
-            for (int unit = begin; unit < end; unit++) {
-                int r = unit / (Hq + Hkv), head = unit % (Hq + Hkv);
-                float *row = qkv + (size_t)r * qkv_width;
-                float *x = row + (size_t)head * D;
-                if (layer->qkv_bias)
-                    for (int d = 0; d < D; d++) x[d] += layer->qkv_bias[(size_t)head * D + d];
-                if (layer->qk_norm) rms_norm(x, layer->qk_norm + (size_t)head * D, x, D, s->eps);
-                rotate(x, layer_cos + (size_t)r * D, layer_sin + (size_t)r * D, D);
-                if (head >= Hq) {
-                    int kv_head = head - Hq;
-                    float *v = row + (size_t)(Hq + Hkv + kv_head) * D;
-                    if (layer->qkv_bias)
-                        for (int d = 0; d < D; d++)
-                            v[d] += layer->qkv_bias[(size_t)(Hq + Hkv + kv_head) * D + d];
-                    size_t at = ((size_t)slot_mapping[r] * Hkv + kv_head) * D;
-                    memcpy(keys + at, x, sizeof(float) * D);
-                    memcpy(values + at, v, sizeof(float) * D);
-                }
-            }
-#pragma omp barrier
-            /* attention: one unit per (row, KV head, slice of its keys); then the slices of
-             * each query head are merged */
-            share(rows * Hkv * splits, threads, thread, &begin, &end);
-            for (int unit = begin; unit < end; unit++) {
-                int r = unit / (Hkv * splits), kv_head = unit / splits % Hkv;
-                int slice = unit % splits, seq_len = seq_lens[r];
-                int first = layer->window > 0 && seq_len > layer->window
-                                ? seq_len - layer->window : 0;
-                int length = seq_len - first;
-                attend_group(qkv + (size_t)r * qkv_width + (size_t)kv_head * group * D, group,
-                             keys, values, block_tables + (size_t)r * s->block_table_stride,
-                             first + (int)((int64_t)length * slice / splits),
-                             first + (int)((int64_t)length * (slice + 1) / splits), kv_head,
-                             model->soft_cap, s, parts + (size_t)unit * group * (D + 2));
-            }
-#pragma omp barrier
-            share(rows * Hq, threads, thread, &begin, &end);
-            for (int unit = begin; unit < end; unit++) {
-                int r = unit / Hq, head = unit % Hq, kv_head = head / group, g = head % group;
-                const float *first_part =
-                    parts + ((size_t)(r * Hkv + kv_head) * splits * group + g) * (D + 2);
-                merge_parts(first_part, splits, (size_t)group * (D + 2), D,
-                            attn + ((size_t)r * Hq + head) * D);
-            }
-#pragma omp barrier
-            if (layer->attention_out_norm) {
-                linear(attn, (size_t)Hq * D, rows, Hq * D, layer->o_weight, layer->o_out_in, H,
-                       NULL, branch, partials);
-                add_branch(hidden, branch, layer->attention_out_norm, rows, H, s->eps, thread,
-                           threads);
-            } else {
-                linear(attn, (size_t)Hq * D, rows, Hq * D, layer->o_weight, layer->o_out_in, H,
-                       hidden, hidden, partials);
-            }
-            share(rows, threads, thread, &begin, &end);
-            for (int r = begin; r < end; r++)
-                rms_norm(hidden + (size_t)r * H, layer->mlp_norm, normed + (size_t)r * H, H,
-                         s->eps);
-#pragma omp barrier
-            linear(normed, H, rows, H, layer->gate_up_weight, layer->gate_up_out_in, 2 * I, NULL,
-                   gate_up, partials);
-            /* act(gate) * up into the gate half of each row */
-            share(rows * I, threads, thread, &begin, &end);
-            for (int unit = begin; unit < end; unit++) {
-                float *row = gate_up + (size_t)(unit / I) * 2 * I;
-                int c = unit % I;
-                float g = row[c];
-                row[c] = (model->gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * row[I + c];
-            }
-#pragma omp barrier
-            if (layer->mlp_out_norm) {
-                linear(gate_up, (size_t)2 * I, rows, I, layer->down_weight, layer->down_out_in, H,
-                       NULL, branch, partials);
-                add_branch(hidden, branch, layer->mlp_out_norm, rows, H, s->eps, thread, threads);
-            } else {
-                linear(gate_up, (size_t)2 * I, rows, I, layer->down_weight, layer->down_out_in, H,
-                       hidden, hidden, partials);
-            }
-#pragma omp barrier
+            KINDS[blocks[b].kind].run(&c, blocks[b].params, blocks[b].out_norm);
         }
         share(rows, threads, thread, &begin, &end);
         for (int r = begin; r < end; r++)
-            rms_norm(hidden + (size_t)r * H, model->final_norm, out + (size_t)r * H, H, s->eps);
+            rms_norm(c.hidden + (size_t)r * H, model->final_norm, out + (size_t)r * H, H,
+                     model->eps);
     }
     return 0;
 }

@@ -1,12 +1,13 @@
-"""Decode steps of a Qwen2 or Gemma 3 decoder stack on CPU in one native call (`cpu_decode.c`).
+"""Decode steps of a decoder stack on CPU in one native call (`cpu_decode.c`).
 
 A batch-1 decode step is bound by reading the weights, but op by op in torch each of a layer's
 ~40 small ops also costs a fixed few microseconds, every parallel op wakes the thread pool
 again, and the first ops after the weights have streamed through the caches run cold (the
 final norm took 0.3 ms there, 0.07 ms when repeated); on the 2-core CPU that overhead was larger
 than the layers' own weight reads. The C kernel goes from token ids to the final norm (embedding
-rows, M-RoPE tables, every layer) inside one OpenMP parallel region, the threads meeting at
-barriers, reading each weight once in contiguous per-thread bands.
+rows, M-RoPE tables, every block) inside one OpenMP parallel region, the threads meeting at
+barriers, reading each weight once in contiguous per-thread bands. A model describes itself as
+a `cpu_decode_stack.Stack` of blocks, each of a kind; `bind` turns that into the C structs.
 
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into the
 stillcut cache, keyed by the source, the compiler and the CPU. It links libgomp, the OpenMP
@@ -18,6 +19,7 @@ model runs its torch ops instead.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -26,13 +28,20 @@ import platform
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from stillcut.engine.disk_cache import cache_dir
+from stillcut.kernels.cpu_decode_stack import (
+    MAX_TABLES,
+    Attention,
+    Block,
+    GatedMlp,
+    Kind,
+    Stack,
+)
 
 log = logging.getLogger(__name__)
 
@@ -40,69 +49,75 @@ SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 16  # past this many rows a step is a gemm, torch's own territory
 MAX_BLOCK_SIZE = 256  # `MAX_BLOCK` in the C file
-MAX_TABLES = 2  # rotary tables per model (Gemma 3: local and global)
 ENABLE_VARIABLE = "STILLCUT_NATIVE_DECODE"
 COMPILE_TIMEOUT_S = 120
 
 
-class _Layer(ctypes.Structure):
+class _Matrix(ctypes.Structure):
     _fields_ = [
-        *((name, ctypes.c_void_p) for name in (
-            "input_norm", "qkv_weight", "qkv_bias", "qk_norm", "o_weight", "attention_out_norm",
-            "mlp_norm", "gate_up_weight", "down_weight", "mlp_out_norm", "kv_cache",
-        )),
+        ("data", ctypes.c_void_p),
+        *((name, ctypes.c_int32) for name in ("format", "out_in", "num_in", "num_out")),
+    ]
+
+
+class _Attention(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _Matrix),
+        ("o", _Matrix),
+        ("qkv_bias", ctypes.c_void_p),
+        ("qk_norm", ctypes.c_void_p),
         *((name, ctypes.c_int32) for name in (
-            "qkv_out_in", "o_out_in", "gate_up_out_in", "down_out_in", "window", "table",
+            "num_heads", "num_kv_heads", "head_dim", "window", "table", "cache",
         )),
+        ("scale", ctypes.c_float),
+        ("soft_cap", ctypes.c_float),
     ]  # fmt: skip
+
+
+class _GatedMlp(ctypes.Structure):
+    _fields_ = [("gate_up", _Matrix), ("down", _Matrix), ("activation", ctypes.c_int32)]
+
+
+class _Block(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("norm", ctypes.c_void_p),
+        ("out_norm", ctypes.c_void_p),
+        ("params", ctypes.c_void_p),
+    ]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [
         ("embedding", ctypes.c_void_p),
-        ("final_norm", ctypes.c_void_p),
-        ("inv_freq", ctypes.c_void_p * MAX_TABLES),
-        ("section", ctypes.c_void_p),
         ("embedding_row_stride", ctypes.c_int64),
         ("embedding_column_stride", ctypes.c_int64),
         ("embedding_scale", ctypes.c_float),
-        ("soft_cap", ctypes.c_float),
-        ("num_tables", ctypes.c_int32),
-        ("gelu", ctypes.c_int32),
+        ("final_norm", ctypes.c_void_p),
+        ("inv_freq", ctypes.c_void_p * MAX_TABLES),
+        ("section", ctypes.c_void_p),
+        *((name, ctypes.c_int32) for name in ("hidden", "num_tables", "rotary_dim")),
+        ("eps", ctypes.c_float),
     ]
 
 
-class _Shape(ctypes.Structure):
+class _Step(ctypes.Structure):
     _fields_ = [
-        *((name, ctypes.c_int32) for name in (
-            "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "num_blocks",
-            "block_size", "block_table_stride",
-        )),
+        ("rows", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("ids", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
         ("positions_stride", ctypes.c_int64),
-        ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-    ]  # fmt: skip
+        ("block_tables", ctypes.c_void_p),
+        ("block_table_stride", ctypes.c_int32),
+        ("seq_lens", ctypes.c_void_p),
+        ("slot_mapping", ctypes.c_void_p),
+        ("kv_caches", ctypes.c_void_p),
+        *((name, ctypes.c_int32) for name in ("num_kv_caches", "cache_blocks", "block_size")),
+    ]
 
 
-class LayerWeights(NamedTuple):
-    """One decoder layer as the kernel reads it: fused `[in, out]` projections (either memory
-    order, see `engine.models.layers.matmul_layout`), RMSNorm scales as they multiply, and
-    None for what a family does not have (Qwen2: no q/k norms, no norms on the residual
-    branches; Gemma 3: no bias). `window` 0 attends to every key; `table` picks the rotary
-    table."""
-
-    input_norm: torch.Tensor  # [hidden]
-    qkv_weight: torch.Tensor  # [hidden, (Hq + 2 Hkv) * D]: q, k, v columns
-    o_weight: torch.Tensor  # [Hq * D, hidden]
-    mlp_norm: torch.Tensor  # [hidden]
-    gate_up_weight: torch.Tensor  # [hidden, 2 * intermediate]: gate, up columns
-    down_weight: torch.Tensor  # [intermediate, hidden]
-    qkv_bias: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D]
-    qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D]: per q head, then per k head
-    attention_out_norm: torch.Tensor | None = None  # [hidden]
-    mlp_out_norm: torch.Tensor | None = None  # [hidden]
-    window: int = 0
-    table: int = 0
+F32 = 1  # `enum format` in the C file: the only storage format so far
 
 
 def enabled() -> bool:
@@ -134,18 +149,29 @@ def load() -> ctypes.CDLL | None:
         detail = getattr(error, "stderr", None) or error
         log.warning("native CPU decode unavailable, using torch ops: %s", detail)
         return None
-    library.decode_step.restype = ctypes.c_int
+    library.decode_step.restype = library.check_model.restype = ctypes.c_int
+    library.scratch_floats.restype = ctypes.c_int64
     return library
 
 
-def bind(layers: Sequence[LayerWeights], **model) -> CpuDecoder | None:
-    """A `CpuDecoder` of these layers (`model`: its keyword arguments), or None where the
-    kernel cannot serve: not float32 on CPU, or no library here (see `load`)."""
-    first = layers[0].qkv_weight
-    if first.dtype != torch.float32 or not first.is_cpu:
+def bind(stack: Stack) -> CpuDecoder | None:
+    """A `CpuDecoder` of `stack`, or None where the kernel cannot serve it: a tensor not
+    float32 on CPU, or no library here (see `load`)."""
+    if not all(t.dtype == torch.float32 and t.is_cpu for t in _tensors(stack)):
         return None
     library = load()
-    return None if library is None else CpuDecoder(library, layers, **model)
+    return None if library is None else CpuDecoder(library, stack)
+
+
+def _tensors(stack: Stack) -> Iterator[torch.Tensor]:
+    """Every tensor the kernel reads of `stack`."""
+    yield from (stack.embedding, stack.final_norm, *stack.inv_freqs)
+    for block in stack.blocks:
+        for part in (block, block.mixer):
+            for field in dataclasses.fields(part):
+                value = getattr(part, field.name)
+                if isinstance(value, torch.Tensor):
+                    yield value
 
 
 def _compile(compiler: str, target: Path) -> None:
@@ -189,80 +215,78 @@ def _out_in(weight: torch.Tensor) -> int:
 
 
 class CpuDecoder:
-    """A decoder-only language model from token ids to its final norm, bound to the C kernel
-    for steps of decodes only (see `supports`); the model files say what their layers are.
+    """A `Stack` from token ids to its final norm, bound to the C kernel for steps of decodes
+    only (see `supports`).
 
-    `embedding` is the `[vocab, hidden]` table (any strides: a tied model's is the head's
-    transpose), scaled by `embedding_scale`; `inv_freqs` the rotary tables' frequencies `[D/2]`
-    and `section` `[D/2]` the position row each frequency turns with (M-RoPE; zeros for 1-D
-    positions); `scale` multiplies attention scores before the optional `soft_cap`; `gelu`
-    picks tanh GELU over SiLU. Everything float32 on CPU; the tensors must outlive this
-    object, which keeps only their addresses.
-    """
+    The kernel reads the stack's tensors by address: the decoder keeps their storage alive (an
+    alias of each), so whatever later happens to the model's parameters it never reads freed
+    memory; noticing that the model now holds other weights is its owner's job (see
+    `engine.models.layers.PagedLanguageModel.native_decode`)."""
 
-    def __init__(
-        self,
-        library: ctypes.CDLL,
-        layers: Sequence[LayerWeights],
-        *,
-        num_heads: int,
-        num_kv_heads: int,
-        embedding: torch.Tensor,
-        final_norm: torch.Tensor,
-        inv_freqs: Sequence[torch.Tensor],
-        section: torch.Tensor,
-        eps: float,
-        scale: float,
-        embedding_scale: float = 1.0,
-        soft_cap: float | None = None,
-        gelu: bool = False,
-    ) -> None:
-        if not 1 <= len(inv_freqs) <= MAX_TABLES:
-            raise ValueError(f"{len(inv_freqs)} rotary tables; the kernel takes 1 to {MAX_TABLES}")
+    def __init__(self, library: ctypes.CDLL, stack: Stack) -> None:
         self.library = library
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.hidden = final_norm.shape[0]
-        self.head_dim = layers[0].o_weight.shape[0] // num_heads
-        self.intermediate = layers[0].down_weight.shape[0]
-        self.eps, self.scale = eps, scale
-        self.layers = (_Layer * len(layers))()
-        for slot, layer in zip(self.layers, layers, strict=True):
-            for name, tensor in layer._asdict().items():
-                if isinstance(tensor, torch.Tensor):
-                    setattr(slot, name, _float32_cpu(name, tensor).data_ptr())
-                    if name.endswith("_weight"):
-                        setattr(slot, name.replace("weight", "out_in"), _out_in(tensor))
-            slot.window, slot.table = layer.window, layer.table
-            if not 0 <= layer.table < len(inv_freqs):
-                raise ValueError(f"layer rotary table {layer.table} of {len(inv_freqs)}")
-        # kept: the kernel reads them
-        self.section = section.to(torch.int32).contiguous()
-        self.inv_freqs = [_float32_cpu("inv_freq", f).contiguous() for f in inv_freqs]
-        self.model = _Model(
-            _float32_cpu("embedding", embedding).data_ptr(),
-            _float32_cpu("final_norm", final_norm).data_ptr(),
-            (ctypes.c_void_p * MAX_TABLES)(*(f.data_ptr() for f in self.inv_freqs)),
-            self.section.data_ptr(),
-            embedding.stride(0),
-            embedding.stride(1),
-            embedding_scale,
-            soft_cap or 0.0,
-            len(self.inv_freqs),
-            int(gelu),
-        )
+        self.hidden = stack.hidden
+        self.kept: list[object] = []  # what the kernel reads: tensor aliases, structs
+        self.blocks = (_Block * len(stack.blocks))(*map(self._block, stack.blocks))
+        self.model = self._model(stack)
+        status = library.check_model(ctypes.byref(self.model), self.blocks, len(self.blocks))
+        if status:
+            raise RuntimeError(f"the native decode step rejected the stack (status {status})")
+        self.cache_heads = _cache_heads(stack)  # KV cache index -> (Hkv, D)
+        self.num_kv_caches = max(self.cache_heads, default=-1) + 1
+        self.cache_shapes: dict[tuple[int, int], list[tuple[int, tuple[int, ...]]]] = {}
+        self.scratch_sizes: dict[tuple[int, int], int] = {}
         self.kv_caches: tuple[int, ...] = ()
+        self.kv_cache_array = (ctypes.c_void_p * 0)()
         self.scratch = torch.empty(0)
 
     def __reduce__(self):
-        """A copied or pickled model holds no decoder (this one keeps the original's weight
-        addresses): the copy runs its torch ops."""
+        """A copied or pickled model holds no decoder (this one reads the original's weights):
+        the copy makes its own (see `PagedLanguageModel.native_decode`)."""
         return (type(None), ())
+
+    def _address(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        alias = tensor.detach()  # the same storage, whatever becomes of `tensor` itself
+        self.kept.append(alias)
+        return alias.data_ptr()
+
+    def _matrix(self, weight: torch.Tensor) -> _Matrix:
+        return _Matrix(self._address(weight), F32, _out_in(weight), *weight.shape)
+
+    def _block(self, block: Block) -> _Block:
+        params = _PARAMS[block.mixer.kind](self, block.mixer)
+        self.kept.append(params)
+        return _Block(
+            block.mixer.kind,
+            self._address(block.norm),
+            self._address(block.out_norm),
+            ctypes.addressof(params),
+        )
+
+    def _model(self, stack: Stack) -> _Model:
+        embedding = stack.embedding
+        return _Model(
+            self._address(embedding),
+            embedding.stride(0),
+            embedding.stride(1),
+            stack.embedding_scale,
+            self._address(stack.final_norm),
+            (ctypes.c_void_p * MAX_TABLES)(*map(self._address, stack.inv_freqs)),
+            self._address(stack.section.to(torch.int32).contiguous()),
+            stack.hidden,
+            len(stack.inv_freqs),
+            2 * stack.section.shape[0],
+            stack.eps,
+        )
 
     def supports(
         self, input_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], metadata
     ) -> bool:
         """Whether this step can run here: on CPU, each row the single new token of its own
-        request (a step of decodes only), no more than `MAX_ROWS`, a float32 KV cache."""
+        request (a step of decodes only), no more than `MAX_ROWS`, float32 KV caches of the
+        blocks' shapes."""
         rows = input_ids.shape[0]
         return (
             input_ids.is_cpu
@@ -272,9 +296,27 @@ class CpuDecoder:
             and metadata.mm_ranges is None
             and metadata.block_tables.dtype == metadata.seq_lens.dtype == torch.int32
             and metadata.slot_mapping.dtype == torch.int64
-            and kv_caches[0].dtype == torch.float32
-            and kv_caches[0].shape[2] <= MAX_BLOCK_SIZE
-            and all(cache.is_contiguous() for cache in kv_caches)
+            and self._caches_fit(kv_caches)
+        )
+
+    def _caches_fit(self, kv_caches: Sequence[torch.Tensor]) -> bool:
+        if not self.num_kv_caches:
+            return True
+        if len(kv_caches) < self.num_kv_caches:
+            return False
+        num_blocks, block_size = kv_caches[0].shape[1:3]
+        expected = self.cache_shapes.get((num_blocks, block_size))
+        if expected is None:
+            expected = [
+                (index, (2, num_blocks, block_size, *heads))
+                for index, heads in self.cache_heads.items()
+            ]
+            self.cache_shapes[num_blocks, block_size] = expected
+        return block_size <= MAX_BLOCK_SIZE and all(
+            kv_caches[index].dtype == torch.float32
+            and kv_caches[index].is_contiguous()
+            and kv_caches[index].shape == shape
+            for index, shape in expected
         )
 
     def __call__(
@@ -292,70 +334,90 @@ class CpuDecoder:
         positions = positions.to(torch.int64)
         if positions.stride(1) != 1:
             positions = positions.contiguous()
-        addresses = tuple(cache.data_ptr() for cache in kv_caches)
+        addresses = tuple(cache.data_ptr() for cache in kv_caches[: self.num_kv_caches])
         if addresses != self.kv_caches:
-            for slot, address in zip(self.layers, addresses, strict=True):
-                slot.kv_cache = address
             self.kv_caches = addresses
-        threads = torch.get_num_threads()
-        qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        needed = rows * (
-            3 * self.hidden
-            + 2 * len(self.inv_freqs) * self.head_dim
-            + qkv_width
-            + self.num_heads * self.head_dim
-            + 2 * self.intermediate
-            + self.num_heads * threads * (self.head_dim + 2)
-            + threads * max(qkv_width, self.hidden, 2 * self.intermediate)
-        )
-        if self.scratch.numel() < needed:
-            self.scratch = torch.empty(needed)
+            self.kv_cache_array = (ctypes.c_void_p * len(addresses))(*addresses)
         block_tables = metadata.block_tables
         if block_tables.stride(1) != 1:
             block_tables = block_tables.contiguous()
         seq_lens = metadata.seq_lens.contiguous()
         slot_mapping = metadata.slot_mapping.contiguous()
-        cache = kv_caches[0]
-        shape = _Shape(
-            self.hidden,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.intermediate,
-            cache.shape[1],
-            cache.shape[2],
-            block_tables.stride(0),
+        step = _Step(
+            rows,
+            torch.get_num_threads(),
+            input_ids.data_ptr(),
+            positions.data_ptr(),
             positions.stride(0),
-            self.eps,
-            self.scale,
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            slot_mapping.data_ptr(),
+            ctypes.addressof(self.kv_cache_array),
+            len(addresses),
+            *(kv_caches[0].shape[1:3] if addresses else (0, 0)),  # blocks, block size
         )
+        self._fit_scratch(step)
         out = torch.empty(rows, self.hidden)
         status = self.library.decode_step(
             ctypes.byref(self.model),
-            self.layers,
-            len(self.layers),
-            ctypes.byref(shape),
-            rows,
-            threads,
-            *(
-                ctypes.c_void_p(tensor.data_ptr())
-                for tensor in (
-                    input_ids,
-                    positions,
-                    block_tables,
-                    seq_lens,
-                    slot_mapping,
-                    self.scratch,
-                    out,
-                )
-            ),
+            self.blocks,
+            len(self.blocks),
+            ctypes.byref(step),
+            ctypes.c_void_p(self.scratch.data_ptr()),
+            ctypes.c_void_p(out.data_ptr()),
         )
         if status:
             raise RuntimeError(f"native decode rejected its inputs (status {status})")
         return out
 
+    def _fit_scratch(self, step: _Step) -> None:
+        """Grow the scratch to what the kernel needs for the step's rows and threads."""
+        key = step.rows, step.threads
+        needed = self.scratch_sizes.get(key)
+        if needed is None:
+            needed = self.library.scratch_floats(
+                ctypes.byref(self.model), self.blocks, len(self.blocks), ctypes.byref(step)
+            )
+            self.scratch_sizes[key] = needed
+        if self.scratch.numel() < needed:
+            self.scratch = torch.empty(needed)
 
-def _float32_cpu(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype != torch.float32 or not tensor.is_cpu:
-        raise ValueError(f"{name} must be a float32 CPU tensor, got {tensor.dtype}")
-    return tensor
+
+def _attention_params(decoder: CpuDecoder, mixer: Attention) -> _Attention:
+    return _Attention(
+        decoder._matrix(mixer.qkv_weight),
+        decoder._matrix(mixer.o_weight),
+        decoder._address(mixer.qkv_bias),
+        decoder._address(mixer.qk_norm),
+        mixer.num_heads,
+        mixer.num_kv_heads,
+        mixer.head_dim,
+        mixer.window,
+        mixer.table,
+        mixer.cache,
+        mixer.scale,
+        mixer.soft_cap,
+    )
+
+
+def _gated_mlp_params(decoder: CpuDecoder, mixer: GatedMlp) -> _GatedMlp:
+    return _GatedMlp(
+        decoder._matrix(mixer.gate_up_weight), decoder._matrix(mixer.down_weight), mixer.activation
+    )
+
+
+_PARAMS = {Kind.ATTENTION: _attention_params, Kind.GATED_MLP: _gated_mlp_params}
+
+
+def _cache_heads(stack: Stack) -> dict[int, tuple[int, int]]:
+    """(Hkv, D) of each KV cache the attention blocks use, by cache index; each cache is one
+    block's own."""
+    heads = {}
+    for block in stack.blocks:
+        mixer = block.mixer
+        if isinstance(mixer, Attention):
+            if mixer.cache in heads:
+                raise ValueError(f"KV cache {mixer.cache} is used by two attention blocks")
+            heads[mixer.cache] = (mixer.num_kv_heads, mixer.head_dim)
+    return heads

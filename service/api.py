@@ -6,7 +6,8 @@ on the calling thread; the server instead hands the engine to an `AsyncEngine` (
 and calls only `encode` from its encode worker. The pipeline and the engine are not
 thread-safe, so each sits behind its own lock. `describe_video` keeps one `VideoLLM` per model.
 
-Describe prunes with EVS rate 0.75 unless told otherwise (see `DEFAULT_EVS`).
+Without an `evs` of its own, a description prunes with the `VideoLLM`'s default: what it was
+built with (`evs=`), else the checkpoint's own pruning rate, else rate 0.75 (`evs_default`).
 """
 
 from __future__ import annotations
@@ -26,18 +27,16 @@ from stillcut.engine.llm_engine import LLMEngine, RequestOutput
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.processor import Prompt
 from stillcut.engine.request import SamplingParams
-from stillcut.kernels.evs import EVSConfig
 from stillcut.service.async_engine import AsyncEngine
+from stillcut.service.evs_default import DEFAULT_EVS, UNSET, EVSChoice, resolve_evs_default
+from stillcut.service.media_budget import MediaBudget, check_media_budget, media_identity
 from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import ImageInput, VideoInput, VideoSource, VisionPipeline
 
+__all__ = ["DEFAULT_EVS", "DEFAULT_PROMPT", "VideoLLM", "describe_video"]
 DEFAULT_PROMPT = "Describe this video."
-# Rate mode bounds a clip's token count (and so its KV and admission cost) whatever its
-# content, and 0.75 is the pruning the EVS paper reports as nearly free in accuracy. A
-# threshold is in units of the model's embedding dissimilarity, so it needs tuning per model.
-DEFAULT_EVS = EVSConfig(mode="rate", rate=0.75)
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 # A bounded KV pool: the engine's own default takes half the free memory, too much for a tool.
@@ -57,9 +56,12 @@ class VideoLLM:
         decode_config: DecodeConfig = DecodeConfig(),
         encoder_cache_bytes: int = 1 << 30,
         name: str | None = None,
+        evs: EVSChoice = UNSET,
     ) -> None:
         """`model` is a checkpoint folder or hub id; None is the trained demo checkpoint shipped
-        with the package. `name` is the id the server reports (default: the folder name)."""
+        with the package. `name` is the id the server reports (default: the folder name). `evs`
+        is the EVS setting of requests that name none (None: off; default: the checkpoint's own
+        rate, else rate 0.75)."""
         from stillcut.engine.factory import demo_checkpoint
 
         self.engine = LLMEngine(demo_checkpoint() if model is None else model, engine_config)
@@ -72,16 +74,28 @@ class VideoLLM:
             cache_bytes=encoder_cache_bytes,
         )
         self.processor = self.engine.processor
+        self.evs_default = resolve_evs_default(self.engine.model_config, evs)
         self.is_random_demo = bool(self.engine.model_config.raw.get("stillcut_random_weights"))
         self.name = name or (DEMO_MODEL_NAME if model is None else _model_name(model))
         self._vision_lock = threading.Lock()
         self._engine_lock = threading.Lock()
         self._async_engine: AsyncEngine | None = None
 
-    def encode(self, inputs: Sequence[VideoInput | ImageInput]) -> list[MultiModalItem]:
-        """Decode, encode and prune media (thread-safe; one pipeline call at a time)."""
+    def encode(
+        self, inputs: Sequence[VideoInput | ImageInput], *, budget: MediaBudget | None = None
+    ) -> list[MultiModalItem]:
+        """Decode, encode and prune media (thread-safe; one pipeline call at a time). Repeats
+        of one input are decoded and encoded once. With a `budget`, what the media will cost
+        is worked out from their headers first, and media over it are refused before a frame
+        is decoded (the engine's `TooManyVisualTokens` / `RequestTooLong`)."""
+        specs = list(inputs)
+        distinct = {media_identity(spec): spec for spec in specs}
         with self._vision_lock:
-            return self.pipeline.encode(list(inputs))
+            if budget is not None:
+                check_media_budget(self.pipeline, specs, budget)
+            items = self.pipeline.encode(list(distinct.values()))
+        encoded = dict(zip(distinct, items, strict=True))
+        return [encoded[media_identity(spec)] for spec in specs]
 
     def start_async(self, *, max_queue: int = 64) -> AsyncEngine:
         """Hand the engine to a background `AsyncEngine`; `describe` is refused from then on."""
@@ -103,7 +117,7 @@ class VideoLLM:
         videos: Sequence[VideoSource],
         prompt: str = DEFAULT_PROMPT,
         *,
-        evs: EVSConfig | None = DEFAULT_EVS,
+        evs: EVSChoice = UNSET,
         max_tokens: int = DEFAULT_MAX_TOKENS,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -119,10 +133,14 @@ class VideoLLM:
         progress: bool = False,
     ) -> list[DescribeResult]:
         """Describe several videos with one prompt; they are encoded one after another and
-        generated together. `evs=None` keeps every token. `fps`, `start`, `end` and
-        `max_frames` apply to files; a frame array is taken as sampled at `frames_fps`
-        (or at `timestamps`). `progress` shows bars on stderr."""
+        generated together. `evs=None` keeps every token; without `evs`, `evs_default`
+        applies. `fps`, `start`, `end` and `max_frames` apply to files; a frame array is taken
+        as sampled at `frames_fps` (or at `timestamps`). `progress` shows bars on stderr."""
         arrival = time.monotonic()
+        if isinstance(evs, str):
+            if evs != UNSET:
+                raise ValueError(f"evs={evs!r}: give an EVSConfig, None (off) or {UNSET!r}")
+            evs = self.evs_default.evs
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,

@@ -1,9 +1,10 @@
 """The FastAPI app: routes, error handling, and the objects that live as long as the server.
 
 `create_app(llm, config)` wires the endpoints to one `VideoLLM`. At startup its engine goes to
-a background `AsyncEngine` and an `EncodeWorker` takes the vision pipeline; at shutdown
-in-flight requests get `shutdown_timeout_s` to finish, then are aborted. Every error leaves as
-the one JSON shape of `errors`, with the request's id.
+a background `AsyncEngine`, one `Worker` takes the vision pipeline and another tokenizes
+prompts; at shutdown in-flight requests get `shutdown_timeout_s` to finish, then are aborted.
+Every error leaves as the one JSON shape of `errors`, with the request's id; a client that
+hung up is logged once, as 499.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from stillcut.service.api import VideoLLM
@@ -23,13 +24,13 @@ from stillcut.service.async_engine import EngineStats
 from stillcut.service.chat_route import chat_endpoint, models_endpoint
 from stillcut.service.config import ServerConfig
 from stillcut.service.describe_route import describe_endpoint
-from stillcut.service.encode_worker import EncodeWorker
-from stillcut.service.errors import APIError, api_error
+from stillcut.service.errors import APIError, ClientGone, api_error
 from stillcut.service.metrics import CONTENT_TYPE, ServiceMetrics
 from stillcut.service.middleware import RequestContextMiddleware
 from stillcut.service.page_routes import add_page_routes
-from stillcut.service.state import ClientGone, ServiceState, record_of
+from stillcut.service.state import ServiceState, record_of
 from stillcut.service.stream_route import stream_endpoint
+from stillcut.service.worker import Worker
 
 _HTTP_ERRORS = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "bad_method")}
 
@@ -40,19 +41,23 @@ def create_app(llm: VideoLLM, config: ServerConfig = ServerConfig()) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = llm.start_async(max_queue=config.max_queue)
-        encoder = EncodeWorker(llm.encode, max_pending=config.max_queue)
+        encoder = Worker("encode", max_pending=config.max_queue)
+        prompter = Worker("prompt", max_pending=config.max_queue)
         timeout = httpx.Timeout(config.fetch_timeout_s)
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as http:
-            app.state.service = ServiceState(llm, engine, encoder, config, metrics, http)
+            app.state.service = ServiceState(llm, engine, encoder, prompter, config, metrics, http)
             try:
                 yield
             finally:
                 timeout_s = config.shutdown_timeout_s
                 await asyncio.to_thread(engine.shutdown, graceful=True, timeout=timeout_s)
-                await asyncio.to_thread(encoder.shutdown)
+                for worker in (encoder, prompter):
+                    await asyncio.to_thread(worker.shutdown)
 
     app = FastAPI(title="stillcut", lifespan=lifespan, docs_url=None, redoc_url=None)
-    metrics = ServiceMetrics(lambda: _engine_stats(app), lambda: _encoder_pending(app))
+    metrics = ServiceMetrics(
+        lambda: _engine_stats(app), lambda: _encoder_pending(app), lambda: llm.pipeline.work
+    )
     app.add_api_route("/v1/videos/describe", describe_endpoint, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_endpoint, methods=["POST"])
     app.add_api_route("/v1/models", models_endpoint, methods=["GET"])
@@ -66,10 +71,11 @@ def create_app(llm: VideoLLM, config: ServerConfig = ServerConfig()) -> FastAPI:
     add_page_routes(app)
     for kind in (APIError, ValueError, RuntimeError, TimeoutError, HTTPException, Exception):
         app.add_exception_handler(kind, _error_response)
-    app.add_exception_handler(ClientGone, lambda request, error: Response(status_code=499))
+    for gone in (ClientGone, ClientDisconnect):
+        app.add_exception_handler(gone, lambda request, error: Response(status_code=499))
     known_paths = frozenset(route.path for route in app.routes)
     app.add_middleware(
-        RequestContextMiddleware, api_key=config.api_key, metrics=metrics, known_paths=known_paths
+        RequestContextMiddleware, config=config, metrics=metrics, known_paths=known_paths
     )
     return app
 
@@ -84,9 +90,10 @@ async def health_endpoint(request: Request) -> Response:
         "model": state.llm.name,
         "kv_blocks_used": stats.num_blocks_used,
         "kv_blocks_total": stats.num_blocks,
-        "requests_waiting": stats.num_waiting + state.encoder.num_pending,
+        "requests_waiting": stats.num_waiting + state.num_jobs_pending,
         "requests_running": stats.num_running,
         "live_sessions": state.live_sessions,
+        "evs_default": state.llm.evs_default.to_dict(),
     }
     return JSONResponse(body, status_code=200 if running else 503)
 
@@ -111,4 +118,4 @@ def _engine_stats(app: FastAPI) -> EngineStats:
 
 def _encoder_pending(app: FastAPI) -> int:
     state = getattr(app.state, "service", None)
-    return state.encoder.num_pending if state is not None else 0
+    return state.num_jobs_pending if state is not None else 0

@@ -4,12 +4,13 @@ A request's messages become the prompt processor's messages, with each `video_ur
 `image_url` part replaced by a `{"type": "video"}` / `{"type": "image"}` placeholder and its
 URL collected, in order, for the media loader. Sampling fields map onto `SamplingParams`;
 stillcut's extras (`evs`, `fps`, `max_frames`, `top_k`, `min_p`, `repetition_penalty`) sit
-in the same body. Fields we do not support are refused (400), never silently ignored.
+in the same body, and `chat_template_kwargs` (extra chat-template variables, e.g.
+`{"enable_thinking": false}`) as in vLLM. Fields we do not support are refused (400), never
+silently ignored.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,9 +18,10 @@ from typing import Any
 
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
-from stillcut.service.api import DEFAULT_EVS, DEFAULT_MAX_TOKENS
-from stillcut.service.errors import bad_request
+from stillcut.service.api import DEFAULT_MAX_TOKENS
+from stillcut.service.errors import bad_request, shown
 from stillcut.service.media import MediaKind
+from stillcut.service.request_limits import JSONTooDeep, check_stop, loads_json
 from stillcut.vision.decode import DecodeConfig
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -40,6 +42,7 @@ _FIELDS = {
     *_IGNORED_FIELDS,
     *("model", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream"),
     *("stream_options", "logprobs", "top_logprobs", "evs", "fps", "max_frames"),
+    "chat_template_kwargs",
 }
 _EVS_FIELDS = ("mode", "rate", "threshold", "max_per_tubelet", "floor")
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", dict: "an object"}
@@ -68,13 +71,17 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     logprobs: bool
+    template_kwargs: dict[str, Any] | None = None
 
 
-def parse_chat_request(body: bytes) -> ChatRequest:
-    """Parse and check a request body; `APIError` (400) says what is wrong."""
+def parse_chat_request(body: bytes, default_evs: EVSConfig | None) -> ChatRequest:
+    """Parse and check a request body; `APIError` (400) says what is wrong. A request without
+    `evs` gets `default_evs`."""
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as error:
+        data = loads_json(body)
+    except JSONTooDeep as error:
+        raise bad_request(f"the body is refused: {error}", "json_too_deep") from None
+    except ValueError as error:  # UnicodeDecodeError included
         raise bad_request(f"the body is not valid JSON: {error}", "invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object", "invalid_json")
@@ -84,7 +91,7 @@ def parse_chat_request(body: bytes) -> ChatRequest:
             f"unsupported parameter(s): {', '.join(unknown)}", "unsupported_parameter"
         )
     if data.get("n", 1) != 1:
-        raise bad_request(f"n={data['n']!r}: only n=1 is supported", "unsupported_parameter")
+        raise bad_request(f"n={shown(data['n'])}: only n=1 is supported", "unsupported_parameter")
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "invalid_type")
@@ -97,21 +104,22 @@ def parse_chat_request(body: bytes) -> ChatRequest:
         messages=messages,
         media=media,
         params=_sampling_params(data, logprobs),
-        evs=parse_evs(data.get("evs", "default"), "evs"),
+        evs=parse_evs(data.get("evs", "default"), "evs", default_evs),
         **check_sampling_rate(
             _optional(data, "fps", float, None), _optional(data, "max_frames", int, None)
         ),
         stream=stream,
         include_usage=_optional(stream_options, "include_usage", bool, True),
         logprobs=logprobs,
+        template_kwargs=_optional(data, "chat_template_kwargs", dict, None),
     )
 
 
-def parse_evs(value: Any, where: str) -> EVSConfig | None:
-    """`"default"` (the server's default), `"off"` / None (keep all), or an object with
+def parse_evs(value: Any, where: str, default: EVSConfig | None) -> EVSConfig | None:
+    """`"default"` (the server's `default`), `"off"` / None (keep all), or an object with
     `mode` and that mode's fields, e.g. `{"mode": "threshold", "threshold": 0.1}`."""
     if value == "default":
-        return DEFAULT_EVS
+        return default
     if value is None or value == "off":
         return None
     if not isinstance(value, Mapping):
@@ -153,11 +161,11 @@ def sampling_params(fields: Mapping[str, Any], max_tokens: Any, stop: Any, logpr
     try:
         return SamplingParams(
             max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
-            stop=tuple(stop),
+            stop=check_stop(tuple(stop)),
             logprobs=logprobs,
             **fields,
         )
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         raise bad_request(str(error), "invalid_parameter") from None
 
 
@@ -183,10 +191,11 @@ def _messages(raw: Any) -> tuple[list[dict[str, Any]], list[MediaPart]]:
         where = f"messages[{index}]"
         if not isinstance(message, dict):
             raise bad_request(f"{where} must be an object", "invalid_messages")
-        role = _ROLES.get(message.get("role"))
+        raw_role = message.get("role")
+        role = _ROLES.get(raw_role) if isinstance(raw_role, str) else None
         if role is None:
             raise bad_request(
-                f"{where}.role={message.get('role')!r}: allowed {', '.join(_ROLES)}",
+                f"{where}.role={shown(raw_role)}: allowed {', '.join(_ROLES)}",
                 "invalid_messages",
             )
         content = message.get("content")
@@ -208,7 +217,7 @@ def _part(part: Any, where: str, media: list[MediaPart]) -> dict[str, Any]:
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{where}.text must be a string", "invalid_messages")
         return {"type": "text", "text": part["text"]}
-    if kind in _MEDIA_PARTS:
+    if isinstance(kind, str) and kind in _MEDIA_PARTS:
         target = part.get(kind)
         url = target.get("url") if isinstance(target, dict) else None
         if not isinstance(url, str):
@@ -216,7 +225,7 @@ def _part(part: Any, where: str, media: list[MediaPart]) -> dict[str, Any]:
         media.append(MediaPart(_MEDIA_PARTS[kind], url, f"{where}.{kind}.url"))
         return {"type": _MEDIA_PARTS[kind]}
     allowed = ", ".join(("text", *_MEDIA_PARTS))
-    raise bad_request(f"{where}.type={kind!r}: allowed {allowed}", "invalid_messages")
+    raise bad_request(f"{where}.type={shown(kind)}: allowed {allowed}", "invalid_messages")
 
 
 def _optional(data: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
@@ -226,7 +235,7 @@ def _optional(data: Mapping[str, Any], key: str, kind: type, default: Any) -> An
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise bad_request(f"{key} must be {_TYPE_NAMES[kind]}, got {value!r}", "invalid_type")
+        raise bad_request(f"{key} must be {_TYPE_NAMES[kind]}, got {shown(value)}", "invalid_type")
     if kind is float and not math.isfinite(value):
         raise bad_request(f"{key} must be finite, got {value!r}", "invalid_type")
     return value

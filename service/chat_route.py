@@ -2,20 +2,26 @@
 
 A chat request's media (`video_url` / `image_url` parts) are fetched or decoded from their
 URLs, encoded together on the encode worker, and placed in the conversation where their
-parts were; earlier assistant turns are part of the prompt like any other message.
+parts were; a URL that appears several times is fetched and encoded once. Earlier assistant
+turns are part of the prompt like any other message; the prompt is tokenized off the event
+loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from stillcut.service.chat_request import ChatRequest, parse_chat_request
-from stillcut.service.media import read_body, resolve_media_url, unsupported_type
+from stillcut.service.media import read_body, unsupported_type
+from stillcut.service.media_url import resolve_media_url
 from stillcut.service.openai_format import ChatFormatter
+from stillcut.service.reasoning import ThinkSplitter
+from stillcut.service.request_limits import check_media_count, checked_sampling
 from stillcut.service.result import evs_summary
 from stillcut.service.sse import sse_response
 from stillcut.service.state import (
@@ -43,6 +49,7 @@ async def models_endpoint(request: Request) -> Response:
         "created": int(state.started),
         "owned_by": "stillcut",
         "max_model_len": state.llm.engine.config.scheduler.max_model_len,
+        "evs_default": state.llm.evs_default.to_dict(),
     }
     return JSONResponse({"object": "list", "data": [model]})
 
@@ -56,8 +63,9 @@ async def chat_endpoint(request: Request) -> Response:
             f"Content-Type {content_type or '(none)'!r} is not supported; send application/json"
         )
     body = await read_body(request, chat_body_limit(state.config.max_upload_bytes))
-    chat = parse_chat_request(body)
+    chat = parse_chat_request(body, state.llm.evs_default.evs)
     state.check_model(chat.model)
+    check_media_count(len(chat.media), state.config)
     async with asyncio.timeout(budget):
         return await until_disconnect(request, _complete(request, state, chat, budget))
 
@@ -67,25 +75,37 @@ async def _complete(
 ) -> Response:
     record = record_of(request)
     config = state.config
-    inputs = []
-    for part in chat.media:
-        source = await resolve_media_url(part.url, part.kind, part.where, config, state.http)
-        if part.kind == "image":
-            inputs.append(ImageInput(source))
-        else:
-            inputs.append(
-                VideoInput(source, evs=chat.evs, fps=chat.fps, max_frames=chat.max_frames)
+    sampling = checked_sampling(chat.fps, chat.max_frames, config, state.llm.pipeline.decode_config)
+    sources: dict[tuple[str, str], bytes | Path] = {}
+    for part in chat.media:  # a URL given twice is fetched once
+        if (part.kind, part.url) not in sources:
+            sources[part.kind, part.url] = await resolve_media_url(
+                part.url, part.kind, part.where, config, state.http
             )
-    items = await state.encode(inputs, record) if inputs else []
-    prompt = state.llm.processor.build(chat.messages, items)
+    inputs = [
+        ImageInput(sources[part.kind, part.url])
+        if part.kind == "image"
+        else VideoInput(sources[part.kind, part.url], evs=chat.evs, **sampling)
+        for part in chat.media
+    ]
+    items = await state.encode(inputs, chat.params.max_tokens, record) if inputs else []
+    processor = state.llm.processor
+    prompt = await state.build_prompt(
+        lambda: processor.build(chat.messages, items, chat.template_kwargs)
+    )
     setting = "off" if chat.evs is None or chat.evs.is_off else chat.evs.key()
     formatter = ChatFormatter(
         request_id=record.request_id,
         model=state.llm.name,
-        tokenizer=state.llm.processor.tokenizer,
+        tokenizer=processor.tokenizer,
         logprobs=chat.logprobs,
         include_usage=chat.include_usage,
         evs=evs_summary(items, setting) if any(i.kind == "video" for i in items) else None,
+        reasoning=(
+            ThinkSplitter.for_prompt(processor.tokenizer, prompt.token_ids)
+            if config.reasoning_parser == "think"
+            else None
+        ),
     )
     outputs = state.generate(prompt, chat.params, items, record)
     first = await anext(outputs)

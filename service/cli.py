@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_EVS_RATE = 0.75
 RANDOM_WEIGHTS_NOTICE = (
     "note: this checkpoint has random weights: decoding, token counts and EVS numbers "
     "are real, generated words would not be"
@@ -44,12 +43,17 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-frames", type=int, default=64, help="frame cap (default 64)")
     parser.add_argument("--start", type=float, help="start of the range, seconds")
     parser.add_argument("--end", type=float, help="end of the range, seconds")
+    add_evs_arguments(parser)
+
+
+def add_evs_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--evs-rate`, `--evs-threshold`, `--no-evs`: the EVS setting when none is asked for."""
     evs = parser.add_mutually_exclusive_group()
     evs.add_argument(
         "--evs-rate",
         type=float,
         default=None,
-        help=f"EVS pruning rate q in [0, 1) (default {DEFAULT_EVS_RATE})",
+        help="EVS pruning rate q in [0, 1) (default: the checkpoint's own rate, else 0.75)",
     )
     evs.add_argument("--evs-threshold", type=float, help="causal EVS threshold tau in [0, 2]")
     evs.add_argument("--no-evs", action="store_true", help="keep every token")
@@ -65,32 +69,37 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evs_config(args: argparse.Namespace):
-    """The EVS setting the command line asks for (None: EVS off)."""
+    """The EVS setting the command line asks for: an `EVSConfig`, None (EVS off), or
+    `evs_default.UNSET` when no flag was given."""
     from stillcut.kernels.evs import EVSConfig
+    from stillcut.service.evs_default import UNSET
 
     if args.no_evs:
         return None
     if args.evs_threshold is not None:
         return EVSConfig(mode="threshold", threshold=args.evs_threshold)
-    rate = DEFAULT_EVS_RATE if args.evs_rate is None else args.evs_rate
-    return EVSConfig(mode="rate", rate=rate)
+    if args.evs_rate is not None:
+        return EVSConfig(mode="rate", rate=args.evs_rate)
+    return UNSET
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from stillcut.engine.factory import demo_checkpoint
+    from stillcut.service.evs_default import resolve_evs_default
     from stillcut.vision.decode import DecodeConfig
     from stillcut.vision.pipeline import VisionPipeline
 
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
-    evs = evs_config(args)
+    choice = evs_config(args)
     model = args.model or demo_checkpoint()
     started = time.perf_counter()
     pipeline = VisionPipeline(
         model, decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames)
     )
     load_s = time.perf_counter() - started
-    item = pipeline.video(args.video, evs=evs, start=args.start, end=args.end)
+    evs = resolve_evs_default(pipeline.model_config, choice)
+    item = pipeline.video(args.video, evs=evs.evs, start=args.start, end=args.end)
     report = _report(args, pipeline, item, evs, load_s)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -124,7 +133,8 @@ def _report(args, pipeline, item, evs, load_s: float) -> dict:
         "token_grid_thw": list(item.llm_grid),
         "second_per_grid_ts": item.second_per_grid_ts,
         "evs": {
-            "setting": evs.key() if evs else "off",
+            "setting": evs.setting,
+            "source": evs.source,
             "tokens_total": stats["tokens_total"],
             "tokens_kept": stats["tokens_kept"],
             "kept_per_tubelet": list(item.kept_per_tubelet),
@@ -158,8 +168,8 @@ def _print_report(report: dict) -> None:
         ("tokens", f"{lt * lh * lw} video tokens = {lt} tubelets x {lh}x{lw} after 2x2 merge"),
         (
             "EVS",
-            f"{evs['setting']}: kept {evs['tokens_kept']} of {evs['tokens_total']} "
-            f"({kept_share:.0%})",
+            f"{evs['setting']} ({evs['source']}): kept {evs['tokens_kept']} of "
+            f"{evs['tokens_total']} ({kept_share:.0%})",
         ),
         ("per tubelet", " ".join(str(n) for n in evs["kept_per_tubelet"])),
         (

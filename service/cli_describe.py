@@ -43,14 +43,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
-    evs = evs_config(args)
+    decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames)
     started = time.perf_counter()
-    llm = VideoLLM(args.model, decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames))
+    llm = VideoLLM(args.model, decode_config=decode_config, evs=evs_config(args))
     load_s = time.perf_counter() - started
     result = llm.describe(
         args.video,
         args.prompt,
-        evs=evs,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,

@@ -13,7 +13,6 @@ with `stream=true` server-sent events: `{"type": "token", "text"}` per piece of 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from stillcut.service.chat_request import check_sampling_rate, parse_evs, sampli
 from stillcut.service.errors import bad_request
 from stillcut.service.frames_view import frames_view, thumbnails
 from stillcut.service.media import check_content_type, read_upload_form
+from stillcut.service.request_limits import JSONTooDeep, checked_sampling, loads_json
 from stillcut.service.result import describe_result
 from stillcut.service.sse import sse_response
 from stillcut.service.state import (
@@ -83,11 +83,18 @@ async def describe_endpoint(request: Request) -> Response:
     budget = seconds_left(request, state.config)
     form = await read_upload_form(request, state.config)
     try:
-        checked = await _check_form(form)
+        checked = await _check_form(form, state.llm.evs_default.evs)
     finally:
         await form.close()
     state.check_model(checked.model)
-    spec = VideoInput(checked.data, evs=checked.evs, **checked.video)
+    decode_defaults = state.llm.pipeline.decode_config
+    video = {
+        **checked.video,
+        **checked_sampling(
+            checked.video["fps"], checked.video["max_frames"], state.config, decode_defaults
+        ),
+    }
+    spec = VideoInput(checked.data, evs=checked.evs, **video)
     setting = "off" if checked.evs is None or checked.evs.is_off else checked.evs.key()
 
     frames: dict = {}
@@ -98,12 +105,15 @@ async def describe_endpoint(request: Request) -> Response:
         return {**meta, "created": int(time.time()), **result, **frames}
 
     async def run() -> Response:
-        items = await state.encode([spec], record)
+        items = await state.encode([spec], checked.params.max_tokens, record)
         if checked.include_frames:
-            decode_config = state.llm.pipeline.decode_config
-            thumbs = await asyncio.to_thread(thumbnails, checked.data, decode_config, checked.video)
+            work = state.llm.pipeline.work
+            thumbs = await state.encoder.run(
+                lambda: thumbnails(checked.data, decode_defaults, video, work)
+            )
             frames["frames"] = frames_view(items[0], thumbs)
-        prompt = state.llm.processor.build_text(checked.prompt, items)
+        processor = state.llm.processor
+        prompt = await state.build_prompt(lambda: processor.build_text(checked.prompt, items))
         outputs = state.generate(prompt, checked.params, items, record)
         first = await anext(outputs)
         if not checked.stream:
@@ -128,7 +138,7 @@ async def describe_endpoint(request: Request) -> Response:
         return await until_disconnect(request, run())
 
 
-async def _check_form(form: FormData) -> DescribeForm:
+async def _check_form(form: FormData, default_evs: EVSConfig | None) -> DescribeForm:
     unknown = sorted(set(form.keys()) - _FIELDS)
     if unknown:
         raise bad_request(f"unknown form field(s): {', '.join(unknown)}", "unsupported_parameter")
@@ -144,8 +154,10 @@ async def _check_form(form: FormData) -> DescribeForm:
     evs_text = _text(form, "evs")
     try:
         evs = (
-            "default" if evs_text is None else "off" if evs_text == "off" else json.loads(evs_text)
+            "default" if evs_text is None else "off" if evs_text == "off" else loads_json(evs_text)
         )
+    except JSONTooDeep as error:
+        raise bad_request(f"evs: {error}", "json_too_deep") from None
     except ValueError:
         raise bad_request(
             'evs must be JSON such as {"mode": "rate", "rate": 0.75}, or "off"', "invalid_evs"
@@ -154,7 +166,7 @@ async def _check_form(form: FormData) -> DescribeForm:
         data=await upload.read(),
         prompt=_text(form, "prompt") or DEFAULT_PROMPT,
         model=_text(form, "model"),
-        evs=parse_evs(evs, "evs"),
+        evs=parse_evs(evs, "evs", default_evs),
         params=params,
         video={
             **check_sampling_rate(numbers["fps"], numbers["max_frames"]),

@@ -3,14 +3,17 @@
 Errors are OpenAI-style, `{"error": {"message", "type", "code", "request_id"}}`. A handler
 raises `APIError` for what it checks itself; `api_error` maps the library's exceptions:
 media over a limit is 413, media that is not a (supported) video 415, media that cannot be
-decoded 422, a prompt over `max_model_len` or with too many visual tokens 400, a full queue
-503 with `Retry-After`, a missed deadline 504. Anything else is a 500 whose message hides the
-internals (they go to the log).
+decoded (or has an aspect ratio the model cannot take) 422, a prompt over `max_model_len` or
+with too many visual tokens 400, a full queue 503 with `Retry-After`, a missed deadline 504.
+Anything else is a 500 whose message hides the internals (they go to the log). Messages never
+carry an object's repr (`<_io.BytesIO object at 0x...>`): they name what was wrong, not where
+it sat in memory.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 from stillcut.engine.admission import (
     BidirectionalItemTooLong,
@@ -21,8 +24,14 @@ from stillcut.engine.admission import (
 from stillcut.engine.processor import PromptError
 from stillcut.service.async_engine import EngineStopped, QueueFull
 from stillcut.vision import errors as video_errors
+from stillcut.vision.preprocess import AspectRatioError
 
 logger = logging.getLogger("stillcut.service")
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
 
 
 class APIError(Exception):
@@ -37,6 +46,7 @@ class APIError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        message = client_message(message)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -47,6 +57,17 @@ class APIError(Exception):
     def body(self, request_id: str | None) -> dict:
         error = {"message": self.message, "type": self.type, "code": self.code}
         return {"error": {**error, "request_id": request_id}}
+
+
+def client_message(message: str) -> str:
+    """`message` with any object repr (it names a heap address) replaced by "<object>"."""
+    return _OBJECT_REPR.sub("<object>", message)
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """A client's value as a message shows it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def bad_request(message: str, code: str = "invalid_request") -> APIError:
@@ -70,6 +91,7 @@ _VIDEO_STATUS = (  # most specific first
     (video_errors.UnsupportedCodec, 415, "unsupported_media_type", "unsupported_codec"),
     (video_errors.InvalidTimeRange, 400, "invalid_request_error", "invalid_time_range"),
     (video_errors.VideoError, 422, "unprocessable_media", "unreadable_media"),
+    (AspectRatioError, 422, "unprocessable_media", "unsupported_aspect_ratio"),
 )
 _REQUEST_STATUS = (
     (RequestTooLong, 400, "context_length_exceeded"),

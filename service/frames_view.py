@@ -2,15 +2,16 @@
 merged-grid tokens EVS kept.
 
 The item does not keep its frames, so the thumbnails come from decoding the upload again with
-the same sampling; the decode is deterministic, so frame k here is frame k the model saw. Frame
-k belongs to grid step k // frames_per_tubelet, read off the item: Qwen's tubelets cover two
-frames (the last one padded), Gemma 3's grid has one step per frame.
+the same sampling (on the encode worker, so it counts against its bound); the decode is
+deterministic, so frame k here is frame k the model saw, and it holds the frames at thumbnail
+size. There are as many as the sampling took, so the server's frame ceiling caps them too.
+Frame k belongs to grid step k // frames_per_tubelet, read off the item: Qwen's tubelets cover
+two frames (the last one padded), Gemma 3's grid has one step per frame.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import io
 
 import torch
@@ -18,9 +19,15 @@ from PIL import Image
 
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.vision.decode import DecodeConfig, decode_video
+from stillcut.vision.frame_resize import FrameResize
+from stillcut.vision.work import VisionWork
 
 THUMBNAIL_WIDTH = 160
 THUMBNAIL_QUALITY = 70
+_THUMBNAIL_RESIZE = FrameResize(
+    lambda height, width: (max(1, round(height * THUMBNAIL_WIDTH / width)), THUMBNAIL_WIDTH),
+    Image.Resampling.BILINEAR,
+)
 
 
 def retention_masks(item: MultiModalItem) -> list[list[list[int]]]:
@@ -32,11 +39,15 @@ def retention_masks(item: MultiModalItem) -> list[list[list[int]]]:
     return mask.tolist()
 
 
-def thumbnails(data: bytes, config: DecodeConfig, video: dict) -> list[str]:
+def thumbnails(data: bytes, config: DecodeConfig, video: dict, work: VisionWork) -> list[str]:
     """Base64 JPEG thumbnails of the frames `video` (VideoInput's decode options) samples."""
-    overrides = {k: video[k] for k in ("fps", "max_frames") if video.get(k) is not None}
     decoded = decode_video(
-        data, dataclasses.replace(config, **overrides), start=video["start"], end=video["end"]
+        data,
+        config.with_sampling(video["fps"], video["max_frames"]),
+        start=video["start"],
+        end=video["end"],
+        resize=_THUMBNAIL_RESIZE,
+        work=work,
     )
     return [_jpeg_base64(frame) for frame in decoded.frames]
 
@@ -53,9 +64,8 @@ def frames_view(item: MultiModalItem, thumbs: list[str]) -> dict:
 
 
 def _jpeg_base64(frame) -> str:
-    image = Image.fromarray(frame)  # frame: [H, W, 3] uint8
-    height = max(1, round(image.height * THUMBNAIL_WIDTH / image.width))
-    image = image.resize((THUMBNAIL_WIDTH, height), Image.Resampling.BILINEAR)
+    height, width = _THUMBNAIL_RESIZE.size(*frame.shape[:2])  # frame: [H, W, 3] uint8
+    image = Image.fromarray(_THUMBNAIL_RESIZE.apply(frame, (height, width)))
     buffer = io.BytesIO()
     image.save(buffer, format="JPEG", quality=THUMBNAIL_QUALITY)
     return base64.b64encode(buffer.getvalue()).decode()

@@ -15,6 +15,8 @@ from typing import Any
 
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
+from stillcut.service.errors import shown
+from stillcut.service.request_limits import check_stop
 
 CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_POLICY = 1008
@@ -47,6 +49,10 @@ class NoFrameYet(LiveError):
 
 class SessionClosed(LiveError):
     """The session was closed; nothing more can be sent to it."""
+
+
+def _strings(stop: str | list | tuple) -> tuple:
+    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
 def _check_count(name: str, value: object) -> None:
@@ -93,7 +99,8 @@ class LiveOptions:
         if not isinstance(self.limits, LiveLimits):
             raise ValueError(f"limits must be a LiveLimits, got {type(self.limits).__name__}")
         if not isinstance(self.stop, str | list | tuple):
-            raise ValueError(f"stop={self.stop!r} must be a string or a list of strings")
+            raise ValueError(f"stop={shown(self.stop)} must be a string or a list of strings")
+        object.__setattr__(self, "stop", check_stop(_strings(self.stop)))
         # building them checks every EVS and sampling field, with errors naming the field
         sampling, _ = self.sampling, self.evs
         object.__setattr__(self, "stop", sampling.stop)

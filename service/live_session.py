@@ -16,9 +16,10 @@ import copy
 import io
 import itertools
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,11 +39,15 @@ from stillcut.service.live_options import (
     SessionClosed,
 )
 from stillcut.vision.pipeline import VisionPipeline, item_identifier, media_key
-from stillcut.vision.preprocess import PreprocessedVideo, preprocess_video, smart_resize
 
 FRAME_FORMATS = ("PNG", "JPEG")
-_QWEN_FAMILIES = ("qwen2_5_vl", "qwen2_vl")
+Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs blocking work off the event loop
 _ENGINE_LIMITS = (RequestTooLong, TooManyVisualTokens, ResourceExhausted)
+
+
+class LiveSessionsUnsupported(ValueError):
+    """The served model serves no live sessions: its registry entry says so, or it keeps
+    recurrent state (see `ModelConfig.live_sessions_refusal`)."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +75,23 @@ class LiveSession:
         engine: AsyncEngine,
         options: LiveOptions,
         session_id: str,
+        *,
+        run_encode: Runner = asyncio.to_thread,
+        run_prompt: Runner = asyncio.to_thread,
     ) -> None:
-        if pipeline.model_config.family not in _QWEN_FAMILIES:
+        """`run_encode` runs frame decoding and the tower, `run_prompt` tokenizing (a server
+        passes its bounded workers)."""
+        refusal = pipeline.model_config.live_sessions_refusal
+        if refusal is not None:
+            raise LiveSessionsUnsupported(
+                f"{refusal}; ask about a whole video with POST /v1/videos/describe or "
+                "/v1/chat/completions"
+            )
+        if not engine.engine.scheduler.cache_config.enable_prefix_caching:
+            # the held prefix is only ever reused through the prefix cache
             raise ValueError(
-                f"live sessions need a Qwen2-VL or Qwen2.5-VL checkpoint, "
-                f"not {pipeline.model_config.family!r}"
+                "live sessions need prefix caching, and enable_prefix_caching is off in this "
+                "engine's cache config; turn it on to stream"
             )
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id={session_id!r} must be a non-empty string")
@@ -82,6 +99,8 @@ class LiveSession:
         self.session_id = session_id
         self._pipeline = pipeline
         self._engine = engine
+        self._run_encode = run_encode
+        self._run_prompt = run_prompt
         self._evs = options.evs
         self._held_id = f"{session_id}-held"
         self._lock = asyncio.Lock()  # frames, asks' snapshots and close take turns
@@ -105,9 +124,8 @@ class LiveSession:
         async with self._lock:
             self._check_open()
             self._check_frame(timestamp, image)
-            pixels = await asyncio.to_thread(
-                decode_frame, image, self.options.limits.max_frame_pixels
-            )
+            max_pixels = self.options.limits.max_frame_pixels
+            pixels = await self._run_encode(lambda: decode_frame(image, max_pixels))
             self._check_size(pixels)
             frame = _Frame(timestamp, pixels)
             self._num_frames += 1
@@ -125,7 +143,8 @@ class LiveSession:
 
     async def ask(self, prompt: str) -> AsyncIterator[RequestOutput]:
         """Answer `prompt` about the stream so far; the session goes on afterwards."""
-        question = self._processor.ask_suffix(prompt)  # a bad prompt fails before any work
+        # a bad prompt fails before any work
+        question = await self._run_prompt(lambda: self._processor.ask_suffix(prompt))
         async with self._lock:
             self._check_open()
             if not self._items and self._pending is None:
@@ -171,9 +190,8 @@ class LiveSession:
     def _check_size(self, pixels: np.ndarray) -> None:
         height, width, _ = pixels.shape
         if self._frame_size is None:
-            config = self._pipeline.video_preprocess
             try:  # the first frame fixes the resize of the whole stream
-                smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+                self._pipeline.media.check_video_frame(height, width)
             except ValueError as error:
                 raise BadFrame(str(error)) from None
             self._frame_size = (height, width)
@@ -189,9 +207,9 @@ class LiveSession:
     ) -> tuple[MultiModalItem, ThresholdPruner]:
         """The next tubelet's item from 1 or 2 frames, and the pruner after it; the session's
         own pruner is left as it was."""
-        prepared, embeds = await asyncio.to_thread(self._encode, frames)
+        prepared, embeds = await self._run_encode(lambda: self._encode(frames))
         _, height, width = prepared.grid_thw
-        merge = self._pipeline.video_preprocess.merge_size
+        merge = self._pipeline.media.merge_size
         if self._pruner is None:
             grid_hw = (height // merge, width // merge)
             pruner = ThresholdPruner(
@@ -219,14 +237,13 @@ class LiveSession:
         )
         return item, pruner
 
-    def _encode(self, frames: np.ndarray) -> tuple[PreprocessedVideo, torch.Tensor]:
-        """One tubelet's patches and its embeddings from the tower: [h * w / merge**2, hidden]."""
+    def _encode(self, frames: np.ndarray):
+        """One tubelet's preprocessed input and its embeddings: [h * w / merge**2, hidden]."""
         pipeline = self._pipeline
-        prepared = preprocess_video(frames, self.options.fps, pipeline.video_preprocess)
+        prepared = pipeline.media.prepare_video(frames, self.options.fps)
+        pipeline.work.tower_passes += 1
         with torch.inference_mode():
-            (embeds,) = pipeline.tower.encode(
-                [prepared.patches.to(pipeline.device)], [prepared.grid_thw]
-            )
+            (embeds,) = pipeline.media.encode(pipeline.tower, [prepared], pipeline.device)
         return prepared, embeds
 
     # ---- the held prefix -----------------------------------------------------------------------

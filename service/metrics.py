@@ -11,22 +11,36 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from stillcut.service.async_engine import EngineStats
 from stillcut.service.record import RequestRecord
+from stillcut.vision.work import VisionWork
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], encoder_pending: Callable[[], int]):
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        encoder_pending: Callable[[], int],
+        work: Callable[[], VisionWork],
+    ):
         self._stats = stats
         self._encoder_pending = encoder_pending
+        self._work = work
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        work = self._work()
+        yield CounterMetricFamily(
+            "stillcut_frames_decoded", "video frames decoded, images opened", work.frames_decoded
+        )
+        yield CounterMetricFamily(
+            "stillcut_vision_tower_passes", "calls of the vision tower", work.tower_passes
+        )
         stats = self._stats()
         gauges = (
             ("stillcut_kv_blocks_used", "KV cache blocks held by requests", stats.num_blocks_used),
@@ -51,7 +65,12 @@ class _EngineCollector(Collector):
 class ServiceMetrics:
     """The server's metrics; `observe` a record when its request ends, `render` to scrape."""
 
-    def __init__(self, stats: Callable[[], EngineStats], encoder_pending: Callable[[], int]):
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        encoder_pending: Callable[[], int],
+        work: Callable[[], VisionWork],
+    ):
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "stillcut_requests",
@@ -79,7 +98,7 @@ class ServiceMetrics:
         self.evs_pruned = Counter(
             "stillcut_evs_tokens_pruned", "video tokens dropped by EVS", registry=self.registry
         )
-        self.registry.register(_EngineCollector(stats, encoder_pending))
+        self.registry.register(_EngineCollector(stats, encoder_pending, work))
 
     def observe(self, record: RequestRecord) -> None:
         self.requests.labels(record.endpoint, str(record.status)).inc()

@@ -1,16 +1,18 @@
-"""Per-request plumbing as plain ASGI middleware: request ids, the API key, one log line and
-the request metrics.
+"""Per-request plumbing as plain ASGI middleware: request ids, the Host and Origin checks, the
+API key, the body deadline, one log line and the request metrics.
 
 Plain ASGI (not Starlette's `BaseHTTPMiddleware`) so that streamed responses pass through
 untouched and a client that leaves mid-stream cancels the handler. A request's record closes
 when the last body chunk is sent, so streams are timed to their end. The id comes from the
 client's `X-Request-Id` when it is sane, else it is made here; it goes back in the same header.
-WebSockets get an id and a log line too; their key is checked by the endpoint, which must
-accept before it can close with 1008.
+A request body must have arrived `body_timeout_s` after the request did, else 408. WebSockets
+get an id, the Host and Origin checks (a refused handshake is answered 403) and a log line;
+their key is checked by the endpoint, since it may come in the first message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -20,8 +22,10 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stillcut.service.config import ServerConfig
 from stillcut.service.errors import APIError
 from stillcut.service.metrics import ServiceMetrics
+from stillcut.service.origins import host_is_trusted, origin_is_allowed
 from stillcut.service.record import RequestRecord
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -45,12 +49,20 @@ def request_id_from(scope: Scope) -> str:
     return new_request_id()
 
 
-def bearer_token(scope: Scope) -> str | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header `name` (lowercase bytes), if sent."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
     return None
+
+
+def bearer_token(scope: Scope) -> str | None:
+    value = header(scope, b"authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
 
 
 def key_matches(api_key: str | None, token: str | None) -> bool:
@@ -60,6 +72,40 @@ def key_matches(api_key: str | None, token: str | None) -> bool:
     return token is not None and hmac.compare_digest(token.encode(), api_key.encode())
 
 
+class BodyTimeout(APIError):
+    """The request body did not arrive in time (408; the connection is closed)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(
+            408,
+            f"the request body did not arrive within body_timeout_s={timeout_s:g} s",
+            type="timeout",
+            code="body_timeout",
+            headers={"Connection": "close"},
+        )
+
+
+def body_deadline(receive: Receive, timeout_s: float) -> Receive:
+    """`receive` that raises `BodyTimeout` while the body is still arriving past `timeout_s`
+    from now; once the body is in, waiting (for a disconnect) has no deadline."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    body_done = False
+
+    async def receive_body() -> Message:
+        nonlocal body_done
+        if body_done:
+            return await receive()
+        try:
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            raise BodyTimeout(timeout_s) from None
+        body_done = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    return receive_body
+
+
 class RequestContextMiddleware:
     """Gives each HTTP request and WebSocket a `RequestRecord` in `scope["state"]["record"]`."""
 
@@ -67,12 +113,12 @@ class RequestContextMiddleware:
         self,
         app: ASGIApp,
         *,
-        api_key: str | None,
+        config: ServerConfig,
         metrics: ServiceMetrics,
         known_paths: frozenset[str],
     ) -> None:
         self.app = app
-        self.api_key = api_key
+        self.config = config
         self.metrics = metrics
         self.known_paths = known_paths  # metric labels: never a client-chosen path
 
@@ -89,11 +135,20 @@ class RequestContextMiddleware:
         scope.setdefault("state", {})["record"] = record
         try:
             if scope["type"] == "websocket":
-                await self.app(scope, receive, send)
+                await self._websocket(scope, receive, send, record)
             else:
                 await self._http(scope, receive, send, record)
         finally:
             self._finish(scope, record)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send, record: RequestRecord):
+        refusal = self._refusal(scope)
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        record.error_code = refusal.code
+        record.status = 403
+        await send({"type": "websocket.close", "code": 1008, "reason": refusal.message[:120]})
 
     async def _http(self, scope: Scope, receive: Receive, send: Send, record: RequestRecord):
         async def send_with_id(message: Message) -> None:
@@ -107,18 +162,45 @@ class RequestContextMiddleware:
             await send(message)
 
         path = scope["path"]
+        refusal = self._refusal(scope)
         is_open = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
-        if not is_open and not key_matches(self.api_key, bearer_token(scope)):
-            error = APIError(
+        if (
+            refusal is None
+            and not is_open
+            and not key_matches(self.config.api_key, bearer_token(scope))
+        ):
+            refusal = APIError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer <key>'",
                 type="authentication_error",
                 code="invalid_api_key",
             )
-            record.error_code = error.code
-            await _send_json(send_with_id, error.status, error.body(record.request_id))
+        if refusal is not None:
+            record.error_code = refusal.code
+            await _send_json(send_with_id, refusal.status, refusal.body(record.request_id))
             return
-        await self.app(scope, receive, send_with_id)
+        await self.app(scope, body_deadline(receive, self.config.body_timeout_s), send_with_id)
+
+    def _refusal(self, scope: Scope) -> APIError | None:
+        """400 for a `Host` the server does not answer to, 403 for a foreign browser `Origin`."""
+        host = header(scope, b"host")
+        if not host_is_trusted(host, self.config.trusted_hosts):
+            return APIError(
+                400,
+                f"Host {host!r} is not one this server answers to; its trusted hosts are set "
+                "by --trusted-hosts",
+                code="untrusted_host",
+            )
+        origin = header(scope, b"origin")
+        if not origin_is_allowed(origin, host, self.config.allowed_origins):
+            return APIError(
+                403,
+                f"Origin {origin!r} may not call this server; allowed: its own origin and "
+                "--allowed-origins",
+                type="permission_error",
+                code="origin_not_allowed",
+            )
+        return None
 
     def _finish(self, scope: Scope, record: RequestRecord) -> None:
         path = getattr(scope.get("route"), "path", None) or scope["path"]

@@ -1,7 +1,10 @@
 """Engine outputs in the OpenAI chat-completions shapes: a whole completion, or stream chunks.
 
 Besides the standard fields, a response carries `evs` (what EVS kept of the request's videos)
-next to `usage`; OpenAI clients keep unknown fields, so it costs them nothing.
+next to `usage`, and, as vLLM's do, each finished choice its `stop_reason`: the stop string or
+stop token id that ended it, None for EOS or length. OpenAI clients keep unknown fields, so it
+costs them nothing. With a reasoning parser the model's thinking goes to `reasoning_content`
+(streamed as `delta.reasoning_content`), the rest to `content`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from stillcut.engine.llm_engine import RequestOutput
+from stillcut.service.reasoning import ThinkSplitter
 from stillcut.service.result import EVSSummary, usage_of
 
 
@@ -56,6 +60,7 @@ class ChatFormatter:
         logprobs: bool,
         include_usage: bool,
         evs: EVSSummary | None,
+        reasoning: ThinkSplitter | None = None,
     ) -> None:
         self.id = f"chatcmpl-{request_id}"
         self.model = model
@@ -64,16 +69,22 @@ class ChatFormatter:
         self.logprobs = logprobs
         self.include_usage = include_usage
         self.evs = evs
+        self.reasoning = reasoning
         self._num_sent = 0  # tokens whose logprobs went out in earlier chunks
         self._started = False
 
     def completion(self, output: RequestOutput) -> dict[str, Any]:
         """The whole `chat.completion` object for a finished request."""
+        message = {"role": "assistant", "content": output.text}
+        if self.reasoning is not None:
+            reasoning, message["content"] = self.reasoning.split(output.text)
+            message["reasoning_content"] = reasoning
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": output.text},
+            "message": message,
             "logprobs": self._logprobs(output, 0),
             "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
         }
         return {**self._head("chat.completion"), "choices": [choice], **self._usage(output)}
 
@@ -86,14 +97,28 @@ class ChatFormatter:
             chunks.append(self._chunk({"role": "assistant", "content": ""}))
         logprobs = self._logprobs(output, self._num_sent)
         self._num_sent = len(output.token_ids)
-        if output.delta or (logprobs and logprobs["content"]):
-            chunks.append(self._chunk({"content": output.delta}, logprobs=logprobs))
+        delta = self._delta(output)
+        if delta or (logprobs and logprobs["content"]):
+            chunks.append(self._chunk(delta or {"content": ""}, logprobs=logprobs))
         if output.finished:
             chunks.append(self._chunk({}, finish_reason=output.finish_reason))
+            chunks[-1]["choices"][0]["stop_reason"] = output.stop_reason
             if self.include_usage:
                 chunks.append({**self._head("chat.completion.chunk"), "choices": []})
                 chunks[-1].update(self._usage(output))
         return chunks
+
+    def _delta(self, output: RequestOutput) -> dict[str, str]:
+        """The new text as a chunk's delta: `content`, or with a reasoning parser
+        `reasoning_content` and / or `content` (empty when the parser holds the text back)."""
+        if self.reasoning is None:
+            return {"content": output.delta} if output.delta else {}
+        reasoning, content = self.reasoning.push(output.delta)
+        if output.finished:
+            held_reasoning, held_content = self.reasoning.flush()
+            reasoning, content = reasoning + held_reasoning, content + held_content
+        fields = (("reasoning_content", reasoning), ("content", content))
+        return {name: text for name, text in fields if text}
 
     def _head(self, kind: str) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}

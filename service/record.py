@@ -42,14 +42,17 @@ class RequestRecord:
     def elapsed_s(self) -> float:
         return (self.ended or time.monotonic()) - self.arrival
 
-    def add_media(self, items: Sequence[MultiModalItem]) -> None:
-        """Count encoded media: decode/encode seconds and EVS tokens."""
+    def add_media(self, items: Sequence[MultiModalItem], run_s: float) -> None:
+        """Count encoded media (EVS tokens) and the seconds it took: `run_s` is the wall time
+        of the request's encoding job, of which decoding took `decode_s` and the rest
+        (preprocessing, the tower, EVS) is `encode_s`. Items share one tower pass, so
+        their own `encode_s` would count it once per item."""
         summary = evs_summary(items, "")
         self.evs_kept += summary.tokens_after
         self.evs_total += summary.tokens_before
-        decode_s, encode_s = media_seconds(items)
+        decode_s, _ = media_seconds({id(item): item for item in items}.values())
         self.decode_s = (self.decode_s or 0.0) + decode_s
-        self.encode_s = (self.encode_s or 0.0) + encode_s
+        self.encode_s = (self.encode_s or 0.0) + max(0.0, run_s - decode_s)
 
     def add_output(self, items: Sequence[MultiModalItem], output: RequestOutput) -> None:
         """Count a finished generation (tokens, queue time, time to first token)."""

@@ -62,6 +62,7 @@ class DescribeResult:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
+    stop_reason: str | int | None  # the stop string or token id that ended it; None for EOS
     evs: EVSSummary
     timings: Timings
     usage: Usage
@@ -133,6 +134,7 @@ def describe_result(
         text=output.text,
         token_ids=tuple(output.token_ids),
         finish_reason=output.finish_reason or "stop",
+        stop_reason=output.stop_reason,
         evs=evs_summary(items, evs_setting),
         timings=timings_of(items, output, arrival),
         usage=usage_of(output),

@@ -2,7 +2,9 @@
 benchmarks).
 
 uvicorn enforces the WebSocket message limit itself (`ws_max_size`, closing with 1009 before
-a too-big message is buffered), so it gets the server's `max_message_bytes`. Its own access
+a too-big message is buffered), so it gets the server's `max_message_bytes`, and the bound on
+open connections (`limit_concurrency`: past `max_connections`, an HTTP request gets its plain
+503). Its own access
 log is off: the service writes one structured line per request instead.
 """
 
@@ -29,6 +31,7 @@ def uvicorn_config(
         host=host,
         port=port,
         ws_max_size=config.max_message_bytes,
+        limit_concurrency=config.max_connections,
         access_log=False,
         log_config=None,
         lifespan="on",

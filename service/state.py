@@ -1,9 +1,10 @@
-"""What every endpoint shares: the model, its engine loop, the encode worker, limits, metrics.
+"""What every endpoint shares: the model, its engine loop, the workers, limits, metrics.
 
-Also the two things every generation endpoint does the same way: running a request against
-its deadline, and noticing a client that left before a non-streamed answer was ready.
-A request's deadline is its `X-Request-Timeout` header (seconds), capped by the server's
-`request_timeout_s`, counted from its arrival.
+Also the things every generation endpoint does the same way: encoding its media within the
+engine's budget, building its prompt off the event loop, running it against its deadline,
+and noticing a client that left before a non-streamed answer was ready. A request's deadline
+is its `X-Request-Timeout` header (seconds), capped by the server's `request_timeout_s`,
+counted from its arrival.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -25,18 +26,15 @@ from stillcut.engine.request import SamplingParams
 from stillcut.service.api import VideoLLM
 from stillcut.service.async_engine import AsyncEngine
 from stillcut.service.config import ServerConfig
-from stillcut.service.encode_worker import EncodeWorker
-from stillcut.service.errors import APIError, bad_request
+from stillcut.service.errors import APIError, ClientGone, bad_request
+from stillcut.service.media_budget import MediaBudget
 from stillcut.service.metrics import ServiceMetrics
 from stillcut.service.record import RequestRecord
+from stillcut.service.worker import Worker
 from stillcut.vision.pipeline import ImageInput, VideoInput
 
 T = TypeVar("T")
 TIMEOUT_HEADER = "x-request-timeout"
-
-
-class ClientGone(Exception):
-    """The client closed the connection before its answer was ready."""
 
 
 @dataclass
@@ -45,12 +43,18 @@ class ServiceState:
 
     llm: VideoLLM
     engine: AsyncEngine
-    encoder: EncodeWorker
+    encoder: Worker  # the vision pipeline: decode, encode, EVS, thumbnails, live tubelets
+    prompter: Worker  # tokenizing prompts
     config: ServerConfig
     metrics: ServiceMetrics
     http: httpx.AsyncClient
     live_sessions: int = 0  # open WebSocket sessions (touched on the event loop only)
     started: float = field(default_factory=time.time)
+
+    @property
+    def num_jobs_pending(self) -> int:
+        """Requests waiting for (or in) the encode or the prompt worker."""
+        return self.encoder.num_pending + self.prompter.num_pending
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is None or the served model's id."""
@@ -63,11 +67,24 @@ class ServiceState:
             )
 
     async def encode(
-        self, inputs: list[VideoInput | ImageInput], record: RequestRecord
+        self, inputs: list[VideoInput | ImageInput], max_tokens: int, record: RequestRecord
     ) -> list[MultiModalItem]:
-        items = await self.encoder.encode(inputs)
-        record.add_media(items)
+        """Encode a request's media on the encode worker, refused from their headers when
+        they cannot fit the engine beside an answer of `max_tokens`."""
+        budget = MediaBudget.of(self.llm.engine.config.scheduler, max_tokens)
+
+        def encode() -> tuple[list[MultiModalItem], float]:
+            started = time.perf_counter()
+            items = self.llm.encode(inputs, budget=budget)
+            return items, time.perf_counter() - started
+
+        items, run_s = await self.encoder.run(encode)
+        record.add_media(items, run_s)
         return items
+
+    async def build_prompt(self, build: Callable[[], Prompt]) -> Prompt:
+        """`build()` (tokenizing a prompt) on the prompt worker, off the event loop."""
+        return await self.prompter.run(build)
 
     async def generate(
         self,

@@ -1,24 +1,32 @@
 """`WebSocket /v1/stream`: the protocol around a `LiveSession`.
 
-The client's first message is text, `{"type": "start", ...options}` (and `api_key` when the
-server has one and no `Authorization` header was sent). Frames are binary: 8 bytes of
-little-endian float64 timestamp (seconds), then PNG or JPEG bytes. `{"type": "ask", "prompt"}`
-may come at any time (one answer at a time) and frames keep flowing while it is answered;
-`{"type": "stop"}` ends the session. The server sends `started`, then `frame` per encoded
-tubelet, `token` while answering, `answer` at the end of one, and `error`. Fatal errors close
-with 1003 (unsupported data), 1008 (policy: auth, limits, protocol order), 1009 (message too
-big) or 1011 (internal); others are reported and the session goes on. Whatever ends the
-session, its held prefix is released.
+The client's first message is text, `{"type": "start", ...options}`. When the server has an
+API key, it comes as `api_key` in that message, as `Authorization: Bearer KEY`, or (what a
+browser can send) as the WebSocket subprotocol `stillcut.bearer.<base64url of KEY>` offered
+beside `stillcut`, which the server selects. A socket holds no session slot until its start is
+valid, and one without a valid start within `session_start_s` is closed. Frames are binary: 8
+bytes of little-endian float64 timestamp (seconds), then PNG or JPEG bytes.
+`{"type": "ask", "prompt"}` may come at any time (one answer at a time) and frames keep flowing
+while it is answered; the idle timer starts again when an answer ends. `{"type": "stop"}` ends
+the session. The server sends `started`, then `frame` per encoded tubelet, `token` while
+answering, `answer` at the end of one, and `error`. Fatal errors close with 1003 (unsupported
+data), 1008 (policy: auth, limits, protocol order), 1009 (message too big) or 1011 (internal);
+others are reported and the session goes on. Whatever ends the session, its held prefix is
+released.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import struct
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -27,7 +35,14 @@ from tokenizers import Tokenizer
 from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
 from stillcut.engine.processor import PromptError
 from stillcut.service.async_engine import EngineStopped, QueueFull
-from stillcut.service.config import ServerConfig
+from stillcut.service.errors import client_message
+from stillcut.service.live_inbox import (
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_UNSUPPORTED_DATA,
+    Inbox,
+    SessionEnd,
+)
 from stillcut.service.live_options import LiveError, LiveLimits, LiveOptions
 from stillcut.service.live_session import LiveSession
 from stillcut.service.middleware import bearer_token, key_matches
@@ -36,24 +51,12 @@ from stillcut.service.record import RequestRecord
 from stillcut.service.result import timings_of, usage_of
 from stillcut.service.state import ServiceState, record_of
 
-CLOSE_NORMAL = 1000
-CLOSE_UNSUPPORTED_DATA = 1003
-CLOSE_POLICY = 1008
-CLOSE_TOO_BIG = 1009
 CLOSE_INTERNAL = 1011
+SUBPROTOCOL = "stillcut"
+KEY_SUBPROTOCOL = "stillcut.bearer."  # + the key, base64url without padding
 _TIMESTAMP = struct.Struct("<d")
 _RECOVERABLE = (RequestTooLong, TooManyVisualTokens, ResourceExhausted, PromptError, QueueFull)
 logger = logging.getLogger("stillcut.service")
-
-
-class SessionEnd(Exception):
-    """Close the session with `code`, after telling the client why (when `error_code`)."""
-
-    def __init__(self, code: int, message: str = "", error_code: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.error_code = error_code
 
 
 class _Connection:
@@ -81,33 +84,35 @@ class _Connection:
 
     async def error(self, code: str, message: str) -> None:
         self.record.error_code = code
-        await self.send({"type": "error", "code": code, "message": message})
+        await self.send({"type": "error", "code": code, "message": client_message(message)})
 
 
 async def stream_endpoint(websocket: WebSocket) -> None:
     state: ServiceState = websocket.app.state.service
     connection = _Connection(websocket, record_of(websocket))
-    await websocket.accept(headers=[(b"x-request-id", connection.record.request_id.encode())])
+    offered = websocket.scope.get("subprotocols") or []
+    await websocket.accept(
+        subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None,
+        headers=[(b"x-request-id", connection.record.request_id.encode())],
+    )
     code, reason = CLOSE_NORMAL, ""
-    if state.live_sessions >= state.config.max_sessions:
-        code, reason = CLOSE_POLICY, f"max_sessions={state.config.max_sessions} already open"
-        await connection.error("too_many_sessions", reason)
-    else:
-        state.live_sessions += 1
-        try:
-            await _serve(state, connection)
-        except SessionEnd as end:
-            code, reason = end.code, end.message[:120]  # a close reason holds <= 123 bytes
-            if end.error_code is not None:
-                await connection.error(end.error_code, end.message)
-        except WebSocketDisconnect as gone:
-            code = gone.code
-        except Exception:
-            logger.exception("live session %s failed", connection.record.request_id)
-            code, reason = CLOSE_INTERNAL, "internal error"
-            await connection.error("internal_error", "internal server error")
-        finally:
-            state.live_sessions -= 1
+    inbox = Inbox(websocket, state.config)
+    try:
+        options = await _start(state, connection, inbox)
+        async with _session_slot(state):
+            await _serve(state, connection, inbox, options)
+    except SessionEnd as end:
+        code, reason = end.code, end.message[:120]  # a close reason holds <= 123 bytes
+        if end.error_code is not None:
+            await connection.error(end.error_code, end.message)
+    except WebSocketDisconnect as gone:
+        code = gone.code
+    except Exception:
+        logger.exception("live session %s failed", connection.record.request_id)
+        code, reason = CLOSE_INTERNAL, "internal error"
+        await connection.error("internal_error", "internal server error")
+    finally:
+        inbox.close()
     connection.record.status = code
     if connection.is_open:
         try:
@@ -116,15 +121,35 @@ async def stream_endpoint(websocket: WebSocket) -> None:
             pass  # the client left first
 
 
-async def _serve(state: ServiceState, connection: _Connection) -> None:
+@asynccontextmanager
+async def _session_slot(state: ServiceState) -> AsyncIterator[None]:
+    """One of the server's `max_sessions` slots, for a socket whose start was valid."""
+    if state.live_sessions >= state.config.max_sessions:
+        limit = f"max_sessions={state.config.max_sessions}"
+        raise SessionEnd(CLOSE_POLICY, f"{limit} already open", "too_many_sessions")
+    state.live_sessions += 1
+    try:
+        yield
+    finally:
+        state.live_sessions -= 1
+
+
+async def _serve(
+    state: ServiceState, connection: _Connection, inbox: Inbox, options: LiveOptions
+) -> None:
     config = state.config
-    deadline = time.monotonic() + config.max_session_s
-    options = await _start(state, connection, deadline)
     # engine request ids must be unique; a client's X-Request-Id need not be
     session_id = f"live-{uuid.uuid4().hex}"
     try:
-        session = LiveSession(state.llm.pipeline, state.engine, options, session_id)
-    except ValueError as error:  # a model that cannot stream
+        session = LiveSession(
+            state.llm.pipeline,
+            state.engine,
+            options,
+            session_id,
+            run_encode=state.encoder.run,
+            run_prompt=state.prompter.run,
+        )
+    except ValueError as error:  # a model, or an engine without prefix caching, cannot stream
         raise SessionEnd(CLOSE_POLICY, str(error), "unsupported_model") from None
     answering: asyncio.Task | None = None
     try:
@@ -135,18 +160,23 @@ async def _serve(state: ServiceState, connection: _Connection) -> None:
                 "request_id": connection.record.request_id,
             }
         )
+        idle_end = SessionEnd(
+            CLOSE_POLICY, f"no message for session_idle_s={config.session_idle_s:g}", "idle_timeout"
+        )
         while True:
-            waiting_for_answer = answering is not None and not answering.done()
-            idle = None if waiting_for_answer else config.session_idle_s
-            message = await _receive(connection.websocket, idle, deadline, config)
-            if isinstance(message, bytes):
+            # no idle limit while an answer streams; once it ends, the idle time starts again
+            idle = None if answering is not None else config.session_idle_s
+            message = await inbox.next(idle, idle_end, answering)
+            if message is None:  # the answer ended
+                answering = None
+            elif isinstance(message, bytes):
                 await _frame(session, connection, message)
             elif message.get("type") == "stop":
                 if answering is not None:
                     await answering  # the answer asked for before stop is still delivered
                 return
             elif message.get("type") == "ask":
-                if waiting_for_answer:
+                if answering is not None:
                     await connection.error("busy", "an answer is still streaming; ask again after")
                 else:
                     tokenizer = state.llm.processor.tokenizer
@@ -155,7 +185,8 @@ async def _serve(state: ServiceState, connection: _Connection) -> None:
                     )
             else:
                 await connection.error(
-                    "bad_message", f"type={message.get('type')!r}: allowed ask, stop (or a frame)"
+                    "bad_message",
+                    f"type={str(message.get('type'))[:40]!r}: allowed ask, stop (or a frame)",
                 )
     finally:
         if answering is not None:
@@ -163,14 +194,17 @@ async def _serve(state: ServiceState, connection: _Connection) -> None:
         await session.close()
 
 
-async def _start(state: ServiceState, connection: _Connection, deadline: float) -> LiveOptions:
+async def _start(state: ServiceState, connection: _Connection, inbox: Inbox) -> LiveOptions:
+    """The options of a valid start message, which must come within `session_start_s`."""
     config = state.config
-    message = await _receive(connection.websocket, config.session_idle_s, deadline, config)
-    if isinstance(message, bytes) or message.get("type") != "start":
+    limit = f"session_start_s={config.session_start_s:g}"
+    late = SessionEnd(CLOSE_POLICY, f"no valid start message within {limit}", "start_timeout")
+    message = await inbox.next(config.session_start_s, late)
+    if not isinstance(message, dict) or message.get("type") != "start":
         raise SessionEnd(
             CLOSE_POLICY, 'the first message must be {"type": "start", ...}', "bad_start"
         )
-    token = message.pop("api_key", None) or bearer_token(connection.websocket.scope)
+    token = message.pop("api_key", None) or _socket_key(connection.websocket)
     if not key_matches(config.api_key, token if isinstance(token, str) else None):
         raise SessionEnd(CLOSE_POLICY, "a valid API key is required", "invalid_api_key")
     limits = LiveLimits(
@@ -182,43 +216,19 @@ async def _start(state: ServiceState, connection: _Connection, deadline: float) 
         raise SessionEnd(CLOSE_POLICY, f"bad start options: {error}", "bad_start") from None
 
 
-async def _receive(
-    websocket: WebSocket, idle_s: float | None, deadline: float, config: ServerConfig
-) -> bytes | dict[str, Any]:
-    """The next frame (bytes) or text message (a JSON object); `WebSocketDisconnect` once the
-    client left.
-    Waits at most `idle_s` (None: no idle limit) and never past the session's `deadline`."""
-    left = deadline - time.monotonic()
-    try:
-        async with asyncio.timeout(left if idle_s is None else min(idle_s, left)):
-            message = await websocket.receive()
-    except TimeoutError:
-        if time.monotonic() >= deadline:
-            limit = f"max_session_s={config.max_session_s:g}"
-            raise SessionEnd(
-                CLOSE_POLICY, f"the session reached {limit}", "session_expired"
-            ) from None
-        limit = f"session_idle_s={config.session_idle_s:g}"
-        raise SessionEnd(CLOSE_POLICY, f"no message for {limit}", "idle_timeout") from None
-    if message["type"] == "websocket.disconnect":
-        raise WebSocketDisconnect(message.get("code", CLOSE_NORMAL))
-    data = message.get("bytes")
-    if data is None:
-        data = message.get("text") or ""
-    if len(data) > config.max_message_bytes:
-        limit = config.max_message_bytes
-        raise SessionEnd(CLOSE_TOO_BIG, f"a message exceeds {limit} bytes", "message_too_big")
-    if isinstance(data, bytes):
-        return data
-    try:
-        parsed = json.loads(data)
-    except ValueError:
-        parsed = None
-    if not isinstance(parsed, dict):
-        raise SessionEnd(
-            CLOSE_UNSUPPORTED_DATA, "text messages must be JSON objects", "bad_message"
-        )
-    return parsed
+def _socket_key(websocket: WebSocket) -> str | None:
+    """The key of the handshake: `Authorization: Bearer`, else the key subprotocol."""
+    token = bearer_token(websocket.scope)
+    if token is not None:
+        return token
+    for offered in websocket.scope.get("subprotocols") or []:
+        if offered.startswith(KEY_SUBPROTOCOL):
+            encoded = offered.removeprefix(KEY_SUBPROTOCOL)
+            try:
+                return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+            except (binascii.Error, ValueError):
+                return None
+    return None
 
 
 async def _frame(session: LiveSession, connection: _Connection, data: bytes) -> None:
@@ -284,6 +294,7 @@ async def _answer(
             "type": "answer",
             "text": final.text,
             "finish_reason": final.finish_reason,
+            "stop_reason": final.stop_reason,
             "usage": {
                 "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens,

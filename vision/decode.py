@@ -2,10 +2,13 @@
 
 `decode_video` rejects what it can before decoding (bytes, header pixels, duration), scans the
 packet timestamps and plans the sample times (`sampling`), then decodes the stream once, front
-to back (`frame_pass`), converting only the frames it keeps to upright RGB (`upright`). Every
-failure caused by the input is a `VideoError` (`errors`); no raw PyAV exception escapes.
+to back (`frame_pass`), converting only the frames it keeps to upright RGB (`upright`), resized
+as the model family will resize them (`frame_resize`). `probe_video` stops before decoding: what
+a clip will cost (frames, their size) is known from its headers and packet timestamps alone.
+Every failure caused by the input is a `VideoError` (`errors`); no raw PyAV exception escapes.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,30 +26,52 @@ from stillcut.vision.errors import (
     VideoTooLong,
 )
 from stillcut.vision.frame_pass import PassPlan, SkipPlan, plan_skips, run_pass
-from stillcut.vision.sampling import SamplePlan, plan_samples
+from stillcut.vision.frame_resize import FrameResize
+from stillcut.vision.sampling import TIME_EPS_S, SamplePlan, plan_samples
 from stillcut.vision.timeline import declared_clip_end, scan_packets
+from stillcut.vision.upright import display_size
 from stillcut.vision.video_source import IMAGE_DEMUXERS, Source, open_source
+from stillcut.vision.work import VisionWork
 
-__all__ = ["DecodeConfig", "DecodedVideo", "decode_video"]
+__all__ = ["DecodeConfig", "DecodedVideo", "VideoProbe", "decode_video", "probe_video"]
 
 
 @dataclass(frozen=True)
 class DecodedVideo:
     """The sampled frames of one clip and where in the clip they came from."""
 
-    frames: np.ndarray  # [T, H, W, 3] uint8, upright RGB
+    frames: np.ndarray  # [T, H, W, 3] uint8, upright RGB (at the resize target, when given one)
     timestamps: list[float]  # seconds from the stream start: the pts of each sampled frame
     sample_fps: float  # fps, or max_frames / duration when the range was capped
     source_fps: float | None  # the stream's average frame rate, when it declares one
     duration: float  # seconds of the decoded range
     codec: str
-    width: int  # of the returned frames, after rotation and the aspect-ratio fix
+    width: int  # as displayed: after rotation and the aspect-ratio fix, before any resize
     height: int
 
     def __post_init__(self) -> None:
         assert self.frames.dtype == np.uint8 and self.frames.ndim == 4, self.frames.shape
-        assert self.frames.shape[1:] == (self.height, self.width, 3), self.frames.shape
+        assert self.frames.shape[3] == 3, self.frames.shape
         assert len(self.timestamps) == len(self.frames) >= 1
+
+    @property
+    def source_indices(self) -> list[int]:
+        """Each sampled frame's index in the stream, counted at its average frame rate (exact
+        for constant-rate streams); empty when the stream declares no rate."""
+        if not self.source_fps:
+            return []
+        return [round(t * self.source_fps) for t in self.timestamps]
+
+
+@dataclass(frozen=True)
+class VideoProbe:
+    """What decoding a clip would sample, known before any frame is decoded."""
+
+    num_samples: int  # frames the sampling plan takes (a lower bound when not `complete`)
+    width: int  # as the header declares frames to display, before any rotation
+    height: int
+    duration: float  # seconds of the range (so far, when not `complete`)
+    complete: bool  # False: the packet scan stopped once `num_samples` passed `max_samples`
 
 
 def decode_video(
@@ -55,34 +80,68 @@ def decode_video(
     *,
     start: float | None = None,
     end: float | None = None,
+    resize: FrameResize | None = None,
+    work: VisionWork | None = None,
 ) -> DecodedVideo:
     """Decode `source` and sample frames at `config.fps` over [start, end) seconds.
 
     `source` is a path, the file's bytes, or a binary file object (read from its start, left
     open). `start` / `end` default to the clip's start and end; an `end` past the clip is
-    clamped. Raises a `VideoError` subclass for every input-caused failure.
+    clamped. With `resize`, frames are held at the size the model family resizes them to
+    (never all at display size). Frames out of the decoder count in `work`. Raises a
+    `VideoError` subclass for every input-caused failure.
     """
     _check_time_arguments(start, end)
+    output = {"resize": resize, "work": work}
     with open_source(source, config.max_bytes) as media:
         with media.open_container() as container:
             probe = _probe(container, config, start, end)
             fast = PassPlan(probe.plan.times, seek=True, skip=probe.skip)
-            sampled = run_pass(container, container.streams[probe.stream_index], fast, config)
+            stream = container.streams[probe.stream_index]
+            sampled = run_pass(container, stream, fast, config, **output)
         if sampled is None:  # a shortcut misfired: decode every frame of a fresh container
             plain = PassPlan(probe.plan.times, seek=False, skip=None)
             with media.open_container() as container:
-                sampled = run_pass(container, container.streams[probe.stream_index], plain, config)
+                stream = container.streams[probe.stream_index]
+                sampled = run_pass(container, stream, plain, config, **output)
     assert sampled is not None  # the plain pass always yields a result
-    frames, timestamps = sampled
+    height, width = sampled.display_size
     return DecodedVideo(
-        frames=frames,
-        timestamps=timestamps,
+        frames=sampled.frames,
+        timestamps=sampled.timestamps,
         sample_fps=probe.plan.sample_fps,
         source_fps=probe.source_fps,
         duration=probe.range_end - probe.range_start,
         codec=probe.codec,
-        width=frames.shape[2],
-        height=frames.shape[1],
+        width=width,
+        height=height,
+    )
+
+
+def probe_video(
+    source: Source,
+    config: DecodeConfig = DecodeConfig(),
+    *,
+    start: float | None = None,
+    end: float | None = None,
+    max_samples: Callable[[int, int], int] | None = None,
+) -> VideoProbe:
+    """How many frames decoding `source` would sample, and their size, without decoding one:
+    the header checks, the packet scan and the sample plan of `decode_video`.
+
+    `max_samples(width, height)` is the most frames the caller can afford at the display size
+    the header declares; the scan stops as soon as the plan is known to pass it, so a clip
+    that declares no duration costs no more to refuse than one that does.
+    """
+    _check_time_arguments(start, end)
+    with open_source(source, config.max_bytes) as media, media.open_container() as container:
+        probe = _probe(container, config, start, end, max_samples)
+    return VideoProbe(
+        num_samples=len(probe.plan.times),
+        width=probe.width,
+        height=probe.height,
+        duration=probe.range_end - probe.range_start,
+        complete=probe.complete,
     )
 
 
@@ -99,14 +158,21 @@ class _Probe:
     stream_index: int
     codec: str
     source_fps: float | None
+    width: int
+    height: int
     range_start: float
     range_end: float
     plan: SamplePlan
     skip: SkipPlan | None
+    complete: bool
 
 
 def _probe(
-    container: InputContainer, config: DecodeConfig, start: float | None, end: float | None
+    container: InputContainer,
+    config: DecodeConfig,
+    start: float | None,
+    end: float | None,
+    max_samples: Callable[[int, int], int] | None = None,
 ) -> _Probe:
     """Header checks, a packet scan and the sample plan."""
     stream = _video_stream(container)
@@ -122,8 +188,13 @@ def _probe(
             f"the video lasts {declared_end:g} s; {declared_end:g} s exceeds "
             f"max_duration_s={config.max_duration_s:g}"
         )
+    display_width, display_height = display_size(width, height, stream)
+    affordable = None if max_samples is None else max_samples(display_width, display_height)
     # The scan finds the true end (and raises past max_duration_s) and every frame's pts.
-    scan = scan_packets(container, stream, config.max_decoded_frames, config.max_duration_s)
+    stop_after_s = _affordable_end(config, start, end, affordable)
+    scan = scan_packets(
+        container, stream, config.max_decoded_frames, config.max_duration_s, stop_after_s
+    )
     range_start, range_end = _clip_range(start, end, scan.end)
     plan = plan_samples(range_start, range_end - range_start, config.fps, config.max_frames)
     rate = stream.average_rate
@@ -131,11 +202,26 @@ def _probe(
         stream_index=stream.index,
         codec=stream.codec_context.name,
         source_fps=float(rate) if rate else None,
+        width=display_width,
+        height=display_height,
         range_start=range_start,
         range_end=range_end,
         plan=plan,
         skip=None if scan.pts is None else plan_skips(stream, scan.pts, plan.times),
+        complete=scan.complete,
     )
+
+
+def _affordable_end(
+    config: DecodeConfig, start: float | None, end: float | None, max_samples: int | None
+) -> float | None:
+    """The stream time past which the plan would take more than `max_samples` frames (None:
+    no such time, the frame cap or `end` comes first)."""
+    if max_samples is None or max_samples >= config.max_frames:
+        return None
+    # plan_samples takes ceil(duration * fps - eps) frames while under the cap
+    affordable_end = (start or 0.0) + (max_samples + TIME_EPS_S) / config.fps
+    return None if end is not None and end <= affordable_end else affordable_end
 
 
 def _clip_range(start: float | None, end: float | None, clip_end: float) -> tuple[float, float]:

@@ -3,6 +3,7 @@
 Import it from `stillcut.vision.decode`; it lives apart so the decoding modules can share it.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -21,16 +22,29 @@ class DecodeConfig:
     max_duration_s: float = 600.0
     max_pixels: int = 4096 * 2304  # width * height, checked from the header before decoding
     max_decoded_frames: int = 100_000  # safety cap on frames decoded (or packets scanned)
+    max_image_pixels: int = 4096 * 4096  # of a still image, checked from its header
 
     def __post_init__(self) -> None:
         for name in ("fps", "max_duration_s"):
             value = getattr(self, name)
             if not (_is_number(value) and math.isfinite(value) and value > 0):
                 raise ValueError(f"DecodeConfig.{name} must be a finite number > 0, got {value!r}")
-        for name in ("max_frames", "max_bytes", "max_pixels", "max_decoded_frames"):
+        for name in (
+            "max_frames",
+            "max_bytes",
+            "max_pixels",
+            "max_decoded_frames",
+            "max_image_pixels",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"DecodeConfig.{name} must be an integer >= 1, got {value!r}")
+
+    def with_sampling(self, fps: float | None, max_frames: int | None) -> "DecodeConfig":
+        """This config with a request's own `fps` / `max_frames` (None: keep this one's)."""
+        changes = {"fps": fps, "max_frames": max_frames}
+        changes = {name: value for name, value in changes.items() if value is not None}
+        return dataclasses.replace(self, **changes) if changes else self
 
 
 def is_seconds(value: object) -> bool:

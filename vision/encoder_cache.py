@@ -23,6 +23,8 @@ class EncodedMedia:
     second_per_grid_ts: float
     timestamps: tuple[float, ...]  # seconds, one per sampled frame
     info: dict  # decode facts for reporting (codec, sizes, fps, ...)
+    source_indices: tuple[int, ...] = ()  # each sampled frame's index in the source video
+    source_fps: float | None = None  # the source's frame rate, when known
 
     @property
     def nbytes(self) -> int:

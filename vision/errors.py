@@ -69,4 +69,8 @@ class TooManyFrames(VideoLimitExceeded):
 
 
 class NotAnImage(VideoError):
-    """An image input that is not a readable PNG, JPEG or other still image."""
+    """An image input that is not a readable PNG, JPEG or WebP image."""
+
+
+class ImageTooLarge(VideoLimitExceeded):
+    """An image whose header declares more pixels than `max_image_pixels`."""

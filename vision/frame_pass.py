@@ -34,10 +34,12 @@ from stillcut.vision.errors import (
     UnsupportedCodec,
     VideoTooLong,
 )
+from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.sampling import TIME_EPS_S, FrameSelector, Pick, predict_picks
 from stillcut.vision.timeline import StreamClock
 from stillcut.vision.upright import UprightLayout, layout_for
 from stillcut.vision.video_source import reason_of
+from stillcut.vision.work import VisionWork
 
 # Seek this far before `start`: keyframe indexes may hold decode times, which lead
 # presentation times by the B-frame delay, so a seek straight to `start` can land too late.
@@ -50,6 +52,15 @@ class SkipPlan:
 
     wanted_pts: frozenset[int]
     expected_timestamps: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class SampledFrames:
+    """What a pass returns."""
+
+    frames: np.ndarray  # [T, H, W, 3] uint8 upright RGB, at the resize target
+    display_size: tuple[int, int]  # (height, width) upright, before any resize
+    timestamps: list[float]
 
 
 @dataclass(frozen=True)
@@ -73,19 +84,28 @@ def plan_skips(
 
 
 def run_pass(
-    container: InputContainer, stream: VideoStream, plan: PassPlan, config: DecodeConfig
-) -> tuple[np.ndarray, list[float]] | None:
-    """Sampled frames [T, H, W, 3] and their timestamps; None when a shortcut misfired."""
+    container: InputContainer,
+    stream: VideoStream,
+    plan: PassPlan,
+    config: DecodeConfig,
+    *,
+    resize: FrameResize | None = None,
+    work: VisionWork | None = None,
+) -> SampledFrames | None:
+    """The sampled frames (resized by `resize`, if given); None when a shortcut misfired.
+    Every frame out of the decoder counts in `work`."""
     start = plan.sample_times[0]
     clock = StreamClock(stream)
     if plan.seek and not _seek_before(container, stream, clock, max(0.0, start - SEEK_PREROLL_S)):
         return None
     wanted = plan.skip.wanted_pts if plan.skip is not None else None
     selector: FrameSelector[VideoFrame] = FrameSelector(plan.sample_times)
-    sink = _FrameSink(stream, len(plan.sample_times), config.max_pixels)
+    sink = _FrameSink(stream, len(plan.sample_times), config.max_pixels, resize)
     num_frames = 0
     for time, frame in _decoded_frames(container, stream, clock, config, wanted):
         num_frames += 1
+        if work is not None:
+            work.frames_decoded += 1
         if plan.seek and num_frames == 1 and (frame.pts is None or time > start + TIME_EPS_S):
             return None
         sink.add(selector.push(time, frame))
@@ -98,7 +118,7 @@ def run_pass(
         return None
     if not sink.timestamps:
         raise NoFrames("the video stream has no decodable frames; at least one is required")
-    return sink.frames, sink.timestamps
+    return SampledFrames(sink.frames, sink.display_size, sink.timestamps)
 
 
 def _seek_before(
@@ -157,13 +177,20 @@ def _decoded_frames(
 
 
 class _FrameSink:
-    """Converts picked frames to upright RGB into one preallocated [T, H, W, 3] array."""
+    """Converts picked frames to upright RGB into one preallocated [T, H, W, 3] array, at the
+    size `resize` targets (display size without one), so only one frame is ever held at
+    display size."""
 
-    def __init__(self, stream: VideoStream, num_samples: int, max_pixels: int) -> None:
+    def __init__(
+        self, stream: VideoStream, num_samples: int, max_pixels: int, resize: FrameResize | None
+    ) -> None:
         self._stream = stream
         self._num_samples = num_samples
         self._max_pixels = max_pixels
+        self._resize = resize
         self._layout: UprightLayout | None = None
+        self._target = (0, 0)  # (height, width) frames are stored at
+        self.display_size = (0, 0)  # (height, width) upright, before any resize
         self.frames = np.empty((0, 0, 0, 3), np.uint8)
         self.timestamps: list[float] = []
 
@@ -172,14 +199,19 @@ class _FrameSink:
             return
         if self._layout is None:
             self._layout = layout_for(pick.item, self._stream, self._max_pixels)
-            height, width = self._layout.output_size
-            self.frames = np.empty((self._num_samples, height, width, 3), np.uint8)
+            self.display_size = self._layout.output_size
+            self._target = self.display_size
+            if self._resize is not None:
+                self._target = self._resize.target(*self.display_size)
+            self.frames = np.empty((self._num_samples, *self._target, 3), np.uint8)
         try:
             rgb = self._layout.to_rgb(pick.item)  # [H, W, 3]
         except (av.error.FFmpegError, ValueError) as e:
             raise UnsupportedCodec(
                 f"frames in pixel format {pick.item.format.name} cannot be converted to RGB ({e})"
             ) from e
+        if self._resize is not None:
+            rgb = self._resize.apply(rgb, self._target)  # [target H, target W, 3]
         first = len(self.timestamps)
         self.frames[first : first + pick.num_samples] = rgb
         self.timestamps.extend([pick.time] * pick.num_samples)

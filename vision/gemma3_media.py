@@ -4,8 +4,7 @@ Each image, and each sampled frame of a video, is preprocessed on its own (`gemm
 and encoded by the SigLIP encoder to `mm_tokens_per_image` tokens, a `sqrt x sqrt` grid in
 row-major order. A video's frames stack into one `(frames, side, side)` token grid, so EVS runs
 across frames with t = the frame count and keeps the first frame whole; the prompt processor
-later splits the video into one image item per frame. Gemma 3's image tokens attend to each
-other both ways, so its items are bidirectional.
+later splits the video into one image item per frame (the family has no video token).
 """
 
 from __future__ import annotations
@@ -15,8 +14,10 @@ from os import PathLike
 
 import numpy as np
 import torch
+from PIL import Image
 
-from stillcut.engine.gemma3_config import SiglipVisionConfig
+from stillcut.engine.model_config import ModelConfig
+from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.gemma3_preprocess import Gemma3PreprocessConfig, preprocess_frames
 from stillcut.vision.siglip import Gemma3VisionEncoder
 
@@ -36,11 +37,22 @@ class Gemma3Media:
     """Preprocessing and batched encoding for a Gemma 3 checkpoint."""
 
     merge_size = 1  # the projector's pooling already made one token per grid cell
-    bidirectional = True
 
-    def __init__(self, path: str | PathLike[str], vision: SiglipVisionConfig) -> None:
+    def __init__(self, path: str | PathLike[str], model_config: ModelConfig) -> None:
         self.preprocess = Gemma3PreprocessConfig.from_checkpoint(path)
-        self.tokens_per_side = vision.tokens_per_side
+        self.video_preprocess = self.image_preprocess = self.preprocess  # one for both
+        self.tokens_per_side = model_config.vision.tokens_per_side
+        size = self.preprocess.image_size
+        self.frame_resize = FrameResize(
+            lambda h, w: (size, size), Image.Resampling(self.preprocess.resample)
+        )
+
+    def token_grid(
+        self, kind: str, num_frames: int, height: int, width: int
+    ) -> tuple[int, int, int]:
+        """The token grid (t, h, w) of `num_frames` frames (or one image): a square per frame,
+        whatever the frame's size."""
+        return num_frames, self.tokens_per_side, self.tokens_per_side
 
     def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedFrames:
         """Frames [T, H, W, 3] uint8 sampled at `sample_fps` -> one square per frame."""
@@ -49,6 +61,11 @@ class Gemma3Media:
     def prepare_image(self, image: np.ndarray) -> PreprocessedFrames:
         """One image [H, W, 3] uint8 -> one square."""
         return self._prepare(image[None], 0.0)
+
+    def check_video_frame(self, height: int, width: int) -> None:
+        """Any frame size works: every frame is resized to the one square."""
+        if height < 1 or width < 1:
+            raise ValueError(f"height and width must be >= 1, got {height}x{width}")
 
     def encode(
         self,

@@ -4,15 +4,14 @@ decode → preprocess → tower → EVS. The encoder cache sits between the towe
 `media_key` (the model, the media bytes and every decode/preprocess parameter), so changing
 EVS settings never re-runs the encoder. The item's `identifier` adds the EVS setting; that is
 what the prefix cache hashes. Several videos asked for together are encoded in one tower pass.
-What differs by family is preprocessing and encoding (`QwenMedia`, `Gemma3Media`): Qwen towers
-take tubelet patches and merge 2x2; Gemma 3 encodes each frame as an image, and its items are
-bidirectional.
+What differs by family is read off its registry entry: the tower, the media class that
+preprocesses frames and encodes batches (tubelet patches merged 2x2, or one square per frame),
+and whether its items attend bidirectionally.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import time
@@ -22,25 +21,18 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
-from stillcut.engine.gemma3_config import GEMMA3_FAMILY
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import dense_coords
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
-from stillcut.vision.errors import NotAnImage, VideoTooLarge
-from stillcut.vision.gemma3_media import Gemma3Media, PreprocessedFrames
-from stillcut.vision.preprocess import (
-    PreprocessedVideo,
-    VideoPreprocessConfig,
-    preprocess_image,
-    preprocess_video,
-)
-from stillcut.vision.qwen2_vl import Qwen2VLVisionTower
+from stillcut.vision.errors import VideoTooLarge
+from stillcut.vision.image_file import decode_image
 from stillcut.vision.towers import load_vision_tower
+from stillcut.vision.work import VisionWork
 
 VideoSource = str | os.PathLike | bytes | BinaryIO | np.ndarray
 ImageSource = str | os.PathLike | bytes | BinaryIO | np.ndarray | Image.Image
@@ -73,33 +65,6 @@ class ImageInput:
     source: ImageSource
 
 
-class QwenMedia:
-    """Preprocessing and batched encoding for Qwen2-VL / Qwen2.5-VL checkpoints."""
-
-    merge_size = 2  # the merger turns 2x2 patches into one token
-    bidirectional = False
-
-    def __init__(self, path: Path) -> None:
-        self.video_preprocess = VideoPreprocessConfig.from_checkpoint(path, "video")
-        self.image_preprocess = VideoPreprocessConfig.from_checkpoint(path, "image")
-
-    def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedVideo:
-        return preprocess_video(frames, sample_fps, self.video_preprocess)
-
-    def prepare_image(self, image: np.ndarray) -> PreprocessedVideo:
-        return preprocess_image(image, self.image_preprocess)
-
-    def encode(
-        self,
-        tower: Qwen2VLVisionTower,
-        prepared: list[PreprocessedVideo],
-        device: torch.device,
-    ) -> list[torch.Tensor]:
-        return tower.encode(
-            [p.patches.to(device) for p in prepared], [p.grid_thw for p in prepared]
-        )
-
-
 class VisionPipeline:
     """The vision half of a checkpoint: tower, preprocessing, encoder cache and EVS."""
 
@@ -114,18 +79,16 @@ class VisionPipeline:
     ) -> None:
         self.path = resolve_checkpoint(model)
         self.model_config = load_model_config(self.path)
+        self.family = self.model_config.family
         self.tower = load_vision_tower(self.path, dtype=dtype, device=device)
         self.device = torch.device(device)
-        if self.model_config.family == GEMMA3_FAMILY:
-            self.media = Gemma3Media(self.path, self.model_config.vision)
-            self.video_preprocess = self.image_preprocess = self.media.preprocess
-        else:
-            self.media = QwenMedia(self.path)
-            self.video_preprocess = self.media.video_preprocess
-            self.image_preprocess = self.media.image_preprocess
+        self.media = self.family.media_class()(self.path, self.model_config)
+        self.video_preprocess = self.media.video_preprocess
+        self.image_preprocess = self.media.image_preprocess
         self.decode_config = decode_config
         self.cache = EncoderCache(cache_bytes)
         self.model_key = model_fingerprint(self.path)
+        self.work = VisionWork()
 
     def video(self, source: VideoSource, evs: EVSConfig | None = None, **options) -> MultiModalItem:
         """Encode one video (see `VideoInput` for the options)."""
@@ -141,6 +104,7 @@ class VisionPipeline:
         misses = [entry for entry in loaded if entry.encoded is None]
         if misses:
             started = time.perf_counter()
+            self.work.tower_passes += 1
             with torch.inference_mode():
                 embeds = self.media.encode(
                     self.tower, [entry.prepared for entry in misses], self.device
@@ -151,7 +115,7 @@ class VisionPipeline:
                 entry.finish(item_embeds.clone() if len(misses) > 1 else item_embeds, encode_s)
                 self.cache.put(entry.media_key, entry.encoded)
         return [
-            entry.to_item(spec, self.media.merge_size, self.media.bidirectional)
+            entry.to_item(spec, self.media.merge_size, self.family.bidirectional_items)
             for entry, spec in zip(loaded, inputs, strict=True)
         ]
 
@@ -185,11 +149,7 @@ class VisionPipeline:
         return entry
 
     def _decode_config(self, spec: VideoInput) -> DecodeConfig:
-        overrides = {"fps": spec.fps, "max_frames": spec.max_frames}
-        changes = {name: value for name, value in overrides.items() if value is not None}
-        if not changes:
-            return self.decode_config
-        return DecodeConfig(**{**self.decode_config.__dict__, **changes})
+        return self.decode_config.with_sampling(spec.fps, spec.max_frames)
 
 
 class _Loaded:
@@ -199,15 +159,16 @@ class _Loaded:
         self.media_key = media_key
         self.encoded = encoded
         self.cache_hit = encoded is not None
-        self.prepared: PreprocessedVideo | PreprocessedFrames | None = None
+        self.prepared = None  # the media class's preprocessed input
         self.timings: dict[str, float] = {}
         self._timestamps: tuple[float, ...] = ()
         self._info: dict = {}
+        self._source: tuple[tuple[int, ...], float | None] = ((), None)  # frame indices, fps
 
     def prepare(self, pipeline: VisionPipeline, spec: VideoInput | ImageInput, data) -> None:
         started = time.perf_counter()
         if isinstance(spec, ImageInput):
-            frame = _open_image(data)
+            frame = _open_image(data, pipeline)
             self._timestamps, self._info = (
                 (0.0,),
                 {"width": frame.shape[1], "height": frame.shape[0]},
@@ -218,12 +179,21 @@ class _Loaded:
             frames, fps = spec.source, spec.frames_fps
             self._timestamps = spec.timestamps or tuple(k / fps for k in range(len(frames)))
             self._info = {"width": frames.shape[2], "height": frames.shape[1], "sample_fps": fps}
+            self._source = (tuple(round(t * fps) for t in self._timestamps), fps)
             decoded_s = time.perf_counter()
             self.prepared = pipeline.media.prepare_video(frames, fps)
         else:
             config = pipeline._decode_config(spec)
-            decoded = decode_video(data, config, start=spec.start, end=spec.end)
+            decoded = decode_video(
+                data,
+                config,
+                start=spec.start,
+                end=spec.end,
+                resize=pipeline.media.frame_resize,
+                work=pipeline.work,
+            )
             self._timestamps = tuple(decoded.timestamps)
+            self._source = (tuple(decoded.source_indices), decoded.source_fps)
             self._info = {
                 "codec": decoded.codec,
                 "width": decoded.width,
@@ -243,8 +213,15 @@ class _Loaded:
     def finish(self, embeds: torch.Tensor, encode_s: float) -> None:
         prepared = self.prepared
         self.timings["encode_s"] = encode_s
+        source_indices, source_fps = self._source
         self.encoded = EncodedMedia(
-            embeds, prepared.grid_thw, prepared.second_per_grid_ts, self._timestamps, self._info
+            embeds,
+            prepared.grid_thw,
+            prepared.second_per_grid_ts,
+            self._timestamps,
+            self._info,
+            source_indices=source_indices,
+            source_fps=source_fps,
         )
 
     def to_item(
@@ -281,6 +258,8 @@ class _Loaded:
             merge_size=merge,
             second_per_grid_ts=encoded.second_per_grid_ts,
             timestamps=encoded.timestamps,
+            source_indices=encoded.source_indices,
+            source_fps=encoded.source_fps,
             media_key=self.media_key,
             identifier=identifier,
             bidirectional=bidirectional,
@@ -369,11 +348,7 @@ def _image_payload(source: ImageSource) -> bytes | np.ndarray:
     return source.read()
 
 
-def _open_image(data: bytes | np.ndarray) -> np.ndarray:
+def _open_image(data: bytes | np.ndarray, pipeline: VisionPipeline) -> np.ndarray:
     if isinstance(data, np.ndarray):
         return data
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as error:
-        raise NotAnImage(f"the image could not be read ({error}); send a PNG or JPEG") from None
+    return decode_image(data, pipeline.decode_config.max_image_pixels, pipeline.work)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.model_config import VisionConfig
+from stillcut.engine.models.qwen2_vl_config import VisionConfig
 from stillcut.vision.qwen2_vl import (
     NORM_EPS,
     Grid,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.model_config import VisionConfig
+from stillcut.engine.models.qwen2_vl_config import VisionConfig
 from stillcut.kernels.vision_attention import varlen_attention
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, t counted in tubelets

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.gemma3_config import SiglipVisionConfig
+from stillcut.engine.models.gemma3_config import SiglipVisionConfig
 from stillcut.kernels.vision_attention import varlen_attention
 from stillcut.vision.qwen2_vl import VisionMLP
 
@@ -166,6 +166,11 @@ class Gemma3VisionEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [B, C, S, S] -> [B, mm_tokens_per_image, out_hidden_size]."""
         return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+    def unused_tensors(self) -> tuple[str, ...]:
+        """SigLIP's pooling head, when the checkpoint stores one: Gemma 3 (in transformers too)
+        reads the patch states, never the head."""
+        return ("vision_tower.head.",) if self.config.has_pooling_head else ()
 
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Encode a batch of preprocessed images (or frames) in one forward pass.

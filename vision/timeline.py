@@ -59,6 +59,7 @@ class PacketScan:
 
     end: float  # seconds from the stream start to the end of the last frame
     pts: tuple[int, ...] | None  # per packet, in file order; None when some packet has none
+    complete: bool = True  # False: the scan stopped at `stop_after_s`, `end` is a lower bound
 
 
 def scan_packets(
@@ -66,12 +67,14 @@ def scan_packets(
     stream: VideoStream,
     max_packets: int,
     max_duration_s: float,
+    stop_after_s: float | None = None,
 ) -> PacketScan:
     """Demux `stream` to its end: cheap next to decoding; raises as soon as a limit is crossed.
 
     The end it finds is the last packet's pts plus duration, which, unlike the headers, stays
     right for variable frame rate files with B-frames (MP4 muxers derive the declared duration
-    from decode timestamps, which then fall short).
+    from decode timestamps, which then fall short). With `stop_after_s`, the scan ends early
+    (`complete=False`) once the stream is known to run past it.
     """
     clock = StreamClock(stream)
     all_pts: list[int] = []
@@ -91,6 +94,8 @@ def scan_packets(
                 raise VideoTooLong(
                     f"the video runs past {clock.end:g} s, over max_duration_s={max_duration_s:g}"
                 )
+            if stop_after_s is not None and clock.end > stop_after_s:
+                return PacketScan(clock.end, None, complete=False)
             if packet.pts is None:
                 has_every_pts = False
             else:

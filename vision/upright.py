@@ -50,12 +50,18 @@ class UprightLayout:
         return rgb[:, ::-1] if self.mirror else rgb
 
 
-def layout_for(frame: VideoFrame, stream: VideoStream, max_pixels: int) -> UprightLayout:
-    """The `UprightLayout` for a clip, from its first sampled frame and its stream."""
-    width, height = frame.width, frame.height
+def display_size(width: int, height: int, stream: VideoStream) -> tuple[int, int]:
+    """(width, height) a coded `width` x `height` frame displays at, before any rotation:
+    non-square pixels stretched to the display aspect."""
     aspect = stream.sample_aspect_ratio or stream.codec_context.sample_aspect_ratio
     if aspect and aspect > 0 and aspect != 1:
         width = max(1, round(width * Fraction(aspect)))
+    return width, height
+
+
+def layout_for(frame: VideoFrame, stream: VideoStream, max_pixels: int) -> UprightLayout:
+    """The `UprightLayout` for a clip, from its first sampled frame and its stream."""
+    width, height = display_size(frame.width, frame.height, stream)
     if width * height > max_pixels:
         raise FrameTooLarge(
             f"frames display at {width}x{height} = {width * height} pixels, "
@@ -67,7 +73,11 @@ def layout_for(frame: VideoFrame, stream: VideoStream, max_pixels: int) -> Uprig
 
 def display_orientation(frame: VideoFrame, stream: VideoStream) -> tuple[int, bool]:
     """(counter-clockwise quarter turns, mirror left-right) that make `frame` upright."""
-    side_data = frame.side_data.get(SideDataType.DISPLAYMATRIX)
+    # A frame and its side-data container refer to each other, so reading it off the decoder's
+    # own frame keeps that frame, and with it the decoder's threads, alive until the garbage
+    # collector runs; a 2x2 copy carries the same side data and pins nothing.
+    copy = frame.reformat(width=2, height=2, format="rgb24")
+    side_data = copy.side_data.get(SideDataType.DISPLAYMATRIX)
     if side_data is None:
         return _rotate_tag_turns(stream), False
     matrix = np.frombuffer(bytes(side_data), dtype=np.int32)  # 3x3, row-major, 16.16 fixed

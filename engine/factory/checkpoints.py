@@ -1,8 +1,10 @@
-"""Random-init Qwen2.5-VL, Qwen2-VL and Gemma 3 checkpoints in Hugging Face layout.
+"""Random-init Qwen2.5-VL, Qwen2-VL, Gemma 3 and Nemotron 3 Nano Omni checkpoints in Hugging
+Face layout.
 
-Qwen checkpoints carry the real Qwen2.5 tokenizer; Gemma 3 ones a tiny tokenizer trained
-offline (`gemma3_tokenizer`). A `CheckpointSpec` (family, preset, seed, dtype,
-text/vision config fields, pixel budgets or Gemma 3's tokens per image) fully determines a
+Qwen checkpoints carry the real Qwen2.5 tokenizer; Gemma 3 and Nemotron ones a tiny tokenizer
+trained offline (`gemma3_tokenizer`, `nemotron_tokenizer`). A `CheckpointSpec` (family, preset,
+seed, dtype, text/vision config fields, pixel budgets, Gemma 3's tokens per image or
+Nemotron's top-level fields and patch budgets) fully determines a
 checkpoint: transformers builds the model after seeding torch, so the same
 spec gives the same weights. `build_checkpoint` writes one into a folder; `cached_checkpoint`
 keeps one per spec in the user's cache under `<preset>-seed<seed>-<hash of the whole spec>`, so a
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from stillcut.engine.disk_cache import atomic_folder, cache_dir, short_hash
-from stillcut.engine.factory import gemma3_tokenizer
+from stillcut.engine.factory import gemma3_tokenizer, nemotron_tokenizer
 from stillcut.engine.factory.gemma3 import (
     GENERATION_IDS,
     check_gemma3_spec,
@@ -34,6 +36,16 @@ from stillcut.engine.factory.gemma3 import (
     gemma3_processor_configs,
     gemma3_spec_fields,
     randomize_zero_init,
+)
+from stillcut.engine.factory.nemotron import (
+    GENERATION_IDS as NEMOTRON_GENERATION_IDS,
+)
+from stillcut.engine.factory.nemotron import (
+    check_nemotron_spec,
+    nemotron_hf_config,
+    nemotron_processor_configs,
+    nemotron_spec_fields,
+    randomize_unit_init,
 )
 from stillcut.engine.factory.qwen_presets import (
     BOS_TOKEN_ID,
@@ -55,7 +67,7 @@ from stillcut.engine.factory.qwen_tokenizer import (
     qwen_tokenizer_dir,
     tokenizer_cache_name,
 )
-from stillcut.engine.gemma3_config import GEMMA3_FAMILY
+from stillcut.engine.models.families import GEMMA3, NEMOTRON_H_OMNI
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -70,19 +82,35 @@ __all__ = [
     "random_demo_checkpoint",
 ]
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", GEMMA3_FAMILY)
-Family = Literal["qwen2_5_vl", "qwen2_vl", "gemma3"]
+NEMOTRON = NEMOTRON_H_OMNI.model_type
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", GEMMA3.model_type, NEMOTRON)
+Family = Literal["qwen2_5_vl", "qwen2_vl", "gemma3", "nemotron_h_omni"]
 DTYPES = ("float32", "bfloat16")
 FORMAT_VERSION = 1  # bump whenever the files written for an unchanged spec change
 _MODEL_CLASSES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
-    GEMMA3_FAMILY: "Gemma3ForConditionalGeneration",
+    GEMMA3.model_type: "Gemma3ForConditionalGeneration",
+    NEMOTRON: "NemotronH_Omni_Reasoning_V3",
 }
 _QWEN_GENERATION_IDS = {
     "bos_token_id": BOS_TOKEN_ID,
     "eos_token_id": [EOS_TOKEN_ID, BOS_TOKEN_ID],
     "pad_token_id": BOS_TOKEN_ID,
+}
+_TOKENIZER_NAMES = {
+    GEMMA3.model_type: gemma3_tokenizer.tokenizer_recipe_name,
+    NEMOTRON: nemotron_tokenizer.tokenizer_recipe_name,
+}
+_GENERATION_IDS = {GEMMA3.model_type: GENERATION_IDS, NEMOTRON: NEMOTRON_GENERATION_IDS}
+_RANDOMIZE = {GEMMA3.model_type: randomize_zero_init, NEMOTRON: randomize_unit_init}
+_PROCESSOR_CONFIGS = {
+    GEMMA3.model_type: gemma3_processor_configs,
+    NEMOTRON: nemotron_processor_configs,
+}
+_TOKENIZER_WRITERS = {
+    GEMMA3.model_type: gemma3_tokenizer.write_tokenizer_files,
+    NEMOTRON: nemotron_tokenizer.write_tokenizer_files,
 }
 # Model init draws from torch's global RNG, so builders in one process take turns.
 _INIT_LOCK = threading.Lock()
@@ -101,7 +129,8 @@ class CheckpointSpec:
 
     `text` and `vision` are the full transformers sub-config fields (vision in the family's own
     keys); treat them as read-only. `processor` applies to the Qwen families,
-    `mm_tokens_per_image` (None for Qwen) to Gemma 3.
+    `mm_tokens_per_image` (None for Qwen) to Gemma 3, `extra` (top-level config fields and
+    processor patch budgets) to Nemotron 3 Nano Omni.
     """
 
     preset: str
@@ -113,6 +142,7 @@ class CheckpointSpec:
     vision: dict[str, Any]
     processor: ProcessorSpec
     mm_tokens_per_image: int | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -132,9 +162,14 @@ class CheckpointSpec:
                 f"num_key_value_heads={num_kv_heads}: num_attention_heads must divide "
                 "hidden_size and num_key_value_heads must divide num_attention_heads"
             )
-        if self.family == GEMMA3_FAMILY:
+        if self.family == GEMMA3.model_type:
             check_gemma3_spec(self.text, self.vision, self.mm_tokens_per_image)
             return
+        if self.family == NEMOTRON:
+            check_nemotron_spec(self.text, self.extra)
+            return
+        if self.extra:
+            raise ValueError(f"extra fields apply to {NEMOTRON!r}, not {self.family!r}")
         if self.mm_tokens_per_image is not None:
             raise ValueError(f"mm_tokens_per_image applies to Gemma 3, not {self.family!r}")
         mrope_section = self.text["rope_parameters"].get("mrope_section", ())
@@ -154,11 +189,7 @@ class CheckpointSpec:
         payload = {
             "spec": dataclasses.asdict(self),
             "format": FORMAT_VERSION,
-            "tokenizer": (
-                gemma3_tokenizer.tokenizer_recipe_name()
-                if self.family == GEMMA3_FAMILY
-                else tokenizer_cache_name()
-            ),
+            "tokenizer": _TOKENIZER_NAMES.get(self.family, tokenizer_cache_name)(),
             "torch": importlib.metadata.version("torch"),
             "transformers": importlib.metadata.version("transformers"),
         }
@@ -178,18 +209,35 @@ def checkpoint_spec(
     text: Mapping[str, Any] | None = None,
     vision: Mapping[str, Any] | None = None,
     processor: Mapping[str, int] | None = None,
-    tie_word_embeddings: bool = True,
+    tie_word_embeddings: bool | None = None,
     mm_tokens_per_image: int | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> CheckpointSpec:
     """Resolve a preset and overrides into a full spec.
 
     `text` and `vision` override transformers config fields (`vision` in the family's keys,
     e.g. `embed_dim`/`mlp_ratio` for Qwen2-VL); `processor` overrides `ProcessorSpec` fields;
-    `dtype` defaults to the preset's. Unless overridden, M-RoPE sections follow Qwen's 1:1.5:1.5
-    split of head_dim / 2, and the vision output width follows the text hidden size. Gemma 3
-    has its own presets (`factory.gemma3`), takes `mm_tokens_per_image` and no `processor`.
+    `dtype` and `tie_word_embeddings` default to the preset's (Gemma 3: tied; Nemotron:
+    untied, as its releases). Unless overridden, M-RoPE sections follow Qwen's 1:1.5:1.5 split
+    of head_dim / 2, and the vision output width follows the text hidden size. Gemma 3 has its
+    own presets (`factory.gemma3`), takes `mm_tokens_per_image` and no `processor`; Nemotron 3
+    Nano Omni has its own (`factory.nemotron`) and takes `extra`.
     """
-    if family == GEMMA3_FAMILY:
+    if family == NEMOTRON:
+        if processor or mm_tokens_per_image is not None:
+            raise ValueError(f"processor and mm_tokens_per_image do not apply to {NEMOTRON!r}")
+        fields = nemotron_spec_fields(preset, text, vision, extra)
+        return CheckpointSpec(
+            preset=preset,
+            family=family,
+            seed=seed,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            processor=ProcessorSpec(),
+            **{**fields, "dtype": dtype or fields["dtype"]},
+        )
+    if extra:
+        raise ValueError(f"extra fields apply to {NEMOTRON!r}, not {family!r}")
+    if family == GEMMA3.model_type:
         if processor:
             raise ValueError("processor overrides apply to the Qwen families, not 'gemma3'")
         fields = gemma3_spec_fields(preset, text, vision, mm_tokens_per_image)
@@ -197,7 +245,7 @@ def checkpoint_spec(
             preset=preset,
             family=family,
             seed=seed,
-            tie_word_embeddings=tie_word_embeddings,
+            tie_word_embeddings=True if tie_word_embeddings is None else tie_word_embeddings,
             processor=ProcessorSpec(),
             **{**fields, "dtype": dtype or fields["dtype"]},
         )
@@ -224,7 +272,9 @@ def checkpoint_spec(
         family=family,
         seed=seed,
         dtype=dtype or base.dtype,
-        tie_word_embeddings=tie_word_embeddings,
+        tie_word_embeddings=(
+            base.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        ),
         text=resolved_text,
         vision={**resolved_vision, **(vision or {})},
         processor=ProcessorSpec(**(processor or {})),
@@ -270,9 +320,12 @@ def random_demo_checkpoint(seed: int = 0) -> Path:
 
 
 def hf_config(spec: CheckpointSpec) -> PreTrainedConfig:
-    """The transformers config (`Qwen2_5_VLConfig`, `Qwen2VLConfig`, `Gemma3Config`) of `spec`."""
-    if spec.family == GEMMA3_FAMILY:
+    """The transformers config (`Qwen2_5_VLConfig`, `Qwen2VLConfig`, `Gemma3Config`,
+    `NemotronH_Omni_Reasoning_V3_Config`) of `spec`."""
+    if spec.family == GEMMA3.model_type:
         return gemma3_hf_config(spec)
+    if spec.family == NEMOTRON:
+        return nemotron_hf_config(spec)
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     config_class = Qwen2_5_VLConfig if spec.family == "qwen2_5_vl" else Qwen2VLConfig
@@ -306,17 +359,15 @@ def _write_checkpoint(spec: CheckpointSpec, folder: Path) -> None:
     import transformers
     from transformers.utils import logging as hf_logging
 
-    gemma3 = spec.family == GEMMA3_FAMILY
     model_class = getattr(transformers, _MODEL_CLASSES[spec.family])
     # fork_rng: seed the init without disturbing the caller's RNG stream.
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = model_class(hf_config(spec))
-        if gemma3:
-            randomize_zero_init(model)
+        _RANDOMIZE.get(spec.family, lambda _: None)(model)
     model.to(getattr(torch, spec.dtype))
     model.generation_config = transformers.GenerationConfig(
-        **(GENERATION_IDS if gemma3 else _QWEN_GENERATION_IDS)
+        **_GENERATION_IDS.get(spec.family, _QWEN_GENERATION_IDS)
     )
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -325,15 +376,14 @@ def _write_checkpoint(spec: CheckpointSpec, folder: Path) -> None:
     finally:
         if bars_were_enabled:
             hf_logging.enable_progress_bar()
-    configs = (
-        gemma3_processor_configs(spec)
-        if gemma3
-        else preprocessor_configs(spec.family, spec.vision, spec.processor)
-    )
+    if spec.family in _PROCESSOR_CONFIGS:
+        configs = _PROCESSOR_CONFIGS[spec.family](spec)
+    else:
+        configs = preprocessor_configs(spec.family, spec.vision, spec.processor)
     for name, config in configs.items():
         (folder / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if gemma3:
-        gemma3_tokenizer.write_tokenizer_files(folder)
+    if spec.family in _TOKENIZER_WRITERS:
+        _TOKENIZER_WRITERS[spec.family](folder)
         return
     tokenizer_folder = qwen_tokenizer_dir()
     for name in TOKENIZER_FILES:

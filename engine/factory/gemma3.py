@@ -28,7 +28,7 @@ from stillcut.engine.factory.gemma3_tokenizer import (
     VOCAB_SIZE,
 )
 from stillcut.engine.factory.qwen_presets import Preset
-from stillcut.engine.gemma3_config import GEMMA3_FAMILY
+from stillcut.engine.models.families import GEMMA3
 
 if TYPE_CHECKING:
     from torch import nn
@@ -93,7 +93,7 @@ def gemma3_spec_fields(
     with the caller's overrides; None keeps the preset's value."""
     if preset not in GEMMA3_PRESETS:
         raise ValueError(
-            f"preset={preset!r} for family {GEMMA3_FAMILY!r}: allowed {tuple(GEMMA3_PRESETS)}"
+            f"preset={preset!r} for family {GEMMA3.model_type!r}: allowed {tuple(GEMMA3_PRESETS)}"
         )
     base = GEMMA3_PRESETS[preset]
     resolved_text = {
@@ -135,8 +135,6 @@ def check_gemma3_spec(
             f"text layer_types has {len(text['layer_types'])} entries; "
             f"num_hidden_layers={text['num_hidden_layers']}"
         )
-    if vision.get("vision_use_head"):
-        raise ValueError("vision vision_use_head=True: Gemma 3 uses no pooling head")
     patches_per_side = vision["image_size"] // vision["patch_size"]
     side = math.isqrt(mm_tokens_per_image) if mm_tokens_per_image else 0
     if side < 1 or side * side != mm_tokens_per_image or patches_per_side % side:

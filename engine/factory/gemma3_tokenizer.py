@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stillcut.engine.disk_cache import short_hash
+from stillcut.engine.factory import trained_tokenizer
 
 RECIPE_VERSION = 1  # bump when the corpus or `_build_backend` changes
 # Ids 0-9 in this order; real Gemma 3 has the first four at the same ids.
@@ -107,8 +107,6 @@ CORPUS = (
 
 def tokenizer_recipe_name() -> str:
     """A name that changes whenever the files `write_tokenizer_files` writes would change."""
-    import tokenizers
-
     recipe = {
         "version": RECIPE_VERSION,
         "corpus": CORPUS,
@@ -116,17 +114,15 @@ def tokenizer_recipe_name() -> str:
         "vocab_size": VOCAB_SIZE,
         "template": CHAT_TEMPLATE,
         "config": _tokenizer_config(),
-        "tokenizers": tokenizers.__version__,
     }
-    return f"gemma3-tiny-{short_hash(recipe)}"
+    return trained_tokenizer.recipe_name("gemma3-tiny", recipe)
 
 
 def write_tokenizer_files(folder: Path) -> None:
     """Train the tokenizer; write tokenizer.json, tokenizer_config.json, chat_template.jinja."""
-    _build_backend().save(str(folder / "tokenizer.json"))
-    config = json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False)
-    (folder / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
-    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
+    trained_tokenizer.write_tokenizer_files(
+        folder, _build_backend(), _tokenizer_config(), CHAT_TEMPLATE
+    )
 
 
 def _learned_pieces() -> tuple[list[str], list[tuple[str, str]]]:

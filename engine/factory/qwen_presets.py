@@ -34,17 +34,38 @@ _QWEN2_5_VISION_EXTRA = MappingProxyType({"window_size": 112, "tokens_per_second
 
 @dataclass(frozen=True)
 class Preset:
-    """A named model size. `vision` uses Qwen2.5-VL keys; `family_vision` translates them."""
+    """A named model size. `vision` uses Qwen2.5-VL keys; `family_vision` translates them.
+    `tie_word_embeddings` is the default a spec may override."""
 
     dtype: Literal["float32", "bfloat16"]
     text: Mapping[str, int]
     vision: Mapping[str, Any]
+    tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
         # Read-only views: presets are shared by every caller.
         object.__setattr__(self, "text", MappingProxyType(dict(self.text)))
         object.__setattr__(self, "vision", MappingProxyType(dict(self.vision)))
 
+
+_DEMO_TEXT = MappingProxyType(
+    {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1536,
+    }
+)
+_DEMO_VISION = MappingProxyType(
+    {
+        "depth": 8,
+        "hidden_size": 256,
+        "num_heads": 4,
+        "intermediate_size": 768,
+        "fullatt_block_indexes": (3, 7),
+    }
+)
 
 PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
@@ -67,22 +88,11 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             },
         ),
         # What the speed benchmarks measure: ~110M parameters (78M of them the tied embedding).
-        RANDOM_DEMO: Preset(
-            dtype="bfloat16",
-            text={
-                "hidden_size": 512,
-                "num_hidden_layers": 8,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 2,
-                "intermediate_size": 1536,
-            },
-            vision={
-                "depth": 8,
-                "hidden_size": 256,
-                "num_heads": 4,
-                "intermediate_size": 768,
-                "fullatt_block_indexes": (3, 7),
-            },
+        RANDOM_DEMO: Preset(dtype="bfloat16", text=_DEMO_TEXT, vision=_DEMO_VISION),
+        # random-demo's shape with its own LM head: 180M language-model parameters (2 x 78M of
+        # them vocabulary), the size decode speed is measured at (bench/decode_roofline.py).
+        "lm180m": Preset(
+            dtype="bfloat16", text=_DEMO_TEXT, vision=_DEMO_VISION, tie_word_embeddings=False
         ),
     }
 )

@@ -32,7 +32,6 @@ from stillcut.engine.models.gemma3_text_config import (
 from stillcut.engine.models.layers import (
     Bands,
     PagedLanguageModel,
-    band_weights,
     checkpoint_layer,
     checkpoint_layout,
     empty_weight,
@@ -46,7 +45,7 @@ from stillcut.engine.models.layers import (
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.kernels.attention import AttentionMetadata
-from stillcut.kernels.cpu_decode import CpuDecoder, LayerWeights, bind
+from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 # A checkpoint layer's norms -> ours (their `1 + weight`, float32).
@@ -288,44 +287,42 @@ class Gemma3LanguageModel(PagedLanguageModel):
             _fuse_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
         set_weight(model, "norm", _scale(stored.norm))
         set_weight(model, "lm_head", head_layout(stored.embed_tokens.weight))
-        band_weights(model)
-        model.cpu_decoder = _cpu_decoder(model)
+        model.prepare_weights()
         return model.eval()
 
-
-def _cpu_decoder(model: Gemma3LanguageModel) -> CpuDecoder | None:
-    """The native CPU decode step of `model` (see `kernels.cpu_decode`), or None."""
-    config = model.config
-    layers = [
-        LayerWeights(
-            input_norm=layer.input_norm,
-            qkv_weight=layer.qkv_weight,
-            qk_norm=layer.qk_norm,
-            o_weight=layer.o_weight,
-            attention_out_norm=layer.post_attention_norm,
-            mlp_norm=layer.pre_feedforward_norm,
-            gate_up_weight=layer.gate_up_weight,
-            down_weight=layer.down_weight,
-            mlp_out_norm=layer.post_feedforward_norm,
-            window=layer.sliding_window or 0,
-            table=LAYER_TYPES.index(layer.layer_type),
+    def native_stack(self) -> Stack:
+        """Each layer as two sandwich-normed blocks for the native CPU decode step: attention
+        with q/k norms, its layer type's window and rotary table and the score soft cap; tanh
+        GELU gated MLP. The embedding is the tied head's rows (see `head_layout`)."""
+        config = self.config
+        blocks = []
+        for index, layer in enumerate(self.layers):
+            attention = Attention(
+                layer.qkv_weight,
+                layer.o_weight,
+                config.num_heads,
+                config.num_kv_heads,
+                cache=index,
+                scale=layer.scale,
+                qk_norm=layer.qk_norm,
+                window=layer.sliding_window or 0,
+                table=LAYER_TYPES.index(layer.layer_type),
+                soft_cap=layer.soft_cap or 0.0,
+            )
+            mlp = GatedMlp(layer.gate_up_weight, layer.down_weight, Activation.GELU_TANH)
+            blocks += [
+                Block(layer.input_norm, attention, out_norm=layer.post_attention_norm),
+                Block(layer.pre_feedforward_norm, mlp, out_norm=layer.post_feedforward_norm),
+            ]
+        return Stack(
+            blocks,
+            embedding=self.lm_head.T,
+            final_norm=self.norm,
+            inv_freqs=[getattr(self.rotary, f"{kind}_inv_freq") for kind in LAYER_TYPES],
+            section=torch.zeros(config.head_dim // 2, dtype=torch.int32),  # 1-D positions
+            eps=config.rms_norm_eps,
+            embedding_scale=float(self.embed_scale),
         )
-        for layer in model.layers
-    ]
-    return bind(
-        layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        embedding=model.lm_head.T,  # the tied head's rows, see `head_layout`
-        final_norm=model.norm,
-        inv_freqs=[getattr(model.rotary, f"{kind}_inv_freq") for kind in LAYER_TYPES],
-        section=torch.zeros(config.head_dim // 2, dtype=torch.int32),  # 1-D positions
-        eps=config.rms_norm_eps,
-        scale=model.layers[0].scale,
-        embedding_scale=float(model.embed_scale),
-        soft_cap=config.attn_logit_softcapping,
-        gelu=True,
-    )
 
 
 def _scale(norm: nn.Module) -> torch.Tensor:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stillcut.engine.gemma3_config import GEMMA3_FAMILY
+from stillcut.engine.cache_groups import AttentionGroup
 from stillcut.engine.model_config import CheckpointError, ModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -96,12 +96,10 @@ class Gemma3TextConfig:
 def gemma3_text_config(config: ModelConfig) -> Gemma3TextConfig:
     """The Gemma3TextConfig of a Gemma 3 checkpoint's config.
 
-    Raises CheckpointError for another family, a missing field, or what this model does not
-    implement: another activation, attention biases, bidirectional text (EmbeddingGemma) or a
-    rotary type other than default and linear.
+    Raises CheckpointError for a missing field or what this model does not implement:
+    another activation, attention biases, bidirectional text (EmbeddingGemma) or a rotary type
+    other than default and linear.
     """
-    if config.family != GEMMA3_FAMILY:
-        raise CheckpointError(f"family {config.family!r} has no Gemma 3 language model")
     text = config.text
     activation = text.get("hidden_activation", GELU_TANH[0])
     if activation not in GELU_TANH:
@@ -159,3 +157,14 @@ def _rope(text: Mapping[str, Any], kind: str) -> RopeParameters:
 
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def gemma3_cache_groups(config: ModelConfig) -> tuple[AttentionGroup, ...]:
+    """Local layers (their window) and global layers, each a group of the same K/V shape."""
+    text = gemma3_text_config(config)
+    groups = []
+    for kind, window in ((SLIDING, text.sliding_window), (FULL, None)):
+        layer_ids = tuple(i for i, t in enumerate(text.layer_types) if t == kind)
+        if layer_ids:
+            groups.append(AttentionGroup(layer_ids, text.num_kv_heads, text.head_dim, window))
+    return tuple(groups)

@@ -8,14 +8,19 @@ come as cos and a signed sin, `[N, 1, D]`, so that rotating q and k heads is one
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from stillcut.engine.models.weight_snapshot import WeightSnapshot
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
-from stillcut.kernels.cpu_decode import CpuDecoder
+from stillcut.kernels.cpu_decode import CpuDecoder, bind
+from stillcut.kernels.cpu_decode_stack import Stack
+
+log = logging.getLogger(__name__)
 
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -127,12 +132,27 @@ def _band_count(num_out: int, wanted: int) -> int:
 class PagedLanguageModel(nn.Module):
     """What the runner asks of every language model beside `forward`, `compute_logits` and
     `prompt_positions`: its layer count and the shape of one layer's paged KV cache. `config`
-    has `num_layers`, `num_kv_heads` and `head_dim`; `head_bands` is set by `band_weights`,
-    `cpu_decoder` by the model's `from_checkpoint` where the native kernel serves it."""
+    has `num_layers`, `num_kv_heads` and `head_dim`. `prepare_weights` (called by the model's
+    `from_checkpoint`) makes what is derived from the weights: `head_bands` and the layers'
+    bands (`band_weights`), and `cpu_decoder`, the native CPU decode step, from `native_stack`
+    where the kernel serves it."""
 
     config: object
     head_bands: tuple[Bands, Bands] | None = None
-    cpu_decoder: CpuDecoder | None = None  # the native CPU decode step, when it was built
+    cpu_decoder: CpuDecoder | None = None  # None: the torch ops run (also set so by benches)
+    weights_seen: WeightSnapshot | None = None  # the weights `prepare_weights` saw
+
+    def native_stack(self) -> Stack | None:
+        """The model as the native CPU decode step reads it; None: it has none."""
+        return None
+
+    def prepare_weights(self) -> None:
+        """Make the bands and the native decoder from the weights as they are now, and
+        remember which tensors those were (see `native_decode`)."""
+        band_weights(self)
+        stack = self.native_stack()
+        self.cpu_decoder = None if stack is None else bind(stack)
+        self.weights_seen = WeightSnapshot(self)
 
     def native_decode(
         self,
@@ -143,7 +163,14 @@ class PagedLanguageModel(nn.Module):
         mm_embeds: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """`forward`'s result from the native CPU decode step when this step is one it takes
-        (decodes only, see `CpuDecoder.supports`), else None."""
+        (decodes only, see `CpuDecoder.supports`), else None. Every forward calls it first, so
+        here the weights are checked: if the model now holds other tensors than the bands and
+        the decoder were made from (a reload, `.to()`, a replaced parameter), both are made
+        again before anything reads them (falling back to torch where the kernel cannot serve
+        the new weights, e.g. not float32)."""
+        if self.weights_seen is not None and not self.weights_seen.current():
+            log.info("the model's weights changed: rebuilding its bands and native decode step")
+            self.prepare_weights()
         native = self.cpu_decoder
         if (
             mm_embeds is None

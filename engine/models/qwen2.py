@@ -20,11 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
-from stillcut.engine.model_config import TextConfig, text_config
 from stillcut.engine.models.layers import (
     Bands,
     PagedLanguageModel,
-    band_weights,
     checkpoint_layer,
     checkpoint_layout,
     empty_weight,
@@ -36,10 +34,11 @@ from stillcut.engine.models.layers import (
     set_weight,
     vocab_logits,
 )
+from stillcut.engine.models.qwen2_vl_config import TextConfig, text_config
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
 from stillcut.kernels.attention import AttentionMetadata
-from stillcut.kernels.cpu_decode import CpuDecoder, LayerWeights, bind
+from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 LM_HEAD_PREFIX = "lm_head."
@@ -130,7 +129,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
     """
 
     num_position_rows = 3  # M-RoPE: temporal, height, width
-    bidirectional_item_tokens = 0  # every token attends causally
+    bidirectional_item_tokens = 0  # images have no fixed size: admission checks each item
 
     def __init__(
         self,
@@ -223,7 +222,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
         rope_spec = MRopeSpec(
             model_config.image_token_id,
             model_config.video_token_id,
-            tokens_per_second=model_config.vision.tokens_per_second,  # None for Qwen2-VL
+            tokens_per_second=model_config.vision.tokens_per_second,  # None: Qwen2-VL's steps
         )
         stored = _checkpoint_layout(config)
         load_weights(stored, folder, LANGUAGE_MODEL_PREFIX, dtype=dtype, device=device)
@@ -239,37 +238,35 @@ class Qwen2LanguageModel(PagedLanguageModel):
             load_weights(head, folder, LM_HEAD_PREFIX, dtype=dtype, device=device)
             set_weight(model, "embed_tokens", stored.embed_tokens.weight)
             set_weight(model, "lm_head", head_layout(head.weight))
-        band_weights(model)
-        model.cpu_decoder = _cpu_decoder(model)
+        model.prepare_weights()
         return model.eval()
 
-
-def _cpu_decoder(model: Qwen2LanguageModel) -> CpuDecoder | None:
-    """The native CPU decode step of `model` (see `kernels.cpu_decode`), or None."""
-    config = model.config
-    layers = [
-        LayerWeights(
-            input_norm=layer.input_layernorm,
-            qkv_weight=layer.qkv_weight,
-            qkv_bias=layer.qkv_bias,
-            o_weight=layer.o_weight,
-            mlp_norm=layer.post_attention_layernorm,
-            gate_up_weight=layer.gate_up_weight,
-            down_weight=layer.down_weight,
+    def native_stack(self) -> Stack:
+        """Each layer as two blocks for the native CPU decode step: biased attention, SiLU
+        gated MLP; the embedding is the tied head's rows when there is no table of its own."""
+        config = self.config
+        blocks = []
+        for index, layer in enumerate(self.layers):
+            attention = Attention(
+                layer.qkv_weight,
+                layer.o_weight,
+                config.num_heads,
+                config.num_kv_heads,
+                cache=index,
+                scale=layer.scale,
+                qkv_bias=layer.qkv_bias,
+            )
+            mlp = GatedMlp(layer.gate_up_weight, layer.down_weight, Activation.SILU)
+            blocks += [Block(layer.input_layernorm, attention)]
+            blocks += [Block(layer.post_attention_layernorm, mlp)]
+        return Stack(
+            blocks,
+            embedding=self.lm_head.T if self.embed_tokens is None else self.embed_tokens,
+            final_norm=self.norm,
+            inv_freqs=[self.rotary.inv_freq],
+            section=self.rotary.section,
+            eps=config.rms_norm_eps,
         )
-        for layer in model.layers
-    ]
-    return bind(
-        layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        embedding=model.lm_head.T if model.embed_tokens is None else model.embed_tokens,
-        final_norm=model.norm,
-        inv_freqs=[model.rotary.inv_freq],
-        section=model.rotary.section,
-        eps=config.rms_norm_eps,
-        scale=model.layers[0].scale,
-    )
 
 
 def _fuse_layer(layer: Qwen2DecoderLayer, stored: nn.Module) -> None:

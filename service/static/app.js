@@ -18,6 +18,17 @@ function authHeaders() {
   return key ? { Authorization: `Bearer ${key}` } : {};
 }
 
+// A browser cannot set headers on a WebSocket; the key travels as a subprotocol beside
+// "stillcut" (the one the server selects), base64url-encoded so any key is a valid token.
+function socketProtocols() {
+  const key = apiKey();
+  if (!key) return ["stillcut"];
+  const bytes = new TextEncoder().encode(key);
+  const encoded = btoa(String.fromCharCode(...bytes))
+    .replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+  return ["stillcut", `stillcut.bearer.${encoded}`];
+}
+
 function showError(message) {
   const box = $("error");
   box.textContent = message;
@@ -260,14 +271,12 @@ async function startLive(event) {
   }
   $("live-bars").replaceChildren();
   const scheme = location.protocol === "https:" ? "wss" : "ws";
-  const socket = new WebSocket(`${scheme}://${location.host}/v1/stream`);
+  const socket = new WebSocket(`${scheme}://${location.host}/v1/stream`, socketProtocols());
   socket.binaryType = "arraybuffer";
   live.socket = socket;
   socket.onopen = () => {
     const threshold = Number($("live-threshold").value);
-    const start = { type: "start", threshold, fps: LIVE_FPS, max_tokens: 64 };
-    if (apiKey()) start.api_key = apiKey();
-    socket.send(JSON.stringify(start));
+    socket.send(JSON.stringify({ type: "start", threshold, fps: LIVE_FPS, max_tokens: 64 }));
   };
   socket.onmessage = (message) => onLiveMessage(JSON.parse(message.data), video);
   socket.onclose = (close) => {
@@ -292,6 +301,7 @@ function onLiveMessage(data, video) {
     $("live-answer").textContent = data.text;
   } else if (data.type === "error") {
     showError(data.message);
+    if (data.code === "invalid_api_key") askForKey();  // the next Start sends the new key
   }
 }
 

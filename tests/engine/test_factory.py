@@ -362,6 +362,20 @@ def test_random_demo_spec_shape_without_building():
     assert 100e6 < num_params < 120e6
 
 
+def test_lm180m_is_the_random_demo_shape_with_its_own_head():
+    demo, spec = checkpoint_spec("random-demo"), checkpoint_spec("lm180m")
+    assert spec.text == demo.text and spec.vision == demo.vision
+    assert demo.tie_word_embeddings and not spec.tie_word_embeddings
+    assert checkpoint_spec("lm180m", tie_word_embeddings=True).tie_word_embeddings
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(hf_config(spec))
+    language = model.model.language_model
+    num_params = sum(p.numel() for p in language.parameters()) + model.lm_head.weight.numel()
+    assert num_params == 179_714_560  # 2 x 151936 x 512 vocabulary + 8 layers of 3.0M
+
+
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
@@ -552,7 +566,6 @@ def test_gemma3_overrides_reach_the_config():
         ({"text": {"vocab_size": 2048}}, "vocab_size"),
         ({"mm_tokens_per_image": 9}, "mm_tokens_per_image"),
         ({"mm_tokens_per_image": 0}, "mm_tokens_per_image"),
-        ({"vision": {"vision_use_head": True}}, "vision_use_head"),
         ({"text": {"layer_types": ["full_attention"]}}, "layer_types"),
         ({"processor": {"video_min_pixels": 10}}, "processor"),
     ],

@@ -21,6 +21,7 @@ from stillcut.engine.admission import BidirectionalItemTooLong
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.loader import checkpoint_tensors
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.evs import EVSConfig
@@ -152,6 +153,21 @@ def test_prompt_and_greedy_tokens_equal_transformers(setup, case):
     image_rows = torch.tensor(prompt.token_ids) == engine.model.image_token_id
     assert image_rows.tolist() == hf_inputs["token_type_ids"][0].bool().tolist()
     assert all(item.bidirectional and item.num_tokens == 16 for item in prompt.items)
+    (ours,) = engine.generate([prompt], GREEDY)
+    assert ours.token_ids == _hf_greedy(reference, hf_inputs)
+
+
+def test_a_checkpoint_storing_siglips_pooling_head_answers_as_transformers():
+    """SigLIP's default `vision_use_head: true` stores a pooling head that Gemma 3 never
+    reads (transformers' model builds it and ignores it): it loads, and its head is skipped."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    path = cached_checkpoint("tiny", family="gemma3", vision={"vision_use_head": True})
+    assert any(".head." in name for name in checkpoint_tensors(path))
+    reference = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    engine = LLMEngine(path, _config(max_num_batched_tokens=1024))
+    setup = (engine, VisionPipeline(path), reference, AutoProcessor.from_pretrained(path))
+    prompt, hf_inputs = _build(setup, CASES["text before and after"])
     (ours,) = engine.generate([prompt], GREEDY)
     assert ours.token_ids == _hf_greedy(reference, hf_inputs)
 

@@ -1,9 +1,12 @@
 """Block pool, block tables and the prefix cache: ref counts, LRU reuse, hash chaining, hits."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from stillcut.engine.config import num_blocks_for_budget
 from stillcut.engine.kv_cache import BlockPool, KVCacheManager, block_extra_keys, hash_block
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, Request
@@ -116,6 +119,43 @@ def test_block_hashes_change_with_identifier_offset_and_salt():
     assert all(a != b for a, b in zip(salted, base, strict=True))
 
 
+# The same image twice in one prompt, its two placements sharing block 1 (block size 4). In
+# one process both placements hold one item object; in the other each its own (as an encoder
+# cache hit and a fresh encode give): the identifiers are equal strings, not one string.
+_HASHES_IN_A_FRESH_PROCESS = """
+import sys
+import torch
+from stillcut.engine.kv_cache import KVCacheManager
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.request import PlaceholderRange, Request
+
+def image():
+    identifier = "".join(["image-", "4f2a"])  # built at run time, as real identifiers are
+    zeros = torch.zeros(3, 3, dtype=torch.long)
+    return MultiModalItem("image", torch.zeros(3, 1), zeros, (1, 2, 2), identifier=identifier)
+
+first = image()
+items = [first, first] if sys.argv[1] == "shared" else [first, image()]
+tokens = [5, 6, 99, 99, 99, 7, 99, 99, 99, 8, 9, 10, 11, 12]
+places = [PlaceholderRange(2, 3), PlaceholderRange(6, 3)]
+request = Request("r", tokens, items, places, cache_salt="tenant-1")
+print(" ".join(h.hex() for h in KVCacheManager(8, block_size=4).block_hashes(request)))
+"""
+
+
+def test_block_hashes_are_the_same_in_two_processes():
+    """Hashes must not depend on Python's per-process string hashing or on object identity,
+    or a prefix cached by one worker (or before a restart) is never found by another."""
+    runs = []
+    for hash_seed, items in (("1", "shared"), ("2", "separate")):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        command = [sys.executable, "-c", _HASHES_IN_A_FRESH_PROCESS, items]
+        runs.append(subprocess.run(command, env=env, capture_output=True, text=True, check=True))
+    first, second = (run.stdout.split() for run in runs)
+    assert len(first) == 3 and len(set(first)) == 3
+    assert first == second
+
+
 def test_prefix_hit_reuses_full_blocks_and_never_the_whole_prompt():
     kv = KVCacheManager(16, block_size=4)
     first = make_request("first", range(10))
@@ -212,13 +252,3 @@ def test_reset_prefix_cache_is_refused_while_blocks_are_in_use():
     assert kv.reset_prefix_cache()
     assert kv.find_cached_prefix(make_request("s", range(9))).num_tokens == 0
     assert_all_blocks_free(kv)
-
-
-def test_num_blocks_for_budget():
-    # one block: 2 (k, v) * 2 layers * 16 tokens * 4 heads * 8 dims * 2 bytes = 4096 bytes
-    shape = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype_bytes=2)
-    assert num_blocks_for_budget(10 * 4096 + 4095, **shape) == 10
-    with pytest.raises(ValueError, match="holds no KV block; one block needs 4096 bytes"):
-        num_blocks_for_budget(4095, **shape)
-    with pytest.raises(ValueError, match="head_dim=0 must be >= 1"):
-        num_blocks_for_budget(4096, **{**shape, "head_dim": 0})

@@ -23,8 +23,9 @@ from transformers import (
 )
 
 from stillcut.engine.loader import CheckpointError, canonical_tensor_name, load_model_config
-from stillcut.engine.model_config import TextConfig, text_config
-from stillcut.engine.models import MODEL_CLASSES, Qwen2LanguageModel
+from stillcut.engine.models import Qwen2LanguageModel
+from stillcut.engine.models.families import QWEN_WEIGHT_PREFIXES
+from stillcut.engine.models.qwen2_vl_config import TextConfig, text_config
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import MRopeSpec, mrope_positions
 from stillcut.kernels.attention import AttentionMetadata
@@ -179,7 +180,7 @@ def _our_logits(model, ids, positions, metadata, kv_caches, item_rows=None, mm_e
 @pytest.mark.parametrize(("family", "tied"), VARIANTS)
 def test_text_prefill_matches_transformers(checkpoints, family, tied):
     hf_model, folder = checkpoints[family, tied]
-    model = MODEL_CLASSES[family].from_checkpoint(folder)
+    model = load_model_config(folder).family.language_model_class().from_checkpoint(folder)
     ids = torch.tensor([3, 17, 250, 9, 9, 411, 42, 7, 88, 120, 5])
     # 11 tokens over three scattered blocks
     metadata = _metadata([([5, 2, 9], 0, ids.numel())])
@@ -324,7 +325,11 @@ def test_checkpoint_mismatch_raises(checkpoints, tmp_path, tied, edit, message):
 
 def _name(tensors: dict[str, torch.Tensor], suffix: str) -> str:
     """The stored name of the language model tensor ending in `suffix`."""
-    (name,) = [n for n in tensors if canonical_tensor_name(n) == "language_model." + suffix]
+    (name,) = [
+        n
+        for n in tensors
+        if canonical_tensor_name(n, QWEN_WEIGHT_PREFIXES) == "language_model." + suffix
+    ]
     return name
 
 

@@ -114,3 +114,11 @@ def test_extend_prompt_shifts_placements_and_is_all_or_nothing():
     request.extend_prompt([VIDEO_PAD, VIDEO_PAD, 7], [make_item(2, "t1")], [(0, 2)])
     assert request.mm_positions == [(1, 2), (3, 2)]
     assert request.all_token_ids == [1, VIDEO_PAD, VIDEO_PAD, VIDEO_PAD, VIDEO_PAD, 7]
+
+
+def test_token_ids_between_reads_across_prompt_and_output():
+    request = Request("r", [1, 2, 3])
+    request.output_token_ids.extend([4, 5])
+    for start in range(6):
+        for end in range(start, 6):
+            assert request.token_ids_between(start, end) == request.all_token_ids[start:end]

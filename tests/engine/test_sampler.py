@@ -15,6 +15,7 @@ from stillcut.engine.request import SamplingParams
 from stillcut.engine.sampler import (
     Sampler,
     SamplingBatch,
+    TokenCounts,
     apply_min_p,
     apply_penalties,
     apply_temperature,
@@ -26,14 +27,18 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
-def make_batch(params, prompts=None, outputs=None, generators=None, device="cpu") -> SamplingBatch:
+def make_batch(
+    params, prompts=None, outputs=None, generators=None, device="cpu", vocab=64
+) -> SamplingBatch:
+    """A batch of `params`; with token histories, every row gets its `TokenCounts`."""
     n = len(params)
+    counts = [None] * n
+    if prompts is not None or outputs is not None:
+        prompts = prompts if prompts is not None else [[]] * n
+        outputs = outputs if outputs is not None else [[]] * n
+        counts = [TokenCounts(p, o, vocab, device) for p, o in zip(prompts, outputs, strict=True)]
     return build_sampling_batch(
-        params,
-        prompts if prompts is not None else [[]] * n,
-        outputs if outputs is not None else [[]] * n,
-        generators if generators is not None else [None] * n,
-        device,
+        params, counts, generators if generators is not None else [None] * n, device
     )
 
 
@@ -66,7 +71,7 @@ def test_repetition_penalty_matches_transformers():
     outputs = [[3, 4], [], [12, 12, 13], [7, 30]]
     penalties = [1.0, 1.3, 0.7, 2.0]
     params = [SamplingParams(temperature=1.0, repetition_penalty=p) for p in penalties]
-    out = apply_penalties(logits, make_batch(params, prompts, outputs))
+    out = apply_penalties(logits, make_batch(params, prompts, outputs, vocab=vocab))
     for row, penalty in enumerate(penalties):
         # transformers < 5.24 fails on ids outside the vocab instead of skipping them
         input_ids = torch.tensor([[t for t in prompts[row] + outputs[row] if t < vocab]])
@@ -128,7 +133,7 @@ def test_presence_and_frequency_penalties_by_hand():
     ]
     prompts = [[2], [2]]  # the prompt counts for repetition only, never for presence/frequency
     outputs = [[1, 1, 3], [1, 3]]
-    out = apply_penalties(logits, make_batch(params, prompts, outputs))
+    out = apply_penalties(logits, make_batch(params, prompts, outputs, vocab=5))
     expected = torch.tensor(
         [
             # token 1: 2 - 2 * 0.25 - 0.5; token 3: -1 - 0.25 - 0.5
@@ -205,16 +210,15 @@ def step_logits(key: int, step: int, vocab: int = 96) -> torch.Tensor:
 def run_steps(requests, device: str, num_steps: int = 6) -> list[list[int]]:
     """requests: (params, seed or None, logits key); each step feeds back the sampled tokens."""
     generators = [None if seed is None else seeded(seed, device) for _, seed, _ in requests]
-    prompts = [list(range(key, key + 6)) for _, _, key in requests]
+    counts = [TokenCounts(range(key, key + 6), [], 96, device) for _, _, key in requests]
     outputs: list[list[int]] = [[] for _ in requests]
     sampler = Sampler()
     for step in range(num_steps):
         logits = torch.stack([step_logits(key, step) for _, _, key in requests]).to(device)
-        batch = build_sampling_batch(
-            [p for p, _, _ in requests], prompts, outputs, generators, device
-        )
+        batch = build_sampling_batch([p for p, _, _ in requests], counts, generators, device)
         for row, token in enumerate(sampler(logits, batch).token_ids.tolist()):
             outputs[row].append(token)
+            counts[row].add(token)
     return outputs
 
 
@@ -336,7 +340,7 @@ def test_unused_parameters_take_the_fast_path(monkeypatch):
         [SamplingParams(temperature=1.0, top_k=3), SamplingParams(top_p=0.5, min_p=0.2)]
     )
     # the greedy row's filters are off; no row has penalties or top-p
-    assert batch.top_p is None and batch.min_p is None and batch.output_token_ids is None
+    assert batch.top_p is None and batch.min_p is None and batch.output_counts is None
     assert batch.top_k.tolist() == [3, 0]
 
     def no_sort(*args, **kwargs):
@@ -346,27 +350,37 @@ def test_unused_parameters_take_the_fast_path(monkeypatch):
     Sampler()(random_logits(2, 32, seed=12), batch)
 
 
-def test_batch_building_pads_histories_and_drops_greedy_generators():
+def test_batch_building_stacks_token_counts_and_drops_greedy_generators():
     generator = seeded(0)
-    batch = make_batch(
-        [
-            SamplingParams(presence_penalty=0.1),
-            SamplingParams(temperature=1.0, repetition_penalty=1.1),
-        ],
-        prompts=[[1, 2, 3], [4]],
-        outputs=[[], torch.tensor([5, 6])],
-        generators=[generator, generator],
-    )
-    assert batch.prompt_token_ids.tolist() == [[1, 2, 3], [4, -1, -1]]
-    assert batch.output_token_ids.tolist() == [[-1, -1], [5, 6]]
-    assert batch.generators == (None, generator)
-    assert batch.frequency_penalty.tolist() == [0.0, 0.0]
+    params = [
+        SamplingParams(presence_penalty=0.1),
+        SamplingParams(temperature=1.0, repetition_penalty=1.1),
+        SamplingParams(temperature=1.0),  # unpenalized: no counts needed, zeros in the batch
+    ]
+    counts = [TokenCounts([1, 2, 3, 9], [], 8), TokenCounts([4], torch.tensor([5, 6, 5]), 8)]
+    batch = build_sampling_batch(params, [*counts, None], [generator] * 3, "cpu")
+    assert batch.prompt_mask.nonzero().tolist() == [[0, 1], [0, 2], [0, 3], [1, 4]]  # 9 > vocab
+    assert batch.output_counts.tolist() == [[0.0] * 8, [0, 0, 0, 0, 0, 2, 1, 0], [0.0] * 8]
+    assert batch.generators == (None, generator, generator)
+    assert batch.frequency_penalty.tolist() == [0.0, 0.0, 0.0]
     assert not batch.all_greedy and not batch.all_random
+    with pytest.raises(ValueError, match=r"row 0 has a penalty but token_counts\[0\] is None"):
+        build_sampling_batch(params, [None, *counts], [generator] * 3, "cpu")
+
+
+def test_token_counts_grow_one_token_at_a_time_as_if_rebuilt():
+    grown = TokenCounts([3, 3, 70], [5], vocab_size=64)
+    for token in [5, 0, 63, 5]:
+        grown.add(token)
+    rebuilt = TokenCounts([3, 3, 70], [5, 5, 0, 63, 5], vocab_size=64)
+    assert torch.equal(grown.output_counts, rebuilt.output_counts)
+    assert torch.equal(grown.prompt_mask, rebuilt.prompt_mask)
+    assert grown.output_counts[5] == 3 and grown.prompt_mask.sum() == 1
 
 
 def test_invalid_batches_name_the_field():
     with pytest.raises(ValueError, match="generators"):
-        build_sampling_batch([SamplingParams()], [[]], [[]], [], "cpu")
+        build_sampling_batch([SamplingParams()], [None], [], "cpu")
     with pytest.raises(ValueError, match="top_k"):
         SamplingBatch(
             temperature=torch.zeros(2),
@@ -375,7 +389,7 @@ def test_invalid_batches_name_the_field():
             all_random=False,
             top_k=torch.zeros(3, dtype=torch.long),
         )
-    with pytest.raises(ValueError, match="output_token_ids"):
+    with pytest.raises(ValueError, match="output_counts"):
         SamplingBatch(
             temperature=torch.zeros(1),
             generators=(None,),

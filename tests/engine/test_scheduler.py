@@ -332,9 +332,9 @@ def test_abort_while_the_step_runs_drops_its_result():
 def test_stop_conditions_and_the_finish_hook():
     scheduler = make_scheduler()
     requests = {
-        "eos": make_request("eos", [1, 2], eos_token_id=5),
+        "eos": make_request("eos", [1, 2], eos_token_ids=(5,)),
         "ignore": make_request(
-            "ignore", [1, 2], params=SamplingParams(8, ignore_eos=True), eos_token_id=5
+            "ignore", [1, 2], params=SamplingParams(8, ignore_eos=True), eos_token_ids=(5,)
         ),
         "stop_id": make_request("stop_id", [1, 2], params=SamplingParams(8, stop_token_ids=(7,))),
         "length": make_request("length", [1, 2], max_tokens=2),
@@ -347,8 +347,10 @@ def test_stop_conditions_and_the_finish_hook():
     updates = {u.request_id: u for u in scheduler.update_from_output(output, sampled)}
     assert updates["eos"].new_token_ids == [3, 5] and updates["eos"].finished
     assert updates["eos"].status is RequestStatus.FINISHED_STOPPED
+    assert updates["eos"].stop_reason is None  # EOS is no stop token, as OpenAI reports it
     assert updates["ignore"].status is RequestStatus.RUNNING
     assert updates["stop_id"].status is RequestStatus.FINISHED_STOPPED
+    assert updates["stop_id"].stop_reason == 7
     assert updates["length"].new_token_ids == [1, 2]
     assert updates["length"].status is RequestStatus.FINISHED_LENGTH
     # a stop string matched downstream
@@ -519,3 +521,56 @@ def test_admission_errors_name_the_numbers_and_change_nothing():
         scheduler.add_request(make_request("d", [1]))
     run_all(scheduler, FakeRunner())
     assert_all_blocks_free(scheduler)
+
+
+def advance(scheduler) -> None:
+    """One step without a model: every request that finishes its tokens samples token 1."""
+    output = scheduler.schedule()
+    sampled = {
+        request_id: [1]
+        for request_id, num_tokens in output.num_scheduled_tokens.items()
+        if (request := scheduler.requests[request_id]).num_computed_tokens + num_tokens
+        == request.num_tokens
+        and not request.hold
+    }
+    scheduler.update_from_output(output, sampled)
+
+
+def test_a_bidirectional_item_runs_while_decodes_fill_the_budget_and_requests_arrive():
+    # 256-token images, a 300-token budget: with 45 decodes running an image no longer fits
+    # beside them, and arriving requests would keep the decodes at 45 or more forever
+    scheduler = make_scheduler(num_blocks=4000, max_num_batched_tokens=300, max_num_seqs=64)
+    rng = random.Random(3)
+    arrivals = iter(range(10**6))
+
+    def arrive():
+        index = next(arrivals)
+        scheduler.add_request(make_request(f"d{index}", [1, 2], rng.randrange(10, 60)))
+
+    for _ in range(45):
+        arrive()
+    advance(scheduler)
+    image = make_item(256, "photo", bidirectional=True)
+    scheduler.add_request(make_request("image", range(1, 264), 4, placed=[(3, image)]))
+    computed = []
+    for _ in range(200):
+        arrive()
+        arrive()
+        advance(scheduler)
+        request = scheduler.requests.get("image")
+        computed.append(request.num_computed_tokens if request else 263)
+    assert computed[0] == 3  # its text before the image went in the first step
+    assert computed[-1] == 263  # the image, the rest of the prompt and its output followed
+
+
+def test_prefix_cache_counts_each_request_once_despite_preemption():
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15]
+    scheduler = make_scheduler(num_blocks=10, max_num_seqs=8)
+    requests = random_requests(2, 10, shared)
+    for request in requests:
+        scheduler.add_request(request)
+    _, _, preempted, resumed = run_all(scheduler, FakeRunner())
+    assert preempted and any(new.num_computed_tokens for new in resumed)  # resumes hit too
+    kv = scheduler.kv_cache
+    assert kv.num_query_tokens == sum(r.num_prompt_tokens for r in requests)
+    assert kv.num_hit_tokens == sum(r.num_cached_tokens for r in requests) > 0

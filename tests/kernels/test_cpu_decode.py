@@ -5,23 +5,30 @@ biases and weights are redrawn in place (the kernel keeps their addresses), so a
 a norm read from the wrong layer or a swapped projection shows; Qwen's decode positions differ
 between the three M-RoPE rows, and Gemma's contexts outgrow its local layers' window of 8.
 Requests sit in scattered blocks, with contexts ending inside and exactly at block boundaries.
-Where CI sets `STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead
-of skipping.
+A model whose weights become other tensors (`.to()`, a swapped layer, new parameters,
+`param.data`) or a copy of it decodes with those; and a stack of blocks in no family's order
+matches a torch reading of the same description. Where CI sets
+`STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead of skipping.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import gc
 import os
 import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.models import Gemma3LanguageModel, Qwen2LanguageModel
+from stillcut.engine.models.layers import fused_qkv_attention, rotary_tables
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
 
 BLOCK_SIZE = 4
 # 17 short requests, then one long one (request 17) whose keys get split across threads
@@ -177,14 +184,27 @@ def fresh_load(monkeypatch, tmp_path):
 
 
 def test_without_a_compiler_the_torch_layers_run(fresh_load, monkeypatch, tiny_checkpoint):
+    """A model loaded where nothing compiles decodes through its torch layers, and gives the
+    tokens (and, within the kernel's tolerance, the logits) of one that has the native step."""
     monkeypatch.setenv("CC", str(fresh_load / "no-such-compiler"))
     assert cpu_decode.load() is None
-    model = Qwen2LanguageModel.from_checkpoint(tiny_checkpoint)
-    assert model.cpu_decoder is None
-    requests = [0, 1]
-    kv_caches = _prefilled(model, requests)
-    (hidden,) = _decode(model, requests, kv_caches, steps=1, native=False)
-    assert torch.isfinite(hidden).all()
+    fallback = Qwen2LanguageModel.from_checkpoint(tiny_checkpoint)
+    assert fallback.cpu_decoder is None
+    monkeypatch.undo()  # the real compiler and the session's cache, where the kernel is built
+    cpu_decode.load.cache_clear()
+    native = Qwen2LanguageModel.from_checkpoint(tiny_checkpoint)
+    if native.cpu_decoder is None:
+        if os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):
+            pytest.fail("the native CPU decode kernel did not build here")
+        pytest.skip("no C compiler: nothing to compare the fallback with")
+    requests = list(range(5))
+    logits = []
+    for model, is_native in ((fallback, False), (native, True)):
+        steps = _decode(model, requests, _prefilled(model, requests), steps=3, native=is_native)
+        with torch.inference_mode():
+            logits.append(torch.stack([model.compute_logits(hidden) for hidden in steps]))
+    assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))  # [steps, requests]
+    torch.testing.assert_close(logits[0], logits[1], atol=TOLERANCE, rtol=TOLERANCE)
 
 
 def test_a_failed_compile_leaves_nothing_behind(fresh_load, monkeypatch):
@@ -213,15 +233,241 @@ def test_the_library_is_built_once_into_the_cache(fresh_load):
     assert built.stat().st_mtime_ns == modified  # found, not compiled again
 
 
-def test_a_copied_model_runs_its_own_weights(model):
-    """The kernel holds the weights' addresses: a deep copy must not read the original's."""
+def test_a_copied_model_makes_its_own_decoder(model):
+    """The kernel holds the weights' addresses: a deep copy must not read the original's; it
+    makes its own decoder on its first step."""
     copied = copy.deepcopy(model)
     assert copied.cpu_decoder is None and model.cpu_decoder is not None
     with torch.no_grad():
         for param in copied.parameters():
             param.mul_(0.5)
     requests = [0, 1, 2]
-    (ours,) = _decode(model, requests, _prefilled(model, requests), steps=1, native=True)
-    (theirs,) = _decode(copied, requests, _prefilled(copied, requests), steps=1, native=False)
-    assert not torch.allclose(ours, theirs, atol=1e-3)
+    native_caches = _prefilled(copied, requests)  # its first step: the copy's own decoder
+    assert copied.cpu_decoder is not None and copied.cpu_decoder is not model.cpu_decoder
+    torch_caches = [cache.clone() for cache in native_caches]
+    (ours,) = _decode(copied, requests, native_caches, steps=1, native=True)
+    (theirs,) = _decode(copied, requests, torch_caches, steps=1, native=False)
+    torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+    (original,) = _decode(model, requests, _prefilled(model, requests), steps=1, native=True)
+    assert not torch.allclose(ours, original, atol=1e-3)
     assert pickle.loads(pickle.dumps(model)).cpu_decoder is None
+
+
+def _swap_first_layer(model) -> None:
+    model.layers[0] = copy.deepcopy(model.layers[1])
+
+
+def _replace_parameters(model) -> None:
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(param.detach().clone(), requires_grad=False))
+
+
+def _repoint_data(model) -> None:
+    for param in model.parameters():
+        param.data = param.data.clone()
+
+
+CHANGES = {  # name: (change, whether the decoder must be made again)
+    "in place": (lambda model: None, False),
+    "dtype round trip": (lambda model: model.to(torch.float64).to(torch.float32), True),
+    "swapped layer": (_swap_first_layer, True),
+    "new parameters": (_replace_parameters, True),
+    "param.data": (_repoint_data, True),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_the_native_step_reads_the_weights_the_model_holds_now(model, change):
+    """After each change the weights are halved in place: a decoder still reading the tensors
+    it was made from (or their freed memory) differs from the torch layers."""
+    changed = copy.deepcopy(model)
+    requests = [0, 1, 2]
+    _prefilled(changed, requests)
+    decoder = changed.cpu_decoder
+    apply, rebuilds = CHANGES[change]
+    apply(changed)
+    gc.collect()
+    with torch.no_grad():
+        for param in changed.parameters():
+            param.mul_(0.5)
+    native_caches = _prefilled(changed, requests)
+    assert (changed.cpu_decoder is not decoder) == rebuilds
+    torch_caches = [cache.clone() for cache in native_caches]
+    native = _decode(changed, requests, native_caches, steps=2, native=True)
+    reference = _decode(changed, requests, torch_caches, steps=2, native=False)
+    for ours, theirs in zip(native, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_weights_the_kernel_cannot_read_fall_back_to_the_torch_layers(model):
+    changed = copy.deepcopy(model).to(torch.float64)
+    requests = [0, 1]
+    metadata = _metadata(requests, [3, 3], [1, 1])
+    kv_caches = [torch.zeros(changed.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE)) for _ in model.layers]
+    ids, positions = torch.tensor([5, 6]), _positions(changed, [3, 3])
+    assert changed.native_decode(ids, positions, kv_caches, metadata, None) is None
+    assert changed.cpu_decoder is None
+
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, EPS = 64, 4, 2, 16, 96, 300, 1e-6
+
+
+def _weight(generator, num_in: int, num_out: int, out_in: bool) -> torch.Tensor:
+    """A random `[in, out]` weight, stored as a contiguous `[out, in]` when `out_in`."""
+    if out_in:
+        return (0.2 * torch.randn(num_out, num_in, generator=generator)).T
+    return 0.2 * torch.randn(num_in, num_out, generator=generator)
+
+
+def _mixed_stack() -> Stack:
+    """Blocks in no family's order, each kind with and without its options, both layouts."""
+    generator = torch.Generator().manual_seed(11)
+
+    def norm(*shape):
+        return 1 + 0.2 * torch.randn(*shape, generator=generator)
+
+    qkv_width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+
+    def attention(cache, out_in, **options):
+        return Attention(
+            _weight(generator, HIDDEN, qkv_width, out_in),
+            _weight(generator, HEADS * HEAD_DIM, HIDDEN, not out_in),
+            HEADS,
+            KV_HEADS,
+            cache=cache,
+            scale=HEAD_DIM**-0.5,
+            **options,
+        )
+
+    def mlp(activation, out_in):
+        return GatedMlp(
+            _weight(generator, HIDDEN, 2 * INTERMEDIATE, out_in),
+            _weight(generator, INTERMEDIATE, HIDDEN, not out_in),
+            activation,
+        )
+
+    blocks = [
+        Block(norm(HIDDEN), attention(0, False, qkv_bias=0.2 * torch.randn(qkv_width))),
+        Block(norm(HIDDEN), mlp(Activation.GELU_TANH, False), out_norm=norm(HIDDEN)),
+        Block(norm(HIDDEN), mlp(Activation.SILU, True)),
+        Block(
+            norm(HIDDEN),
+            attention(
+                2, True, qk_norm=norm(HEADS + KV_HEADS, HEAD_DIM), window=5, table=1, soft_cap=3.0
+            ),
+            out_norm=norm(HIDDEN),
+        ),  # fmt: skip
+        Block(norm(HIDDEN), attention(1, False)),
+        Block(norm(HIDDEN), mlp(Activation.SILU, False), out_norm=norm(HIDDEN)),
+    ]
+    exponent = torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM
+    return Stack(
+        blocks,
+        embedding=torch.randn(VOCAB, HIDDEN, generator=generator),
+        final_norm=norm(HIDDEN),
+        inv_freqs=[1.0 / 10000.0**exponent, 1.0 / 1e6**exponent],
+        section=torch.tensor([0, 0, 1, 1, 1, 2, 2, 2]),  # M-RoPE rows of the 8 frequencies
+        eps=EPS,
+        embedding_scale=1.5,
+    )
+
+
+def _torch_reading(stack: Stack, ids, positions, kv_caches, metadata) -> torch.Tensor:
+    """What the stack means, in torch ops: [N] ids -> final-normed hidden [N, hidden]."""
+    hidden = stack.embedding[ids] * stack.embedding_scale
+    angles = positions[stack.section].T.float()  # [N, D/2]
+    tables = [rotary_tables(angles * inv_freq, torch.float32) for inv_freq in stack.inv_freqs]
+    for block in stack.blocks:
+        x, mixer = F.rms_norm(hidden, (HIDDEN,), block.norm, EPS), block.mixer
+        if isinstance(mixer, Attention):
+            qkv = x @ mixer.qkv_weight
+            qkv = qkv if mixer.qkv_bias is None else qkv + mixer.qkv_bias
+            qk_norm = mixer.qk_norm
+            attended = fused_qkv_attention(
+                qkv,
+                HEADS,
+                KV_HEADS,
+                *tables[mixer.table],
+                kv_caches[mixer.cache],
+                metadata,
+                qk_transform=None
+                if qk_norm is None
+                else lambda qk, scale=qk_norm: F.rms_norm(qk, (HEAD_DIM,), eps=EPS) * scale,
+                scale=mixer.scale,
+                sliding_window=mixer.window or None,
+                logits_soft_cap=mixer.soft_cap or None,
+            )
+            out = attended @ mixer.o_weight
+        else:
+            gate, up = (x @ mixer.gate_up_weight).chunk(2, dim=-1)
+            tanh = mixer.activation == Activation.GELU_TANH
+            activated = F.gelu(gate, approximate="tanh") if tanh else F.silu(gate)
+            out = (activated * up) @ mixer.down_weight
+        if block.out_norm is not None:
+            out = F.rms_norm(out, (HIDDEN,), block.out_norm, EPS)
+        hidden = hidden + out
+    return F.rms_norm(hidden, (HIDDEN,), stack.final_norm, EPS)
+
+
+def _mlps_only(stack: Stack) -> Stack:
+    return dataclasses.replace(
+        stack, blocks=[b for b in stack.blocks if isinstance(b.mixer, GatedMlp)]
+    )
+
+
+@pytest.mark.parametrize("blocks", ["mixed", "gated MLPs only"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_stack_of_any_blocks_matches_its_torch_reading(threads, blocks):
+    """The kernel follows the description block by block, whatever the order of the kinds,
+    their options and activations, and the caches they use (none without attention)."""
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler: the native CPU decode kernel is not built")
+    stack = _mixed_stack() if blocks == "mixed" else _mlps_only(_mixed_stack())
+    decoder = cpu_decode.bind(stack)
+    assert decoder is not None
+    requests = [0, 1, LONG]
+    lens = [PROMPT_LENS[r] for r in requests]
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    native_caches = [torch.zeros(shape) for _ in range(3)]
+    ids = torch.cat([torch.arange(n) * 7 % VOCAB for n in lens])
+    positions = torch.cat([torch.arange(n).expand(3, -1) for n in lens], dim=1)
+    with torch.inference_mode():
+        _torch_reading(stack, ids, positions, native_caches, _metadata(requests, [0] * 3, lens))
+    torch_caches = [cache.clone() for cache in native_caches]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(3):
+            cached = [n + step for n in lens]
+            metadata = _metadata(requests, cached, [1] * 3)
+            ids = torch.tensor([(13 * r + step) % VOCAB for r in requests])
+            positions = torch.tensor(cached) + torch.tensor([[0], [5], [11]])
+            assert decoder.supports(ids, native_caches, metadata)
+            with torch.inference_mode():
+                ours = decoder(ids, positions, native_caches, metadata)
+                theirs = _torch_reading(stack, ids, positions, torch_caches, metadata)
+            torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+    finally:
+        torch.set_num_threads(before)
+    for ours, theirs in zip(native_caches, torch_caches, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_a_stack_that_does_not_fit_together_is_refused_with_its_reason():
+    stack = _mixed_stack()
+    attention = stack.blocks[0].mixer
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        dataclasses.replace(attention, num_kv_heads=3)
+    with pytest.raises(ValueError, match="qkv_bias has shape"):
+        dataclasses.replace(attention, qkv_bias=torch.zeros(5))
+    with pytest.raises(ValueError, match="gate_up_weight has shape"):
+        GatedMlp(torch.zeros(HIDDEN, 10), torch.zeros(INTERMEDIATE, HIDDEN), Activation.SILU)
+    with pytest.raises(ValueError, match="is not a valid Activation"):
+        dataclasses.replace(stack.blocks[1].mixer, activation=7)
+    with pytest.raises(ValueError, match="rotary table 2 of 2"):
+        blocks = [Block(stack.blocks[0].norm, dataclasses.replace(attention, table=2))]
+        dataclasses.replace(stack, blocks=blocks)
+    with pytest.raises(ValueError, match="KV cache 0 is used by two attention blocks"):
+        cpu_decode.CpuDecoder(cpu_decode.load(), dataclasses.replace(
+            stack, blocks=[stack.blocks[0], stack.blocks[0]]))  # fmt: skip

@@ -12,12 +12,14 @@ import base64
 import functools
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+import httpx
 import pytest
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -75,6 +77,45 @@ def pool_state(server: BackgroundServer) -> tuple[bool, int]:
         return not llm_engine.scheduler.requests, sum(b.ref_cnt > 0 for b in kv.block_pool.blocks)
 
     return engine_call(server, check)
+
+
+def work_done(url: str, headers: dict | None = None) -> tuple[int, int]:
+    """(frames decoded, vision tower passes) so far, as the server's /metrics reports them."""
+    text = httpx.get(f"{url}/metrics", headers=headers).text
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        values[name] = value
+    return (
+        int(float(values["stillcut_frames_decoded_total"])),
+        int(float(values["stillcut_vision_tower_passes_total"])),
+    )
+
+
+def assert_error(response: httpx.Response, status: int, code: str, phrase: str) -> dict:
+    """The documented error shape, with this status, code and a message holding `phrase`."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "code", "request_id"}, error
+    assert error["code"] == code and phrase in error["message"], error
+    assert error["request_id"] == response.headers["x-request-id"]
+    assert "object at 0x" not in error["message"]
+    return error
+
+
+def assert_healthy(server: BackgroundServer, headers: dict | None = None) -> None:
+    """/health answers 200 and, once the engine settles, every KV block is back."""
+    assert httpx.get(f"{server.url}/health", headers=headers).status_code == 200
+    assert settled_pool_state(server) == (True, 0)
+
+
+def settled_pool_state(server: BackgroundServer, timeout_s: float = 10.0) -> tuple[bool, int]:
+    """`pool_state` once the engine is idle and every block is back, or when `timeout_s`
+    passes: a client that closed its socket has its session released a moment later."""
+    deadline = time.monotonic() + timeout_s
+    while (state := pool_state(server)) != (True, 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return state
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ def test_every_kind_of_video_input_gives_the_same_result(llm, tiny_clip, tmp_pat
         )
         assert result.frame_timestamps == first.frame_timestamps
     assert first.finish_reason == "length" and len(first.token_ids) == MAX_TOKENS
+    assert first.stop_reason is None and first.to_dict()["stop_reason"] is None
     assert first.evs.setting == DEFAULT_EVS.key()
     assert sum(first.evs.kept_per_tubelet) == first.evs.tokens_after < first.evs.tokens_before
     assert first.evs.frames == len(first.frame_timestamps) == 6

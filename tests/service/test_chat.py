@@ -162,6 +162,7 @@ def test_sampling_fields_are_honoured(client, main_server):
     assert len({sample(seed).choices[0].message.content for seed in range(4)}) > 1
     short = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
     assert short.usage.completion_tokens == 2 and short.choices[0].finish_reason == "length"
+    assert short.choices[0].model_extra["stop_reason"] is None
     greedy = client.chat.completions.create(model=model, messages=messages, max_tokens=4)
     stop = greedy.choices[0].message.content[:1]
     stopped = client.chat.completions.create(
@@ -171,6 +172,12 @@ def test_sampling_fields_are_honoured(client, main_server):
         stopped.choices[0].finish_reason == "stop"
         and stop not in stopped.choices[0].message.content
     )
+    assert stopped.choices[0].model_extra["stop_reason"] == stop  # vLLM's field
+    streamed = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=4, stop=[stop], stream=True
+    )
+    last = [c.choices[0] for c in streamed if c.choices and c.choices[0].finish_reason]
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in last] == [("stop", stop)]
 
 
 def test_models_and_unknown_model(client, main_server):

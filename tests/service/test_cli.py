@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from stillcut.service import cli, server
+from stillcut.service import cli, cli_serve, server
 from stillcut.service.cli_describe import DEFAULT_MAX_TOKENS
 
 MiB = 2**20
@@ -60,7 +60,10 @@ def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch)
         *("serve", "--model", str(tiny_checkpoint), "--port", "9999", "--api-key", "k"),
         *("--media-dir", str(tmp_path), "--allowed-hosts", "a.example, b.example:8080"),
         *("--max-upload-mb", "2", "--max-queue", "5", "--kv-cache-memory", "4"),
-        *("--max-model-len", "1024", "--max-sessions", "2"),
+        *("--max-model-len", "1024", "--max-sessions", "2", "--limit-frames", "100"),
+        *("--limit-fps", "4", "--limit-mm-per-prompt", "3", "--body-timeout", "10"),
+        *("--max-connections", "50", "--max-image-pixels", "1000000"),
+        *("--allowed-origins", "https://app.example"),
     ]
     assert cli.main(argv) == 0
     config, llm = served["config"], served["llm"]
@@ -68,5 +71,24 @@ def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch)
     assert config.api_key == "k" and config.media_dir == tmp_path
     assert config.allowed_hosts == ("a.example", "b.example:8080")
     assert (config.max_upload_bytes, config.max_queue, config.max_sessions) == (2 * MiB, 5, 2)
+    assert (config.limit_frames, config.limit_fps, config.limit_mm_per_prompt) == (100, 4, 3)
+    assert (config.body_timeout_s, config.max_connections) == (10, 50)
+    assert config.allowed_origins == ("https://app.example",)
+    assert config.trusted_hosts == ("localhost", "127.0.0.1", "::1")
+    assert llm.pipeline.decode_config.max_image_pixels == 1_000_000
     assert llm.engine.config.cache.kv_cache_memory == 4 * MiB
     assert llm.engine.config.scheduler.max_model_len == 1024
+
+
+@pytest.mark.parametrize(
+    ("flags", "trusted"),
+    [
+        (("--host", "0.0.0.0"), ("localhost", "127.0.0.1", "::1")),
+        (("--host", "::"), ("localhost", "127.0.0.1", "::1")),
+        (("--host", "10.1.2.3"), ("localhost", "127.0.0.1", "::1", "10.1.2.3")),
+        (("--trusted-hosts", "api.example, *"), ("api.example", "*")),
+    ],
+)
+def test_serve_trusts_the_local_names_and_its_own_host(flags, trusted):
+    args = cli.build_parser().parse_args(["serve", *flags])
+    assert cli_serve._trusted_hosts(args.trusted_hosts, args.host) == trusted

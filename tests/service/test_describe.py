@@ -41,6 +41,11 @@ def test_upload_answers_as_describe_does(main_server, reference_llm):
     assert body["id"] == response.headers["x-request-id"]
     assert set(body["timings"]) == {"decode_s", "encode_s", "queue_s", "ttft_s", "total_s"}
     assert body["usage"]["prompt_tokens"] == expected.usage.prompt_tokens
+    assert (body["finish_reason"], body["stop_reason"]) == ("length", None)
+    stop = expected.text[:1]
+    files, data = _upload(main_server, prompt="What moves?", stop=stop)
+    stopped = httpx.post(f"{main_server.url}/v1/videos/describe", files=files, data=data).json()
+    assert (stopped["finish_reason"], stopped["stop_reason"]) == ("stop", stop)
 
 
 def test_streamed_upload_sends_tokens_then_the_result(main_server, reference_llm):

@@ -1,11 +1,16 @@
 """Hostile and broken input: every case gets the right status (or WebSocket close code) and a
-message that says what was wrong; afterwards the server still answers /health and its KV block
-pool is whole."""
+message that says what was wrong, without a heap address; afterwards the server still answers
+/health and its KV block pool is whole. Inputs that used to crash a handler (500, a dropped
+connection) get their 4xx on a connection that stays open, and do no work."""
 
+import asyncio
+import http.client
 import io
 import json
+import logging
 import socket
 import struct
+import zlib
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -16,9 +21,18 @@ from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from stillcut.vision.synthetic import moving_texture, write_video
+from stillcut.vision.synthetic import gray_frames, moving_texture, write_video
 
-from .conftest import MAX_DURATION_S, MAX_UPLOAD_BYTES, data_url, pool_state
+from .conftest import (
+    MAX_DURATION_S,
+    MAX_UPLOAD_BYTES,
+    assert_error,
+    assert_healthy,
+    data_url,
+    pool_state,
+    settled_pool_state,
+    work_done,
+)
 
 DESCRIBE = "/v1/videos/describe"
 CHAT = "/v1/chat/completions"
@@ -282,6 +296,13 @@ def test_websocket_protocol_errors(main_server):
         socket.send(_frame(0.0, b"not an image at all"))
         error = json.loads(socket.recv(timeout=30))
         assert error["type"] == "error" and "PNG or JPEG" in error["message"]
+        assert "object at 0x" not in error["message"]
+        _closed_with(socket, 1003)
+    with _ws(main_server) as socket:  # JSON nested past the limit: unsupported data, not 1011
+        socket.send(start)
+        socket.recv(timeout=30)
+        socket.send("[" * 30_000 + "]" * 30_000)
+        assert json.loads(socket.recv(timeout=30))["code"] == "bad_message"
         _closed_with(socket, 1003)
     with _ws(main_server) as socket:  # a message over the size limit
         socket.send(start)
@@ -339,4 +360,128 @@ def test_a_websocket_frame_gets_its_tubelet_event(main_server):
         assert answer["text"] == "".join(m["text"] for m in messages if m["type"] == "token")
         assert answer["usage"]["completion_tokens"] == 3
         assert set(answer["timings"]) == {"queue_s", "ttft_s", "total_s"}
-    assert pool_state(main_server.server) == (True, 0)
+    assert settled_pool_state(main_server.server) == (True, 0)
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG that declares `width` x `height` and holds no pixel data."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
+def _thin_clip(tmp_path) -> bytes:
+    path = tmp_path / "thin.mp4"  # 2 x 800: an aspect ratio of 400
+    write_video(path, gray_frames([50, 60, 70, 80], 2, 800))
+    return path.read_bytes()
+
+
+def _chat_body(*parts: dict) -> dict:
+    return {"messages": [{"role": "user", "content": list(parts)}], "max_tokens": 2}
+
+
+def _media(kind: str, url: str) -> dict:
+    return {"type": kind, kind: {"url": url}}
+
+
+def _crash_cases(main_server, tmp_path) -> list[tuple[httpx.Request, int, str, str]]:
+    """(request, status, code, phrase): each of these answered 500 and dropped the connection."""
+    url = main_server.url
+
+    def chat(body) -> httpx.Request:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.Request(
+            "POST", f"{url}{CHAT}", content=content, headers={"content-type": "application/json"}
+        )
+
+    def describe(data: bytes, **fields) -> httpx.Request:
+        files = {"file": ("v.mp4", data, "video/mp4")}
+        return httpx.Request("POST", f"{url}{DESCRIBE}", files=files, data=fields)
+
+    nested = "[" * 30_000 + "]" * 30_000
+    text = {"type": "text", "text": "x"}
+    return [
+        (chat({"messages": [{"role": ["user"], "content": "x"}]}), 400, "invalid_messages", "role"),
+        (chat(_chat_body({"type": ["text"]})), 400, "invalid_messages", "type=['text']"),
+        (chat(b"[" * 100_000), 400, "json_too_deep", "64 levels"),
+        (describe(main_server.clip, evs=nested), 400, "json_too_deep", "64 levels"),
+        (
+            chat(_chat_body(_media("video_url", f"file://{main_server.media_dir}/%00x"), text)),
+            400,
+            "invalid_url",
+            "NUL",
+        ),
+        (
+            chat(_chat_body(_media("video_url", "http://127.0.0.1:99999/v.mp4"), text)),
+            400,
+            "invalid_url",
+            "Port",
+        ),
+        (
+            chat(_chat_body(_media("video_url", "http://[::1/v.mp4"), text)),
+            400,
+            "invalid_url",
+            "IPv6",
+        ),
+        (describe(_thin_clip(tmp_path)), 422, "unsupported_aspect_ratio", "aspect ratio 400"),
+        (
+            chat(_chat_body(_media("image_url", data_url(_png_header(15000, 15000), "image/png")))),
+            413,
+            "media_over_limit",
+            "max_image_pixels",
+        ),
+    ]
+
+
+def test_requests_that_crashed_a_handler_get_a_4xx_on_the_same_connection(main_server, tmp_path):
+    host, port = main_server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.connect()
+    tcp = connection.sock
+    try:
+        for request, status, code, phrase in _crash_cases(main_server, tmp_path):
+            before = work_done(main_server.url)
+            body = request.read()
+            connection.request(
+                request.method, request.url.raw_path.decode(), body, dict(request.headers)
+            )
+            reply = connection.getresponse()
+            response = httpx.Response(
+                reply.status, headers=reply.getheaders(), content=reply.read()
+            )
+            assert_error(response, status, code, phrase)
+            assert not reply.will_close and connection.sock is tcp, code  # kept alive
+            assert work_done(main_server.url) == before, code
+    finally:
+        connection.close()
+    assert_healthy(main_server.server)
+
+
+def test_a_client_leaving_mid_upload_is_logged_once_as_499(main_server, caplog):
+    host, port = main_server.url.removeprefix("http://").split(":")
+    head = (
+        f"POST {DESCRIBE} HTTP/1.1\r\nHost: {host}:{port}\r\nX-Request-Id: leaves-mid-upload\r\n"
+        "Content-Type: multipart/form-data; boundary=b\r\nContent-Length: 100000\r\n\r\n"
+    )
+    with caplog.at_level(logging.INFO):
+        with socket.create_connection((host, int(port)), timeout=30) as connection:
+            part = (
+                '--b\r\nContent-Disposition: form-data; name="file"; filename="v.mp4"\r\n'
+                "Content-Type: video/mp4\r\n\r\n"
+            )
+            connection.sendall((head + part).encode() + b"\0" * 1000)
+        for _ in range(200):  # the line is written once the handler has unwound
+            if any("leaves-mid-upload" in r.getMessage() for r in caplog.records):
+                break
+            asyncio.run(asyncio.sleep(0.02))
+    lines = [r for r in caplog.records if "leaves-mid-upload" in r.getMessage()]
+    assert [(r.name, r.levelno, json.loads(r.getMessage())["status"]) for r in lines] == [
+        ("stillcut.access", logging.INFO, 499)
+    ]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert_healthy(main_server.server)

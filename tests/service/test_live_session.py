@@ -289,6 +289,18 @@ def test_close_after_the_engine_stopped_is_quiet(engine, llm_engine, pipeline):
     assert all(block.ref_cnt == 0 for block in llm_engine.scheduler.kv_cache.block_pool.blocks)
 
 
+def test_a_session_needs_prefix_caching(tiny_checkpoint, pipeline):
+    """Without it the held prefix is pinned for nothing and each question recomputes the
+    whole stream, so opening a session is refused, clearly, before it holds anything."""
+    config = replace(ENGINE_CONFIG, cache=replace(ENGINE_CONFIG.cache, enable_prefix_caching=False))
+    engine = AsyncEngine(LLMEngine(tiny_checkpoint, config))
+    try:
+        with pytest.raises(ValueError, match="live sessions need prefix caching.*is off"):
+            LiveSession(pipeline, engine, OPTIONS, "s-uncached")
+    finally:
+        engine.shutdown()
+
+
 LIMITS = LiveLimits(max_frames=3, max_frame_bytes=20_000, max_frame_pixels=56 * 84)
 
 

@@ -12,11 +12,13 @@ import json
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 
+from stillcut.service.config import ServerConfig
 from stillcut.service.page_routes import STATIC_DIR
 
-from .conftest import MAX_UPLOAD_BYTES
+from .conftest import MAX_UPLOAD_BYTES, running_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -167,3 +169,37 @@ def test_live_mode_streams_and_answers(browser, main_server, source):
     assert page.locator("#error").is_hidden(), page.locator("#error").inner_text()
     assert errors == []
     page.close()
+
+
+def test_live_mode_sends_the_key_as_a_subprotocol(browser, tiny_checkpoint):
+    """A browser cannot set headers on a WebSocket: on a server with a key, the page offers
+    it as a subprotocol, and the session starts and answers."""
+    key = "sk-page/+=key"  # characters a subprotocol token may not hold: base64url needs them
+    with running_server(tiny_checkpoint, ServerConfig(api_key=key)) as server:
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        sent: list[str] = []
+        page.on(
+            "websocket",
+            lambda socket: socket.on("framesent", lambda frame: sent.append(str(frame))),
+        )
+        page.add_init_script(f"sessionStorage.setItem('stillcut.apiKey', {json.dumps(key)})")
+        page.goto(server.url + "/")
+        page.click("#tab-live")
+        page.wait_for_function("document.querySelector('#live-sample').options.length > 1")
+        page.select_option("#live-sample", value="moving_object.mp4")
+        page.click("#live-start")
+        page.wait_for_selector("#live-bars .bar >> nth=1", timeout=TIMEOUT_MS)
+        page.fill("#live-prompt", "What moves?")
+        page.click("#live-ask")
+        page.wait_for_function(
+            "document.querySelector('#live-answer').textContent.length > 0", timeout=TIMEOUT_MS
+        )
+        page.click("#live-stop")
+        page.wait_for_selector("#live-start:not([disabled])", timeout=TIMEOUT_MS)
+        assert page.locator("#error").is_hidden(), page.locator("#error").inner_text()
+        assert errors == []
+        assert sent and not any(key in frame for frame in sent)  # not in the start message
+        page.close()
+        assert httpx.get(f"{server.url}/health").json()["live_sessions"] == 0

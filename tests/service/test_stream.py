@@ -14,7 +14,7 @@ from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.pipeline import VideoInput
 
-from .conftest import pool_state
+from .conftest import settled_pool_state
 
 FPS = 2.0
 THRESHOLD = 0.1
@@ -93,4 +93,4 @@ def test_live_session_answers_equal_describe_on_the_same_frames(main_server, ref
         _assert_answer(messages[-1], messages[:-1], expected, question, processor)
     assert tuple(e["kept"] for e in events) == item.kept_per_tubelet
     assert 0 < sum(item.kept_per_tubelet[1:]) < 11 * events[0]["total"]  # EVS pruned
-    assert pool_state(main_server.server) == (True, 0)  # the held prefix was released
+    assert settled_pool_state(main_server.server) == (True, 0)  # the held prefix was released

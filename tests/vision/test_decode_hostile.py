@@ -2,6 +2,7 @@
 that says what is wrong, whether it arrives as a path, as bytes or as a file object, and
 without leaking a file descriptor."""
 
+import gc
 import io
 import os
 import struct
@@ -16,7 +17,7 @@ from PIL import Image
 
 from stillcut.vision import errors
 from stillcut.vision.decode import DecodeConfig, decode_video
-from stillcut.vision.synthetic import gray_frames, quadrant_frame, write_video
+from stillcut.vision.synthetic import gray_frames, moving_texture, quadrant_frame, write_video
 
 MAX_SECONDS_PER_CASE = 5.0  # generous for a shared machine; every case takes milliseconds
 
@@ -190,6 +191,27 @@ def test_corpus_leaks_no_file_descriptors(corpus, tmp_path):
         for kind in SOURCE_KINDS:
             _run(case, kind, tmp_path)
     assert num_open_files() == before
+
+
+def test_decoding_leaves_no_decoder_thread_behind(tmp_path):
+    """The decoder's threads end with the pass, not whenever the garbage collector runs."""
+    clips = [
+        _encode(tmp_path, f"{seed}.mp4", moving_texture(6, 96, 64, seed=seed), rotation=90)
+        for seed in range(4)
+    ]
+
+    def num_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    gc.collect()
+    before = num_threads()
+    gc.disable()  # a collection would hide threads kept alive by a reference cycle
+    try:
+        for clip in clips:
+            assert decode_video(clip).frames.shape[1:3] == (96, 64)  # rotated: side data read
+        assert num_threads() == before
+    finally:
+        gc.enable()
 
 
 def test_a_missing_path_or_a_directory_is_unreadable(tmp_path):

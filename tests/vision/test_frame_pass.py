@@ -34,9 +34,9 @@ def pass_log(monkeypatch):
     log = []
     run_pass, decoded_frames = frame_pass.run_pass, frame_pass._decoded_frames
 
-    def logged_run_pass(container, stream, plan, config):
+    def logged_run_pass(container, stream, plan, config, **output):
         log.append({"plan": plan, "decoded": 0})
-        return run_pass(container, stream, plan, config)
+        return run_pass(container, stream, plan, config, **output)
 
     def counted_decoded_frames(*args):
         for item in decoded_frames(*args):

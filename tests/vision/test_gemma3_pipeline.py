@@ -8,8 +8,10 @@ import torch
 
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.kernels.evs import EVSConfig
+from stillcut.vision.decode import decode_video
 from stillcut.vision.gemma3_preprocess import preprocess_frames
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
+from stillcut.vision.synthetic import moving_texture, write_video
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +49,18 @@ def test_evs_runs_across_frames_on_cached_embeddings_and_keeps_the_first(pipelin
     assert pruned.kept_per_tubelet[0] == 16 and pruned.kept_per_tubelet[2] == 0
     kept_rows = (pruned.coords * torch.tensor([16, 4, 1])).sum(1)  # flat (t, h, w) index
     torch.testing.assert_close(pruned.embeds, dense.embeds[kept_rows], rtol=0, atol=0)
+
+
+def test_a_video_file_is_the_encoder_output_of_its_full_size_frames(pipeline, tmp_path):
+    """Decoding holds the frames at the encoder's square; the result is what preprocessing
+    the display-size frames gives."""
+    path = tmp_path / "clip.mp4"
+    write_video(path, moving_texture(4, 96, 64, seed=4))
+    item = pipeline.video(path)
+    decoded = decode_video(path, pipeline.decode_config)
+    assert pipeline.media.preprocess.image_size**2 < 96 * 64  # the resize shrinks frames
+    pixels = preprocess_frames(decoded.frames, pipeline.media.preprocess)  # [4, 3, S, S]
+    with torch.inference_mode():
+        expected = pipeline.tower.encode(pixels)
+    torch.testing.assert_close(item.embeds, expected.flatten(0, 1), rtol=0, atol=0)
+    assert (item.stats["width"], item.stats["height"]) == (96, 64)

@@ -3,8 +3,11 @@
 Gemma 3 encodes every image (and every video frame) at one fixed square size with a SigLIP
 ViT, average-pools the patch grid down to `mm_tokens_per_image` tokens and projects them to the
 language model's width. `SiglipVisionConfig` holds the tower's and the projector's shape;
-`gemma3_token_ids` reads the image token ids. Fields that real config.json files omit take
-transformers' defaults (SigLIP's for the tower, Gemma 3's for the ids).
+`read_gemma3` reads it and the image token ids. Fields that real config.json files omit take
+transformers' defaults (SigLIP's for the tower, Gemma 3's for the ids). A config with
+`vision_use_head: true` (SigLIP's default when a config is built without the field) is read
+too: its pooling head is never used by Gemma 3, whose projector reads the patch states, and its
+weights are skipped at load.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-GEMMA3_FAMILY = "gemma3"
+from stillcut.engine.models.registry import FamilyConfig, MediaTokenIds
+
 # transformers' SiglipVisionConfig defaults, for fields that config.json may omit.
 _SIGLIP_DEFAULTS: dict[str, Any] = {
     "hidden_size": 768,
@@ -61,11 +65,9 @@ class SiglipVisionConfig:
     hidden_act: str = "gelu_pytorch_tanh"
     layer_norm_eps: float = 1e-6
     in_channels: int = 3
-    family: str = GEMMA3_FAMILY
+    has_pooling_head: bool = False  # stored but unused (see the module docstring)
 
     def __post_init__(self) -> None:
-        if self.family != GEMMA3_FAMILY:
-            raise ValueError(f"family={self.family!r}; allowed: {GEMMA3_FAMILY!r}")
         for name in _POSITIVE_FIELDS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -113,18 +115,17 @@ class SiglipVisionConfig:
         return self.in_channels * self.patch_size**2
 
 
-def gemma3_vision_config(raw: Mapping[str, Any]) -> SiglipVisionConfig:
-    """The SiglipVisionConfig of a Gemma 3 config.json (parsed), with SigLIP's defaults.
+def read_gemma3(raw: Mapping[str, Any]) -> FamilyConfig:
+    """The SiglipVisionConfig and media token ids of a Gemma 3 config.json (parsed).
 
-    Raises KeyError for a missing `text_config.hidden_size`, ValueError for a config Gemma 3 or
-    this encoder cannot use (a SigLIP pooling head, which Gemma 3 never reads).
+    Raises KeyError for a missing `text_config.hidden_size`, ValueError for a shape this
+    encoder cannot use.
     """
+    return FamilyConfig(_vision_config(raw), _token_ids(raw))
+
+
+def _vision_config(raw: Mapping[str, Any]) -> SiglipVisionConfig:
     fields = {**_SIGLIP_DEFAULTS, **(raw.get("vision_config") or {})}
-    if fields["vision_use_head"]:
-        raise ValueError(
-            "vision_config.vision_use_head=true: Gemma 3 uses the patch states, not SigLIP's "
-            "pooling head; allowed: false"
-        )
     return SiglipVisionConfig(
         hidden_size=int(fields["hidden_size"]),
         intermediate_size=int(fields["intermediate_size"]),
@@ -137,20 +138,21 @@ def gemma3_vision_config(raw: Mapping[str, Any]) -> SiglipVisionConfig:
         hidden_act=str(fields["hidden_act"]),
         layer_norm_eps=float(fields["layer_norm_eps"]),
         in_channels=int(fields["num_channels"]),
+        has_pooling_head=bool(fields["vision_use_head"]),
     )
 
 
-def gemma3_token_ids(raw: Mapping[str, Any]) -> dict[str, int]:
-    """`image_token_id`, `vision_start_token_id` (boi) and `vision_end_token_id` (eoi).
-
-    transformers writes `*_token_index`; `*_token_id` spellings are accepted too.
-    """
+def _token_ids(raw: Mapping[str, Any]) -> MediaTokenIds:
+    """The soft token, `<start_of_image>` (boi) as vision start and `<end_of_image>` (eoi) as
+    vision end; no video token. transformers writes `*_token_index`; `*_token_id` spellings
+    are accepted too."""
     ids = {}
     for name, default in _TOKEN_ID_DEFAULTS.items():
         alias = name.replace("_index", "_id")
         ids[name] = int(raw.get(name, raw.get(alias, default)))
-    return {
-        "image_token_id": ids["image_token_index"],
-        "vision_start_token_id": ids["boi_token_index"],
-        "vision_end_token_id": ids["eoi_token_index"],
-    }
+    return MediaTokenIds(
+        image_token_id=ids["image_token_index"],
+        video_token_id=None,
+        vision_start_token_id=ids["boi_token_index"],
+        vision_end_token_id=ids["eoi_token_index"],
+    )

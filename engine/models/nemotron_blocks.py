@@ -1,0 +1,144 @@
+"""NemotronH's blocks: a pre-norm mixer plus a residual; here the attention and MLP mixers.
+
+Every block is `hidden + mixer(rms_norm(hidden))` with its own RMSNorm (computed in float32,
+as transformers does). Attention is GQA over the paged K/V cache with no rotary embedding: in
+this family the Mamba2 layers carry the order of the tokens. The MLP (and each expert of the
+MoE blocks, `nemotron_moe`) is `down(relu(up(x))²)`. Weights are `[in, out]` for `linear`,
+built from a checkpoint-named module (`from_stored`) and cut into `bands` for its matvecs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stillcut.engine.models.layers import Bands, bands, linear, matmul_layout
+from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
+from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32, returned in `x`'s dtype."""
+    return F.rms_norm(x.float(), x.shape[-1:], weight.float(), eps).to(x.dtype)
+
+
+def frozen(tensor: torch.Tensor | None) -> nn.Parameter | None:
+    return None if tensor is None else nn.Parameter(tensor, requires_grad=False)
+
+
+def relu2_mlp(
+    x: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    banded: dict[str, Bands] | None = None,
+) -> torch.Tensor:
+    """`down(relu(up(x))²)`: `x` `[N, in]`, `up` `[in, mid]`, `down` `[mid, out]`."""
+    banded = banded or {}
+    hidden = linear(x, up, up_bias, banded.get("up"))  # [N, mid]
+    hidden = torch.relu_(hidden).square_()
+    return linear(hidden, down, down_bias, banded.get("down"))  # [N, out]
+
+
+class NemotronBlock(nn.Module):
+    """A block's norm and the `[in, out]` weights it multiplies by (see `make_bands`)."""
+
+    projections: tuple[str, ...] = ()
+
+    def __init__(self, norm: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.norm = frozen(norm)
+        self.eps = eps
+        self.bands: dict[str, Bands] = {}
+
+    def make_bands(self) -> None:
+        """Cut every projection into `bands` for `linear`'s few-row matvecs."""
+        self.bands = {name: bands(getattr(self, name)) for name in self.projections}
+
+    def forward(
+        self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The residual stream `[N, hidden]` after this block."""
+        raise NotImplementedError
+
+
+class AttentionBlock(NemotronBlock):
+    """GQA attention, no rotary, no biases; q, k and v fused into one `[in, out]` weight."""
+
+    projections = ("qkv_weight", "o_weight")
+
+    def __init__(self, stored: nn.Module, config: NemotronTextConfig, dtype: torch.dtype) -> None:
+        super().__init__(stored.norm.weight.to(dtype), config.layer_norm_epsilon)
+        mixer = stored.mixer
+        qkv = torch.cat([mixer.q_proj.weight, mixer.k_proj.weight, mixer.v_proj.weight]).T
+        self.qkv_weight = frozen(matmul_layout(qkv.to(dtype)))  # [hidden, (Hq + 2 Hkv) D]
+        self.o_weight = frozen(matmul_layout(mixer.o_proj.weight.T.to(dtype)))  # [Hq D, hidden]
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert kv_cache is not None
+        num_tokens = hidden.shape[0]
+        normed = rms_norm(hidden, self.norm, self.eps)
+        qkv = linear(normed, self.qkv_weight, None, self.bands.get("qkv_weight"))
+        heads = qkv.view(num_tokens, -1, self.head_dim)  # [N, Hq + 2 Hkv, D]
+        query, key, value = heads.split(
+            (self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1
+        )
+        write_kv(key, value, kv_cache, metadata.slot_mapping)
+        attended = paged_attention(query, kv_cache, metadata, scale=self.scale)  # [N, Hq, D]
+        attended = attended.reshape(num_tokens, -1)  # [N, Hq D]
+        return linear(attended, self.o_weight, hidden, self.bands.get("o_weight"))
+
+
+class MLPBlock(NemotronBlock):
+    """`down(relu(up(x))²)`, biases when the config has `mlp_bias`."""
+
+    projections = ("up", "down")
+
+    def __init__(self, stored: nn.Module, config: NemotronTextConfig, dtype: torch.dtype) -> None:
+        super().__init__(stored.norm.weight.to(dtype), config.layer_norm_epsilon)
+        mixer = stored.mixer
+        self.up = frozen(matmul_layout(mixer.up_proj.weight.T.to(dtype)))  # [hidden, mid]
+        self.down = frozen(matmul_layout(mixer.down_proj.weight.T.to(dtype)))  # [mid, hidden]
+        self.up_bias = frozen(stored_bias(mixer.up_proj, dtype))
+        self.down_bias = frozen(stored_bias(mixer.down_proj, dtype))
+
+    def forward(
+        self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None
+    ) -> torch.Tensor:
+        normed = rms_norm(hidden, self.norm, self.eps)
+        out = relu2_mlp(normed, self.up, self.down, self.up_bias, self.down_bias, self.bands)
+        return hidden + out
+
+
+def stored_bias(module: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    """A checkpoint-named module's bias in `dtype`, or None when it has none."""
+    return None if module.bias is None else module.bias.to(dtype)
+
+
+def stored_mlp(in_size: int, mid_size: int, bias: bool) -> nn.Module:
+    """A meta-device `up_proj` / `down_proj` pair, named as the checkpoint names them."""
+    with torch.device("meta"):
+        mlp = nn.Module()
+        mlp.up_proj = nn.Linear(in_size, mid_size, bias=bias)
+        mlp.down_proj = nn.Linear(mid_size, in_size, bias=bias)
+    return mlp
+
+
+def stored_attention(config: NemotronTextConfig) -> nn.Module:
+    """A meta-device attention mixer named as the checkpoint names it (no biases)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    with torch.device("meta"):
+        mixer = nn.Module()
+        mixer.q_proj = nn.Linear(hidden, q_width, bias=False)
+        mixer.k_proj = nn.Linear(hidden, kv_width, bias=False)
+        mixer.v_proj = nn.Linear(hidden, kv_width, bias=False)
+        mixer.o_proj = nn.Linear(q_width, hidden, bias=False)
+    return mixer

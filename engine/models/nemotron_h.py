@@ -1,0 +1,194 @@
+"""The NemotronH language model of Nemotron 3 Nano Omni, for the runner's flat token batches.
+
+A stack of Mamba2, attention, MoE and MLP blocks (`nemotron_mamba`, `nemotron_blocks`,
+`nemotron_moe`) between an embedding and a final RMSNorm. Attention layers take the runner's
+paged K/V caches in layer order; Mamba2 layers read and write the runner's recurrent states
+through `metadata.recurrent`. Positions play no part (no rotary anywhere), so the position row
+the runner passes is ignored. Weights load as the checkpoint stores them (release layout:
+`backbone.layers.{i}.mixer.*`, one tensor per expert) and are rearranged once into `[in, out]`
+matrices; multi-token-prediction tensors, if any, are skipped as transformers skips them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from os import PathLike
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stillcut.engine.loader import (
+    checkpoint_tensors,
+    load_model_config,
+    load_weights,
+    resolve_checkpoint,
+)
+from stillcut.engine.models.layers import (
+    HEAD_BANDS_FOR_ROWS,
+    PagedLanguageModel,
+    bands,
+    head_layout,
+    vocab_logits,
+)
+from stillcut.engine.models.nemotron_blocks import (
+    AttentionBlock,
+    MLPBlock,
+    NemotronBlock,
+    frozen,
+    rms_norm,
+    stored_attention,
+    stored_mlp,
+)
+from stillcut.engine.models.nemotron_mamba import Mamba2Block, stored_mamba
+from stillcut.engine.models.nemotron_moe import MoEBlock, stored_moe
+from stillcut.engine.models.nemotron_text_config import (
+    ATTENTION,
+    MAMBA,
+    MLP,
+    MOE,
+    NemotronTextConfig,
+    nemotron_text_config,
+)
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.kernels.attention import AttentionMetadata
+
+LANGUAGE_MODEL_PREFIX = "language_model."
+LM_HEAD_PREFIX = "lm_head."
+UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
+
+
+class NemotronHLanguageModel(PagedLanguageModel):
+    """NemotronH over a flat batch of tokens; build with `from_checkpoint`.
+
+    The head is `[hidden, vocab]` contiguous; a tied model without a stored head gathers its
+    embeddings from the head's columns (`embeddings` is None).
+    """
+
+    num_position_rows = 1  # the runner's positions are unused: no rotary embedding
+    bidirectional_item_tokens = 0  # every item is causal
+
+    def __init__(
+        self,
+        config: NemotronTextConfig,
+        blocks: Sequence[NemotronBlock],
+        embeddings: torch.Tensor | None,
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(blocks)
+        self.embeddings = frozen(embeddings)
+        self.norm = frozen(final_norm)
+        self.lm_head = frozen(lm_head)
+        for block in self.layers:
+            block.make_bands()
+        self.head_bands = (bands(lm_head), bands(lm_head, HEAD_BANDS_FOR_ROWS))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        mm_embeds: torch.Tensor | None = None,
+        mm_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [N] tokens -> [N, hidden].
+
+        `kv_caches` holds one paged K/V tensor per attention layer, in layer order;
+        `metadata.recurrent` the Mamba2 layers' states. `mm_embeds` [M, hidden] replace the
+        embeddings of the M rows where `mm_mask` [N] is True.
+        """
+        if (mm_embeds is None) != (mm_mask is None):
+            raise ValueError("mm_embeds and mm_mask must be given together")
+        hidden = self.embed(input_ids)  # [N, hidden]
+        if mm_embeds is not None:
+            hidden[mm_mask] = mm_embeds.to(hidden.dtype)
+        caches = iter(kv_caches)
+        for block in self.layers:
+            kv_cache = next(caches) if isinstance(block, AttentionBlock) else None
+            hidden = block(hidden, metadata, kv_cache)
+        return rms_norm(hidden, self.norm, self.config.layer_norm_epsilon)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings: [N] ids -> [N, hidden]."""
+        table = self.lm_head.T if self.embeddings is None else self.embeddings
+        return F.embedding(input_ids, table)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
+        return vocab_logits(hidden_states, self.lm_head, self.head_bands)
+
+    def prompt_positions(
+        self,
+        token_ids: torch.Tensor,
+        items: Sequence[MultiModalItem],
+        placements: Sequence[tuple[int, int]] | None = None,
+    ) -> tuple[torch.Tensor, int]:
+        """Plain positions [1, prompt_len] (unused by the layers) and the next one."""
+        num_tokens = token_ids.shape[0]
+        return torch.arange(num_tokens)[None], num_tokens
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | PathLike[str],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> NemotronHLanguageModel:
+        """The language model of a Nemotron 3 Nano Omni checkpoint folder (or hub id).
+
+        Loads `language_model.*` and the head strictly through the shared loader: missing,
+        unexpected or misshapen tensors raise CheckpointError. A tied checkpoint that stores no
+        head uses its embedding as the head.
+        """
+        folder = resolve_checkpoint(path)
+        config = nemotron_text_config(load_model_config(folder))
+        stored = _checkpoint_layout(config)
+        # stored dtype: the router stays float32 whatever the rest becomes
+        load_weights(
+            stored, folder, LANGUAGE_MODEL_PREFIX, dtype=None, device=device, unused=UNUSED_PREFIXES
+        )
+        blocks = [_block(stored.layers[i], config, i, dtype) for i in range(config.num_layers)]
+        embeddings = stored.embeddings.weight.to(dtype)
+        if config.tie_word_embeddings and f"{LM_HEAD_PREFIX}weight" not in checkpoint_tensors(
+            folder
+        ):
+            lm_head, embeddings = head_layout(embeddings), None
+        else:
+            with torch.device("meta"):
+                head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            load_weights(head, folder, LM_HEAD_PREFIX, dtype=dtype, device=device)
+            lm_head = head_layout(head.weight)
+        final_norm = stored.norm_f.weight.to(dtype)
+        return cls(config, blocks, embeddings, final_norm, lm_head).eval()
+
+
+def _block(stored: nn.Module, config: NemotronTextConfig, layer_id: int, dtype) -> NemotronBlock:
+    kind = config.layer_kinds[layer_id]
+    if kind == MAMBA:
+        return Mamba2Block(stored, config, layer_id, dtype)
+    return {ATTENTION: AttentionBlock, MOE: MoEBlock, MLP: MLPBlock}[kind](stored, config, dtype)
+
+
+def _checkpoint_layout(config: NemotronTextConfig) -> nn.Module:
+    """Meta-device modules named like a checkpoint's `language_model.*` tensors."""
+    mixers = {
+        MAMBA: lambda: stored_mamba(config),
+        ATTENTION: lambda: stored_attention(config),
+        MOE: lambda: stored_moe(config),
+        MLP: lambda: stored_mlp(config.hidden_size, config.intermediate_size, config.mlp_bias),
+    }
+    with torch.device("meta"):
+        root = nn.Module()
+        root.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        root.layers = nn.ModuleList()
+        for kind in config.layer_kinds:
+            block = nn.Module()
+            block.norm = nn.RMSNorm(config.hidden_size)
+            block.mixer = mixers[kind]()
+            root.layers.append(block)
+        root.norm_f = nn.RMSNorm(config.hidden_size)
+    return root

@@ -1,0 +1,150 @@
+"""NemotronH's Mamba2 block over the runner's flat batch, with per-request state.
+
+`in_proj` gives the gate z, the conv input (x, B, C) and dt; the depthwise causal conv (SiLU)
+and the selective scan run per request from its stored state (`kernels.mamba2`), then a gated
+RMSNorm per group (`x * silu(z)`, normalised over each `inner / n_groups` slice) and
+`out_proj`. dt is `softplus(dt + dt_bias)`, clamped below at `time_step_min` for prompt tokens
+only: transformers clamps it in its chunked (prefill) scan and not in its one-token update,
+and a request recomputed after preemption reruns its generated tokens without the clamp, so
+it gets back the values they were generated with. Decoding requests share one batched step;
+each prompt chunk runs the chunked scan on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stillcut.engine.models.layers import linear, matmul_layout
+from stillcut.engine.models.nemotron_blocks import NemotronBlock, frozen, rms_norm, stored_bias
+from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
+from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.mamba2 import (
+    causal_conv1d,
+    causal_conv1d_step,
+    selective_state_step,
+    ssd_chunk_scan,
+)
+
+
+class Mamba2Block(NemotronBlock):
+    """One Mamba2 layer; its states are `metadata.recurrent.states[layer_id]`."""
+
+    projections = ("in_proj", "out_proj")
+
+    def __init__(
+        self, stored: nn.Module, config: NemotronTextConfig, layer_id: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__(stored.norm.weight.to(dtype), config.layer_norm_epsilon)
+        mixer = stored.mixer
+        self.layer_id = layer_id
+        self.config = config
+        self.in_proj = frozen(matmul_layout(mixer.in_proj.weight.T.to(dtype)))
+        self.in_proj_bias = frozen(stored_bias(mixer.in_proj, dtype))
+        self.conv_weight = frozen(mixer.conv1d.weight[:, 0].to(dtype))  # [conv_dim, K]
+        self.conv_bias = frozen(stored_bias(mixer.conv1d, dtype))
+        self.dt_bias = frozen(mixer.dt_bias.to(dtype))  # [heads]
+        self.A = frozen(-torch.exp(mixer.A_log.float()))  # [heads], float32 as transformers
+        self.D = frozen(mixer.D.to(dtype))  # [heads]
+        self.gate_norm = frozen(mixer.norm.weight.to(dtype))  # [inner]
+        self.out_proj = frozen(matmul_layout(mixer.out_proj.weight.T.to(dtype)))
+        self.out_proj_bias = frozen(stored_bias(mixer.out_proj, dtype))
+
+    def forward(
+        self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None
+    ) -> torch.Tensor:
+        config = self.config
+        recurrent = metadata.recurrent
+        assert recurrent is not None, "a Mamba2 layer needs the runner's recurrent metadata"
+        normed = rms_norm(hidden, self.norm, self.eps)
+        projected = linear(normed, self.in_proj, self.in_proj_bias, self.bands.get("in_proj"))
+        gate, conv_in, dt = projected.split(
+            (config.mamba_inner_size, config.conv_dim, config.mamba_num_heads), dim=-1
+        )
+        dt = F.softplus(dt + self.dt_bias)  # [N, heads]
+        dt = torch.where(
+            recurrent.prompt_token_mask[:, None], dt.clamp(min=config.time_step_min), dt
+        )
+        scanned = torch.empty(
+            hidden.shape[0], config.mamba_num_heads, config.mamba_head_dim, device=hidden.device
+        )  # [N, heads, head_dim] float32
+        conv_states, ssm_states = recurrent.states[self.layer_id]
+        step_tokens, step_rows, chunks = recurrent.one_token_steps
+        if step_tokens.numel():
+            self._step(step_tokens, step_rows, conv_in, dt, scanned, conv_states, ssm_states)
+        for request in chunks:
+            self._chunk(request, recurrent, conv_in, dt, scanned, conv_states, ssm_states)
+        y = self._gated_norm(scanned.flatten(1), gate).to(hidden.dtype)  # [N, inner]
+        out = linear(y, self.out_proj, self.out_proj_bias, self.bands.get("out_proj"))
+        return hidden + out
+
+    def _split_xbc(self, conv_out: torch.Tensor):
+        """conv output `[n, conv_dim]` -> x `[n, heads, head_dim]`, B and C `[n, G, N]`."""
+        config = self.config
+        group_width = config.n_groups * config.ssm_state_size
+        x, B, C = conv_out.split((config.mamba_inner_size, group_width, group_width), dim=-1)
+        groups = (-1, config.n_groups, config.ssm_state_size)
+        heads = (-1, config.mamba_num_heads, config.mamba_head_dim)
+        return x.reshape(heads), B.reshape(groups), C.reshape(groups)
+
+    def _step(self, tokens, rows, conv_in, dt, scanned, conv_states, ssm_states) -> None:
+        """One token for every decoding request at once: `tokens` and state `rows` `[D]`."""
+        conv_out, new_conv = causal_conv1d_step(
+            conv_in[tokens], conv_states[rows], self.conv_weight, self.conv_bias
+        )
+        conv_states[rows] = new_conv.to(conv_states.dtype)
+        x, B, C = self._split_xbc(conv_out)
+        y, new_state = selective_state_step(ssm_states[rows], x, dt[tokens], self.A, B, C, self.D)
+        ssm_states[rows] = new_state.to(ssm_states.dtype)
+        scanned[tokens] = y
+
+    def _chunk(self, request, recurrent, conv_in, dt, scanned, conv_states, ssm_states) -> None:
+        """A prompt chunk (or a fresh request's tokens) through the chunked scan."""
+        starts = recurrent.query_start_loc_cpu
+        tokens = slice(starts[request], starts[request + 1])
+        row, fresh = recurrent.state_rows_cpu[request], recurrent.fresh[request]
+        conv_out, new_conv = causal_conv1d(
+            conv_in[tokens], None if fresh else conv_states[row], self.conv_weight, self.conv_bias
+        )
+        conv_states[row] = new_conv.to(conv_states.dtype)
+        x, B, C = self._split_xbc(conv_out)
+        y, final_state = ssd_chunk_scan(
+            x,
+            dt[tokens],
+            self.A,
+            B,
+            C,
+            self.D,
+            self.config.chunk_size,
+            None if fresh else ssm_states[row],
+        )
+        ssm_states[row] = final_state.to(ssm_states.dtype)
+        scanned[tokens] = y
+
+    def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """`y * silu(gate)` RMS-normalised over each of `n_groups` slices, times the weight;
+        float32, as transformers' `NemotronHRMSNormGated`."""
+        groups = self.config.n_groups
+        gated = y.float() * F.silu(gate.float())  # [N, inner]
+        grouped = gated.view(gated.shape[0], groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.gate_norm.float() * grouped.view_as(gated)
+
+
+def stored_mamba(config: NemotronTextConfig) -> nn.Module:
+    """A meta-device Mamba2 mixer named as the checkpoint names it."""
+    inner, conv_dim, heads = config.mamba_inner_size, config.conv_dim, config.mamba_num_heads
+    with torch.device("meta"):
+        mixer = nn.Module()
+        mixer.in_proj = nn.Linear(
+            config.hidden_size, inner + conv_dim + heads, bias=config.mamba_proj_bias
+        )
+        mixer.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, config.conv_kernel, groups=conv_dim, bias=config.use_conv_bias
+        )
+        for name in ("dt_bias", "A_log", "D"):
+            setattr(mixer, name, nn.Parameter(torch.empty(heads)))
+        mixer.norm = nn.RMSNorm(inner)
+        mixer.out_proj = nn.Linear(inner, config.hidden_size, bias=config.mamba_proj_bias)
+    return mixer

@@ -1,0 +1,151 @@
+"""The family registry: one entry per config.json `model_type` says everything family-specific.
+
+An entry names the family's config reader, language model, vision tower, media preprocessing
+and prompt format, and carries the flags the shared code branches on: how positions work,
+whether image items attend bidirectionally, whether a video has its own placeholder token,
+where a checkpoint keeps its own EVS pruning rate, whether live sessions are served, and which
+layers keep which cache (`cache_groups`). The runner, scheduler, KV cache, engine, prompt
+processor, vision pipeline, service and kernels read these fields and never a family's name, so
+adding a family is its own files plus one `register` call (the built-in ones are in
+`families`). Classes are named as "module:attribute" and imported on first use: the engine
+never imports a vision tower, and nothing imports PyAV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from stillcut.engine.cache_groups import CacheGroup
+from stillcut.engine.prompt_formats import PromptFormat
+
+if TYPE_CHECKING:
+    from stillcut.engine.model_config import ModelConfig
+
+PositionsKind = Literal["mrope", "1d", "none"]
+POSITION_ROWS: Mapping[str, int] = MappingProxyType({"mrope": 3, "1d": 1, "none": 1})
+
+
+@dataclass(frozen=True)
+class MediaTokenIds:
+    """The ids a family's prompts place media with. `video_token_id` is None for a family
+    without a video placeholder (its videos are written as image items, one per frame); the
+    vision start/end ids are None for a family whose prompt format writes its own delimiters
+    as text."""
+
+    image_token_id: int
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if (value is None and name == "image_token_id") or (value is not None and value < 0):
+                raise ValueError(f"{name}={value} must be >= 0")
+        if self.image_token_id == self.video_token_id:
+            raise ValueError(f"image_token_id={self.image_token_id} must differ from video's")
+
+
+@dataclass(frozen=True)
+class FamilyConfig:
+    """What a family's config reader takes from config.json besides the text section."""
+
+    vision: Any  # the family's own frozen vision config
+    token_ids: MediaTokenIds
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One registry entry; see the module docstring.
+
+    `read_config(raw config.json)` returns a `FamilyConfig` (raise KeyError / ValueError for
+    what is missing or unsupported); `cache_groups(model_config)` the layers' cache groups;
+    `native_evs_rate(raw)` the checkpoint's own pruning rate (0.0: the checkpoint asks for EVS
+    off) — None as the field means the family has no such rate. `language_model`,
+    `vision_tower` and `media` are "module:attribute" names: the language model class (with
+    `from_checkpoint(path, dtype, device)`), the tower class (built from the vision config) and
+    the media class (built from `(checkpoint folder, model_config)`, it preprocesses frames and
+    encodes batches). `weight_prefixes` maps stored tensor-name prefixes to the canonical
+    `visual.` / `language_model.` / `lm_head.` ones.
+    """
+
+    model_type: str
+    read_config: Callable[[Mapping[str, Any]], FamilyConfig]
+    cache_groups: Callable[[ModelConfig], tuple[CacheGroup, ...]]
+    language_model: str
+    vision_tower: str
+    media: str
+    prompt_format: PromptFormat
+    positions: PositionsKind
+    bidirectional_items: bool = False
+    has_video_token: bool = True
+    native_evs_rate: Callable[[Mapping[str, Any]], float] | None = None
+    live_sessions: bool = False
+    weight_prefixes: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.model_type:
+            raise ValueError("model_type must be a non-empty string")
+        if self.positions not in get_args(PositionsKind):
+            raise ValueError(f"positions={self.positions!r}: allowed {get_args(PositionsKind)}")
+        for name in ("language_model", "vision_tower", "media"):
+            module, _, attribute = getattr(self, name).partition(":")
+            if not module or not attribute:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be 'module:attribute'")
+        if self.live_sessions and not self.has_video_token:
+            raise ValueError("live sessions append video placeholders: they need a video token")
+        object.__setattr__(self, "weight_prefixes", MappingProxyType(dict(self.weight_prefixes)))
+
+    @property
+    def num_position_rows(self) -> int:
+        """Position ids per token: 3 for M-RoPE's (t, h, w), else 1."""
+        return POSITION_ROWS[self.positions]
+
+    def language_model_class(self) -> type:
+        return _resolve(self.language_model)
+
+    def vision_tower_class(self) -> type:
+        return _resolve(self.vision_tower)
+
+    def media_class(self) -> type:
+        return _resolve(self.media)
+
+
+class FamilyRegistry:
+    """`model_type` -> `ModelFamily`. The one registry lives in `families.FAMILIES`."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, ModelFamily] = {}
+
+    def register(self, entry: ModelFamily) -> None:
+        if entry.model_type in self._entries:
+            raise ValueError(f"model_type {entry.model_type!r} is already registered")
+        self._entries[entry.model_type] = entry
+
+    def unregister(self, model_type: str) -> None:
+        del self._entries[model_type]
+
+    @contextlib.contextmanager
+    def registered(self, entry: ModelFamily) -> Iterator[ModelFamily]:
+        """`entry` registered for the duration of a `with` block."""
+        self.register(entry)
+        try:
+            yield entry
+        finally:
+            self.unregister(entry.model_type)
+
+    def get(self, model_type: str) -> ModelFamily | None:
+        return self._entries.get(model_type)
+
+    @property
+    def model_types(self) -> tuple[str, ...]:
+        return tuple(self._entries)
+
+
+def _resolve(name: str) -> Any:
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)

@@ -1,0 +1,177 @@
+"""Mamba2 in torch for the runner's flat batches: causal conv and selective scan with state.
+
+A Mamba2 layer keeps, per running request, the last `K - 1` inputs of its depthwise causal
+conv and its SSM state `[heads, head_dim, state_size]`; the runner holds both in one row per
+request (`RecurrentMetadata`). A prompt chunk runs the conv over its tokens after the stored
+inputs and the chunked SSD scan (Mamba2's state-space duality: a masked quadratic form inside
+chunks of `chunk_size`, a recurrence across them) from the stored state, then stores the new
+ones, so a prompt split across steps gives what one pass would. A decode step advances every
+decoding request by one token at once. A request whose context starts at token 0 (new, or
+recomputed after preemption) starts from zeros, whatever its row held before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class RecurrentMetadata:
+    """Built by the runner once per step for models with recurrent layers; shared by every
+    recurrent layer. Per scheduled request b, in batch order: its tokens are
+    `[query_start_loc_cpu[b], query_start_loc_cpu[b + 1])` of the flat batch, its state row
+    is `state_rows_cpu[b]`, and `fresh[b]` says its state starts from zero this step (its first
+    computed token is token 0).
+
+    `states[layer_id]` are the runner's persistent state tensors of that layer, each
+    `[max_num_reqs, *shape]`. `prompt_token_mask` marks the scheduled tokens that belong to
+    their request's prompt (each request's come first).
+    """
+
+    states: Mapping[int, tuple[torch.Tensor, ...]]
+    state_rows_cpu: list[int]
+    fresh: list[bool]
+    query_start_loc_cpu: list[int]
+    prompt_token_mask: torch.Tensor  # [N] bool, on the model's device
+
+    @cached_property
+    def one_token_steps(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The requests that advance a stored state by one token: their token indices and
+        state rows `[D]` (on the device), and the batch indices of every other request (prompt
+        chunks, fresh requests), which run the chunked scan."""
+        starts = self.query_start_loc_cpu
+        tokens, rows, chunks = [], [], []
+        for request, row in enumerate(self.state_rows_cpu):
+            if starts[request + 1] - starts[request] == 1 and not self.fresh[request]:
+                tokens.append(starts[request])
+                rows.append(row)
+            else:
+                chunks.append(request)
+        device = self.prompt_token_mask.device
+        tokens_and_rows = torch.tensor([tokens, rows], dtype=torch.long, device=device)  # [2, D]
+        return tokens_and_rows[0], tokens_and_rows[1], chunks
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of one sequence `x` `[L, C]` after the `K - 1` inputs
+    `conv_state` `[C, K - 1]` (None: zeros), SiLU applied. `weight` `[C, K]`.
+    Returns the output `[L, C]` and the new state `[C, K - 1]`."""
+    num_taps = weight.shape[1]
+    if conv_state is None:
+        conv_state = x.new_zeros(x.shape[1], num_taps - 1)
+    inputs = torch.cat([conv_state.to(x.dtype), x.T], dim=1)  # [C, K - 1 + L]
+    out = F.conv1d(inputs[None], weight[:, None, :], bias, groups=weight.shape[0])[0]  # [C, L]
+    return F.silu(out.T), inputs[:, inputs.shape[1] - (num_taps - 1) :]
+
+
+def causal_conv1d_step(
+    x: torch.Tensor, conv_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of D sequences: `x` `[D, C]` after `conv_states` `[D, C, K - 1]`.
+    Returns SiLU(conv) `[D, C]` and the new states `[D, C, K - 1]`."""
+    window = torch.cat([conv_states.to(x.dtype), x[:, :, None]], dim=2)  # [D, C, K]
+    out = torch.einsum("dck,ck->dc", window, weight)
+    if bias is not None:
+        out = out + bias
+    return F.silu(out), window[:, :, 1:]
+
+
+def ssd_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan of one sequence, chunk by chunk, in float32.
+
+    `x` `[L, H, P]`, `dt` `[L, H]` (discretised: softplus and clamp applied), `A` `[H]`
+    (negative), `B`/`C` `[L, G, N]` (groups shared by `H / G` heads), `D` `[H]`,
+    `initial_state` `[H, P, N]` (None: zeros). Returns `y` `[L, H, P]` and the final state.
+    """
+    length, num_heads, _ = x.shape
+    repeat = num_heads // B.shape[1]
+    pad = (-length) % chunk_size
+    x, dt = x.float(), dt.float()
+    # Padding steps have dt = 0: no decay and no input, so the final state is the state at L.
+    xdt = _chunks(F.pad(x * dt[..., None], (0, 0, 0, 0, 0, pad)), chunk_size)  # [c, l, H, P]
+    B = _chunks(F.pad(B.float().repeat_interleave(repeat, 1), (0, 0, 0, 0, 0, pad)), chunk_size)
+    C = _chunks(F.pad(C.float().repeat_interleave(repeat, 1), (0, 0, 0, 0, 0, pad)), chunk_size)
+    log_decay = _chunks(F.pad(dt * A.float(), (0, 0, 0, pad)), chunk_size)  # [c, l, H]
+    log_decay = log_decay.permute(2, 0, 1)  # [H, c, l]
+    cumulative = log_decay.cumsum(-1)  # [H, c, l]
+
+    # Within a chunk: y_l = sum_{s <= l} (C_l . B_s) exp(sum_{s < k <= l} a_k) xdt_s
+    decay = torch.exp(_segment_sum(log_decay))  # [H, c, l, s]
+    scores = torch.einsum("clhn,cshn->clsh", C, B) * decay.permute(1, 2, 3, 0)
+    y = torch.einsum("clsh,cshp->clhp", scores, xdt)
+
+    # Each chunk's own contribution to the state at its end, then the recurrence across chunks.
+    to_end = torch.exp(cumulative[..., -1:] - cumulative)  # [H, c, l]
+    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", B, to_end, xdt)  # [c, H, P, N]
+    chunk_decay = torch.exp(cumulative[..., -1])  # [H, c]
+    state = (
+        x.new_zeros(chunk_states.shape[1:])
+        if initial_state is None
+        else initial_state.float().clone()
+    )
+    starts = []
+    for chunk in range(chunk_states.shape[0]):
+        starts.append(state)
+        state = state * chunk_decay[:, chunk, None, None] + chunk_states[chunk]
+    start_states = torch.stack(starts)  # [c, H, P, N]
+    from_start = torch.exp(cumulative).permute(1, 2, 0)[..., None]  # [c, l, H, 1]
+    y = y + torch.einsum("clhn,chpn->clhp", C, start_states) * from_start
+    y = y.reshape(-1, *y.shape[2:])[:length] + D.float()[:, None] * x
+    return y, state
+
+
+def selective_state_step(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of D sequences: `state` `[D, H, P, N]`, `x` `[D, H, P]`, `dt` `[D, H]`
+    (discretised), `B`/`C` `[D, G, N]`. Returns `y` `[D, H, P]` and the new state (float32)."""
+    repeat = x.shape[1] // B.shape[1]
+    dt = dt.float()
+    B = B.float().repeat_interleave(repeat, 1)[:, :, None, :]  # [D, H, 1, N]
+    C = C.float().repeat_interleave(repeat, 1)  # [D, H, N]
+    decay = torch.exp(dt * A.float())[..., None, None]  # [D, H, 1, 1]
+    new_state = state.float() * decay + (dt[..., None, None] * B) * x.float()[..., None]
+    y = torch.einsum("dhpn,dhn->dhp", new_state, C) + D.float()[:, None] * x.float()
+    return y, new_state
+
+
+def _chunks(tensor: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[L, ...] (L a multiple of chunk_size) -> [L / chunk_size, chunk_size, ...]."""
+    return tensor.reshape(-1, chunk_size, *tensor.shape[1:])
+
+
+def _segment_sum(log_decay: torch.Tensor) -> torch.Tensor:
+    """`[..., l]` -> `[..., l, s]`: sum of log_decay over (s, l] for s <= l, -inf above.
+    Summed from masked copies rather than as differences of cumulative sums, which lose
+    precision when the sums grow."""
+    length = log_decay.shape[-1]
+    repeated = log_decay[..., None].expand(*log_decay.shape, length)  # [..., l(k), s]
+    below = torch.tril(torch.ones(length, length, dtype=torch.bool, device=log_decay.device), -1)
+    sums = repeated.masked_fill(~below, 0).cumsum(dim=-2)  # [..., l, s]
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=log_decay.device))
+    return sums.masked_fill(~causal, -torch.inf)

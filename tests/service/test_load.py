@@ -1,0 +1,200 @@
+"""Under hostile load the server stays bounded: 50 clients trickling request bodies and 20
+WebSockets that never send a key, while 16 clients ask about videos. Every normal request is
+answered, every slow one gets 408, no key-less socket takes a session slot (all of them are
+open while every slot is taken by keyed sessions), and afterwards every KV block, session
+slot and queue place is back, no temporary file or descriptor is left open and the thread
+count returns to where it was."""
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
+
+from stillcut.service.config import ServerConfig
+from stillcut.vision.synthetic import moving_texture, write_video
+
+from .conftest import running_server, settled_pool_state
+
+KEY = "sk-load"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+NUM_SLOW, NUM_KEYLESS, NUM_NORMAL = 50, 20, 16
+BODY_TIMEOUT_S = 1.5
+MAX_SESSIONS = 4
+SETTLE_S = 5.0  # threads and descriptors must be back within this
+TIMEOUT_S = 120.0  # the whole load, bounded
+PROC_SELF = Path("/proc/self")
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> list[bytes]:
+    folder = tmp_path_factory.mktemp("load")
+    for seed in range(NUM_NORMAL + 1):  # distinct, so each one is decoded and encoded
+        path = folder / f"{seed}.mp4"
+        write_video(path, moving_texture(4, 112, 84, seed=100 + seed), time_base=Fraction(1, 4))
+    return [(folder / f"{seed}.mp4").read_bytes() for seed in range(NUM_NORMAL + 1)]
+
+
+def _threads() -> int:
+    """Threads of this process, native ones included (the server runs in it)."""
+    return len(os.listdir(PROC_SELF / "task"))
+
+
+def _open_files(folder: Path) -> tuple[int, int]:
+    """(descriptors open, of which files under `folder`, deleted temporary files included)."""
+    links = []
+    for fd in os.listdir(PROC_SELF / "fd"):
+        try:
+            links.append(os.readlink(PROC_SELF / "fd" / fd))
+        except OSError:
+            pass  # closed meanwhile (the listing's own descriptor)
+    return len(links), sum(link.startswith(str(folder)) for link in links)
+
+
+def _no_connections(server) -> None:
+    """Wait (at most `SETTLE_S`) until uvicorn holds no client connection: the baseline is
+    counted between requests, not while a closed client's socket is still being let go."""
+    deadline = time.monotonic() + SETTLE_S
+    while server.server.server_state.connections and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _settle(measure, baseline) -> object:
+    """`measure()` once it is back to `baseline`, or its value after `SETTLE_S` (measured with
+    no event loop of this thread running, as the baseline was: a loop has descriptors of its
+    own)."""
+    deadline = time.monotonic() + SETTLE_S
+    while (value := measure()) != baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return value
+
+
+async def _slow_body(host: str, port: int) -> bytes:
+    """Headers, then a body trickling in a byte at a time: the server's 408, read to the end."""
+    reader, writer = await asyncio.open_connection(host, port)
+    part = 'Content-Disposition: form-data; name="file"; filename="v.mp4"\r\n\r\n'
+    writer.write(
+        f"POST /v1/videos/describe HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+        f"Content-Length: 100000\r\n\r\n--b\r\n{part}".encode()
+    )
+    reply = asyncio.ensure_future(reader.read())  # until the server closes
+    while not reply.done():
+        writer.write(b"\0")
+        await writer.drain()
+        await asyncio.wait([reply], timeout=0.3)
+    writer.close()
+    return reply.result()
+
+
+async def _normal(client: httpx.AsyncClient, clip: bytes) -> httpx.Response:
+    files = {"file": ("clip.mp4", clip, "video/mp4")}
+    return await client.post("/v1/videos/describe", files=files, data={"max_tokens": "2"})
+
+
+async def _keyless_closes(url: str, opened: asyncio.Event, sockets: list) -> tuple[int, dict]:
+    """A socket that never sends anything: the close code and error the server ends it with."""
+    async with connect(url, proxy=None, open_timeout=30) as socket:
+        sockets.append(socket)
+        if len(sockets) == NUM_KEYLESS:
+            opened.set()
+        error = json.loads(await socket.recv())
+        with pytest.raises(ConnectionClosed):
+            await socket.recv()
+        return socket.close_code, error
+
+
+async def _every_slot_for_keyed_sessions(url: str) -> list[str]:
+    sessions = [
+        await connect(url, proxy=None, additional_headers=AUTH) for _ in range(MAX_SESSIONS)
+    ]
+    try:
+        replies = []
+        for socket in sessions:
+            await socket.send(json.dumps({"type": "start"}))
+            replies.append(json.loads(await socket.recv())["type"])
+        for socket in sessions:
+            await socket.send(json.dumps({"type": "stop"}))
+        return replies
+    finally:
+        for socket in sessions:
+            await socket.close()
+
+
+async def _load(server, clips: list[bytes]) -> dict:
+    host, port = server.url.removeprefix("http://").split(":")
+    ws_url = server.url.replace("http://", "ws://") + "/v1/stream"
+    opened, sockets = asyncio.Event(), []
+    keyless = [
+        asyncio.ensure_future(_keyless_closes(ws_url, opened, sockets)) for _ in range(NUM_KEYLESS)
+    ]
+    slow = [asyncio.ensure_future(_slow_body(host, int(port))) for _ in range(NUM_SLOW)]
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
+        normal = [asyncio.ensure_future(_normal(client, clip)) for clip in clips]
+        await opened.wait()  # every key-less socket is open (and silent) from here on
+        live_before = (await client.get("/health")).json()["live_sessions"]
+        keyed = await _every_slot_for_keyed_sessions(ws_url)
+        results = {
+            "live_before": live_before,
+            "keyed": keyed,
+            "keyless_open": sum(socket.state is State.OPEN for socket in sockets),
+            "normal": await asyncio.gather(*normal),
+            "slow": await asyncio.gather(*slow),
+            "keyless": await asyncio.gather(*keyless),
+        }
+    return results
+
+
+def test_slow_bodies_and_keyless_sockets_beside_normal_clients(tiny_checkpoint, clips, tmp_path):
+    if not (PROC_SELF / "task").is_dir():
+        pytest.skip("counting threads and descriptors needs /proc")
+    config = ServerConfig(api_key=KEY, body_timeout_s=BODY_TIMEOUT_S, max_sessions=MAX_SESSIONS)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    saved_tempdir, tempfile.tempdir = tempfile.tempdir, str(spool)  # where uploads would spool
+    try:
+        with running_server(tiny_checkpoint, config) as server:
+            with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
+                warm = client.post(  # pools and workers start on first use: count after that
+                    "/v1/videos/describe",
+                    files={"file": ("clip.mp4", clips[-1], "video/mp4")},
+                    data={"max_tokens": "2"},
+                )
+                assert warm.status_code == 200, warm.text
+            _no_connections(server)
+            threads, files, spooled = _threads(), _open_files(spool), set(spool.rglob("*"))
+            results = asyncio.run(asyncio.wait_for(_load(server, clips[:-1]), TIMEOUT_S))
+            threads_after = _settle(_threads, threads)
+            files_after = _settle(lambda: _open_files(spool), files)
+            health = httpx.get(f"{server.url}/health").json()
+            pool = settled_pool_state(server)
+    finally:
+        tempfile.tempdir = saved_tempdir
+    assert [r.status_code for r in results["normal"]] == [200] * NUM_NORMAL
+    assert all(r.json()["usage"]["completion_tokens"] == 2 for r in results["normal"])
+    for reply in results["slow"]:
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert json.loads(body)["error"]["code"] == "body_timeout"
+    assert results["live_before"] == 0
+    # every slot went to a keyed session while all the key-less sockets were open
+    assert results["keyed"] == ["started"] * MAX_SESSIONS
+    assert results["keyless_open"] == NUM_KEYLESS
+    assert [code for code, _ in results["keyless"]] == [1008] * NUM_KEYLESS
+    assert {error["code"] for _, error in results["keyless"]} == {"start_timeout"}
+    assert pool == (True, 0)
+    assert (health["live_sessions"], health["requests_waiting"], health["requests_running"]) == (
+        0,
+        0,
+        0,
+    )
+    assert files_after == files and set(spool.rglob("*")) == spooled
+    assert threads_after == threads

@@ -1,0 +1,73 @@
+"""Qwen2-VL / Qwen2.5-VL's media path in the pipeline: frames to tubelet patches to tokens.
+
+A video's frames are resized once (smart resize of the first frame), normalised and cut into
+2-frame tubelets of 14-pixel patches (`preprocess`); an image is a tubelet of one frame. The
+tower encodes every input of a batch in one pass and merges 2x2 patches into one token.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from stillcut.engine.model_config import ModelConfig
+from stillcut.vision.frame_resize import FrameResize
+from stillcut.vision.preprocess import (
+    PreprocessedVideo,
+    VideoPreprocessConfig,
+    preprocess_image,
+    preprocess_video,
+    smart_resize,
+)
+from stillcut.vision.qwen2_vl import Qwen2VLVisionTower
+
+
+class QwenMedia:
+    """Preprocessing and batched encoding for a Qwen2-VL / Qwen2.5-VL checkpoint."""
+
+    def __init__(self, path: Path, model_config: ModelConfig) -> None:
+        self.video_preprocess = VideoPreprocessConfig.from_checkpoint(path, "video")
+        self.image_preprocess = VideoPreprocessConfig.from_checkpoint(path, "image")
+        self.merge_size = model_config.vision.spatial_merge_size
+        config = self.video_preprocess
+        self.frame_resize = FrameResize(
+            lambda h, w: smart_resize(h, w, config.factor, config.min_pixels, config.max_pixels),
+            Image.Resampling.BICUBIC,
+        )
+
+    def token_grid(
+        self, kind: str, num_frames: int, height: int, width: int
+    ) -> tuple[int, int, int]:
+        """The merged token grid (t, h, w) of `num_frames` frames of `height` x `width`
+        ("video" or "image"), worked out from the sizes alone."""
+        config = self.video_preprocess if kind == "video" else self.image_preprocess
+        resized = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+        num_tubelets = -(-num_frames // config.temporal_patch_size)
+        return num_tubelets, resized[0] // config.factor, resized[1] // config.factor
+
+    def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedVideo:
+        """Frames [T, H, W, 3] uint8 sampled at `sample_fps` -> tubelet patches."""
+        return preprocess_video(frames, sample_fps, self.video_preprocess)
+
+    def prepare_image(self, image: np.ndarray) -> PreprocessedVideo:
+        """One image [H, W, 3] uint8 -> the patches of a one-frame tubelet."""
+        return preprocess_image(image, self.image_preprocess)
+
+    def check_video_frame(self, height: int, width: int) -> None:
+        """Raise ValueError when frames of this size cannot be preprocessed as a video."""
+        config = self.video_preprocess
+        smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+
+    def encode(
+        self,
+        tower: Qwen2VLVisionTower,
+        prepared: list[PreprocessedVideo],
+        device: torch.device,
+    ) -> list[torch.Tensor]:
+        """Every input in one tower pass: [tokens, hidden] each."""
+        return tower.encode(
+            [p.patches.to(device) for p in prepared], [p.grid_thw for p in prepared]
+        )
