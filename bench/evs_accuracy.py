@@ -1,12 +1,13 @@
 """EVS accuracy: how much pruning the trained demo's answers survive, per question type.
 
-Renders the held-out scenes of the demo task (seeds never used in training), encodes each clip
-once (the encoder cache serves every EVS setting), and asks each question type's canonical
-prompt with EVS off, rate q = 0.5 / 0.75 / 0.9 and threshold tau at several values. Each answer
-is scored by its keywords (`stillcut.engine.factory.demo.questions.is_correct`); the table
-shows accuracy per type and the fraction of video tokens kept. Then, for the long near-static
-sample clip, it counts the tokens kept for growing lengths: a threshold's cost should grow far
-slower than the clip, a rate's grows with it.
+Renders the held-out scenes of the demo task (seeds never used in training; the clips are kept
+in `bench/out/` for the next run), encodes each clip once (the encoder cache serves every EVS
+setting), and asks each question type's canonical prompt with EVS off, rate q = 0.5 / 0.75 /
+0.9 and threshold tau at several values. Each answer is scored by its keywords
+(`stillcut.engine.factory.demo.questions.is_correct`); the table shows accuracy per type and
+the fraction of video tokens kept. Then, for the long near-static sample clip, it counts the
+tokens kept for growing lengths: a threshold's cost should grow far slower than the clip, a
+rate's grows with it.
 
     python bench/evs_accuracy.py [--model PATH] [--clips 500]
 """
@@ -21,13 +22,18 @@ import torch
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import demo_checkpoint
-from stillcut.engine.factory.demo.clips import held_out_clips
+from stillcut.engine.factory.demo.clips import clip_bytes, held_out_seeds
 from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, is_correct
+from stillcut.engine.factory.demo.scenes import Scene, sample_scene
+from stillcut.engine.factory.demo.train import TASK_VERSION
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.service.api import DEFAULT_KV_CACHE_BYTES, VideoLLM
 from stillcut.vision.decode import DecodeConfig
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+# Rendered clips are kept between runs (rendering 500 takes minutes); a new task version
+# renders afresh.
+CLIP_DIR = Path(__file__).resolve().parent / "out" / f"evs_accuracy_clips_task{TASK_VERSION}"
 RATES = (0.5, 0.75, 0.9)
 TAUS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4)
 CHUNK = 100  # clips asked about together: every question reuses its clip's cached prefix
@@ -39,6 +45,18 @@ ENGINE_CONFIG = EngineConfig(
 MAX_TOKENS = 48
 LONG_CLIP_ENDS_S = (30.0, 60.0, 120.0, 240.0)
 LONG_CLIP_TAU = 0.1
+
+
+def held_out_set(count: int) -> list[tuple[Scene, bytes]]:
+    """The first `count` held-out scenes and their clips, rendered once into `CLIP_DIR`."""
+    CLIP_DIR.mkdir(parents=True, exist_ok=True)
+    clips = []
+    for seed in held_out_seeds(count):
+        scene, path = sample_scene(seed), CLIP_DIR / f"{seed}.mp4"
+        if not path.is_file():
+            path.write_bytes(clip_bytes(scene))
+        clips.append((scene, path.read_bytes()))
+    return clips
 
 
 def settings() -> list[tuple[str, EVSConfig | None]]:
@@ -91,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
-    clips = list(held_out_clips(args.clips))
+    clips = held_out_set(args.clips)
     print(f"{len(clips)} held-out clips rendered in {time.perf_counter() - started:.0f} s")
     llm = VideoLLM(
         args.model or demo_checkpoint(),

@@ -225,7 +225,7 @@ def task_sample_scenes() -> dict[str, Scene]:
 
 def sample_answers(samples_dir: Path) -> dict:
     """What the shipped demo answers about each task sample, beside the true answers."""
-    from stillcut.service.api import DEFAULT_EVS, VideoLLM
+    from stillcut.service.api import VideoLLM
 
     llm = VideoLLM()
     samples = {}
@@ -242,7 +242,7 @@ def sample_answers(samples_dir: Path) -> dict:
                 }
             )
         samples[f"{name}.mp4"] = rows
-    return {"model": llm.name, "evs": DEFAULT_EVS.key(), "samples": samples}
+    return {"model": llm.name, "evs": llm.evs_default.setting, "samples": samples}
 
 
 def write_motion_mask(path: Path, spec: ClipSpec) -> None:

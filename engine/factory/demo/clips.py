@@ -21,7 +21,7 @@ import av
 import numpy as np
 
 from stillcut.engine.factory.demo.render import frames
-from stillcut.engine.factory.demo.scenes import Scene, sample_scene
+from stillcut.engine.factory.demo.scenes import Scene
 
 HELD_OUT_START = 1_000_000  # training scenes take seeds below it, held-out scenes from it on
 NUM_HELD_OUT = 500
@@ -77,10 +77,3 @@ def clip_bytes(scene: Scene) -> bytes:
     buffer = io.BytesIO()
     encode_h264(buffer, frames(scene), scene.fps, crf=scene.crf, x264_params=TASK_X264_PARAMS)
     return buffer.getvalue()
-
-
-def held_out_clips(count: int = NUM_HELD_OUT) -> Iterable[tuple[Scene, bytes]]:
-    """The held-out scenes and their clips, rendered one at a time."""
-    for seed in held_out_seeds(count):
-        scene = sample_scene(seed)
-        yield scene, clip_bytes(scene)
