@@ -1,7 +1,7 @@
 """Train the demo checkpoint from scratch on the synthetic task, on the CPU.
 
     python -m stillcut.engine.factory.demo.train --out DIR [--seed 0] [--vision-steps N]
-        [--steps N] [--clips N] [--threads 1]
+        [--steps N] [--schedule-steps N] [--clips N] [--clips-per-step N] [--threads 2]
 
 The model is a transformers `Qwen2_5_VLForConditionalGeneration` (`architecture`); the vision
 tower runs as stillcut's own `Qwen2_5_VLVisionTower` (the same parameters under the same names,
@@ -84,6 +84,9 @@ class TrainConfig:
     num_clips: int = 1200
     vision_steps: int = 800  # first the tower alone learns what each token shows
     steps: int = 500  # then everything learns the answers
+    # The joint stage's learning-rate schedule spans this many steps (None: `steps`), so a
+    # run stopped early is the same as a full one up to where it stopped.
+    schedule_steps: int | None = None
     clips_per_step: int = 12
     questions_per_clip: int = 3
     learning_rate: float = 3e-3
@@ -98,6 +101,8 @@ class TrainConfig:
         for name in ("num_clips", "steps", "clips_per_step", "threads", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.schedule_steps is not None and self.schedule_steps < self.steps:
+            raise ValueError(f"schedule_steps={self.schedule_steps}: must be >= steps={self.steps}")
         if self.vision_steps < 0:
             raise ValueError(f"vision_steps={self.vision_steps}: must be >= 0")
         if not 1 <= self.questions_per_clip <= len(QUESTION_TYPES):
@@ -146,8 +151,10 @@ class DemoTrainer:
     def train(self, clips: list[TrainingClip]) -> None:
         """Both stages over `clips`: the tower alone, then everything together."""
         rng = np.random.default_rng([self.config.seed, 2])
-        self._stage("vision", self.config.vision_steps, clips, rng, self.vision_step)
-        self._stage("joint", self.config.steps, clips, rng, self.joint_step)
+        self._stage("vision", self.config.vision_steps, None, clips, rng, self.vision_step)
+        self._stage(
+            "joint", self.config.steps, self.config.schedule_steps, clips, rng, self.joint_step
+        )
 
     def vision_step(self, clips: list[TrainingClip], rng: np.random.Generator) -> dict:
         """One step of the tower and the token head on what each token shows."""
@@ -183,10 +190,10 @@ class DemoTrainer:
         self._update(answer_loss + self.config.aux_weight * token_loss)
         return {"answer loss": answer_loss.item(), "token loss": token_loss.item()}
 
-    def _stage(self, name: str, steps: int, clips, rng, step) -> None:
+    def _stage(self, name: str, steps: int, schedule_steps: int | None, clips, rng, step) -> None:
         started, logged = time.perf_counter(), []
         for index in range(steps):
-            scale = _schedule(index, steps, self.config.warmup_steps)
+            scale = _schedule(index, schedule_steps or steps, self.config.warmup_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.config.learning_rate * scale
             batch = rng.choice(len(clips), self.config.clips_per_step, replace=False)
@@ -331,7 +338,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="a new or empty folder")
     defaults = TrainConfig()
-    for name in ("seed", "vision_steps", "steps", "num_clips", "clips_per_step", "threads"):
+    names = ("seed", "vision_steps", "steps", "schedule_steps", "num_clips", "clips_per_step")
+    for name in (*names, "threads"):
         flag = "--clips" if name == "num_clips" else f"--{name.replace('_', '-')}"
         parser.add_argument(flag, dest=name, type=int, default=getattr(defaults, name))
     args = parser.parse_args()
