@@ -39,9 +39,12 @@ def check_request_size(
     block_size: int,
     held_share: float,
     hold: bool,
+    num_earlier_visual_tokens: int = 0,
 ) -> None:
     """Raise if a prompt (with `max_tokens` still to generate; 0 for a held prefix) can never
-    be served by this engine.
+    be served by this engine. `items` are the new ones (all of a new request; an append's own),
+    after `num_earlier_visual_tokens` the request already holds; `hold`: a live request,
+    which pins its blocks.
 
     Held prefixes together may pin `held_share` of the pool; an ordinary request must fit in
     the rest, or it could preempt itself forever while sessions hold their share.
@@ -62,7 +65,7 @@ def check_request_size(
             f"{'a held prefix' if hold else 'a request'} may use at most {max_blocks} "
             f"(num_blocks={num_blocks}, held_share={held_share})"
         )
-    num_visual = sum(item.num_tokens for item in items)
+    num_visual = num_earlier_visual_tokens + sum(item.num_tokens for item in items)
     if num_visual > config.max_visual_tokens_per_request:
         raise TooManyVisualTokens(
             f"the request's {num_visual} visual tokens exceed "

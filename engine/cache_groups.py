@@ -104,12 +104,16 @@ def num_blocks_for_budget(
     block_size: int,
     dtype_bytes: int,
     num_state_slots: int = 0,
+    state_dtype_bytes: int | None = None,
 ) -> int:
     """How many KV blocks fit in `budget_bytes` once `num_state_slots` recurrent states (one per
-    request that can run at once) have taken their share."""
+    request that can run at once; `state_dtype_bytes` per value, by default the K/V's
+    `dtype_bytes`) have taken their share."""
     if block_size < 1 or dtype_bytes < 1:
         raise ValueError(f"block_size={block_size} and dtype_bytes={dtype_bytes} must be >= 1")
-    state_bytes = num_state_slots * state_bytes_per_request(groups, dtype_bytes)
+    state_bytes = num_state_slots * state_bytes_per_request(
+        groups, state_dtype_bytes or dtype_bytes
+    )
     block_bytes = kv_bytes_per_block(groups, block_size, dtype_bytes)
     num_blocks = max(budget_bytes - state_bytes, 0) // block_bytes
     if num_blocks < 1:

@@ -52,7 +52,8 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one scheduler step and of one request.
+    """Limits of one scheduler step and of one request. `max_num_held_seqs` live requests
+    (held prefixes, streaming requests) may exist besides the `max_num_seqs` running ones.
 
     Without chunked prefill a whole prompt must fit one step, so `max_num_batched_tokens` must
     then cover `max_model_len` (a preempted request recomputes its prompt and its output).
@@ -60,6 +61,7 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    max_num_held_seqs: int = 16
     max_model_len: int = 32768
     max_visual_tokens_per_request: int = 16384
     enable_chunked_prefill: bool = True
@@ -68,6 +70,8 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_num_held_seqs < 0:
+            raise ValueError(f"max_num_held_seqs={self.max_num_held_seqs} must be >= 0")
         if self.max_visual_tokens_per_request < 0:
             raise ValueError(
                 f"max_visual_tokens_per_request={self.max_visual_tokens_per_request} must be >= 0"
@@ -79,18 +83,55 @@ class SchedulerConfig:
             )
 
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "int8")
+QUANTIZATION_SKIPS = ("lm_head",)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an `LLMEngine` needs besides the checkpoint."""
+    """Everything an `LLMEngine` needs besides the checkpoint.
 
-    dtype: str = "float32"
+    `dtype` is the format weights are stored in ("auto": the checkpoint's own); on CPU
+    activations and sums are float32 whatever it is (products widen the stored weights), on
+    CUDA it is also the compute dtype. `quantization="int8"` stores every matrix as int8 with a
+    scale per output channel (`engine.quantization`); `quantization_skip=("lm_head",)` keeps
+    the LM head (a tied embedding with it) in `dtype`. `kv_cache_dtype` is the K/V pool's
+    dtype ("auto": float32 on CPU, the model's dtype on CUDA); bfloat16 halves its bytes per
+    block.
+    """
+
+    dtype: str = "auto"
     device: str = "cpu"
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+    quantization: str | None = None
+    quantization_skip: tuple[str, ...] = ()
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} must be one of {QUANTIZATIONS}")
+        unknown = [name for name in self.quantization_skip if name not in QUANTIZATION_SKIPS]
+        if unknown:
+            raise ValueError(
+                f"quantization_skip={self.quantization_skip!r}: {unknown} unknown; allowed "
+                f"{QUANTIZATION_SKIPS}"
+            )
+        if self.quantization_skip and self.quantization is None:
+            raise ValueError(
+                f"quantization_skip={self.quantization_skip!r} needs a quantization; "
+                f"allowed: {QUANTIZATIONS[1:]}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}"
+            )
+        if self.quantization is not None and not self.device.startswith("cpu"):
+            raise ValueError(
+                f"quantization={self.quantization!r} runs on CPU only (device={self.device!r}); "
+                "on CUDA use dtype='bfloat16' or 'float16' without quantization"
+            )

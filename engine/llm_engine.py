@@ -5,11 +5,16 @@ runner computes them and samples, the scheduler applies the results, and the eng
 tokens into text (incremental detokenizer, stop strings) and per-request metrics. Prompts
 arrive as token ids with their multimodal items already encoded (see `PromptProcessor` and
 the vision pipeline): the engine never imports the vision side.
+
+Live requests take input while they live (`append_input`): a held prefix (`hold=True`) grows by
+prefill only; a `streaming` request generates in segments, and each stop (EOS, a stop token,
+`max_tokens`) ends a segment (`RequestOutput.segment_end`) and waits for the next input.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -27,6 +32,7 @@ from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.outputs import RequestMetrics, RequestOutput, Snapshot
 from stillcut.engine.processor import Prompt, PromptProcessor
+from stillcut.engine.quantization import WeightFormat, stored_bytes
 from stillcut.engine.request import (
     PlaceholderRange,
     Request,
@@ -38,7 +44,26 @@ from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """What the engine holds: the weights' stored format and bytes (the language model's; int8
+    scales included), the K/V pool's dtype, bytes and blocks."""
+
+    weight_format: str
+    weight_bytes: int
+    kv_cache_dtype: str
+    kv_cache_bytes: int
+    kv_blocks: int
+
+    def __str__(self) -> str:
+        return (
+            f"language model weights: {self.weight_format}, {self.weight_bytes / 2**20:.1f} MiB; "
+            f"KV pool: {self.kv_cache_dtype}, {self.kv_blocks} blocks, "
+            f"{self.kv_cache_bytes / 2**20:.1f} MiB"
+        )
 
 
 @dataclass
@@ -47,6 +72,7 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     logprobs: list = field(default_factory=list)
+    counting_append: bool = False  # its appended input is being prefilled
 
 
 class LLMEngine:
@@ -57,11 +83,15 @@ class LLMEngine:
         self.config = config
         self.model_config = load_model_config(self.path)
         self.processor = PromptProcessor.from_checkpoint(self.path)
-        dtype = _DTYPES[config.dtype]
         family = self.model_config.family
         self.cache_groups = self.model_config.cache_groups
         model_class = family.language_model_class()
-        self.model = model_class.from_checkpoint(self.path, dtype=dtype, device=config.device)
+        self.weight_format = WeightFormat.for_engine(
+            config.dtype, config.quantization, config.quantization_skip, config.device
+        ).resolved(self.path)
+        self.model = model_class.from_checkpoint(
+            self.path, self.weight_format, device=config.device
+        )
         if self.model.num_position_rows != family.num_position_rows:
             raise CheckpointError(
                 f"family {family.model_type!r} declares {family.positions!r} positions, but "
@@ -70,7 +100,9 @@ class LLMEngine:
         _check_item_budget(self.model.bidirectional_item_tokens, config.scheduler)
         self.block_size = config.cache.block_size
         num_rows = max_num_live_requests(config.scheduler)
-        num_blocks = self._num_blocks(dtype, num_rows)
+        kv_dtype = self.weight_format.kv_cache_dtype(config.kv_cache_dtype)
+        state_dtype = self.weight_format.compute_dtype  # recurrent states: what layers compute in
+        num_blocks = self._num_blocks(kv_dtype, state_dtype, num_rows)
         # Until hybrid prefix caching saves recurrent states at block boundaries, cached K/V of
         # a prefix comes without the Mamba2 state after it: such a model never takes a
         # prefix-cache hit and holds no prefixes (held requests resume from their K/V).
@@ -88,8 +120,17 @@ class LLMEngine:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=config.scheduler.max_model_len,
             device=config.device,
-            kv_dtype=dtype,
+            kv_dtype=kv_dtype,
+            state_dtype=state_dtype,
         )
+        self.memory = EngineMemory(
+            self.weight_format.describe(),
+            stored_bytes(self.model),
+            str(kv_dtype).removeprefix("torch."),
+            sum(cache.numel() * cache.element_size() for cache in self.runner.kv_caches),
+            num_blocks,
+        )
+        log.info("%s", self.memory)
         self.eos_token_ids = self.processor.special.eos_token_ids
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -104,21 +145,28 @@ class LLMEngine:
         request_id: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         hold: bool = False,
+        streaming: bool = False,
         cache_salt: str | None = None,
     ) -> str:
         """Queue a request (admission errors raise here); returns its id.
 
         `prompt` is a `Prompt` from the processor, or token ids whose placeholder runs match
-        `mm_items` in order. `hold=True` makes a prefill-only held prefix (see `extend_held`).
+        `mm_items` in order. `hold=True` makes a prefill-only held prefix, `streaming=True` a
+        request generating in segments; both take more input (see `append_input`).
         """
-        if hold and self.has_recurrent_state:
+        if (hold or streaming) and self.has_recurrent_state:
             raise ValueError(
-                "held prefixes are not supported for models with recurrent layers yet: their "
-                "state after the prefix is not kept"
+                "held prefixes are not supported for models with recurrent layers yet, nor "
+                "streaming requests: their state after the prefix is not kept"
+            )
+        params = sampling_params or SamplingParams()
+        if streaming and params.stop:
+            raise ValueError(
+                f"stop={params.stop!r}: a streaming request ends its segments at stop tokens "
+                "(stop_token_ids), not at stop strings"
             )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids, items, positions = self._placed(prompt, mm_items)
-        params = sampling_params or SamplingParams()
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -128,6 +176,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids,
             hold=hold,
+            streaming=streaming,
         )
         self.scheduler.add_request(request)
         detokenizer = IncrementalDetokenizer(
@@ -143,14 +192,21 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(request, detokenizer, metrics)
         return request_id
 
-    def extend_held(
+    def append_input(
         self, request_id: str, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem] = ()
     ) -> None:
-        """Append tokens (and the items they hold) to a held prefix; only they are prefilled."""
+        """Append tokens (and the items they hold) to a live request: a held prefix, or a
+        streaming request waiting for input or generating (its output so far is kept and the
+        new input follows it). Only the new tokens are prefilled; O(new tokens)."""
         ids, items, positions = self._placed(list(token_ids), mm_items)
-        self.scheduler.extend_held(request_id, ids, items, positions)
+        self.scheduler.append_input(request_id, ids, items, positions)
         tracked = self._tracked[request_id]
-        tracked.metrics.num_prompt_tokens += len(ids)
+        request, metrics = tracked.request, tracked.metrics
+        metrics.num_prompt_tokens += len(ids)
+        metrics.append_prefill_tokens.append(0)
+        tracked.counting_append = True
+        context = request.token_ids_between(max(request.num_tokens - 8, 0), request.num_tokens)
+        tracked.detokenizer = IncrementalDetokenizer(self.processor.tokenizer, context)
 
     def release_held(self, request_id: str) -> None:
         """Free a held prefix; requests started from it keep the blocks they share."""
@@ -176,6 +232,10 @@ class LLMEngine:
             if tracked is not None and tracked.metrics.first_scheduled_time is None:
                 tracked.metrics.first_scheduled_time = now
                 tracked.metrics.num_cached_tokens = tracked.request.num_cached_tokens
+        for request_id, num_tokens in scheduled.num_scheduled_tokens.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is not None and tracked.counting_append:
+                tracked.metrics.append_prefill_tokens[-1] += num_tokens
         result = self.runner.execute(scheduled)
         updates = self.scheduler.update_from_output(scheduled, result.sampled)
         now = time.monotonic()
@@ -184,6 +244,7 @@ class LLMEngine:
             tracked = self._tracked.get(update.request_id)
             if tracked is None:
                 continue
+            tracked.counting_append = False  # its input is computed: it sampled or is held
             if update.request_id in result.logprobs:
                 tracked.logprobs.append(result.logprobs[update.request_id])
             outputs.append(self._postprocess(tracked, update, now))
@@ -212,12 +273,13 @@ class LLMEngine:
             metrics.first_token_time = now
         metrics.num_generated_tokens = len(request.output_token_ids)
         delta = tracked.detokenizer.push(new_token_ids)
-        finish_reason, stop_reason = _finish_reason(update.status), update.stop_reason
+        finish_reason = None if update.segment_end else _finish_reason(update.status)
+        stop_reason = update.stop_reason
         if tracked.detokenizer.finished and finish_reason not in ("stop", "held"):
             # a stop string completed: end the request here, whatever the tokens said
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             finish_reason, stop_reason = "stop", tracked.detokenizer.stop_reason
-        elif finish_reason in ("stop", "length", "abort"):
+        elif finish_reason in ("stop", "length", "abort") or update.segment_end is not None:
             delta += tracked.detokenizer.flush()
         finished = finish_reason is not None
         if finished:
@@ -235,6 +297,7 @@ class LLMEngine:
             stop_reason=stop_reason,
             metrics=metrics,
             logprobs=Snapshot(tracked.logprobs),
+            segment_end=update.segment_end,
         )
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -249,7 +312,7 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
 
-    def _num_blocks(self, dtype: torch.dtype, num_rows: int) -> int:
+    def _num_blocks(self, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_rows: int) -> int:
         """KV blocks for the budget, after one recurrent state per runner row (if any)."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_blocks is not None:
@@ -261,7 +324,8 @@ class LLMEngine:
             budget,
             self.cache_groups,
             block_size=self.block_size,
-            dtype_bytes=torch.finfo(dtype).bits // 8,
+            dtype_bytes=kv_dtype.itemsize,
+            state_dtype_bytes=state_dtype.itemsize,
             num_state_slots=num_rows,
         )
         return min(fitting, needed)

@@ -8,12 +8,16 @@ that turns pixels into language-model embeddings), `language_model.*`, `lm_head.
 read through safetensors' memory map one shard at a time, converted to the target dtype once,
 and assigned to the module in place of its parameters, so a multi-GB checkpoint is never held
 twice (build the module on the meta device to skip allocating and initialising it at all).
+With `formats` (see `quantization.plan_formats`), each tensor becomes its planned stored format
+on the way in, a block of rows at a time for large ones (a 152k-row embedding never exists in
+float32), and int8 tensors bring their scales as `<name>_scale` parameters beside them.
 
 This module imports neither PyAV nor FastAPI: the engine and the GPU machine use it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -28,6 +32,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
+from stillcut.engine.quantization import Conversion, quantize_int8, row_blocks
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +44,7 @@ __all__ = [
     "load_model_config",
     "load_weights",
     "resolve_checkpoint",
+    "stored_floating_dtype",
 ]
 
 HUB_ETAG_TIMEOUT_S = 5.0
@@ -137,10 +143,12 @@ def load_weights(
     dtype: torch.dtype | None = torch.float32,
     device: torch.device | str = "cpu",
     unused: Collection[str] = (),
+    formats: Mapping[str, Conversion] | None = None,
 ) -> None:
     """Load every checkpoint tensor named `prefix + <module state name>` into `module`, strictly.
 
-    Floating tensors are converted to `dtype` (None keeps the stored dtype) and replace the
+    Floating tensors are converted to `dtype` (None keeps the stored dtype), or to their entry
+    of `formats` (state name -> `Conversion`, every state name planned), and replace the
     module's parameters and buffers, so a module built on the meta device loads too. Parameters
     shared under several names (tied embeddings) need only one of the names in the checkpoint.
     Tensors under `prefix` + one of `unused` are stored parts the model never reads (as
@@ -172,10 +180,95 @@ def load_weights(
     for file, loads in plan.items():
         with _open_safetensors(file, device) as handle:
             for names, stored_name in loads:
-                tensor = _read(handle.get_tensor, file, stored_name)
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
+                conversion = formats[names[0]] if formats is not None else None
+                tensor, scale = _converted(handle, file, stored_name, conversion, dtype, device)
                 _assign(module, names, tensor, isinstance(targets[names[0]], nn.Parameter))
+                if scale is not None:
+                    _assign(module, [f"{name}_scale" for name in names], scale, True)
+
+
+def _converted(
+    handle,
+    file: Path,
+    name: str,
+    conversion: Conversion | None,
+    dtype: torch.dtype | None,
+    device: torch.device | str,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tensor `name` of `file` as it is to be stored, and its int8 scales (else None)."""
+    whole = functools.partial(_read, handle.get_tensor, file, name)
+    if conversion is None:
+        tensor = whole()
+        return (
+            tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        ), None
+    sliced = _read(handle.get_slice, file, name)
+    stored = _SAFETENSORS_DTYPES.get(sliced.get_dtype())
+    if stored is None or not stored.is_floating_point:
+        return whole(), None
+    shape = sliced.get_shape()
+    quantized = conversion.dtype == torch.int8
+    if conversion.through is not None:  # a vector or small table: rounded, then widened
+        return whole().to(conversion.through).to(conversion.dtype), None
+    if len(shape) < 2 or (quantized and conversion.axis != 0):
+        tensor, scales = quantize_int8(whole(), conversion.axis) if quantized else (whole(), None)
+        tensor = tensor.to(conversion.dtype)
+        return (tensor.T.contiguous().T if conversion.transposed else tensor), scales
+    if stored == conversion.dtype and not conversion.transposed:
+        return whole(), None
+    return _by_rows(sliced, file, name, shape, conversion, device)
+
+
+def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conversion, device):
+    """A matrix converted (quantized along its rows, transposed in memory) a block of rows at a
+    time: only the result and one block ever exist."""
+    quantized = conversion.dtype == torch.int8
+    layout = [shape[1], shape[0], *shape[2:]] if conversion.transposed else shape
+    converted = torch.empty(layout, dtype=conversion.dtype, device=device)
+    scales = torch.empty(shape[0], dtype=torch.float32) if quantized else None
+    for rows in row_blocks(shape[0], _elements(shape[1:])):
+        try:
+            block = sliced[rows]
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"cannot read tensor {name!r} from {file}: {error}") from error
+        if quantized:
+            block, scales[rows] = quantize_int8(block, 0)
+        if conversion.transposed:
+            converted[:, rows] = block.T
+        else:
+            converted[rows] = block
+    return (converted.T if conversion.transposed else converted), scales
+
+
+def _elements(shape: list[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def stored_floating_dtype(path: str | PathLike[str]) -> torch.dtype:
+    """The dtype of a checkpoint's first floating tensor (its headers only)."""
+    for file, name in checkpoint_tensors(path).values():
+        with _open_safetensors(file) as handle:
+            dtype = _SAFETENSORS_DTYPES.get(_read(handle.get_slice, file, name).get_dtype())
+        if dtype is not None and dtype.is_floating_point:
+            return dtype
+    raise CheckpointError(f"{path} holds no floating tensor")
 
 
 def _plan_loads(

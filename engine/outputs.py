@@ -76,6 +76,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
+    # per append to a live request: tokens computed before its next output (its input, plus
+    # a sampled token not yet computed)
+    append_prefill_tokens: list[int] = field(default_factory=list)
 
     @property
     def queue_time(self) -> float | None:
@@ -107,6 +110,8 @@ class RequestOutput:
     metrics: RequestMetrics
     # per token: (top ids, their logprobs, the sampled token's logprob)
     logprobs: Sequence[tuple[list[int], list[float], float]] = field(default_factory=list)
+    # a streaming request's segment ended here ("stop" or "length"); it waits for input
+    segment_end: str | None = None
 
     @functools.cached_property
     def text(self) -> str:

@@ -6,12 +6,16 @@ their own (t, h, w), read from the kept coordinates, so a kept token has the pos
 have had without pruning. Where positions resume after an item depends only on the item's dense
 grid, never on what was kept, so the text and decode positions of a pruned prompt equal those of
 the unpruned one. Work is vectorized per item: a 16k-token video costs a few tensor ops.
+
+Positions are a fold over the sequence: `extend_mrope` places tokens appended after an
+`MRopeCursor` and returns the cursor after them, so a streaming request's appended input costs
+O(its tokens), and a video tubelet appended right after the previous one joins its logical video.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple, get_args
 
 import torch
@@ -78,6 +82,47 @@ def dense_coords(t: int, h: int, w: int) -> torch.Tensor:
     return torch.stack(grid, dim=-1).reshape(-1, 3)  # [t*h*w, 3]
 
 
+@dataclass(frozen=True)
+class LinearCursor:
+    """Where 1-D positions stand after a sequence: a sequence appended after it has its own
+    positions shifted by `next_position` (Gemma 3's, NemotronH's)."""
+
+    next_position: int = 0
+
+    def after_decoded(self, num_tokens: int) -> LinearCursor:
+        """The cursor after `num_tokens` generated tokens."""
+        return LinearCursor(self.next_position + num_tokens)
+
+
+@dataclass(frozen=True)
+class _OpenVideo:
+    """The logical video a sequence ends with: a video item appended right after joins it."""
+
+    start: int  # position its coordinates count from
+    grid_t: int  # tubelets of its dense grid so far
+    first: MultiModalItem  # its first member: frame size, frame rate
+
+
+@dataclass(frozen=True)
+class MRopeCursor:
+    """Where M-RoPE positions stand after a sequence: the next text token's position, one past
+    the largest position so far, and the video the sequence ends with (None after text)."""
+
+    next_text: int = 0
+    end: int = 0
+    open_video: _OpenVideo | None = None
+
+    @property
+    def next_position(self) -> int:
+        """Where a generated token goes: after every position so far (transformers' deltas)."""
+        return max(self.end, self.next_text)
+
+    def after_decoded(self, num_tokens: int) -> MRopeCursor:
+        """The cursor after `num_tokens` generated tokens at `next_position` onwards."""
+        end = self.next_position + num_tokens
+        return MRopeCursor(end, end)
+
+
 def mrope_positions(
     token_ids: Sequence[int] | torch.Tensor,
     items: Sequence[MultiModalItem],
@@ -92,6 +137,21 @@ def mrope_positions(
     one start, their coordinates count tubelets from that start, and the logical video's dense
     grid is the largest of theirs.
     """
+    positions, cursor = extend_mrope(MRopeCursor(), token_ids, items, spec, placements)
+    return MRopePositions(positions, cursor.next_position)
+
+
+def extend_mrope(
+    cursor: MRopeCursor,
+    token_ids: Sequence[int] | torch.Tensor,
+    items: Sequence[MultiModalItem],
+    spec: MRopeSpec,
+    placements: Sequence[tuple[int, int]] | None = None,
+) -> tuple[torch.Tensor, MRopeCursor]:
+    """Positions [3, len(token_ids)] of tokens that follow `cursor`, and the cursor after them.
+
+    As `mrope_positions`, placements relative to `token_ids`; a video item at offset 0 joins
+    the cursor's open video."""
     ids = torch.as_tensor(token_ids, dtype=torch.long, device="cpu")  # [num_tokens]
     if ids.dim() != 1:
         raise ValueError(f"token_ids must be one-dimensional, got shape {tuple(ids.shape)}")
@@ -100,16 +160,12 @@ def mrope_positions(
     groups = _logical_items(ids, items, placements, spec)
 
     positions = torch.empty(3, ids.numel(), dtype=torch.long)  # [3, num_tokens]
-    cursor = 0  # index of the first token not yet placed
-    next_pos = 0  # position the next text token gets
-    end = 0  # one past the largest position so far
+    text_from = 0  # index of the first token not yet placed
     for group_start, group_end, members in groups:
-        next_pos = _place_text(positions, cursor, group_start, next_pos)
-        next_pos, group_extent = _place_group(positions, members, next_pos, spec)
-        end = max(end, group_extent)
-        cursor = group_end
-    next_pos = _place_text(positions, cursor, ids.numel(), next_pos)
-    return MRopePositions(positions, max(end, next_pos))
+        cursor = _place_text(positions, text_from, group_start, cursor)
+        cursor = _place_group(positions, members, cursor, spec)
+        text_from = group_end
+    return positions, _place_text(positions, text_from, ids.numel(), cursor)
 
 
 def _placeholder_runs(ids: torch.Tensor, spec: MRopeSpec) -> list[tuple[int, int, int]]:
@@ -184,27 +240,29 @@ def _logical_items(
     return groups
 
 
-def _place_text(positions: torch.Tensor, begin: int, stop: int, next_pos: int) -> int:
-    """Write consecutive positions for tokens [begin, stop); return the next text position."""
-    num_text = stop - begin
-    positions[:, begin:stop] = torch.arange(next_pos, next_pos + num_text)  # [3, num_text]
-    return next_pos + num_text
+def _place_text(positions: torch.Tensor, begin: int, stop: int, cursor: MRopeCursor) -> MRopeCursor:
+    """Write consecutive positions for tokens [begin, stop); return the cursor after them."""
+    if stop == begin:
+        return cursor
+    next_text = cursor.next_text + stop - begin
+    positions[:, begin:stop] = torch.arange(cursor.next_text, next_text)  # [3, num_text]
+    return MRopeCursor(next_text, max(cursor.end, next_text))
 
 
 def _place_group(
     positions: torch.Tensor,
     members: list[tuple[int, MultiModalItem]],
-    start: int,
+    cursor: MRopeCursor,
     spec: MRopeSpec,
-) -> tuple[int, int]:
-    """Write the positions of one logical item from its members' kept coordinates.
-
-    Returns the next text position and one past the dense grid's largest position.
-    """
-    first = members[0][1]
-    grid_t = max(item.llm_grid[0] for _, item in members)
+) -> MRopeCursor:
+    """Write the positions of one logical item from its members' kept coordinates; a video
+    at offset 0 continues the cursor's open video. Returns the cursor after it."""
+    video = cursor.open_video
+    if video is None or members[0][0] != 0 or members[0][1].kind != "video":
+        video = _OpenVideo(cursor.next_text, 0, members[0][1])
+    first = video.first
     grid_h, grid_w = first.llm_grid[1:]
-    temporal = _temporal_positions(first, grid_t, spec)  # [grid_t]
+    grid_t = max(video.grid_t, *(item.llm_grid[0] for _, item in members))
     for offset, item in members:
         assert item.llm_grid[1:] == (grid_h, grid_w), "one logical video has one frame size"
         assert item.second_per_grid_ts == first.second_per_grid_ts, "and one frame rate"
@@ -212,14 +270,18 @@ def _place_group(
         assert bool((kept >= 0).all()) and bool((kept < kept.new_tensor(item.llm_grid)).all()), (
             f"coords outside the post-merge grid {item.llm_grid}"
         )
+        temporal = _temporal_positions(first, item.llm_grid[0], spec)  # [item grid_t]
         relative = kept.T.clone()  # [3, num_kept]
         relative[0] = temporal[kept[:, 0]]
-        positions[:, offset : offset + item.num_tokens] = relative + start
-    # temporal is non-decreasing, so its last entry is the dense grid's temporal maximum
-    dense_extent = max(int(temporal[-1]) + 1, grid_h, grid_w)
-    if spec.text_after_vision == "grid_max":
-        return start + dense_extent, start + dense_extent
-    return start + max(grid_h, grid_w), start + dense_extent
+        positions[:, offset : offset + item.num_tokens] = relative + video.start
+    # temporal positions do not decrease, so the last is the dense grid's temporal maximum
+    last_temporal = int(_temporal_positions(first, grid_t, spec)[-1])
+    dense_end = video.start + max(last_temporal + 1, grid_h, grid_w)
+    next_text = (
+        dense_end if spec.text_after_vision == "grid_max" else video.start + max(grid_h, grid_w)
+    )
+    open_video = replace(video, grid_t=grid_t) if first.kind == "video" else None
+    return MRopeCursor(next_text, max(cursor.end, dense_end), open_video)
 
 
 def _temporal_positions(item: MultiModalItem, grid_t: int, spec: MRopeSpec) -> torch.Tensor:

@@ -7,12 +7,17 @@ tokenized, and each placeholder is then expanded into `item.num_tokens` copies. 
 without a video token writes each video as its frames, one image item per grid step. Live
 sessions (families that serve them) split a one-video prompt in two: `vision_prefix`
 (everything up to and including the video's placeholders, held and extended tubelet by
-tubelet) and `ask_suffix` (from the vision end marker to the assistant header).
+tubelet) and `ask_suffix` (from the vision end marker to the assistant header). A narration
+(families with a `narration_timestamp`) is one user turn with the instruction and an open
+assistant turn, then per tubelet its timestamp text and the tubelet as its own video
+(`narration_input`), each followed by what the model says about it.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
@@ -30,6 +35,7 @@ from stillcut.engine.prompt_formats import MarkerTexts, videos_as_frames
 from stillcut.engine.request import PlaceholderRange
 
 ROLES = ("system", "user", "assistant")
+_MAX_SEGMENT_END_LISTS = 8
 PART_TYPES = ("text", "video", "image")
 Message = Mapping[str, Any]
 _VISION_TOKEN_FIELDS = (
@@ -111,6 +117,8 @@ class PromptProcessor:
         reserved = (begin, placeholder, end, video)
         self._reserved_text = tuple(dict.fromkeys(t for t in reserved if t is not None))
         self._markers = None if placeholder is None else MarkerTexts(placeholder, begin, end, video)
+        self._segment_ends: OrderedDict[tuple[str, ...], frozenset[int]] = OrderedDict()
+        self._segment_ends_lock = threading.Lock()  # sessions ask from worker threads
         self._video_prefix_ids: list[int] = []
         if family.live_sessions:
             self._video_prefix_ids, _ = self._split_at_video_pad("")
@@ -191,6 +199,43 @@ class PromptProcessor:
         the question, the end of the user turn and the assistant header."""
         self._require_live_sessions()
         return self._split_at_video_pad(question)[1]
+
+    def narration_prompt(self, instruction: str, item: MultiModalItem, timestamp: float) -> Prompt:
+        """A narration's start: `instruction` as the user turn, the assistant turn opened, and
+        its first tubelet (see `narration_input`)."""
+        head = self.build_text(instruction)
+        tubelet = self.narration_input(item, timestamp)
+        offset = len(head.token_ids) + tubelet.index(self.special.video_token_id)
+        return Prompt(head.token_ids + tubelet, [item], [PlaceholderRange(offset, item.num_tokens)])
+
+    def narration_input(self, item: MultiModalItem, timestamp: float) -> list[int]:
+        """What a narration appends for one tubelet: its timestamp as the family writes it,
+        then the tubelet as its own video, `item.num_tokens` placeholders between the vision
+        markers (at least one: a tubelet EVS emptied is skipped by the caller)."""
+        form = self.family.narration_timestamp
+        if form is None:
+            raise PromptError(f"{self.family.model_type!r} checkpoints do not narrate")
+        if item.kind != "video" or item.num_tokens < 1:
+            raise PromptError("a narrated tubelet must be a video item with at least one token")
+        special = self.special
+        pads = [special.video_token_id] * item.num_tokens
+        text = self.encode(form.format(t=timestamp))
+        return [*text, special.vision_start_token_id, *pads, special.vision_end_token_id]
+
+    def segment_end_token_ids(self, strings: Sequence[str]) -> frozenset[int]:
+        """Ids of the tokens whose text holds any of `strings` (narration segment ends). The
+        vocabulary is decoded once per distinct list; the last few lists are kept."""
+        key = tuple(strings)
+        with self._segment_ends_lock:
+            if key not in self._segment_ends:
+                vocab_size = self.tokenizer.get_vocab_size()
+                texts = self.tokenizer.decode_batch([[i] for i in range(vocab_size)])
+                ends = frozenset(i for i, text in enumerate(texts) if any(s in text for s in key))
+                self._segment_ends[key] = ends
+                while len(self._segment_ends) > _MAX_SEGMENT_END_LISTS:
+                    self._segment_ends.popitem(last=False)
+            self._segment_ends.move_to_end(key)
+            return self._segment_ends[key]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special token strings in it become special tokens."""

@@ -5,11 +5,15 @@ to sample, and a little mutable state the scheduler advances: status, output tok
 tokens already have KV (`num_computed_tokens`) and the KV blocks that hold them. Output tokens
 count as prompt when a preempted request is recomputed, so `all_token_ids` is what gets
 prefilled. A `hold` request is prefill-only: its KV is kept afterwards (status HELD) so that a
-live session can extend it and fork questions from it.
+live session can extend it and fork questions from it. A `streaming` request generates in
+segments: a stop (EOS, a stop token, `max_tokens`) ends the segment, not the request, which then
+waits for input (status HELD, EOS not kept). Input appended to a live request (either kind)
+turns its output so far into prompt, so `max_tokens` counts per segment.
 """
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import time
@@ -86,7 +90,7 @@ def _check_range(
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is in its life. HELD: a prefill-only request keeping its KV."""
+    """Where a request is in its life. HELD: a live request keeping its KV, waiting for input."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -158,11 +162,13 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()  # the checkpoint's; each stops unless ignore_eos
     arrival_time: float = field(default_factory=time.monotonic)
     hold: bool = False
+    streaming: bool = False
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at first schedule
     block_ids: list[int] = field(default_factory=list, init=False)
+    _num_visual_tokens: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # plain ints: prefix-cache hashes serialize them, and numpy ints serialize differently
@@ -175,6 +181,14 @@ class Request:
         if min(self.prompt_token_ids) < 0:
             raise ValueError(f"request {self.request_id!r}: token ids must be >= 0")
         _check_placements(self.mm_items, self.mm_positions, 0, len(self.prompt_token_ids))
+        self._num_visual_tokens = sum(item.num_tokens for item in self.mm_items)
+        if self.hold and self.streaming:
+            raise ValueError(f"request {self.request_id!r}: hold and streaming exclude each other")
+
+    @property
+    def is_live(self) -> bool:
+        """Whether the request takes appended input: a held prefix or a streaming request."""
+        return self.hold or self.streaming
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -199,25 +213,29 @@ class Request:
 
     @property
     def num_visual_tokens(self) -> int:
-        return sum(item.num_tokens for item in self.mm_items)
+        return self._num_visual_tokens
 
-    def extend_prompt(
+    def append_input(
         self,
         token_ids: Sequence[int],
         items: Sequence[MultiModalItem] = (),
         positions: Sequence[PlaceholderRange] = (),
-    ) -> None:
-        """Append prompt tokens and the items placed in them (offsets relative to `token_ids`).
-        Checks everything before changing anything."""
-        assert not self.output_token_ids, "only a prefill-only (held) request is extended"
+    ) -> int:
+        """Append input after the tokens so far (item offsets relative to `token_ids`); the
+        output so far becomes prompt. Returns the index of the first appended token. Checks
+        everything before changing anything; costs O(appended + output) tokens."""
         if not token_ids:
-            raise ValueError(f"request {self.request_id!r}: the extension has no tokens")
-        start = len(self.prompt_token_ids)
+            raise ValueError(f"request {self.request_id!r}: the appended input has no tokens")
+        start = self.num_tokens
         shifted = [PlaceholderRange(p[0] + start, p[1]) for p in positions]
         _check_placements(list(items), shifted, start, start + len(token_ids))
+        self.prompt_token_ids.extend(self.output_token_ids)
+        self.output_token_ids = []  # a new list: snapshots of the old one stay valid
         self.prompt_token_ids.extend(int(t) for t in token_ids)
         self.mm_items.extend(items)
         self.mm_positions.extend(shifted)
+        self._num_visual_tokens += sum(item.num_tokens for item in items)
+        return start
 
     def chunk_end_at_or_before(self, position: int) -> int:
         """The largest chunk end <= `position` that does not split a bidirectional item.
@@ -225,8 +243,11 @@ class Request:
         Tokens of such an item attend to each other both ways, so they must be computed in one
         forward pass: an end inside one moves back to the item's start.
         """
-        for item, place in zip(self.mm_items, self.mm_positions, strict=True):
-            if item.bidirectional and place.offset < position < place.end:
+        # placements are sorted and disjoint: only the first ending after `position` can hold it
+        index = bisect.bisect_right(self.mm_positions, position, key=lambda p: p.end)
+        if index < len(self.mm_positions):
+            item, place = self.mm_items[index], self.mm_positions[index]
+            if item.bidirectional and place.offset < position:
                 return place.offset
         return position
 

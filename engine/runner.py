@@ -5,8 +5,10 @@ persistent tensors for its lifetime (token ids, block table) plus its position t
 sampling state. A step gathers only what the scheduler asked for into preallocated input
 buffers, builds the attention metadata once (slot mapping, block tables, bidirectional item
 ranges), runs the model over the flat batch, computes logits only for the requests that sample,
-and samples. Nothing here is specific to one model: positions come from `model.prompt_positions`,
-and the caches are allocated from the family's cache groups: one paged K/V tensor per attention
+and samples. Nothing here is specific to one model: positions come from `model.extend_positions`,
+a fold over the sequence whose cursor the row keeps, so input appended to a live request costs
+O(its tokens): its ids, positions and items are added to the row, nothing is recomputed. The
+caches are allocated from the family's cache groups: one paged K/V tensor per attention
 layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
 (handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
 starts fresh).
@@ -14,6 +16,7 @@ starts fresh).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,7 +26,7 @@ from stillcut.engine.cache_groups import CacheGroup, attention_groups, recurrent
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.row_sampler import RowSampler, StepResult
-from stillcut.engine.scheduler_output import NewRequestData, SchedulerOutput
+from stillcut.engine.scheduler_output import AppendedInput, NewRequestData, SchedulerOutput
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
@@ -33,16 +36,21 @@ class RowState:
     """What the runner keeps for one request between steps (beside its tensor row)."""
 
     row: int
-    prompt_len: int
+    prompt_len: int  # tokens placed by the model: the prompt and all appended input so far
     num_tokens: int  # tokens written into the row (prompt + sampled)
-    positions: torch.Tensor  # [num_position_rows, prompt_len] long, from the model
-    next_position: int  # position of the first token after the prompt
+    positions: torch.Tensor  # [num_position_rows, >= prompt_len] long; grows by doubling
+    cursor: object  # the model's position cursor after the first prompt_len tokens
     items: list[MultiModalItem]
     placements: list[PlaceholderRange]
     params: SamplingParams
     hold: bool
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # sampled since the last placement
     block_ids: list[int] = field(default_factory=list)  # the row of `block_table`, in Python
+
+    @property
+    def next_position(self) -> int:
+        """Position of the first sampled token after the placed ones."""
+        return self.cursor.next_position
 
 
 class ModelRunner:
@@ -60,6 +68,7 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -69,7 +78,7 @@ class ModelRunner:
         # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
         self.recurrent_states = {
             layer: tuple(
-                torch.zeros(max_num_reqs, *shape, dtype=kv_dtype, device=device)
+                torch.zeros(max_num_reqs, *shape, dtype=state_dtype or kv_dtype, device=device)
                 for shape in group.state_shapes
             )
             for group in recurrent_groups(cache_groups)
@@ -125,28 +134,32 @@ class ModelRunner:
         for request_id in output.preempted_ids:
             self._drop_row(request_id)
         for new in output.scheduled_new:
-            self._drop_row(new.request_id)  # an extended held prefix re-enters with a new prompt
+            assert new.request_id not in self.rows, "a request with a row is never new"
             self._add_row(new)
         for cached in output.scheduled_cached:
+            state = self.rows[cached.request_id]
+            for appended in cached.appended:
+                self._append_input(state, appended)
             if cached.new_block_ids:
-                self._append_blocks(self.rows[cached.request_id], cached.new_block_ids)
+                self._append_blocks(state, cached.new_block_ids)
 
     def _add_row(self, new: NewRequestData) -> None:
         row = self.free_rows.pop()
+        num_prompt = len(new.prompt_token_ids)
         prompt = torch.tensor(new.prompt_token_ids, dtype=torch.long)
-        positions, next_position = self.model.prompt_positions(
-            prompt, new.mm_items, new.mm_positions
+        positions, cursor = self.model.extend_positions(
+            None, prompt, new.mm_items, [tuple(p) for p in new.mm_positions]
         )
         all_ids = new.prompt_token_ids + new.output_token_ids
         self.token_ids[row, : len(all_ids)] = torch.tensor(all_ids, dtype=torch.long)
         state = RowState(
             row=row,
-            prompt_len=len(new.prompt_token_ids),
+            prompt_len=num_prompt,
             num_tokens=len(all_ids),
             positions=positions,
-            next_position=next_position,
-            items=new.mm_items,
-            placements=new.mm_positions,
+            cursor=cursor,
+            items=list(new.mm_items),
+            placements=list(new.mm_positions),
             params=new.sampling_params,
             hold=new.hold,
             output_ids=list(new.output_token_ids),
@@ -154,6 +167,36 @@ class ModelRunner:
         self.rows[new.request_id] = state
         self._append_blocks(state, new.block_ids)
         self.sampling.admit(new.request_id, new.sampling_params)
+
+    def _append_input(self, state: RowState, appended: AppendedInput) -> None:
+        """Write appended input into a row: the sampled tokens it follows become placed (at the
+        positions they were computed at), then the model places the new tokens after them."""
+        num_kept = appended.start - state.prompt_len  # sampled tokens kept before the input
+        assert 0 <= num_kept <= len(state.output_ids), (appended.start, state.prompt_len)
+        num_new = len(appended.token_ids)
+        new_ids = torch.tensor(appended.token_ids, dtype=torch.long)
+        offsets = [(p.offset - appended.start, p.length) for p in appended.mm_positions]
+        kept = torch.arange(num_kept) + state.next_position  # [num_kept]
+        cursor = state.cursor.after_decoded(num_kept) if num_kept else state.cursor
+        positions, state.cursor = self.model.extend_positions(
+            cursor, new_ids, appended.mm_items, offsets
+        )
+        self._place(state, torch.cat([kept.expand(positions.shape[0], -1), positions], dim=1))
+        self.token_ids[state.row, appended.start : appended.start + num_new] = new_ids
+        state.num_tokens = appended.start + num_new
+        state.output_ids = []
+        state.items.extend(appended.mm_items)
+        state.placements.extend(appended.mm_positions)
+
+    def _place(self, state: RowState, positions: torch.Tensor) -> None:
+        """Add `positions` [rows, n] after the placed ones, doubling the table when full."""
+        end = state.prompt_len + positions.shape[1]
+        if end > state.positions.shape[1]:
+            grown = state.positions.new_empty(state.positions.shape[0], 2 * end)
+            grown[:, : state.prompt_len] = state.positions[:, : state.prompt_len]
+            state.positions = grown
+        state.positions[:, state.prompt_len : end] = positions
+        state.prompt_len = end
 
     def _append_blocks(self, state: RowState, block_ids: list[int]) -> None:
         start = len(state.block_ids)
@@ -286,14 +329,18 @@ class ModelRunner:
 
     def _gather_items(self, state, start, end, q0, b, mm_pieces, mm_spans, mm_ranges) -> None:
         """Embeddings of item tokens in [start, end), the batch spans they fill, and the
-        bidirectional ranges to honour."""
-        for item, place in zip(state.items, state.placements, strict=True):
+        bidirectional ranges to honour (at any step: appended input may follow decodes)."""
+        # placements are sorted and disjoint: the overlapping ones start at the first ending after
+        first = bisect.bisect_right(state.placements, start, key=lambda p: p.end)
+        for index in range(first, len(state.placements)):
+            item, place = state.items[index], state.placements[index]
+            if place.offset >= end:
+                break
             lo, hi = max(start, place.offset), min(end, place.end)
-            if lo < hi:
-                mm_pieces.append(item.embeds[lo - place.offset : hi - place.offset])
-                mm_spans.append((q0 + lo - start, q0 + hi - start))
-                if item.bidirectional:
-                    mm_ranges.append((b, place.offset, place.end))
+            mm_pieces.append(item.embeds[lo - place.offset : hi - place.offset])
+            mm_spans.append((q0 + lo - start, q0 + hi - start))
+            if item.bidirectional:
+                mm_ranges.append((b, place.offset, place.end))
 
     # ---- sampling ----------------------------------------------------------------------------
 

@@ -5,8 +5,13 @@ requests, each given a number of new tokens. Running requests go first, decodes 
 chunks so admitting prompts never stalls generation; then waiting requests in FIFO order, each
 first matched against the prefix cache. A prefill chunk is the rest of the prompt or of the
 budget, whichever is smaller, but never ends inside a bidirectional item. When blocks run out
-the newest running request is preempted: freed, and recomputed later, outputs included. Held
-requests (live sessions) are prefill-only, keep their KV afterwards and are never preempted.
+the newest running request is preempted: freed, and recomputed later, outputs included.
+
+Live requests take appended input: held prefixes (prefill-only, never preempted) and streaming
+requests (a stop ends a segment, see `Request`). Between inputs a live request is HELD: it keeps
+its blocks and its runner row, counts against `held_share` and `max_num_held_seqs` instead of
+`max_num_seqs`, and is not scheduled. `append_input` puts it back among the running requests;
+the runner gets only the appended part (`AppendedInput`), so an append costs O(new tokens).
 
 Progress is guaranteed by a prefill reservation: while any running request goes without tokens
 in a step (the budget is spent, its next chunk is a bidirectional item that does not fit what
@@ -23,12 +28,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 
-from stillcut.engine.admission import check_held_share, check_request_size
+from stillcut.engine.admission import ResourceExhausted, check_held_share, check_request_size
 from stillcut.engine.config import CacheConfig, SchedulerConfig
 from stillcut.engine.kv_cache import NO_PREFIX, KVCacheManager
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, Request, RequestStatus
 from stillcut.engine.scheduler_output import (
+    AppendedInput,
     CachedRequestData,
     NewRequestData,
     RequestUpdate,
@@ -57,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started running: last = newest
         self._finished_ids: list[str] = []  # rows the runner may drop, told at the next step
+        self._appended: dict[str, list[AppendedInput]] = {}  # not yet told to the runner
 
     @property
     def num_waiting(self) -> int:
@@ -79,33 +86,58 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         assert request.status is RequestStatus.WAITING and not request.block_ids, request
-        max_tokens = 0 if request.hold else request.sampling_params.max_tokens
-        self._check_size(request.num_prompt_tokens, max_tokens, request.mm_items, request.hold)
-        if request.hold:
-            self._check_held_share(self.kv_cache.num_blocks_for(request.num_prompt_tokens))
+        max_tokens = _segment_tokens(request)
+        self._check_size(request.num_prompt_tokens, max_tokens, request.mm_items, request.is_live)
+        if request.is_live:
+            num_live = sum(r.is_live for r in self.requests.values())
+            if num_live >= self.config.max_num_held_seqs:
+                raise ResourceExhausted(
+                    f"{num_live} live requests (held prefixes, streaming requests) already; "
+                    f"max_num_held_seqs={self.config.max_num_held_seqs}; end one or retry later"
+                )
+            self._check_held_share(_num_reserved_blocks(request, self.kv_cache.block_size))
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def extend_held(
+    def append_input(
         self,
         request_id: str,
         new_token_ids: Sequence[int],
         new_items: Sequence[MultiModalItem] = (),
         new_positions: Sequence[PlaceholderRange] = (),
     ) -> None:
-        """Append prompt tokens (and items placed in them, offsets relative to
-        `new_token_ids`) to a HELD prefix; only the new part is prefilled. Raises without
-        changing anything when the extension does not fit."""
-        request = self._held(request_id)
-        num_prompt_tokens = request.num_prompt_tokens + len(new_token_ids)
-        self._check_size(num_prompt_tokens, 0, [*request.mm_items, *new_items], hold=True)
-        self._check_held_share(
-            self.kv_cache.num_blocks_for(num_prompt_tokens)
-            - self.kv_cache.num_blocks_for(request.num_prompt_tokens)
+        """Append tokens (and items placed in them, offsets relative to `new_token_ids`) to a
+        live request after its tokens so far; only the new part (and a sampled token not yet
+        computed) is prefilled, then a streaming request samples again. O(new tokens). Raises
+        without changing anything when the input does not fit."""
+        request = self._live(request_id)
+        size = self.kv_cache.block_size
+        num_tokens = request.num_tokens + len(new_token_ids)
+        max_tokens = _segment_tokens(request)
+        self._check_size(
+            num_tokens,
+            max_tokens,
+            new_items,
+            hold=True,
+            num_earlier_visual_tokens=request.num_visual_tokens,
         )
-        request.extend_prompt(new_token_ids, new_items, new_positions)
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self._check_held_share(
+            -(-(num_tokens + max_tokens) // size) - _num_reserved_blocks(request, size)
+        )
+        start = request.append_input(new_token_ids, new_items, new_positions)
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            return  # no runner row yet: it enters with its whole sequence
+        num_items = len(new_items)
+        appended = AppendedInput(
+            start,
+            request.prompt_token_ids[start:],
+            request.mm_items[len(request.mm_items) - num_items :],
+            request.mm_positions[len(request.mm_positions) - num_items :],
+        )
+        self._appended.setdefault(request_id, []).append(appended)
+        if request.status is RequestStatus.HELD:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def release_held(self, request_id: str) -> None:
         """Free a HELD prefix; requests forked from it keep the blocks they share."""
@@ -160,9 +192,15 @@ class Scheduler:
             new_token_ids, stop_status, stop_reason = self._append_tokens(
                 request, sampled_token_ids[request_id]
             )
-            if stop_status is not None:
+            segment_end = None
+            if stop_status is not None and request.streaming:
+                new_token_ids = self._end_segment(request, new_token_ids, stop_status, stop_reason)
+                segment_end = stop_status.value
+            elif stop_status is not None:
                 self._finish(request, stop_status)
-            updates.append(RequestUpdate(request_id, new_token_ids, request.status, stop_reason))
+            updates.append(
+                RequestUpdate(request_id, new_token_ids, request.status, stop_reason, segment_end)
+            )
         return updates
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -179,16 +217,22 @@ class Scheduler:
             if new_block_ids is None:
                 continue
             output.num_scheduled_tokens[request.request_id] = num_new
+            appended = tuple(self._appended.pop(request.request_id, ()))
             output.scheduled_cached.append(
-                CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens)
+                CachedRequestData(
+                    request.request_id, new_block_ids, request.num_computed_tokens, appended
+                )
             )
             budget -= num_new
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         # strict FIFO: when the head cannot start, nothing behind it overtakes it
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        num_seated = sum(not r.is_live for r in self.running)  # live ones have rows of their own
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if not request.is_live and num_seated >= self.config.max_num_seqs:
+                break
             fresh = request.num_computed_tokens == 0  # new or preempted; not an extended prefix
             prefix = self.kv_cache.find_cached_prefix(request) if fresh else NO_PREFIX
             num_computed = request.num_computed_tokens + prefix.num_tokens
@@ -203,6 +247,7 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            num_seated += not request.is_live
             output.num_scheduled_tokens[request.request_id] = num_new
             output.scheduled_new.append(NewRequestData.from_request(request))
             budget -= num_new
@@ -241,6 +286,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv_cache.free(request)
+        self._appended.pop(request.request_id, None)  # it re-enters with its whole sequence
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         # to the front: preempted requests resume before new ones, oldest victim first
@@ -258,11 +304,25 @@ class Scheduler:
                 return list(token_ids[: index + 1]), status, stop_reason
         return list(token_ids), None, None
 
+    def _end_segment(
+        self,
+        request: Request,
+        new_token_ids: list[int],
+        stop_status: RequestStatus,
+        stop_reason: int | None,
+    ) -> list[int]:
+        """A streaming request's segment stopped: it waits for input. An EOS that ended it is
+        not kept (the next input follows the segment's text). Returns the tokens kept."""
+        if stop_status is RequestStatus.FINISHED_STOPPED and stop_reason is None:  # EOS
+            request.output_token_ids.pop()
+            new_token_ids = new_token_ids[:-1]
+        self._hold(request)
+        return new_token_ids
+
     def _hold(self, request: Request) -> None:
-        """A prefill-only request is done: keep its blocks, let the runner drop its row."""
+        """A live request waits for input: it keeps its blocks and its runner row."""
         self.running.remove(request)
         request.status = RequestStatus.HELD
-        self._finished_ids.append(request.request_id)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
@@ -272,6 +332,7 @@ class Scheduler:
         request.status = status
         self.kv_cache.free(request)
         del self.requests[request.request_id]
+        self._appended.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
 
     def _held(self, request_id: str) -> Request:
@@ -281,8 +342,23 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} is {state}; only a held prefix qualifies")
         return request
 
+    def _live(self, request_id: str) -> Request:
+        request = self.requests.get(request_id)
+        if request is None or not request.is_live:
+            state = "unknown" if request is None else "not live (neither hold nor streaming)"
+            raise ValueError(
+                f"request {request_id!r} is {state}; input is appended only to a held prefix "
+                "or a streaming request"
+            )
+        return request
+
     def _check_size(
-        self, num_prompt_tokens: int, max_tokens: int, items: Sequence[MultiModalItem], hold: bool
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        items: Sequence[MultiModalItem],
+        hold: bool,
+        num_earlier_visual_tokens: int = 0,
     ) -> None:
         check_request_size(
             num_prompt_tokens,
@@ -293,14 +369,14 @@ class Scheduler:
             block_size=self.kv_cache.block_size,
             held_share=self.cache_config.held_share,
             hold=hold,
+            num_earlier_visual_tokens=num_earlier_visual_tokens,
         )
 
     def _check_held_share(self, num_new_blocks: int) -> None:
-        # every live hold request counts for its whole prompt, even before it is prefilled
+        # every live request counts for its whole prompt and segment, even before it is computed
+        size = self.kv_cache.block_size
         num_held_blocks = sum(
-            self.kv_cache.num_blocks_for(r.num_prompt_tokens)
-            for r in self.requests.values()
-            if r.hold
+            _num_reserved_blocks(r, size) for r in self.requests.values() if r.is_live
         )
         check_held_share(
             num_held_blocks,
@@ -308,6 +384,16 @@ class Scheduler:
             num_blocks=self.kv_cache.num_blocks,
             held_share=self.cache_config.held_share,
         )
+
+
+def _segment_tokens(request: Request) -> int:
+    """Tokens a request may still generate after its prompt: 0 for a prefill-only one."""
+    return 0 if request.hold else request.sampling_params.max_tokens
+
+
+def _num_reserved_blocks(request: Request, block_size: int) -> int:
+    """Blocks a live request pins: its prompt and a whole segment after it."""
+    return -(-(request.num_prompt_tokens + _segment_tokens(request)) // block_size)
 
 
 def _stop(request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
@@ -323,7 +409,7 @@ def _stop(request: Request, token_id: int) -> tuple[RequestStatus | None, int | 
 
 
 def max_num_live_requests(config: SchedulerConfig) -> int:
-    """How many requests can hold a runner row at once: the running ones, since the rows of
-    finished, preempted and held requests are dropped before new ones are added. (Requests
-    waiting for streaming input, once the engine has them, will count here too.)"""
-    return config.max_num_seqs
+    """How many requests can hold a runner row at once: the running ordinary ones and every
+    live one (held prefixes and streaming requests keep their rows while they wait); rows of
+    finished and preempted requests are dropped before new ones are added."""
+    return config.max_num_seqs + config.max_num_held_seqs

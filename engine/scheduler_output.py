@@ -3,8 +3,10 @@
 Ids, counts and block ids only, never tensors: the runner keeps one persistent row per request
 in the runner, filled from `NewRequestData` when the request enters it and updated from
 `CachedRequestData` each later step. Per step the runner first drops the rows of
-`finished_ids` and `preempted_ids` (ignoring ids it has no row for), then adds `scheduled_new`:
-a request that went HELD and was extended at once appears in both lists.
+`finished_ids` and `preempted_ids` (ignoring ids it has no row for), then adds `scheduled_new`.
+A live request (a held prefix, or a streaming-input request) keeps its row while it waits for
+input; what is appended to it reaches the runner as `AppendedInput`, the new part only, with the
+request's next `CachedRequestData`, so an append costs O(new tokens) however long the request.
 """
 
 from __future__ import annotations
@@ -52,13 +54,27 @@ class NewRequestData:
 
 
 @dataclass(frozen=True)
+class AppendedInput:
+    """Input appended to a live request: `token_ids` go at index `start` of its sequence, after
+    the tokens it kept (a sampled EOS that ended a segment is not kept), and `mm_positions`
+    place `mm_items` in the whole sequence."""
+
+    start: int
+    token_ids: list[int]
+    mm_items: list[MultiModalItem]
+    mm_positions: list[PlaceholderRange]
+
+
+@dataclass(frozen=True)
 class CachedRequestData:
-    """A request already in the runner: its new blocks (appended to its block table) and how
-    many of its tokens were computed before this step."""
+    """A request already in the runner: its new blocks (appended to its block table), how
+    many of its tokens were computed before this step, and the input appended to it since it
+    last ran, oldest first."""
 
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    appended: tuple[AppendedInput, ...] = ()
 
 
 @dataclass
@@ -79,12 +95,14 @@ class SchedulerOutput:
 @dataclass(frozen=True)
 class RequestUpdate:
     """What a step changed for one request: tokens it generated and its status after them.
-    `stop_reason` is the stop token id that finished it (None for EOS, length or no stop)."""
+    `stop_reason` is the stop token id that finished it (None for EOS, length or no stop);
+    `segment_end` ("stop" or "length") says that a streaming request's segment ended here."""
 
     request_id: str
     new_token_ids: list[int]
     status: RequestStatus
     stop_reason: int | None = None
+    segment_end: str | None = None
 
     @property
     def finished(self) -> bool:

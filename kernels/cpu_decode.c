@@ -19,16 +19,15 @@
  *
  * The kernel reads only the description: which kind each block is, its weights and options.
  * A new kind is a struct beside `Attention`, its functions beside `attention`'s (check,
- * fits, work, widest output, run) and one row of `KINDS`. A weight is a `Matrix`; a new
- * storage format is a case in `linear`. RMSNorm is x / sqrt(mean(x^2) + eps) * scale.
+ * fits, work, widest output, run) and one row of `KINDS`. A weight is a `Matrix` in its
+ * stored format, multiplied by through `linear` (`cpu_linear.h`, where every format is read); a
+ * new storage format is a case there. RMSNorm is x / sqrt(mean(x^2) + eps) * scale.
  *
- * A weight `[in, out]` is read either as a contiguous [in, out] (each thread streams its own
- * contiguous band of input rows into a private partial sum; the partials are then added by
- * column) or as a contiguous [out, in] (each thread owns a band of output rows: dot products).
  * Rotation is rotate_half's: x * cos + (x[d + D/2], the first half negated) * sin. A KV cache
- * is [2, num_blocks, block_size, num_kv_heads, head_dim]; row r is the single new token of
+ * is [2, num_blocks, block_size, num_kv_heads, head_dim] in F32 or BF16 (`Step.kv_format`: new
+ * keys and values are rounded to it, read back widened); row r is the single new token of
  * request r, at position seq_lens[r] - 1, and attends to the keys before it (within the window).
- * Everything is float32.
+ * Activations and sums are float32; so are norms, biases and rotary tables.
  */
 
 #include <math.h>
@@ -36,19 +35,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_linear.h"
+
 #define MAX_BLOCK 256
 #define MAX_TABLES 2
 
 enum kind { ATTENTION = 1, GATED_MLP = 2 };
 enum activation { SILU = 1, GELU_TANH = 2 };
-enum format { F32 = 1 };
-
-typedef struct {
-    const void *data;            /* [in, out] or its [out, in] transpose, in `format` */
-    int32_t format;
-    int32_t out_in;              /* 1: stored [out, in] */
-    int32_t in, out;
-} Matrix;
 
 typedef struct {
     Matrix qkv;                  /* [hidden, (heads + 2 kv_heads) * head_dim]: q, k, v columns */
@@ -76,10 +69,18 @@ typedef struct {
     const void *params;          /* the kind's struct: Attention, GatedMlp */
 } Block;
 
+/* The token embedding [vocab, hidden] in `format`, with the strides below (a tied head's view);
+ * row `id` of an I8 table is times scales[id] (a tied head's output column `id`). */
 typedef struct {
-    const float *embedding;      /* [vocab, hidden] with the strides below (a tied head's view) */
-    int64_t embedding_row_stride, embedding_column_stride;
-    float embedding_scale;
+    const void *data;
+    const float *scales;         /* [vocab] or NULL */
+    int64_t row_stride, column_stride;
+    int32_t format;
+    float scale;                 /* every row times this */
+} Embedding;
+
+typedef struct {
+    Embedding embedding;
     const float *final_norm;     /* [hidden] */
     const float *inv_freq[MAX_TABLES]; /* [rotary_dim / 2] each */
     const int32_t *section;      /* [rotary_dim / 2]: the position row of each rotary frequency */
@@ -96,8 +97,9 @@ typedef struct {
     int32_t block_table_stride;
     const int32_t *seq_lens;     /* [rows] */
     const int64_t *slot_mapping; /* [rows] */
-    float *const *kv_caches;     /* [num_kv_caches] */
+    void *const *kv_caches;      /* [num_kv_caches], each in `kv_format` */
     int32_t num_kv_caches, cache_blocks, block_size;
+    int32_t kv_format;           /* F32 or BF16 */
 } Step;
 
 /* What every block of one step shares: the step, the model and the scratch regions. */
@@ -110,13 +112,6 @@ typedef struct {
     float *partials;             /* [threads, rows, widest output] */
 } Context;
 
-/* Rows [begin, end) of `count` split evenly over `parts`: part `index`'s share. */
-static void share(int count, int parts, int index, int *begin, int *end) {
-    int base = count / parts, extra = count % parts;
-    *begin = index * base + (index < extra ? index : extra);
-    *end = *begin + base + (index < extra ? 1 : 0);
-}
-
 static void rms_norm(const float *x, const float *weight, float *out, int n, float eps) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -125,55 +120,6 @@ static void rms_norm(const float *x, const float *weight, float *out, int n, flo
 #pragma omp simd
     for (int i = 0; i < n; i++) out[i] = x[i] * inv * weight[i];
 }
-
-/* partial[r][c] = sum over input rows i in [i0, i1) of x[r][i] * w[i][c], w contiguous
- * [in, out]: the thread streams its band of w once for all rows, four input rows at a time, in
- * column tiles small enough that the four rows' tile stays in L1 while every row uses it. */
-#define TILE 512
-static void band_product(const float *x, size_t stride, int rows, const float *w, int out,
-                         int i0, int i1, float *partial) {
-    for (int r = 0; r < rows; r++) memset(partial + (size_t)r * out, 0, sizeof(float) * out);
-    int i = i0;
-    for (; i + 4 <= i1; i += 4) {
-        for (int c0 = 0; c0 < out; c0 += TILE) {
-            int c1 = c0 + TILE < out ? c0 + TILE : out;
-            const float *w0 = w + (size_t)i * out, *w1 = w0 + out, *w2 = w1 + out;
-            const float *w3 = w2 + out;
-            for (int r = 0; r < rows; r++) {
-                const float *xr = x + r * stride + i;
-                float x0 = xr[0], x1 = xr[1], x2 = xr[2], x3 = xr[3];
-                float *acc = partial + (size_t)r * out;
-#pragma omp simd
-                for (int c = c0; c < c1; c++)
-                    acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
-            }
-        }
-    }
-    for (; i < i1; i++) {
-        const float *w0 = w + (size_t)i * out;
-        for (int r = 0; r < rows; r++) {
-            float x0 = x[r * stride + i];
-            float *acc = partial + (size_t)r * out;
-#pragma omp simd
-            for (int c = 0; c < out; c++) acc[c] += x0 * w0[c];
-        }
-    }
-}
-
-typedef float vec8 __attribute__((vector_size(32)));
-
-static inline vec8 load8(const float *p) {
-    vec8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum8(vec8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-typedef int32_t ivec8 __attribute__((vector_size(32)));
-#define SPLAT(c) ((vec8){c, c, c, c, c, c, c, c})
 
 /* e^x in eight lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n;
  * within 2 ulp of expf). Lanes below -87.3 (e^x < 2^-126) give 2^-126-ish, not 0: callers
@@ -194,76 +140,6 @@ static inline vec8 exp8(vec8 x) {
     y = y * x * x + x + 1.0f;
     ivec8 bits = (__builtin_convertvector(n, ivec8) + 127) << 23;
     return y * (vec8)bits;
-}
-
-/* y[r][c] = dot(w[c], x[r]) (+ add[r][c]) for output rows c in [c0, c1), w contiguous [out, in].
- * Whole blocks of 4 rows run 2 output rows x 4 rows of 8-float accumulators along `in`
- * together, so each loaded vector of w feeds 4 rows and each of x feeds 2 outputs; the rows
- * and the output row left over take plain dot products. */
-static void row_products(const float *x, size_t stride, int rows, int in, const float *w,
-                         int out, int c0, int c1, const float *add, float *y) {
-    int blocked_rows = rows - rows % 4, pairs_end = c0 + (c1 - c0) / 2 * 2, whole = in - in % 8;
-    if (blocked_rows)
-        for (int c = c0; c < pairs_end; c += 2)
-            for (int r0 = 0; r0 < blocked_rows; r0 += 4) {
-                const float *w0 = w + (size_t)c * in, *w1 = w0 + in, *x0 = x + r0 * stride;
-                vec8 acc[2][4] = {{{0}}};
-                for (int i = 0; i < whole; i += 8) {
-                    vec8 u = load8(w0 + i), v = load8(w1 + i);
-                    for (int k = 0; k < 4; k++) {
-                        vec8 xv = load8(x0 + k * stride + i);
-                        acc[0][k] += u * xv, acc[1][k] += v * xv;
-                    }
-                }
-                for (int k = 0; k < 4; k++)
-                    for (int j = 0; j < 2; j++) {
-                        const float *wj = j ? w1 : w0, *xk = x0 + k * stride;
-                        float sum = hsum8(acc[j][k]);
-                        for (int i = whole; i < in; i++) sum += wj[i] * xk[i];
-                        size_t at = (size_t)(r0 + k) * out + c + j;
-                        y[at] = add ? add[at] + sum : sum;
-                    }
-            }
-    for (int c = c0; c < c1; c++) {
-        const float *wc = w + (size_t)c * in;
-        for (int r = c < pairs_end ? blocked_rows : 0; r < rows; r++) {
-            const float *xr = x + r * stride;
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int i = 0; i < in; i++) sum += wc[i] * xr[i];
-            y[(size_t)r * out + c] = add ? add[(size_t)r * out + c] + sum : sum;
-        }
-    }
-}
-
-/* y = x @ w (+ add), x [rows, w.in] with rows `stride` apart, y [rows, w.out]. Every thread of
- * the region calls it; it ends with a barrier. `partials` holds threads * rows * w.out floats.
- * F32 is the only format so far (`check_matrix`). */
-static void linear(const float *x, size_t stride, int rows, const Matrix *matrix,
-                   const float *add, float *y, float *partials) {
-    int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
-    const float *w = matrix->data;
-    int in = matrix->in, out = matrix->out;
-    if (matrix->out_in) {
-        share(out, threads, thread, &begin, &end);
-        row_products(x, stride, rows, in, w, out, begin, end, add, y);
-#pragma omp barrier
-        return;
-    }
-    share(in, threads, thread, &begin, &end);
-    size_t size = (size_t)rows * out;
-    band_product(x, stride, rows, w, out, begin, end, partials + (size_t)thread * size);
-#pragma omp barrier
-    share(out, threads, thread, &begin, &end);
-    for (int r = 0; r < rows; r++) {
-        for (int c = begin; c < end; c++) {
-            size_t at = (size_t)r * out + c;
-            float sum = add ? add[at] : 0.0f;
-            for (int t = 0; t < threads; t++) sum += partials[(size_t)t * size + at];
-            y[at] = sum;
-        }
-    }
-#pragma omp barrier
 }
 
 /* hidden += [RMSNorm](x @ w): a block's output projection and its residual add. Without an
@@ -297,9 +173,9 @@ static void rotate(float *x, const float *cos, const float *sin, int dim) {
  * request's paged keys [first, last): each key and value is read once for the whole group.
  * Online softmax block by block; `part` gets, per query head, its running max, its sum of
  * exponentials and its unnormalised output [head_dim] (max -inf and sum 0 for no keys). */
-static void attend_group(const float *q, int group, const float *keys, const float *values,
-                         const int32_t *block_table, int first, int last, int kv_head,
-                         const Attention *a, int bs, float *part) {
+static void attend_group(const float *q, int group, const void *keys, const void *values,
+                         int format, const int32_t *block_table, int first, int last,
+                         int kv_head, const Attention *a, int bs, float *part) {
     int dim = a->head_dim;
     float scale = a->scale, soft_cap = a->soft_cap;
     size_t slot_stride = (size_t)a->num_kv_heads * dim;
@@ -322,7 +198,8 @@ static void attend_group(const float *q, int group, const float *keys, const flo
         int count = last - start < bs ? last - start : bs;
         size_t base = ((size_t)block_table[start / bs] * bs) * slot_stride + (size_t)kv_head * dim;
         for (int j = skip; j < count; j++) {
-            const float *k = keys + base + j * slot_stride;
+            float k[dim]; /* the key widened once for the group's heads */
+            widen_row(format, keys, base + j * slot_stride, dim, k);
             for (int g = 0; g < group; g++) {
                 const float *qg = q + (size_t)g * dim;
                 float dot = 0.0f;
@@ -349,18 +226,17 @@ static void attend_group(const float *q, int group, const float *keys, const flo
         }
         /* acc[g] += p[g][j] * v[j]: eight dims of one query head in a register at a time, the
          * block's values (in L1 after the first head) streamed past them */
-        const float *block_values = values + base;
         for (int g = 0; g < group; g++)
             for (int d = 0; d + 8 <= dim; d += 8) {
                 vec8 sum = load8(acc[g] + d);
                 for (int j = skip; j < count; j++)
-                    sum += scores[g][j] * load8(block_values + j * slot_stride + d);
+                    sum += scores[g][j] * widen8(format, values, base + j * slot_stride + d);
                 memcpy(acc[g] + d, &sum, sizeof sum);
             }
         for (int g = 0; g < group; g++) /* dims past the last whole vector */
             for (int d = dim - dim % 8; d < dim; d++)
                 for (int j = skip; j < count; j++)
-                    acc[g][d] += scores[g][j] * block_values[j * slot_stride + d];
+                    acc[g][d] += scores[g][j] * widen1(format, values, base + j * slot_stride + d);
     }
     for (int g = 0; g < group; g++) {
         float *out = part + (size_t)g * (dim + 2);
@@ -406,8 +282,16 @@ static size_t attention_floats(const void *params, const Step *step) {
 }
 
 /* q, k, v of every row after bias, q/k norms and rotary; k and v into their slots. */
-static void attention_inputs(const Context *c, const Attention *a, float *qkv, float *keys,
-                             float *values) {
+/* `n` floats of `x` into element `at` of a KV cache in `format`. */
+static void store_kv(int format, void *cache, size_t at, const float *x, int n) {
+    if (format == BF16)
+        for (int d = 0; d < n; d++) ((uint16_t *)cache)[at + d] = bfloat16_bits(x[d]);
+    else
+        memcpy((float *)cache + at, x, sizeof(float) * n);
+}
+
+static void attention_inputs(const Context *c, const Attention *a, float *qkv, void *keys,
+                             void *values) {
     const Step *step = c->step;
     int rows = step->rows, D = a->head_dim, Hq = a->num_heads, Hkv = a->num_kv_heads;
     int width = qkv_width(a), begin, end;
@@ -429,8 +313,8 @@ static void attention_inputs(const Context *c, const Attention *a, float *qkv, f
                 for (int d = 0; d < D; d++)
                     v[d] += a->qkv_bias[(size_t)(Hq + Hkv + kv_head) * D + d];
             size_t at = ((size_t)step->slot_mapping[r] * Hkv + kv_head) * D;
-            memcpy(keys + at, x, sizeof(float) * D);
-            memcpy(values + at, v, sizeof(float) * D);
+            store_kv(step->kv_format, keys, at, x, D);
+            store_kv(step->kv_format, values, at, v, D);
         }
     }
 #pragma omp barrier
@@ -444,8 +328,9 @@ static void attention(const Context *c, const void *params, const float *out_nor
     int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
     float *qkv = c->work, *attn = qkv + (size_t)rows * width;
     float *parts = attn + (size_t)rows * Hq * D;
-    float *keys = step->kv_caches[a->cache];
-    float *values = keys + (size_t)step->cache_blocks * step->block_size * Hkv * D;
+    void *keys = step->kv_caches[a->cache];
+    size_t half = (size_t)step->cache_blocks * step->block_size * Hkv * D; /* elements */
+    void *values = (char *)keys + half * (step->kv_format == BF16 ? 2 : 4);
 
     linear(c->normed, c->model->hidden, rows, &a->qkv, NULL, qkv, c->partials);
     attention_inputs(c, a, qkv, keys, values);
@@ -458,7 +343,7 @@ static void attention(const Context *c, const void *params, const float *out_nor
         int first = a->window > 0 && seq_len > a->window ? seq_len - a->window : 0;
         int length = seq_len - first;
         attend_group(qkv + (size_t)r * width + (size_t)kv_head * group * D, group, keys, values,
-                     step->block_tables + (size_t)r * step->block_table_stride,
+                     step->kv_format, step->block_tables + (size_t)r * step->block_table_stride,
                      first + (int)((int64_t)length * slice / splits),
                      first + (int)((int64_t)length * (slice + 1) / splits), kv_head, a,
                      step->block_size, parts + (size_t)unit * group * (D + 2));
@@ -518,10 +403,6 @@ static int gated_mlp_widest(const void *params) {
     return larger(m->gate_up.out, m->down.out);
 }
 
-static int check_matrix(const Matrix *w, int in, int out) {
-    return w->data && w->format == F32 && w->in == in && w->out == out;
-}
-
 /* 0 when the kernel can run the block's params in `model` (fields in range, weights' shapes
  * consistent), else a status that names what is wrong. */
 static int attention_check(const Model *model, const void *params) {
@@ -570,12 +451,15 @@ static const KindOps *kind_ops(int kind) {
     return known ? KINDS + kind : NULL;
 }
 
-/* 0 when `decode_step` can run these blocks, else a status naming what is wrong: 1, 2 the
+/* 0 when `decode_step` can run these blocks, else a status naming what is wrong: 1-3 the
  * model's own fields, 9 a kind this kernel does not know, 10 a block's missing norm or params,
  * from 11 on the kind's own `check`. */
 int check_model(const Model *model, const Block *blocks, int num_blocks) {
     if (model->rotary_dim % 2 || model->rotary_dim < 2) return 1;
     if (model->num_tables < 1 || model->num_tables > MAX_TABLES) return 2;
+    const Embedding *table = &model->embedding;
+    if (table->format < F32 || table->format > I8 || (table->format == I8) != !!table->scales)
+        return 3;
     for (int b = 0; b < num_blocks; b++) {
         const Block *block = blocks + b;
         const KindOps *ops = kind_ops(block->kind);
@@ -621,11 +505,14 @@ static void embed_rows(const Context *c) {
     const Step *step = c->step;
     int rows = step->rows, H = model->hidden, D = model->rotary_dim, begin, end;
     share(rows, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
+    const Embedding *table = &model->embedding;
     for (int r = begin; r < end; r++) {
-        const float *row = model->embedding + step->ids[r] * model->embedding_row_stride;
+        int64_t id = step->ids[r];
+        float scale = table->scale * (table->scales ? table->scales[id] : 1.0f);
         for (int i = 0; i < H; i++)
             c->hidden[(size_t)r * H + i] =
-                row[i * model->embedding_column_stride] * model->embedding_scale;
+                widen1(table->format, table->data, id * table->row_stride + i * table->column_stride) *
+                scale;
         for (int t = 0; t < model->num_tables; t++) {
             float *c_row = c->cos + ((size_t)t * rows + r) * D;
             float *s_row = c->sin + ((size_t)t * rows + r) * D;
@@ -642,12 +529,25 @@ static void embed_rows(const Context *c) {
     }
 }
 
+/* y [rows, out] = x [rows, in] @ matrix (+ add [rows, out]), x's rows `stride` floats apart, on
+ * `threads` threads: one product outside a decode step (an LM head, a product of the torch
+ * path). `partials` holds threads * rows * out floats. 0, or 1 when the matrix is not one
+ * `linear` reads. */
+int matmul(const Matrix *matrix, const float *x, int64_t stride, int rows, const float *add,
+           float *y, float *partials, int threads) {
+    if (!check_matrix(matrix, matrix->in, matrix->out) || rows < 1) return 1;
+#pragma omp parallel num_threads(threads)
+    linear(x, (size_t)stride, rows, matrix, add, y, partials);
+    return 0;
+}
+
 /* `out` [rows, hidden]: the final-normed hidden states of the step's tokens through the blocks
  * (checked by `check_model`), with `scratch_floats` floats of `scratch`. 0, or 1 when the
  * step's caches do not match the blocks. */
 int decode_step(const Model *model, const Block *blocks, int num_blocks, const Step *step,
                 float *scratch, float *out) {
-    if (step->block_size > MAX_BLOCK) return 1;
+    if (step->block_size > MAX_BLOCK || (step->kv_format != F32 && step->kv_format != BF16))
+        return 1;
     for (int b = 0; b < num_blocks; b++)
         if (!KINDS[blocks[b].kind].fits(blocks[b].params, step)) return 1;
     int rows = step->rows, H = model->hidden;

@@ -8,12 +8,16 @@ than the layers' own weight reads. The C kernel goes from token ids to the final
 rows, M-RoPE tables, every block) inside one OpenMP parallel region, the threads meeting at
 barriers, reading each weight once in contiguous per-thread bands. A model describes itself as
 a `cpu_decode_stack.Stack` of blocks, each of a kind; `bind` turns that into the C structs.
+Weights stay in their stored formats (bfloat16, float16, int8 with per-column scales, float32;
+`cpu_linear.h` widens them in registers), and the KV caches may be bfloat16. `NativeMatrix`
+runs the same products one at a time, for the few-row products outside a decode step (the LM
+head, the torch path's).
 
 The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into the
-stillcut cache, keyed by the source, the compiler and the CPU. It links libgomp, the OpenMP
-runtime torch's Linux wheels have already loaded under the same name, so both share one thread
-pool. Without a compiler, or with `STILLCUT_NATIVE_DECODE=0`, `load()` returns None and the
-model runs its torch ops instead.
+stillcut cache, keyed by the sources (with the header it includes), the compiler and the CPU. It
+links libgomp, the OpenMP runtime torch's Linux wheels have already loaded under the same name,
+so both share one thread pool. Without a compiler, or with `STILLCUT_NATIVE_DECODE=0`, `load()`
+returns None and the model runs its torch ops instead.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 from stillcut.engine.disk_cache import cache_dir
 from stillcut.kernels.cpu_decode_stack import (
+    FORMATS,
     MAX_TABLES,
     Attention,
     Block,
@@ -46,6 +51,8 @@ from stillcut.kernels.cpu_decode_stack import (
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
+HEADERS = (SOURCE.with_name("cpu_linear.h"),)  # included by SOURCE
+KV_FORMATS = (torch.float32, torch.bfloat16)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 16  # past this many rows a step is a gemm, torch's own territory
 MAX_BLOCK_SIZE = 256  # `MAX_BLOCK` in the C file
@@ -56,6 +63,7 @@ COMPILE_TIMEOUT_S = 120
 class _Matrix(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
         *((name, ctypes.c_int32) for name in ("format", "out_in", "num_in", "num_out")),
     ]
 
@@ -87,12 +95,20 @@ class _Block(ctypes.Structure):
     ]
 
 
+class _Embedding(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("row_stride", ctypes.c_int64),
+        ("column_stride", ctypes.c_int64),
+        ("format", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+    ]
+
+
 class _Model(ctypes.Structure):
     _fields_ = [
-        ("embedding", ctypes.c_void_p),
-        ("embedding_row_stride", ctypes.c_int64),
-        ("embedding_column_stride", ctypes.c_int64),
-        ("embedding_scale", ctypes.c_float),
+        ("embedding", _Embedding),
         ("final_norm", ctypes.c_void_p),
         ("inv_freq", ctypes.c_void_p * MAX_TABLES),
         ("section", ctypes.c_void_p),
@@ -113,11 +129,10 @@ class _Step(ctypes.Structure):
         ("seq_lens", ctypes.c_void_p),
         ("slot_mapping", ctypes.c_void_p),
         ("kv_caches", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in ("num_kv_caches", "cache_blocks", "block_size")),
-    ]
-
-
-F32 = 1  # `enum format` in the C file: the only storage format so far
+        *((name, ctypes.c_int32) for name in (
+            "num_kv_caches", "cache_blocks", "block_size", "kv_format",
+        )),
+    ]  # fmt: skip
 
 
 def enabled() -> bool:
@@ -136,8 +151,9 @@ def load() -> ctypes.CDLL | None:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
         ).stdout
+        sources = (path.read_text() for path in (SOURCE, *HEADERS))
         key = hashlib.sha256(
-            "\0".join((SOURCE.read_text(), compiler, version, *FLAGS, _cpu())).encode()
+            "\0".join((*sources, compiler, version, *FLAGS, _cpu())).encode()
         ).hexdigest()[:16]
         target = cache_dir() / "native" / f"cpu_decode-{key}.so"
         if not target.exists():
@@ -150,28 +166,36 @@ def load() -> ctypes.CDLL | None:
         log.warning("native CPU decode unavailable, using torch ops: %s", detail)
         return None
     library.decode_step.restype = library.check_model.restype = ctypes.c_int
+    library.matmul.restype = ctypes.c_int
     library.scratch_floats.restype = ctypes.c_int64
     return library
 
 
 def bind(stack: Stack) -> CpuDecoder | None:
-    """A `CpuDecoder` of `stack`, or None where the kernel cannot serve it: a tensor not
-    float32 on CPU, or no library here (see `load`)."""
-    if not all(t.dtype == torch.float32 and t.is_cpu for t in _tensors(stack)):
-        return None
+    """A `CpuDecoder` of `stack`, or None where the kernel cannot serve it: a tensor not on
+    CPU, a weight in no stored format (`FORMATS`) or another tensor not float32, or no library
+    here (see `load`)."""
+    for tensor, is_weight in _tensors(stack):
+        wanted = tensor.dtype in FORMATS if is_weight else tensor.dtype == torch.float32
+        if not (wanted and tensor.is_cpu):
+            return None
     library = load()
     return None if library is None else CpuDecoder(library, stack)
 
 
-def _tensors(stack: Stack) -> Iterator[torch.Tensor]:
-    """Every tensor the kernel reads of `stack`."""
-    yield from (stack.embedding, stack.final_norm, *stack.inv_freqs)
+def _tensors(stack: Stack) -> Iterator[tuple[torch.Tensor, bool]]:
+    """Every tensor the kernel reads of `stack`, and whether it is a weight (the embedding or
+    a `*_weight`: in a stored format; the rest is float32)."""
+    yield stack.embedding, True
+    yield from ((tensor, False) for tensor in (stack.final_norm, *stack.inv_freqs))
+    if stack.embedding_scales is not None:
+        yield stack.embedding_scales, False
     for block in stack.blocks:
         for part in (block, block.mixer):
             for field in dataclasses.fields(part):
                 value = getattr(part, field.name)
                 if isinstance(value, torch.Tensor):
-                    yield value
+                    yield value, field.name.endswith("_weight")
 
 
 def _compile(compiler: str, target: Path) -> None:
@@ -205,16 +229,94 @@ def _cpu() -> str:
 
 
 def _out_in(weight: torch.Tensor) -> int:
-    """1 when `weight` `[in, out]` is the view of a contiguous `[out, in]`, 0 when it is a
-    contiguous `[in, out]` itself."""
+    """1 when `weight` `[in, out]` is the view of a contiguous `[out, in]` (float32 only), 0
+    when it is a contiguous `[in, out]` itself."""
     if weight.is_contiguous():
         return 0
-    if weight.T.is_contiguous():
+    if weight.T.is_contiguous() and weight.dtype == torch.float32:
         return 1
-    raise ValueError(f"weight of shape {tuple(weight.shape)} is in neither layout")
+    raise ValueError(
+        f"{weight.dtype} weight of shape {tuple(weight.shape)} is in no layout the kernel reads"
+    )
 
 
-class CpuDecoder:
+class _Kept:
+    """What the kernel reads by address: aliases of tensors (their storage stays alive whatever
+    becomes of the tensors themselves) and ctypes structs."""
+
+    def __init__(self) -> None:
+        self.kept: list[object] = []
+
+    def _address(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        alias = tensor.detach()  # the same storage, whatever becomes of `tensor` itself
+        self.kept.append(alias)
+        return alias.data_ptr()
+
+    def _matrix(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> _Matrix:
+        return _Matrix(
+            self._address(weight),
+            self._address(scale),
+            FORMATS[weight.dtype],
+            _out_in(weight),
+            *weight.shape,
+        )
+
+
+class NativeMatrix(_Kept):
+    """One weight `[in, out]` (any stored format; int8 with its per-column `scale`) bound to
+    the kernel's product, for few-row products outside a decode step. It keeps the weight's
+    storage alive; rebuilding it for new weights is its owner's job."""
+
+    def __init__(self, library: ctypes.CDLL, weight: torch.Tensor, scale: torch.Tensor | None):
+        super().__init__()
+        self.library = library
+        self.num_out = weight.shape[1]
+        self.matrix = self._matrix(weight, scale)
+        self.partials = torch.empty(0)
+
+    def __reduce__(self):
+        """A copied model holds no native matrices: it makes its own (see `__call__`'s
+        owner)."""
+        return (type(None), ())
+
+    def __call__(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` `[rows, in]` float32 (rows contiguous) @ the weight (+ `add` `[rows, out]`, or a
+        bias `[out]`) -> float32 `[rows, out]`."""
+        rows, threads = x.shape[0], torch.get_num_threads()
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if add is not None:
+            add = add.expand(rows, self.num_out).contiguous()
+        needed = threads * rows * self.num_out
+        if self.partials.numel() < needed:
+            self.partials = torch.empty(needed)
+        out = torch.empty(rows, self.num_out)
+        status = self.library.matmul(
+            ctypes.byref(self.matrix),
+            ctypes.c_void_p(x.data_ptr()),
+            ctypes.c_int64(x.stride(0)),
+            rows,
+            None if add is None else ctypes.c_void_p(add.data_ptr()),
+            ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_void_p(self.partials.data_ptr()),
+            threads,
+        )
+        if status:
+            raise RuntimeError(f"the native product rejected its matrix (status {status})")
+        return out
+
+
+def native_matrix(weight: torch.Tensor, scale: torch.Tensor | None) -> NativeMatrix | None:
+    """`weight` bound to the kernel's product, or None without a library or off the CPU."""
+    library = load()
+    if library is None or not weight.is_cpu or weight.dtype not in FORMATS:
+        return None
+    return NativeMatrix(library, weight, scale)
+
+
+class CpuDecoder(_Kept):
     """A `Stack` from token ids to its final norm, bound to the C kernel for steps of decodes
     only (see `supports`).
 
@@ -224,9 +326,9 @@ class CpuDecoder:
     `engine.models.layers.PagedLanguageModel.native_decode`)."""
 
     def __init__(self, library: ctypes.CDLL, stack: Stack) -> None:
+        super().__init__()
         self.library = library
         self.hidden = stack.hidden
-        self.kept: list[object] = []  # what the kernel reads: tensor aliases, structs
         self.blocks = (_Block * len(stack.blocks))(*map(self._block, stack.blocks))
         self.model = self._model(stack)
         status = library.check_model(ctypes.byref(self.model), self.blocks, len(self.blocks))
@@ -245,16 +347,6 @@ class CpuDecoder:
         the copy makes its own (see `PagedLanguageModel.native_decode`)."""
         return (type(None), ())
 
-    def _address(self, tensor: torch.Tensor | None) -> int | None:
-        if tensor is None:
-            return None
-        alias = tensor.detach()  # the same storage, whatever becomes of `tensor` itself
-        self.kept.append(alias)
-        return alias.data_ptr()
-
-    def _matrix(self, weight: torch.Tensor) -> _Matrix:
-        return _Matrix(self._address(weight), F32, _out_in(weight), *weight.shape)
-
     def _block(self, block: Block) -> _Block:
         params = _PARAMS[block.mixer.kind](self, block.mixer)
         self.kept.append(params)
@@ -267,11 +359,16 @@ class CpuDecoder:
 
     def _model(self, stack: Stack) -> _Model:
         embedding = stack.embedding
-        return _Model(
+        table = _Embedding(
             self._address(embedding),
+            self._address(stack.embedding_scales),
             embedding.stride(0),
             embedding.stride(1),
+            FORMATS[embedding.dtype],
             stack.embedding_scale,
+        )
+        return _Model(
+            table,
             self._address(stack.final_norm),
             (ctypes.c_void_p * MAX_TABLES)(*map(self._address, stack.inv_freqs)),
             self._address(stack.section.to(torch.int32).contiguous()),
@@ -285,8 +382,8 @@ class CpuDecoder:
         self, input_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], metadata
     ) -> bool:
         """Whether this step can run here: on CPU, each row the single new token of its own
-        request (a step of decodes only), no more than `MAX_ROWS`, float32 KV caches of the
-        blocks' shapes."""
+        request (a step of decodes only), no more than `MAX_ROWS`, KV caches of the blocks'
+        shapes, all float32 or all bfloat16."""
         rows = input_ids.shape[0]
         return (
             input_ids.is_cpu
@@ -312,11 +409,16 @@ class CpuDecoder:
                 for index, heads in self.cache_heads.items()
             ]
             self.cache_shapes[num_blocks, block_size] = expected
-        return block_size <= MAX_BLOCK_SIZE and all(
-            kv_caches[index].dtype == torch.float32
-            and kv_caches[index].is_contiguous()
-            and kv_caches[index].shape == shape
-            for index, shape in expected
+        dtype = kv_caches[0].dtype
+        return (
+            block_size <= MAX_BLOCK_SIZE
+            and dtype in KV_FORMATS
+            and all(
+                kv_caches[index].dtype == dtype
+                and kv_caches[index].is_contiguous()
+                and kv_caches[index].shape == shape
+                for index, shape in expected
+            )
         )
 
     def __call__(
@@ -356,6 +458,7 @@ class CpuDecoder:
             ctypes.addressof(self.kv_cache_array),
             len(addresses),
             *(kv_caches[0].shape[1:3] if addresses else (0, 0)),  # blocks, block size
+            FORMATS[kv_caches[0].dtype] if addresses else FORMATS[torch.float32],
         )
         self._fit_scratch(step)
         out = torch.empty(rows, self.hidden)
@@ -386,8 +489,8 @@ class CpuDecoder:
 
 def _attention_params(decoder: CpuDecoder, mixer: Attention) -> _Attention:
     return _Attention(
-        decoder._matrix(mixer.qkv_weight),
-        decoder._matrix(mixer.o_weight),
+        decoder._matrix(mixer.qkv_weight, mixer.qkv_scale),
+        decoder._matrix(mixer.o_weight, mixer.o_scale),
         decoder._address(mixer.qkv_bias),
         decoder._address(mixer.qk_norm),
         mixer.num_heads,
@@ -403,7 +506,9 @@ def _attention_params(decoder: CpuDecoder, mixer: Attention) -> _Attention:
 
 def _gated_mlp_params(decoder: CpuDecoder, mixer: GatedMlp) -> _GatedMlp:
     return _GatedMlp(
-        decoder._matrix(mixer.gate_up_weight), decoder._matrix(mixer.down_weight), mixer.activation
+        decoder._matrix(mixer.gate_up_weight, mixer.gate_up_scale),
+        decoder._matrix(mixer.down_weight, mixer.down_scale),
+        mixer.activation,
     )
 
 

@@ -122,6 +122,16 @@ def render_scene_cut(spec: ClipSpec) -> Iterator[np.ndarray]:
             yield compose(cool, [(obj, (250, 220, 0))])
 
 
+def render_steady_motion(spec: ClipSpec) -> Iterator[np.ndarray]:
+    """A static textured scene; one ball circles it at a steady speed, once every 20 s."""
+    h, w = spec.height, spec.width
+    background = backdrop(6, h, w, (30, 60, 80), (220, 210, 170))
+    for i in range(spec.num_frames):
+        angle = 2 * np.pi * i / (20 * spec.fps)
+        ball = disk(h, w, h / 2 + 70 * np.sin(angle), w / 2 + 110 * np.cos(angle), 16)
+        yield compose(background, [(ball, (240, 200, 30))])
+
+
 NEAR_STATIC_EVENTS_S = (20, 110, 200)  # seconds at which the object appears
 
 
@@ -195,6 +205,7 @@ CLIPS: list[tuple[ClipSpec, Renderer]] = [
     (ClipSpec("scene_cut", 320, 240, 24, 144), render_scene_cut),
     (ClipSpec("near_static_long", 160, 120, 4, 1000, gop=240), render_near_static_long),
     (ClipSpec("motion_mask", 224, 224, 24, 192), render_motion_mask),
+    (ClipSpec("steady_motion", 320, 240, 4, 480), render_steady_motion),
 ]
 
 

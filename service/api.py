@@ -13,23 +13,26 @@ built with (`evs=`), else the checkpoint's own pruning rate, else rate 0.75 (`ev
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from os import PathLike
 from pathlib import Path
-
-import torch
 
 from stillcut.engine.config import CacheConfig, EngineConfig
 from stillcut.engine.llm_engine import LLMEngine, RequestOutput
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.processor import Prompt
+from stillcut.engine.quantization import stored_bytes
 from stillcut.engine.request import SamplingParams
 from stillcut.service.async_engine import AsyncEngine
 from stillcut.service.evs_default import DEFAULT_EVS, UNSET, EVSChoice, resolve_evs_default
 from stillcut.service.media_budget import MediaBudget, check_media_budget, media_identity
+from stillcut.service.narrate_api import Frames, Segment, file_frames, narrate_frames
+from stillcut.service.narrate_options import NarrateOptions
 from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
 from stillcut.vision.decode import DecodeConfig
@@ -37,12 +40,27 @@ from stillcut.vision.pipeline import ImageInput, VideoInput, VideoSource, Vision
 
 __all__ = ["DEFAULT_EVS", "DEFAULT_PROMPT", "VideoLLM", "describe_video"]
 DEFAULT_PROMPT = "Describe this video."
+DEFAULT_NARRATE_PROMPT = "Narrate what happens, one short line at a time."
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 # A bounded KV pool: the engine's own default takes half the free memory, too much for a tool.
 DEFAULT_ENGINE_CONFIG = EngineConfig(cache=CacheConfig(kv_cache_memory=DEFAULT_KV_CACHE_BYTES))
 DEMO_MODEL_NAME = "stillcut-demo"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISION_OPTIONS = ("dtype", "quantization", "quantization_skip", "kv_cache_dtype")
+log = logging.getLogger(__name__)
+
+
+def with_precision(config: EngineConfig, **precision) -> EngineConfig:
+    """`config` with the given `PRECISION_OPTIONS` (those not None) replaced."""
+    unknown = set(precision) - set(PRECISION_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"unknown options {sorted(unknown)}; precision options: {PRECISION_OPTIONS}"
+        )
+    given = {key: value for key, value in precision.items() if value is not None}
+    if "quantization_skip" in given:
+        given["quantization_skip"] = tuple(given["quantization_skip"])
+    return replace(config, **given)
 
 
 class VideoLLM:
@@ -57,22 +75,28 @@ class VideoLLM:
         encoder_cache_bytes: int = 1 << 30,
         name: str | None = None,
         evs: EVSChoice = UNSET,
+        **precision,
     ) -> None:
         """`model` is a checkpoint folder or hub id; None is the trained demo checkpoint shipped
         with the package. `name` is the id the server reports (default: the folder name). `evs`
         is the EVS setting of requests that name none (None: off; default: the checkpoint's own
-        rate, else rate 0.75)."""
+        rate, else rate 0.75). `precision` overrides `engine_config`'s `dtype`,
+        `quantization`, `quantization_skip` and `kv_cache_dtype` (see `EngineConfig`); the
+        vision tower stores its weights in the same format."""
         from stillcut.engine.factory import demo_checkpoint
 
+        engine_config = with_precision(engine_config, **precision)
         self.engine = LLMEngine(demo_checkpoint() if model is None else model, engine_config)
         self.path: Path = self.engine.path
         self.pipeline = VisionPipeline(
             self.path,
-            dtype=_DTYPES[engine_config.dtype],
+            weight_format=self.engine.weight_format,
             device=engine_config.device,
             decode_config=decode_config,
             cache_bytes=encoder_cache_bytes,
         )
+        self.vision_weight_bytes = stored_bytes(self.pipeline.tower)
+        log.info("vision tower weights: %.1f MiB", self.vision_weight_bytes / 2**20)
         self.processor = self.engine.processor
         self.evs_default = resolve_evs_default(self.engine.model_config, evs)
         self.is_random_demo = bool(self.engine.model_config.raw.get("stillcut_random_weights"))
@@ -172,6 +196,31 @@ class VideoLLM:
             for item, output in zip(items, outputs, strict=True)
         ]
 
+    def narrate(
+        self,
+        source: str | PathLike | Frames,
+        prompt: str = DEFAULT_NARRATE_PROMPT,
+        *,
+        realtime: bool = False,
+        **options,
+    ) -> Iterator[Segment]:
+        """Narrate a video file (a path) or an iterator of (timestamp, [H, W, 3] uint8 frame),
+        yielding segments as they come. Options are the WebSocket's narrate options
+        (`NarrateOptions`; here `lag` defaults to "queue"); `realtime` paces frames at their
+        timestamps. The engine is busy with it until the iterator ends or is closed."""
+        narrate_options = NarrateOptions(prompt=prompt, **{"lag": "queue", **options})
+        if isinstance(source, str | PathLike):
+            source = file_frames(source, narrate_options.fps)
+        with self._engine_lock:
+            if self._async_engine is not None:
+                raise RuntimeError(
+                    "this VideoLLM serves requests through its AsyncEngine; "
+                    "narrate through the server's WebSocket instead"
+                )
+            yield from narrate_frames(
+                self.engine, self.pipeline, source, narrate_options, realtime=realtime
+            )
+
     def _generate(
         self, prompts: list[Prompt], params: SamplingParams, *, progress: bool
     ) -> list[RequestOutput]:
@@ -204,18 +253,24 @@ def describe_video(
     prompt: str = DEFAULT_PROMPT,
     *,
     model: str | PathLike | None = None,
+    dtype: str | None = None,
+    quantization: str | None = None,
+    quantization_skip: Sequence[str] | None = None,
+    kv_cache_dtype: str | None = None,
     **options,
 ) -> DescribeResult:
     """Describe a video with the model `model` (None: the demo checkpoint), loaded on first use
-    and kept for later calls. Options are those of `VideoLLM.describe_many`."""
-    return _cached_llm(None if model is None else os.fspath(model)).describe(
-        video, prompt, **options
-    )
+    (its weights stored as `dtype`, `quantization`, `quantization_skip` and `kv_cache_dtype`
+    say, see `EngineConfig`) and kept for later calls. Options are those of
+    `VideoLLM.describe_many`."""
+    precision = (dtype, quantization, tuple(quantization_skip or ()), kv_cache_dtype)
+    llm = _cached_llm(None if model is None else os.fspath(model), precision)
+    return llm.describe(video, prompt, **options)
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_llm(model: str | None) -> VideoLLM:
-    return VideoLLM(model)
+def _cached_llm(model: str | None, precision: tuple) -> VideoLLM:
+    return VideoLLM(model, **dict(zip(PRECISION_OPTIONS, precision, strict=True)))
 
 
 def _model_name(model: str | PathLike) -> str:

@@ -81,13 +81,20 @@ def create_app(llm: VideoLLM, config: ServerConfig = ServerConfig()) -> FastAPI:
 
 
 async def health_endpoint(request: Request) -> Response:
-    """200 while the engine loop runs, else 503; with the KV pool's state."""
+    """200 while the engine loop runs, else 503; with the KV pool's state and what the
+    weights and the pool are stored in."""
     state: ServiceState = request.app.state.service
     stats = state.engine.stats
     running = state.engine.is_running
+    memory = state.llm.engine.memory
     body = {
         "status": "ok" if running else "unavailable",
         "model": state.llm.name,
+        "weight_format": memory.weight_format,
+        "weight_bytes": memory.weight_bytes,
+        "vision_weight_bytes": state.llm.vision_weight_bytes,
+        "kv_cache_dtype": memory.kv_cache_dtype,
+        "kv_cache_bytes": memory.kv_cache_bytes,
         "kv_blocks_used": stats.num_blocks_used,
         "kv_blocks_total": stats.num_blocks,
         "requests_waiting": stats.num_waiting + state.num_jobs_pending,

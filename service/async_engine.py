@@ -132,12 +132,15 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         hold: bool = False,
+        streaming: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them; the last has `finished`.
 
         Admission errors (`QueueFull`, `RequestTooLong`, ...) raise on the first iteration.
         Leaving the iteration early, or cancelling it, aborts the request. A `hold=True`
-        request yields one output with finish_reason "held" once its prefill is done.
+        request yields one output with finish_reason "held" once its prefill is done. A
+        `streaming=True` request yields its segments' outputs (each segment's last has
+        `segment_end`) for as long as it gets input (`append_input`).
         """
         self._reserve_slot()
         request_id = request_id or f"{self._id_prefix}-{next(self._ids)}"
@@ -147,7 +150,12 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(
-                    prompt, params, request_id=request_id, cache_salt=cache_salt, hold=hold
+                    prompt,
+                    params,
+                    request_id=request_id,
+                    cache_salt=cache_salt,
+                    hold=hold,
+                    streaming=streaming,
                 )
                 self._streams[request_id] = stream
             finally:
@@ -171,11 +179,17 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop())
 
         def extend() -> None:
-            self.engine.extend_held(request_id, token_ids, mm_items)
+            self.engine.append_input(request_id, token_ids, mm_items)
             self._streams[request_id] = stream
 
         await self._submit(extend)
         return await stream.get()
+
+    async def append_input(
+        self, request_id: str, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem] = ()
+    ) -> None:
+        """Give a streaming request more input; its outputs go on in its `generate` stream."""
+        await self._submit(lambda: self.engine.append_input(request_id, token_ids, mm_items))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread between steps; its result or exception."""

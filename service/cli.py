@@ -1,7 +1,8 @@
 """The `stillcut` command line.
 
 `stillcut describe VIDEO` answers a prompt about a video (`cli_describe`); `stillcut serve`
-runs the HTTP service (`cli_serve`); `stillcut inspect VIDEO` runs only the vision half of the
+runs the HTTP service (`cli_serve`); `stillcut narrate VIDEO` prints running commentary
+(`cli_narrate`); `stillcut inspect VIDEO` runs only the vision half of the
 pipeline — decode, preprocess, encode, EVS — and prints what was decoded, the token grid and
 what EVS kept. All use the trained demo checkpoint shipped with the package unless given
 `--model`. Heavy imports wait until a command runs, so `stillcut --help` is instant.
@@ -22,11 +23,12 @@ RANDOM_WEIGHTS_NOTICE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stillcut.service import cli_describe, cli_serve
+    from stillcut.service import cli_describe, cli_narrate, cli_serve
 
     parser = argparse.ArgumentParser(prog="stillcut", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     cli_describe.add_parser(commands)
+    cli_narrate.add_parser(commands)
     cli_serve.add_parser(commands)
     inspect = commands.add_parser("inspect", help="decode, encode and prune a video; print it")
     inspect.set_defaults(run=_inspect)
@@ -44,6 +46,47 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start", type=float, help="start of the range, seconds")
     parser.add_argument("--end", type=float, help="end of the range, seconds")
     add_evs_arguments(parser)
+
+
+def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
+    """How weights and the KV cache are stored: `describe` and `serve` share these."""
+    from stillcut.engine.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATION_SKIPS, QUANTIZATIONS
+
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="format weights are stored in (default auto: the checkpoint's own); on CPU every "
+        "product still computes in float32",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=[name for name in QUANTIZATIONS if name],
+        help="store every matrix in int8 with a scale per output channel (CPU)",
+    )
+    parser.add_argument(
+        "--quantization-skip",
+        choices=QUANTIZATION_SKIPS,
+        action="append",
+        default=[],
+        help="a part kept unquantized (lm_head: the LM head and a tied embedding)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="K/V pool dtype (default auto: float32 on CPU; bfloat16 holds twice the tokens)",
+    )
+
+
+def precision_options(args: argparse.Namespace) -> dict:
+    """`EngineConfig`'s precision fields from `add_precision_arguments`' flags."""
+    return {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "quantization_skip": tuple(args.quantization_skip),
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
 
 
 def add_evs_arguments(parser: argparse.ArgumentParser) -> None:

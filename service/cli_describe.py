@@ -17,11 +17,12 @@ DEFAULT_MAX_TOKENS = 128
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_video_arguments
+    from stillcut.service.cli import add_precision_arguments, add_video_arguments
 
     parser = commands.add_parser("describe", help="answer a prompt about a video")
     parser.set_defaults(run=run)
     add_video_arguments(parser)
+    add_precision_arguments(parser)
     parser.add_argument(
         "--prompt", default="Describe this video.", help="the question (default: describe it)"
     )
@@ -38,14 +39,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config
+    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config, precision_options
     from stillcut.vision.decode import DecodeConfig
 
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
     decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames)
     started = time.perf_counter()
-    llm = VideoLLM(args.model, decode_config=decode_config, evs=evs_config(args))
+    llm = VideoLLM(
+        args.model, decode_config=decode_config, evs=evs_config(args), **precision_options(args)
+    )
     load_s = time.perf_counter() - started
     result = llm.describe(
         args.video,
@@ -57,11 +60,20 @@ def run(args: argparse.Namespace) -> int:
         end=args.end,
         progress=True,
     )
+    memory = llm.engine.memory
     if args.json:
         report = {"video": str(args.video), "model": llm.name, "load_model_s": load_s}
+        weights = {"weight_format": memory.weight_format, "weight_bytes": memory.weight_bytes}
+        report["memory"] = {
+            **weights,
+            "vision_weight_bytes": llm.vision_weight_bytes,
+            "kv_cache_dtype": memory.kv_cache_dtype,
+            "kv_cache_bytes": memory.kv_cache_bytes,
+        }
         print(json.dumps({**report, **result.to_dict()}, indent=2))
     else:
         _print_result(result, load_s)
+        print(f"{'weights':<12}{memory}; vision tower {llm.vision_weight_bytes / 2**20:.1f} MiB")
     if llm.is_random_demo:
         print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
     return 0

@@ -19,7 +19,7 @@ WILDCARD_ADDRESSES = ("0.0.0.0", "::")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_evs_arguments
+    from stillcut.service.cli import add_evs_arguments, add_precision_arguments
 
     parser = commands.add_parser("serve", help="run the HTTP service")
     parser.set_defaults(run=run)
@@ -93,6 +93,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--max-sessions", type=int, default=4, help="live WebSocket sessions at once (default 4)"
     )
     add_evs_arguments(parser)
+    add_precision_arguments(parser)
     parser.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
@@ -104,7 +105,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from stillcut.service.api import VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config
+    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config, precision_options
     from stillcut.service.config import MIB, ServerConfig
     from stillcut.service.server import serve
     from stillcut.vision.decode import DecodeConfig
@@ -132,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(
         scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),
         cache=CacheConfig(kv_cache_memory=args.kv_cache_memory * MIB),
+        **precision_options(args),
     )
     decode_config = DecodeConfig(max_image_pixels=args.max_image_pixels)
     llm = VideoLLM(

@@ -9,7 +9,10 @@ bytes of little-endian float64 timestamp (seconds), then PNG or JPEG bytes.
 `{"type": "ask", "prompt"}` may come at any time (one answer at a time) and frames keep flowing
 while it is answered; the idle timer starts again when an answer ends. `{"type": "stop"}` ends
 the session. The server sends `started`, then `frame` per encoded tubelet, `token` while
-answering, `answer` at the end of one, and `error`. Fatal errors close with 1003 (unsupported
+answering, `answer` at the end of one, and `error`. A start with `"mode": "narrate"` (see
+`NarrateOptions`) narrates instead: no asks; `token` while the model speaks, `segment` at each
+segment's end, `rollover` when the sequence starts afresh; `stop` ends the session once what
+is queued has been narrated. Fatal errors close with 1003 (unsupported
 data), 1008 (policy: auth, limits, protocol order), 1009 (message too big) or 1011 (internal);
 others are reported and the session goes on. Whatever ends the session, its held prefix is
 released.
@@ -46,6 +49,8 @@ from stillcut.service.live_inbox import (
 from stillcut.service.live_options import LiveError, LiveLimits, LiveOptions
 from stillcut.service.live_session import LiveSession
 from stillcut.service.middleware import bearer_token, key_matches
+from stillcut.service.narrate_options import NarrateOptions
+from stillcut.service.narration import Narration
 from stillcut.service.openai_format import logprobs_body
 from stillcut.service.record import RequestRecord
 from stillcut.service.result import timings_of, usage_of
@@ -134,23 +139,31 @@ async def _session_slot(state: ServiceState) -> AsyncIterator[None]:
         state.live_sessions -= 1
 
 
-async def _serve(
-    state: ServiceState, connection: _Connection, inbox: Inbox, options: LiveOptions
-) -> None:
-    config = state.config
+def _session(
+    state: ServiceState, connection: _Connection, options: LiveOptions | NarrateOptions
+) -> LiveSession:
     # engine request ids must be unique; a client's X-Request-Id need not be
     session_id = f"live-{uuid.uuid4().hex}"
+    workers = {"run_encode": state.encoder.run, "run_prompt": state.prompter.run}
     try:
-        session = LiveSession(
-            state.llm.pipeline,
-            state.engine,
-            options,
-            session_id,
-            run_encode=state.encoder.run,
-            run_prompt=state.prompter.run,
-        )
+        if isinstance(options, NarrateOptions):
+            return Narration(
+                state.llm.pipeline, state.engine, options, session_id, connection.send, **workers
+            )
+        return LiveSession(state.llm.pipeline, state.engine, options, session_id, **workers)
     except ValueError as error:  # a model, or an engine without prefix caching, cannot stream
         raise SessionEnd(CLOSE_POLICY, str(error), "unsupported_model") from None
+
+
+async def _serve(
+    state: ServiceState,
+    connection: _Connection,
+    inbox: Inbox,
+    options: LiveOptions | NarrateOptions,
+) -> None:
+    config = state.config
+    session = _session(state, connection, options)
+    session_id = session.session_id
     answering: asyncio.Task | None = None
     try:
         await connection.send(
@@ -174,7 +187,11 @@ async def _serve(
             elif message.get("type") == "stop":
                 if answering is not None:
                     await answering  # the answer asked for before stop is still delivered
+                if isinstance(session, Narration):
+                    await session.drain()  # and what is queued is still narrated
                 return
+            elif message.get("type") == "ask" and isinstance(session, Narration):
+                await connection.error("bad_message", "a narrating session takes no ask")
             elif message.get("type") == "ask":
                 if answering is not None:
                     await connection.error("busy", "an answer is still streaming; ask again after")
@@ -194,8 +211,11 @@ async def _serve(
         await session.close()
 
 
-async def _start(state: ServiceState, connection: _Connection, inbox: Inbox) -> LiveOptions:
-    """The options of a valid start message, which must come within `session_start_s`."""
+async def _start(
+    state: ServiceState, connection: _Connection, inbox: Inbox
+) -> LiveOptions | NarrateOptions:
+    """The options of a valid start message, which must come within `session_start_s`:
+    `"mode": "narrate"` starts a narration, no mode a question-answer session."""
     config = state.config
     limit = f"session_start_s={config.session_start_s:g}"
     late = SessionEnd(CLOSE_POLICY, f"no valid start message within {limit}", "start_timeout")
@@ -210,7 +230,12 @@ async def _start(state: ServiceState, connection: _Connection, inbox: Inbox) -> 
     limits = LiveLimits(
         max_frames=config.max_session_frames, max_frame_bytes=config.max_message_bytes
     )
+    mode = message.pop("mode", None)
     try:
+        if mode == "narrate":
+            return NarrateOptions.from_message(message, limits)
+        if mode is not None:
+            raise ValueError(f"mode={str(mode)[:40]!r}: allowed 'narrate' or no mode")
         return LiveOptions.from_message(message, limits)
     except (TypeError, ValueError) as error:
         raise SessionEnd(CLOSE_POLICY, f"bad start options: {error}", "bad_start") from None

@@ -26,6 +26,7 @@ from PIL import Image
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import dense_coords
+from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
@@ -72,7 +73,7 @@ class VisionPipeline:
         self,
         model: str | os.PathLike,
         *,
-        dtype: torch.dtype = torch.float32,
+        weight_format: WeightFormat = WeightFormat(),
         device: torch.device | str = "cpu",
         decode_config: DecodeConfig = DecodeConfig(),
         cache_bytes: int = 1 << 30,
@@ -80,14 +81,16 @@ class VisionPipeline:
         self.path = resolve_checkpoint(model)
         self.model_config = load_model_config(self.path)
         self.family = self.model_config.family
-        self.tower = load_vision_tower(self.path, dtype=dtype, device=device)
+        self.weight_format = weight_format.resolved(self.path)
+        self.tower = load_vision_tower(self.path, self.weight_format, device=device)
         self.device = torch.device(device)
         self.media = self.family.media_class()(self.path, self.model_config)
         self.video_preprocess = self.media.video_preprocess
         self.image_preprocess = self.media.image_preprocess
         self.decode_config = decode_config
         self.cache = EncoderCache(cache_bytes)
-        self.model_key = model_fingerprint(self.path)
+        # the weights as stored shape the embeddings: a format is part of the model's identity
+        self.model_key = model_fingerprint(self.path, self.weight_format.describe())
         self.work = VisionWork()
 
     def video(self, source: VideoSource, evs: EVSConfig | None = None, **options) -> MultiModalItem:
@@ -286,9 +289,10 @@ def item_identifier(media_key: str, evs: EVSConfig | None) -> str:
     return hashlib.sha256(f"{media_key}\0{setting}".encode()).hexdigest()
 
 
-def model_fingerprint(path: Path) -> str:
-    """Identify a checkpoint cheaply: its config plus the names, sizes and mtimes of weights."""
-    digest = hashlib.sha256((path / "config.json").read_bytes())
+def model_fingerprint(path: Path, weight_format: str = "") -> str:
+    """Identify a checkpoint cheaply: its config plus the names, sizes and mtimes of weights,
+    and the format its weights are stored in (`WeightFormat.describe`)."""
+    digest = hashlib.sha256((path / "config.json").read_bytes() + weight_format.encode())
     for weights in sorted(path.glob("*.safetensors")):
         stat = weights.stat()
         digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())

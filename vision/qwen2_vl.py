@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.models.qwen2_vl_config import VisionConfig
+from stillcut.engine.quantization import widened
 from stillcut.kernels.vision_attention import varlen_attention
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, t counted in tubelets
@@ -93,7 +94,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, kernel, bias=False)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        weight = self.proj.weight.flatten(1)  # [hidden, C*2*14*14], a view
+        weight = widened(self.proj).flatten(1)  # [hidden, C*2*14*14]
         return F.linear(patches.to(weight.device, weight.dtype), weight)  # [N, hidden]
 
 

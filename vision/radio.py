@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.models.nemotron_config import RadioVisionConfig
+from stillcut.engine.quantization import widened
 from stillcut.kernels.vision_attention import varlen_attention
 from stillcut.vision.siglip import image_patches
 
@@ -51,7 +52,7 @@ class RadioPatchGenerator(nn.Module):
         """[B, C, H, W] (C = 3: images; a multiple of 3: tubelets) -> [B, prefix + HW/P², D]."""
         video = pixel_values.shape[1] != self.num_channels
         projection = self.video_embedder if video else self.embedder
-        weight = projection.weight
+        weight = widened(projection)  # [D, patch_dim]
         patches = image_patches(pixel_values.to(weight.device, weight.dtype), self.patch_size)
         embeds = F.linear(patches, weight)  # [B, N, D]
         rows, cols = (side // self.patch_size for side in pixel_values.shape[-2:])

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.models.gemma3_config import SiglipVisionConfig
+from stillcut.engine.quantization import widened
 from stillcut.kernels.vision_attention import varlen_attention
 from stillcut.vision.qwen2_vl import VisionMLP
 
@@ -47,7 +48,7 @@ class SiglipEmbeddings(nn.Module):
         self.position_embedding = nn.Embedding(config.num_patches, config.hidden_size)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        weight = self.patch_embedding.weight.flatten(1)  # [hidden, C*P*P], a view
+        weight = widened(self.patch_embedding).flatten(1)  # [hidden, C*P*P]
         patches = image_patches(pixel_values.to(weight.device, weight.dtype), self.patch_size)
         embeds = F.linear(patches, weight, self.patch_embedding.bias)  # [B, N, hidden]
         return embeds + self.position_embedding.weight  # [B, N, hidden]
@@ -151,7 +152,8 @@ class Gemma3Projector(nn.Module):
         grid = states.view(states.shape[0], side, kernel, side, kernel, states.shape[-1])
         pooled = grid.mean(dim=(2, 4)).flatten(1, 2)  # [B, mm_tokens, vision hidden]
         normed = self.mm_soft_emb_norm(pooled)
-        return (normed @ self.mm_input_projection_weight).type_as(states)
+        projection = widened(self, "mm_input_projection_weight", axis=1)  # [in, out]
+        return (normed @ projection).type_as(states)
 
 
 class Gemma3VisionEncoder(nn.Module):
@@ -166,6 +168,10 @@ class Gemma3VisionEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values [B, C, S, S] -> [B, mm_tokens_per_image, out_hidden_size]."""
         return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+    def matmul_parameters(self) -> dict[str, int]:
+        """The projector's bare `[in, out]` weight: a matrix with output channels on axis 1."""
+        return {"multi_modal_projector.mm_input_projection_weight": 1}
 
     def unused_tensors(self) -> tuple[str, ...]:
         """SigLIP's pooling head, when the checkpoint stores one: Gemma 3 (in transformers too)

@@ -4,7 +4,11 @@ The family's registry entry names the encoder class, built from the family's vis
 the meta device, so no memory is allocated or initialised for weights that the checkpoint
 replaces anyway; `load_weights` then assigns the checkpoint's tensors. An encoder may define
 `unused_tensors()`: prefixes of stored parts it never reads (skipped at load, as transformers'
-own model never reads them).
+own model never reads them), and `matmul_parameters()`: bare parameters it multiplies by (name
+-> output-channel axis), stored and quantized like its linear layers. Weights are stored as the
+`WeightFormat` says; on CPU the tower computes in float32, so its linear layers whose weights
+are stored narrower become `WideningLinear`s (the weight widened for each product, one layer at
+a time) and its patch embeddings widen theirs the same way (`quantization.widened`).
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from __future__ import annotations
 from os import PathLike
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
 from stillcut.engine.model_config import ModelConfig
+from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats, widened
 
 VISION_PREFIX = "visual."
 
@@ -29,13 +35,49 @@ def build_vision_tower(model_config: ModelConfig, device: torch.device | str = "
 
 def load_vision_tower(
     model: str | PathLike[str],
-    dtype: torch.dtype | None = torch.float32,
+    weight_format: WeightFormat = WeightFormat(),
     device: torch.device | str = "cpu",
 ) -> nn.Module:
-    """The vision encoder of a checkpoint folder or hub id, weights loaded, in eval mode."""
+    """The vision encoder of a checkpoint folder or hub id, weights loaded and stored as
+    `weight_format` says (default: as the checkpoint stores them), in eval mode."""
     path = resolve_checkpoint(model)
     model_config = load_model_config(path)
     tower = build_vision_tower(model_config, device="meta")
     unused = getattr(tower, "unused_tensors", lambda: ())()
-    load_weights(tower, path, prefix=VISION_PREFIX, dtype=dtype, device=device, unused=unused)
+    extra = getattr(tower, "matmul_parameters", dict)()
+    formats = plan_formats(tower, weight_format.resolved(path), matmul_weights(tower, extra))
+    load_weights(tower, path, VISION_PREFIX, device=device, unused=unused, formats=formats)
+    _widen_linears(tower)
     return tower.eval()
+
+
+class WideningLinear(nn.Module):
+    """An `nn.Linear` whose weight stays as stored (with its int8 `weight_scale`) and is
+    widened to the input's dtype for each product."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        if hasattr(linear, "weight_scale"):
+            self.weight_scale = linear.weight_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, widened(self), self.bias)
+
+
+def _widen_linears(module: nn.Module) -> None:
+    """Make every `nn.Linear` under `module` whose weight is not what it computes in a
+    `WideningLinear`."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear) and _stored_narrow(child):
+            setattr(module, name, WideningLinear(child))
+        else:
+            _widen_linears(child)
+
+
+def _stored_narrow(linear: nn.Linear) -> bool:
+    """Whether `linear` computes in another dtype than its weight is stored in (on CPU every
+    product is float32)."""
+    weight = linear.weight
+    return hasattr(linear, "weight_scale") or (weight.is_cpu and weight.dtype != torch.float32)

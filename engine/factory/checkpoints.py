@@ -67,6 +67,7 @@ from stillcut.engine.factory.qwen_tokenizer import (
     qwen_tokenizer_dir,
     tokenizer_cache_name,
 )
+from stillcut.engine.factory.streamed import write_streamed
 from stillcut.engine.models.families import GEMMA3, NEMOTRON_H_OMNI
 
 if TYPE_CHECKING:
@@ -355,20 +356,32 @@ def _ensure_cached(spec: CheckpointSpec, *, announce: bool = False) -> Path:
 
 
 def _write_checkpoint(spec: CheckpointSpec, folder: Path) -> None:
-    import torch
     import transformers
-    from transformers.utils import logging as hf_logging
 
     model_class = getattr(transformers, _MODEL_CLASSES[spec.family])
+    generation = transformers.GenerationConfig(
+        **_GENERATION_IDS.get(spec.family, _QWEN_GENERATION_IDS)
+    )
+    preset = PRESETS.get(spec.preset)
+    if spec.family in ("qwen2_5_vl", "qwen2_vl") and preset is not None and preset.streamed:
+        write_streamed(model_class, hf_config(spec), generation, folder, spec.seed, spec.dtype)
+    else:
+        _write_built(model_class, spec, generation, folder)
+    _write_processing_files(spec, folder)
+
+
+def _write_built(model_class, spec: CheckpointSpec, generation, folder: Path) -> None:
+    """Build the model with transformers' own init (seeded) and save it."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
     # fork_rng: seed the init without disturbing the caller's RNG stream.
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
         model = model_class(hf_config(spec))
         _RANDOMIZE.get(spec.family, lambda _: None)(model)
     model.to(getattr(torch, spec.dtype))
-    model.generation_config = transformers.GenerationConfig(
-        **_GENERATION_IDS.get(spec.family, _QWEN_GENERATION_IDS)
-    )
+    model.generation_config = generation
     bars_were_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -376,6 +389,10 @@ def _write_checkpoint(spec: CheckpointSpec, folder: Path) -> None:
     finally:
         if bars_were_enabled:
             hf_logging.enable_progress_bar()
+
+
+def _write_processing_files(spec: CheckpointSpec, folder: Path) -> None:
+    """Preprocessor configs and the tokenizer."""
     if spec.family in _PROCESSOR_CONFIGS:
         configs = _PROCESSOR_CONFIGS[spec.family](spec)
     else:

@@ -35,12 +35,14 @@ _QWEN2_5_VISION_EXTRA = MappingProxyType({"window_size": 112, "tokens_per_second
 @dataclass(frozen=True)
 class Preset:
     """A named model size. `vision` uses Qwen2.5-VL keys; `family_vision` translates them.
-    `tie_word_embeddings` is the default a spec may override."""
+    `tie_word_embeddings` is the default a spec may override. `streamed` presets are too large
+    to build in memory: their weights are written tensor by tensor (`factory.streamed`)."""
 
     dtype: Literal["float32", "bfloat16"]
     text: Mapping[str, int]
     vision: Mapping[str, Any]
     tie_word_embeddings: bool = True
+    streamed: bool = False
 
     def __post_init__(self) -> None:
         # Read-only views: presets are shared by every caller.
@@ -64,6 +66,17 @@ _DEMO_VISION = MappingProxyType(
         "num_heads": 4,
         "intermediate_size": 768,
         "fullatt_block_indexes": (3, 7),
+    }
+)
+
+# The vision tower of the released Qwen2.5-VL 3B and 7B checkpoints.
+_RELEASED_VISION = MappingProxyType(
+    {
+        "depth": 32,
+        "hidden_size": 1280,
+        "num_heads": 16,
+        "intermediate_size": 3420,
+        "fullatt_block_indexes": (7, 15, 23, 31),
     }
 )
 
@@ -93,6 +106,33 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
         # them vocabulary), the size decode speed is measured at (bench/decode_roofline.py).
         "lm180m": Preset(
             dtype="bfloat16", text=_DEMO_TEXT, vision=_DEMO_VISION, tie_word_embeddings=False
+        ),
+        # The shapes of Qwen2.5-VL-3B-Instruct (3.75B parameters, 7.5 GB in bf16), random.
+        "3b": Preset(
+            dtype="bfloat16",
+            text={
+                "hidden_size": 2048,
+                "num_hidden_layers": 36,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 2,
+                "intermediate_size": 11008,
+            },
+            vision=_RELEASED_VISION,
+            streamed=True,
+        ),
+        # The shapes of Qwen2.5-VL-7B-Instruct (8.3B parameters, 16.6 GB in bf16), random.
+        "7b": Preset(
+            dtype="bfloat16",
+            text={
+                "hidden_size": 3584,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+                "intermediate_size": 18944,
+            },
+            vision=_RELEASED_VISION,
+            streamed=True,
+            tie_word_embeddings=False,
         ),
     }
 )

@@ -64,6 +64,7 @@ QWEN2_5_VL = ModelFamily(
     prompt_format=PromptFormat(),
     positions="mrope",
     live_sessions=True,
+    narration_timestamp="<{t:.1f}s>",
     weight_prefixes=QWEN_WEIGHT_PREFIXES,
 )
 QWEN2_VL = dataclasses.replace(

@@ -8,7 +8,7 @@ window of sequence slots, global layers to everything; each kind rotates with it
 the global one with linear position scaling. Attention scores scale by
 `query_pre_attn_scalar ** -0.5`, and the config may soft-cap scores and logits. Positions are
 1-D; EVS-pruned image tokens keep the ids they had unpruned (`gemma3_positions`). The head is
-the tied embedding, `[hidden, vocab]`. Weights are fused and laid out as in `qwen2`.
+the tied embedding, `[hidden, vocab]`. Weights are fused, laid out and stored as in `qwen2`.
 """
 
 from __future__ import annotations
@@ -30,20 +30,24 @@ from stillcut.engine.models.gemma3_text_config import (
     gemma3_text_config,
 )
 from stillcut.engine.models.layers import (
-    Bands,
+    PROJECTIONS,
     PagedLanguageModel,
+    ProjectingModule,
     checkpoint_layer,
     checkpoint_layout,
+    embedding_rows,
     empty_weight,
     fuse_projections,
     fused_qkv_attention,
     head_layout,
     linear,
     rotary_tables,
+    scale_of,
     set_weight,
     vocab_logits,
 )
 from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
 
@@ -85,8 +89,10 @@ class Gemma3Rope(nn.Module):
         }
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(ProjectingModule):
     """Sandwich-normed attention (local or global) and GeGLU MLP, weights `[in, out]`."""
+
+    projections = PROJECTIONS
 
     def __init__(
         self,
@@ -114,7 +120,6 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_norm = empty_weight(hidden, **norm)
         self.gate_up_weight = empty_weight(hidden, 2 * config.intermediate_size, **new)
         self.down_weight = empty_weight(config.intermediate_size, hidden, **new)
-        self.bands: dict[str, Bands] = {}  # see `band_weights`
         self.post_feedforward_norm = empty_weight(hidden, **norm)
 
     def forward(
@@ -127,9 +132,7 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`hidden` [N, hidden] (the residual stream) -> the next layer's residual stream."""
         qkv = linear(
-            _norm(hidden, self.input_norm, self.eps),
-            self.qkv_weight,
-            banded=self.bands.get("qkv_weight"),
+            _norm(hidden, self.input_norm, self.eps), self.matrix("qkv_weight")
         )  # [N, (Hq+2Hkv) * D]
         attended = fused_qkv_attention(
             qkv,
@@ -144,19 +147,15 @@ class Gemma3DecoderLayer(nn.Module):
             sliding_window=self.sliding_window,
             logits_soft_cap=self.soft_cap,
         )  # [N, Hq * D]
-        attended = linear(attended, self.o_weight, banded=self.bands.get("o_weight"))  # [N, hidden]
+        attended = linear(attended, self.matrix("o_weight"))  # [N, hidden]
         hidden = hidden + _norm(attended, self.post_attention_norm, self.eps)
 
         gate_up = linear(
-            _norm(hidden, self.pre_feedforward_norm, self.eps),
-            self.gate_up_weight,
-            banded=self.bands.get("gate_up_weight"),
+            _norm(hidden, self.pre_feedforward_norm, self.eps), self.matrix("gate_up_weight")
         )
         gate, up = gate_up.chunk(2, dim=-1)  # [N, intermediate] each
         activated = F.gelu(gate, approximate="tanh").mul_(up)  # [N, intermediate]
-        mlp_out = linear(
-            activated, self.down_weight, banded=self.bands.get("down_weight")
-        )  # [N, hidden]
+        mlp_out = linear(activated, self.matrix("down_weight"))  # [N, hidden]
         return hidden + _norm(mlp_out, self.post_feedforward_norm, self.eps)
 
 
@@ -229,12 +228,15 @@ class Gemma3LanguageModel(PagedLanguageModel):
         return _norm(hidden, self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Unscaled token embeddings: [N] ids -> [N, hidden], gathered from the head's columns."""
-        return F.embedding(input_ids, self.lm_head.T)  # the head's rows, see `head_layout`
+        """Unscaled token embeddings in the compute dtype: [N] ids -> [N, hidden], gathered
+        from the head's columns (its rows, see `head_layout`)."""
+        return embedding_rows(
+            input_ids, self.lm_head.T, scale_of(self, "lm_head"), self.embed_scale.dtype
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, soft-capped if the config says so."""
-        logits = vocab_logits(hidden_states, self.lm_head, self.head_bands)  # [S, vocab]
+        logits = vocab_logits(hidden_states, self.head_matrices or self.lm_head)  # [S, vocab]
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -259,10 +261,11 @@ class Gemma3LanguageModel(PagedLanguageModel):
     def from_checkpoint(
         cls,
         path: str | PathLike[str],
-        dtype: torch.dtype = torch.float32,
+        weight_format: WeightFormat = WeightFormat(),
         device: torch.device | str = "cpu",
     ) -> Gemma3LanguageModel:
-        """The language model of a Gemma 3 checkpoint folder (or hub id), in eval mode.
+        """The language model of a Gemma 3 checkpoint folder (or hub id), in eval mode, its
+        weights stored as `weight_format` says (default: as the checkpoint stores them).
 
         Loads `language_model.*` strictly through the shared loader: missing, unexpected or
         misshapen tensors raise CheckpointError. The head is the tied embedding; a saved
@@ -273,20 +276,31 @@ class Gemma3LanguageModel(PagedLanguageModel):
         config = gemma3_text_config(model_config)
         if not config.tie_word_embeddings:
             raise CheckpointError("Gemma 3 with tie_word_embeddings=false is not supported")
+        weight_format = weight_format.resolved(folder)
         stored = _checkpoint_layout(config)
-        load_weights(stored, folder, LANGUAGE_MODEL_PREFIX, dtype=dtype, device=device)
+        table = "embed_tokens.weight"  # the tied head: laid out as its transpose
+        formats = plan_formats(
+            stored,
+            weight_format,
+            matmul_weights(stored, {table: 0}),
+            unquantized=() if weight_format.quantizes("lm_head") else (table,),
+            transposed=(table,),
+        )
+        load_weights(stored, folder, LANGUAGE_MODEL_PREFIX, device=device, formats=formats)
         model = cls(
             config,
             image_token_id=model_config.image_token_id,
             boi_token_id=model_config.vision_start_token_id,
             mm_tokens_per_image=model_config.vision.mm_tokens_per_image,
-            dtype=dtype,
+            dtype=weight_format.compute_dtype,
             device=device,
         )
+        model.weight_format = weight_format
         for layer in model.layers:
             _fuse_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
         set_weight(model, "norm", _scale(stored.norm))
-        set_weight(model, "lm_head", head_layout(stored.embed_tokens.weight))
+        embedding = stored.embed_tokens
+        set_weight(model, "lm_head", head_layout(embedding.weight), scale_of(embedding, "weight"))
         model.prepare_weights()
         return model.eval()
 
@@ -308,8 +322,16 @@ class Gemma3LanguageModel(PagedLanguageModel):
                 window=layer.sliding_window or 0,
                 table=LAYER_TYPES.index(layer.layer_type),
                 soft_cap=layer.soft_cap or 0.0,
+                qkv_scale=scale_of(layer, "qkv_weight"),
+                o_scale=scale_of(layer, "o_weight"),
             )
-            mlp = GatedMlp(layer.gate_up_weight, layer.down_weight, Activation.GELU_TANH)
+            mlp = GatedMlp(
+                layer.gate_up_weight,
+                layer.down_weight,
+                Activation.GELU_TANH,
+                gate_up_scale=scale_of(layer, "gate_up_weight"),
+                down_scale=scale_of(layer, "down_weight"),
+            )
             blocks += [
                 Block(layer.input_norm, attention, out_norm=layer.post_attention_norm),
                 Block(layer.pre_feedforward_norm, mlp, out_norm=layer.post_feedforward_norm),
@@ -317,6 +339,7 @@ class Gemma3LanguageModel(PagedLanguageModel):
         return Stack(
             blocks,
             embedding=self.lm_head.T,
+            embedding_scales=scale_of(self, "lm_head"),
             final_norm=self.norm,
             inv_freqs=[getattr(self.rotary, f"{kind}_inv_freq") for kind in LAYER_TYPES],
             section=torch.zeros(config.head_dim // 2, dtype=torch.int32),  # 1-D positions

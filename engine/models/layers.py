@@ -2,34 +2,46 @@
 
 Batch-1 decode is bound by reading the weights, so linear weights are applied as `x @ w` with
 `w` `[in, out]` by `linear`, which gives each CPU thread its own band of the weight when only a
-few rows go through it, and stored in the memory order that reads fastest. Rotary tables
-come as cos and a signed sin, `[N, 1, D]`, so that rotating q and k heads is one fused op.
+few rows go through it, and stored in the memory order that reads fastest. Weights stay in
+their stored format (`engine.quantization`): on CPU a bfloat16, float16 or int8 weight
+(`<name>_scale` beside an int8 `<name>`) meets float32 activations in the native kernel's
+product for a few rows, and is widened a slice of columns at a time for longer batches. Rotary
+tables come as cos and a signed sin, `[N, 1, D]`, so that rotating q and k heads is one fused op.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from stillcut.engine.loader import load_weights
 from stillcut.engine.models.weight_snapshot import WeightSnapshot
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.positions import LinearCursor
+from stillcut.engine.quantization import WeightFormat, dense, plan_formats
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
-from stillcut.kernels.cpu_decode import CpuDecoder, bind
+from stillcut.kernels.cpu_decode import CpuDecoder, NativeMatrix, bind, native_matrix
 from stillcut.kernels.cpu_decode_stack import Stack
 
 log = logging.getLogger(__name__)
 
+LM_HEAD_PREFIX = "lm_head."
+
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [in, out] stored for `linear`: a contiguous `[in, out]` when out >= in (qkv,
-    gate/up), else the `[in, out]` view of a contiguous `[out, in]` (down). Measured on the
-    2-core CPU, these are the orders `linear`'s banded matvecs read fastest; on GPU both are
-    plain GEMM layouts.
+    gate/up) or in any format but float32, else the `[in, out]` view of a contiguous
+    `[out, in]` (a float32 down projection). Measured on the 2-core CPU, these are the orders
+    `linear`'s banded matvecs read fastest; the native kernel reads narrow formats as
+    `[in, out]` only; on GPU both are plain GEMM layouts.
     """
-    if weight.shape[1] >= weight.shape[0]:
+    if weight.shape[1] >= weight.shape[0] or weight.dtype != torch.float32:
         return weight.contiguous()
     return weight.T.contiguous().T
 
@@ -42,13 +54,13 @@ def head_layout(weight: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_logits(
-    hidden: torch.Tensor, head: torch.Tensor, banded: tuple[Bands, Bands] | None = None
+    hidden: torch.Tensor, heads: tuple[StoredMatrix, StoredMatrix] | StoredMatrix
 ) -> torch.Tensor:
-    """fp32 logits `[S, vocab]` of `hidden` `[S, hidden]` through a `head_layout` head.
-    `banded` is the head's (one row, several rows) `Bands`, see `band_weights`."""
-    if banded is None:
-        return linear(hidden, head).float()
-    return linear(hidden, head, banded=banded[hidden.shape[0] > 1]).float()
+    """fp32 logits `[S, vocab]` of `hidden` `[S, hidden]` through a `head_layout` head, as
+    prepared for one row and for several (`prepare_matrices`), or one `StoredMatrix`."""
+    if not isinstance(heads, StoredMatrix):  # (one row's, several rows')
+        heads = heads[hidden.shape[0] > 1]
+    return linear(hidden, heads).float()
 
 
 HEAD_BANDS_FOR_ROWS = 64  # measured: 8 rows through a 150k head 1.4x faster than with 4 bands
@@ -75,35 +87,97 @@ def bands(weight: torch.Tensor, count: int | None = None) -> Bands:
 
 
 PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+WIDEN_BYTES = 32 << 20  # a longer batch's product widens this many float32 bytes of w at once
 
 
-def band_weights(model: nn.Module) -> None:
-    """Give each decoder layer `bands` of its `PROJECTIONS` and the model `head_bands` (for one
-    row, and for several: a gemm over many narrow bands packs less of the head at once), kept on
-    the modules beside the weights (on a weight itself, a view would keep it alive)."""
+class StoredMatrix(NamedTuple):
+    """A weight `[in, out]` as `linear` multiplies by it: the tensor in its stored format, an
+    int8 weight's per-column `scale` `[out]`, and what is made from it once: `bands` (float32:
+    the banded views of a few-row product) or `native` (other formats on CPU: the kernel's
+    product; None without a kernel)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor | None = None
+    bands: Bands | None = None
+    native: NativeMatrix | None = None
+
+
+def stored_matrix(
+    weight: torch.Tensor, scale: torch.Tensor | None = None, band_count: int | None = None
+) -> StoredMatrix:
+    """`weight` (with its int8 `scale`) prepared for `linear`: `band_count` bands of a float32
+    weight (see `bands`), the native product of any other on CPU."""
+    if weight.dtype == torch.float32 and scale is None:
+        return StoredMatrix(weight, bands=bands(weight, band_count))
+    native = native_matrix(weight, scale) if weight.is_cpu else None
+    return StoredMatrix(weight, scale, native=native)
+
+
+def scale_of(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The per-column scales of `module.<name>` when it is int8 (`<name>_scale`), else None."""
+    return getattr(module, f"{name}_scale", None)
+
+
+class ProjectingModule(nn.Module):
+    """A module whose `projections` are `[in, out]` weights for `linear`; `matrices` holds
+    them prepared (`prepare_projections`), and `matrix` gives one either way."""
+
+    projections: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matrices: dict[str, StoredMatrix] = {}
+
+    def prepare_projections(self) -> None:
+        """Prepare every projection for `linear` (kept beside the weights: on a weight itself,
+        a view would keep it alive)."""
+        self.matrices = {
+            name: stored_matrix(getattr(self, name), scale_of(self, name))
+            for name in self.projections
+        }
+
+    def matrix(self, name: str) -> StoredMatrix:
+        prepared = self.matrices.get(name)
+        return prepared or StoredMatrix(getattr(self, name), scale_of(self, name))
+
+
+def prepare_matrices(model: nn.Module) -> None:
+    """Prepare each decoder layer's projections and the model's `head_matrices` (for one row,
+    and for several: a gemm over many narrow bands packs less of the head at once)."""
     for layer in model.layers:
-        layer.bands = {name: bands(getattr(layer, name)) for name in PROJECTIONS}
-    model.head_bands = (bands(model.lm_head), bands(model.lm_head, HEAD_BANDS_FOR_ROWS))
+        layer.prepare_projections()
+    head, scale = model.lm_head, scale_of(model, "lm_head")
+    model.head_matrices = (
+        stored_matrix(head, scale),
+        stored_matrix(head, scale, HEAD_BANDS_FOR_ROWS),
+    )
 
 
 def linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    matrix: StoredMatrix | torch.Tensor,
     add: torch.Tensor | None = None,
-    banded: Bands | None = None,
 ) -> torch.Tensor:
-    """`x` `[N, in]` @ `weight` `[in, out]` (a `matmul_layout` or `head_layout` tensor), plus
-    `add` (a bias `[out]` or a residual `[N, out]`) -> `[N, out]`; `banded` is the weight's
-    `bands`, made once (made here when not given).
+    """`x` `[N, in]` @ a weight `[in, out]` (a `matmul_layout` or `head_layout` tensor, or it
+    prepared by `stored_matrix`), plus `add` (a bias `[out]` or a residual `[N, out]`) ->
+    `[N, out]` in `x`'s dtype.
 
     A few rows on CPU (decode) are bound by reading the weight. Measured on the 2-core CPU,
     MKL's gemm reads a weight 1.3-1.8x slower than memory allows there, while a `bmm` that
     gives each thread its own band of the weight runs near the read floor. Longer batches are
-    plain gemms.
+    plain gemms. A weight stored narrower than `x` (on CPU) is read by the native product for
+    a few rows, and widened a slice of columns at a time for more.
     """
+    if isinstance(matrix, torch.Tensor):
+        matrix = StoredMatrix(matrix)
+    weight = matrix.weight
+    if x.is_cpu and (weight.dtype != x.dtype or matrix.scale is not None):
+        if matrix.native is not None and x.shape[0] <= BANDED_MAX_ROWS:
+            return matrix.native(x, add)
+        return _widened_product(x, matrix, add)
     if not x.is_cpu or x.shape[0] > BANDED_MAX_ROWS:
         return x @ weight if add is None else torch.addmm(add, x, weight)
-    by_columns, view = bands(weight) if banded is None else banded
+    by_columns, view = bands(weight) if matrix.bands is None else matrix.bands
     num_rows, num_out, k = x.shape[0], weight.shape[1], view.shape[0]
     if by_columns:  # [k, N, in] @ [k, in, out/k] -> [k, N, out/k]
         left, right, shape = x.expand(k, -1, -1), view, (k, num_rows, num_out // k)
@@ -124,6 +198,25 @@ def linear(
 BANDED_MAX_ROWS = 16
 
 
+def _widened_product(
+    x: torch.Tensor, matrix: StoredMatrix, add: torch.Tensor | None
+) -> torch.Tensor:
+    """`linear` of a narrow weight: widened to `x`'s dtype `WIDEN_BYTES` at a time, so no
+    full-precision copy of a large weight (an LM head) ever exists."""
+    weight, scale = matrix.weight, matrix.scale
+    num_in, num_out = weight.shape
+    width = max(1, WIDEN_BYTES // (4 * num_in))
+    if width >= num_out:
+        widened = dense(weight, scale, 1, x.dtype)
+        return x @ widened if add is None else torch.addmm(add, x, widened)
+    out = torch.empty(x.shape[0], num_out, dtype=x.dtype, device=x.device)
+    for start in range(0, num_out, width):
+        columns = slice(start, start + width)
+        part = None if scale is None else scale[columns]
+        out[:, columns] = x @ dense(weight[:, columns], part, 1, x.dtype)
+    return out if add is None else out.add_(add)
+
+
 def _band_count(num_out: int, wanted: int) -> int:
     """The largest band count <= `wanted` that divides `num_out`."""
     return next(k for k in range(max(wanted, 1), 0, -1) if num_out % k == 0)
@@ -131,25 +224,42 @@ def _band_count(num_out: int, wanted: int) -> int:
 
 class PagedLanguageModel(nn.Module):
     """What the runner asks of every language model beside `forward`, `compute_logits` and
-    `prompt_positions`: its layer count and the shape of one layer's paged KV cache. `config`
-    has `num_layers`, `num_kv_heads` and `head_dim`. `prepare_weights` (called by the model's
-    `from_checkpoint`) makes what is derived from the weights: `head_bands` and the layers'
-    bands (`band_weights`), and `cpu_decoder`, the native CPU decode step, from `native_stack`
-    where the kernel serves it."""
+    `prompt_positions`: `extend_positions` (positions as a fold over appended input), its layer
+    count and the shape of one layer's paged KV cache. `config` has `num_layers`,
+    `num_kv_heads` and `head_dim`. `prepare_weights` (called by the model's
+    `from_checkpoint`) makes what is derived from the weights: `head_matrices` and the layers'
+    prepared projections (`prepare_matrices`), and `cpu_decoder`, the native CPU decode step,
+    from `native_stack` where the kernel serves it. `weight_format` is how its weights are
+    stored (`engine.quantization.WeightFormat`)."""
 
     config: object
-    head_bands: tuple[Bands, Bands] | None = None
+    head_matrices: tuple[StoredMatrix, StoredMatrix] | None = None
+    weight_format: WeightFormat | None = None
     cpu_decoder: CpuDecoder | None = None  # None: the torch ops run (also set so by benches)
     weights_seen: WeightSnapshot | None = None  # the weights `prepare_weights` saw
+
+    def extend_positions(
+        self,
+        cursor: LinearCursor | None,
+        token_ids: torch.Tensor,
+        items: Sequence[MultiModalItem],
+        placements: Sequence[tuple[int, int]],
+    ) -> tuple[torch.Tensor, LinearCursor]:
+        """Positions of tokens appended after `cursor` (None: at a sequence's start) and the
+        cursor after them; placements relative to `token_ids`. This default serves 1-D
+        positions, which shift with the sequence before them; M-RoPE overrides it."""
+        start = 0 if cursor is None else cursor.next_position
+        positions, next_position = self.prompt_positions(token_ids, items, placements)
+        return positions + start, LinearCursor(start + next_position)
 
     def native_stack(self) -> Stack | None:
         """The model as the native CPU decode step reads it; None: it has none."""
         return None
 
     def prepare_weights(self) -> None:
-        """Make the bands and the native decoder from the weights as they are now, and
-        remember which tensors those were (see `native_decode`)."""
-        band_weights(self)
+        """Make the prepared matrices and the native decoder from the weights as they are
+        now, and remember which tensors those were (see `native_decode`)."""
+        prepare_matrices(self)
         stack = self.native_stack()
         self.cpu_decoder = None if stack is None else bind(stack)
         self.weights_seen = WeightSnapshot(self)
@@ -164,12 +274,12 @@ class PagedLanguageModel(nn.Module):
     ) -> torch.Tensor | None:
         """`forward`'s result from the native CPU decode step when this step is one it takes
         (decodes only, see `CpuDecoder.supports`), else None. Every forward calls it first, so
-        here the weights are checked: if the model now holds other tensors than the bands and
-        the decoder were made from (a reload, `.to()`, a replaced parameter), both are made
-        again before anything reads them (falling back to torch where the kernel cannot serve
-        the new weights, e.g. not float32)."""
+        here the weights are checked: if the model now holds other tensors than the prepared
+        matrices and the decoder were made from (a reload, `.to()`, a replaced parameter),
+        both are made again before anything reads them (falling back to torch where the kernel
+        cannot serve the new weights, e.g. float64)."""
         if self.weights_seen is not None and not self.weights_seen.current():
-            log.info("the model's weights changed: rebuilding its bands and native decode step")
+            log.info("the model's weights changed: rebuilding its matrices and native decode step")
             self.prepare_weights()
         native = self.cpu_decoder
         if (
@@ -194,9 +304,25 @@ def empty_weight(*shape: int, dtype: torch.dtype, device: torch.device | str) ->
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def set_weight(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Replace `module.<name>` by a frozen parameter holding `tensor` (no copy)."""
+def set_weight(
+    module: nn.Module, name: str, tensor: torch.Tensor, scale: torch.Tensor | None = None
+) -> None:
+    """Replace `module.<name>` by a frozen parameter holding `tensor` (no copy), and its int8
+    per-column scales `<name>_scale` by `scale` (removed when None)."""
     setattr(module, name, nn.Parameter(tensor, requires_grad=False))
+    if scale is not None:
+        setattr(module, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+    elif hasattr(module, f"{name}_scale"):
+        delattr(module, f"{name}_scale")
+
+
+def embedding_rows(
+    input_ids: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows `[N, hidden]` of an embedding `table` `[vocab, hidden]` (any strides; int8 times
+    its per-row `scale`) for `input_ids` `[N]`, in `dtype`."""
+    rows = F.embedding(input_ids, table).to(dtype)
+    return rows if scale is None else rows.mul_(scale[input_ids, None].to(dtype))
 
 
 def rotary_tables(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,6 +372,25 @@ def fused_qkv_attention(
     return attended.reshape(num_tokens, -1)
 
 
+def load_head(
+    folder: str | os.PathLike[str],
+    hidden_size: int,
+    vocab_size: int,
+    weight_format: WeightFormat,
+    device: torch.device | str,
+) -> nn.Module:
+    """An untied checkpoint's `lm_head` as a (meta-built) `nn.Linear` holding its weight in
+    its stored format, laid out for `head_layout` (and its int8 `weight_scale`)."""
+    with torch.device("meta"):
+        head = nn.Linear(hidden_size, vocab_size, bias=False)
+    kept = () if weight_format.quantizes("lm_head") else ("weight",)
+    formats = plan_formats(
+        head, weight_format, {"weight": 0}, unquantized=kept, transposed=("weight",)
+    )
+    load_weights(head, folder, LM_HEAD_PREFIX, device=device, formats=formats)
+    return head
+
+
 def checkpoint_layout(vocab_size: int, hidden_size: int, layers: list[nn.Module]) -> nn.Module:
     """Meta-device modules named like a checkpoint's `language_model.*` tensors: the embedding,
     the decoder `layers` (see `checkpoint_layer`) and the final norm."""
@@ -285,13 +430,25 @@ def checkpoint_layer(
     return layer
 
 
+def fused_weight(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The `[in, out]` weight (`matmul_layout`) of checkpoint-named `nn.Linear`s side by side
+    (their outputs one after another), and their int8 scales likewise (None unless int8)."""
+    transposed = [p.weight.T for p in linears]  # [in, out_i] views
+    weight = matmul_layout(transposed[0] if len(linears) == 1 else torch.cat(transposed, dim=1))
+    scales = [scale_of(p, "weight") for p in linears]
+    return weight, None if scales[0] is None else torch.cat(scales)
+
+
 def fuse_projections(layer: nn.Module, stored: nn.Module) -> None:
-    """Set `layer`'s fused `[in, out]` weights from a checkpoint-named layer: `qkv_weight`
-    (q, k, v columns side by side), `o_weight`, `gate_up_weight` (gate, up) and `down_weight`."""
+    """Set `layer`'s fused `[in, out]` weights (and int8 scales) from a checkpoint-named layer:
+    `qkv_weight` (q, k, v columns side by side), `o_weight`, `gate_up_weight` (gate, up) and
+    `down_weight`."""
     attn, mlp = stored.self_attn, stored.mlp
-    qkv = torch.cat([p.weight.T for p in (attn.q_proj, attn.k_proj, attn.v_proj)], dim=1)
-    set_weight(layer, "qkv_weight", matmul_layout(qkv))
-    set_weight(layer, "o_weight", matmul_layout(attn.o_proj.weight.T))
-    gate_up = torch.cat([mlp.gate_proj.weight.T, mlp.up_proj.weight.T], dim=1)
-    set_weight(layer, "gate_up_weight", matmul_layout(gate_up))
-    set_weight(layer, "down_weight", matmul_layout(mlp.down_proj.weight.T))
+    parts = {
+        "qkv_weight": [attn.q_proj, attn.k_proj, attn.v_proj],
+        "o_weight": [attn.o_proj],
+        "gate_up_weight": [mlp.gate_proj, mlp.up_proj],
+        "down_weight": [mlp.down_proj],
+    }
+    for name, linears in parts.items():
+        set_weight(layer, name, *fused_weight(linears))

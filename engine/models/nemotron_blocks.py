@@ -4,7 +4,9 @@ Every block is `hidden + mixer(rms_norm(hidden))` with its own RMSNorm (computed
 as transformers does). Attention is GQA over the paged K/V cache with no rotary embedding: in
 this family the Mamba2 layers carry the order of the tokens. The MLP (and each expert of the
 MoE blocks, `nemotron_moe`) is `down(relu(up(x))²)`. Weights are `[in, out]` for `linear`,
-built from a checkpoint-named module (`from_stored`) and cut into `bands` for its matvecs.
+built from a checkpoint-named module whose tensors the loader already stored in their formats
+(matrices as stored or int8 with `weight_scale`, the rest in the compute dtype), and prepared
+once for its products (`prepare_projections`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.layers import Bands, bands, linear, matmul_layout
+from stillcut.engine.models.layers import (
+    ProjectingModule,
+    StoredMatrix,
+    fused_weight,
+    linear,
+    set_weight,
+)
 from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
 
@@ -29,33 +37,30 @@ def frozen(tensor: torch.Tensor | None) -> nn.Parameter | None:
 
 def relu2_mlp(
     x: torch.Tensor,
-    up: torch.Tensor,
-    down: torch.Tensor,
+    up: StoredMatrix,
+    down: StoredMatrix,
     up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
-    banded: dict[str, Bands] | None = None,
 ) -> torch.Tensor:
     """`down(relu(up(x))²)`: `x` `[N, in]`, `up` `[in, mid]`, `down` `[mid, out]`."""
-    banded = banded or {}
-    hidden = linear(x, up, up_bias, banded.get("up"))  # [N, mid]
+    hidden = linear(x, up, up_bias)  # [N, mid]
     hidden = torch.relu_(hidden).square_()
-    return linear(hidden, down, down_bias, banded.get("down"))  # [N, out]
+    return linear(hidden, down, down_bias)  # [N, out]
 
 
-class NemotronBlock(nn.Module):
-    """A block's norm and the `[in, out]` weights it multiplies by (see `make_bands`)."""
+def set_projection(module: nn.Module, name: str, linears: list[nn.Module]) -> None:
+    """`module.<name>`: the `[in, out]` weight of checkpoint-named `linears` side by side (and
+    `<name>_scale` when int8)."""
+    set_weight(module, name, *fused_weight(linears))
 
-    projections: tuple[str, ...] = ()
+
+class NemotronBlock(ProjectingModule):
+    """A block's norm and the `[in, out]` weights it multiplies by (see `projections`)."""
 
     def __init__(self, norm: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.norm = frozen(norm)
         self.eps = eps
-        self.bands: dict[str, Bands] = {}
-
-    def make_bands(self) -> None:
-        """Cut every projection into `bands` for `linear`'s few-row matvecs."""
-        self.bands = {name: bands(getattr(self, name)) for name in self.projections}
 
     def forward(
         self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None
@@ -69,12 +74,12 @@ class AttentionBlock(NemotronBlock):
 
     projections = ("qkv_weight", "o_weight")
 
-    def __init__(self, stored: nn.Module, config: NemotronTextConfig, dtype: torch.dtype) -> None:
-        super().__init__(stored.norm.weight.to(dtype), config.layer_norm_epsilon)
+    def __init__(self, stored: nn.Module, config: NemotronTextConfig) -> None:
+        super().__init__(stored.norm.weight, config.layer_norm_epsilon)
         mixer = stored.mixer
-        qkv = torch.cat([mixer.q_proj.weight, mixer.k_proj.weight, mixer.v_proj.weight]).T
-        self.qkv_weight = frozen(matmul_layout(qkv.to(dtype)))  # [hidden, (Hq + 2 Hkv) D]
-        self.o_weight = frozen(matmul_layout(mixer.o_proj.weight.T.to(dtype)))  # [Hq D, hidden]
+        # [hidden, (Hq + 2 Hkv) D] and [Hq D, hidden]
+        set_projection(self, "qkv_weight", [mixer.q_proj, mixer.k_proj, mixer.v_proj])
+        set_projection(self, "o_weight", [mixer.o_proj])
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
@@ -85,7 +90,7 @@ class AttentionBlock(NemotronBlock):
         assert kv_cache is not None
         num_tokens = hidden.shape[0]
         normed = rms_norm(hidden, self.norm, self.eps)
-        qkv = linear(normed, self.qkv_weight, None, self.bands.get("qkv_weight"))
+        qkv = linear(normed, self.matrix("qkv_weight"))
         heads = qkv.view(num_tokens, -1, self.head_dim)  # [N, Hq + 2 Hkv, D]
         query, key, value = heads.split(
             (self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=1
@@ -93,7 +98,7 @@ class AttentionBlock(NemotronBlock):
         write_kv(key, value, kv_cache, metadata.slot_mapping)
         attended = paged_attention(query, kv_cache, metadata, scale=self.scale)  # [N, Hq, D]
         attended = attended.reshape(num_tokens, -1)  # [N, Hq D]
-        return linear(attended, self.o_weight, hidden, self.bands.get("o_weight"))
+        return linear(attended, self.matrix("o_weight"), hidden)
 
 
 class MLPBlock(NemotronBlock):
@@ -101,25 +106,22 @@ class MLPBlock(NemotronBlock):
 
     projections = ("up", "down")
 
-    def __init__(self, stored: nn.Module, config: NemotronTextConfig, dtype: torch.dtype) -> None:
-        super().__init__(stored.norm.weight.to(dtype), config.layer_norm_epsilon)
+    def __init__(self, stored: nn.Module, config: NemotronTextConfig) -> None:
+        super().__init__(stored.norm.weight, config.layer_norm_epsilon)
         mixer = stored.mixer
-        self.up = frozen(matmul_layout(mixer.up_proj.weight.T.to(dtype)))  # [hidden, mid]
-        self.down = frozen(matmul_layout(mixer.down_proj.weight.T.to(dtype)))  # [mid, hidden]
-        self.up_bias = frozen(stored_bias(mixer.up_proj, dtype))
-        self.down_bias = frozen(stored_bias(mixer.down_proj, dtype))
+        set_projection(self, "up", [mixer.up_proj])  # [hidden, mid]
+        set_projection(self, "down", [mixer.down_proj])  # [mid, hidden]
+        self.up_bias = frozen(mixer.up_proj.bias)
+        self.down_bias = frozen(mixer.down_proj.bias)
 
     def forward(
         self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None
     ) -> torch.Tensor:
         normed = rms_norm(hidden, self.norm, self.eps)
-        out = relu2_mlp(normed, self.up, self.down, self.up_bias, self.down_bias, self.bands)
+        out = relu2_mlp(
+            normed, self.matrix("up"), self.matrix("down"), self.up_bias, self.down_bias
+        )
         return hidden + out
-
-
-def stored_bias(module: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
-    """A checkpoint-named module's bias in `dtype`, or None when it has none."""
-    return None if module.bias is None else module.bias.to(dtype)
 
 
 def stored_mlp(in_size: int, mid_size: int, bias: bool) -> nn.Module:

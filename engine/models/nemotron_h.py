@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from os import PathLike
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.loader import (
@@ -25,10 +24,14 @@ from stillcut.engine.loader import (
     resolve_checkpoint,
 )
 from stillcut.engine.models.layers import (
-    HEAD_BANDS_FOR_ROWS,
+    LM_HEAD_PREFIX,
     PagedLanguageModel,
-    bands,
+    embedding_rows,
     head_layout,
+    load_head,
+    prepare_matrices,
+    scale_of,
+    set_weight,
     vocab_logits,
 )
 from stillcut.engine.models.nemotron_blocks import (
@@ -51,10 +54,10 @@ from stillcut.engine.models.nemotron_text_config import (
     nemotron_text_config,
 )
 from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention import AttentionMetadata
 
 LANGUAGE_MODEL_PREFIX = "language_model."
-LM_HEAD_PREFIX = "lm_head."
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
 
 
@@ -62,7 +65,8 @@ class NemotronHLanguageModel(PagedLanguageModel):
     """NemotronH over a flat batch of tokens; build with `from_checkpoint`.
 
     The head is `[hidden, vocab]` contiguous; a tied model without a stored head gathers its
-    embeddings from the head's columns (`embeddings` is None).
+    embeddings from the head's columns (`embeddings` is None). Int8 tables come with their
+    per-row scales (`embeddings_scale`, `lm_head_scale`).
     """
 
     num_position_rows = 1  # the runner's positions are unused: no rotary embedding
@@ -72,19 +76,20 @@ class NemotronHLanguageModel(PagedLanguageModel):
         self,
         config: NemotronTextConfig,
         blocks: Sequence[NemotronBlock],
-        embeddings: torch.Tensor | None,
+        embeddings: tuple[torch.Tensor, torch.Tensor | None] | None,
         final_norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: tuple[torch.Tensor, torch.Tensor | None],
     ) -> None:
+        """`embeddings` and `lm_head` are each a table and its int8 scales (or None)."""
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(blocks)
-        self.embeddings = frozen(embeddings)
+        self.embeddings = None
+        if embeddings is not None:
+            set_weight(self, "embeddings", *embeddings)
         self.norm = frozen(final_norm)
-        self.lm_head = frozen(lm_head)
-        for block in self.layers:
-            block.make_bands()
-        self.head_bands = (bands(lm_head), bands(lm_head, HEAD_BANDS_FOR_ROWS))
+        set_weight(self, "lm_head", *lm_head)
+        prepare_matrices(self)
 
     def forward(
         self,
@@ -113,13 +118,14 @@ class NemotronHLanguageModel(PagedLanguageModel):
         return rms_norm(hidden, self.norm, self.config.layer_norm_epsilon)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings: [N] ids -> [N, hidden]."""
+        """Token embeddings in the compute dtype: [N] ids -> [N, hidden]."""
+        name = "lm_head" if self.embeddings is None else "embeddings"
         table = self.lm_head.T if self.embeddings is None else self.embeddings
-        return F.embedding(input_ids, table)
+        return embedding_rows(input_ids, table, scale_of(self, name), self.norm.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
-        return vocab_logits(hidden_states, self.lm_head, self.head_bands)
+        return vocab_logits(hidden_states, self.head_matrices)
 
     def prompt_positions(
         self,
@@ -135,42 +141,58 @@ class NemotronHLanguageModel(PagedLanguageModel):
     def from_checkpoint(
         cls,
         path: str | PathLike[str],
-        dtype: torch.dtype = torch.float32,
+        weight_format: WeightFormat = WeightFormat(),
         device: torch.device | str = "cpu",
     ) -> NemotronHLanguageModel:
-        """The language model of a Nemotron 3 Nano Omni checkpoint folder (or hub id).
+        """The language model of a Nemotron 3 Nano Omni checkpoint folder (or hub id), its
+        weights stored as `weight_format` says (default: as the checkpoint stores them).
 
         Loads `language_model.*` and the head strictly through the shared loader: missing,
         unexpected or misshapen tensors raise CheckpointError. A tied checkpoint that stores no
-        head uses its embedding as the head.
+        head uses its embedding as the head. The MoE routers are float32 whatever the format.
         """
         folder = resolve_checkpoint(path)
         config = nemotron_text_config(load_model_config(folder))
-        stored = _checkpoint_layout(config)
-        # stored dtype: the router stays float32 whatever the rest becomes
-        load_weights(
-            stored, folder, LANGUAGE_MODEL_PREFIX, dtype=None, device=device, unused=UNUSED_PREFIXES
+        weight_format = weight_format.resolved(folder)
+        head_is_table = config.tie_word_embeddings and (
+            f"{LM_HEAD_PREFIX}weight" not in checkpoint_tensors(folder)
         )
-        blocks = [_block(stored.layers[i], config, i, dtype) for i in range(config.num_layers)]
-        embeddings = stored.embeddings.weight.to(dtype)
-        if config.tie_word_embeddings and f"{LM_HEAD_PREFIX}weight" not in checkpoint_tensors(
-            folder
-        ):
-            lm_head, embeddings = head_layout(embeddings), None
+        stored = _checkpoint_layout(config)
+        table = "embeddings.weight"
+        formats = plan_formats(
+            stored,
+            weight_format,
+            matmul_weights(stored, {table: 0}),
+            unquantized=(table,)
+            if head_is_table and not weight_format.quantizes("lm_head")
+            else (),
+            transposed=(table,) if head_is_table else (),
+        )
+        load_weights(
+            stored,
+            folder,
+            LANGUAGE_MODEL_PREFIX,
+            device=device,
+            unused=UNUSED_PREFIXES,
+            formats=formats,
+        )
+        blocks = [_block(stored.layers[i], config, i) for i in range(config.num_layers)]
+        embeddings = (stored.embeddings.weight, scale_of(stored.embeddings, "weight"))
+        if head_is_table:
+            lm_head, embeddings = (head_layout(embeddings[0]), embeddings[1]), None
         else:
-            with torch.device("meta"):
-                head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            load_weights(head, folder, LM_HEAD_PREFIX, dtype=dtype, device=device)
-            lm_head = head_layout(head.weight)
-        final_norm = stored.norm_f.weight.to(dtype)
-        return cls(config, blocks, embeddings, final_norm, lm_head).eval()
+            head = load_head(folder, config.hidden_size, config.vocab_size, weight_format, device)
+            lm_head = (head_layout(head.weight), scale_of(head, "weight"))
+        model = cls(config, blocks, embeddings, stored.norm_f.weight, lm_head)
+        model.weight_format = weight_format
+        return model.eval()
 
 
-def _block(stored: nn.Module, config: NemotronTextConfig, layer_id: int, dtype) -> NemotronBlock:
+def _block(stored: nn.Module, config: NemotronTextConfig, layer_id: int) -> NemotronBlock:
     kind = config.layer_kinds[layer_id]
     if kind == MAMBA:
-        return Mamba2Block(stored, config, layer_id, dtype)
-    return {ATTENTION: AttentionBlock, MOE: MoEBlock, MLP: MLPBlock}[kind](stored, config, dtype)
+        return Mamba2Block(stored, config, layer_id)
+    return {ATTENTION: AttentionBlock, MOE: MoEBlock, MLP: MLPBlock}[kind](stored, config)
 
 
 def _checkpoint_layout(config: NemotronTextConfig) -> nn.Module:

@@ -16,8 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.layers import linear, matmul_layout
-from stillcut.engine.models.nemotron_blocks import NemotronBlock, frozen, rms_norm, stored_bias
+from stillcut.engine.models.layers import linear
+from stillcut.engine.models.nemotron_blocks import (
+    NemotronBlock,
+    frozen,
+    rms_norm,
+    set_projection,
+)
 from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.mamba2 import (
@@ -33,23 +38,21 @@ class Mamba2Block(NemotronBlock):
 
     projections = ("in_proj", "out_proj")
 
-    def __init__(
-        self, stored: nn.Module, config: NemotronTextConfig, layer_id: int, dtype: torch.dtype
-    ) -> None:
-        super().__init__(stored.norm.weight.to(dtype), config.layer_norm_epsilon)
+    def __init__(self, stored: nn.Module, config: NemotronTextConfig, layer_id: int) -> None:
+        super().__init__(stored.norm.weight, config.layer_norm_epsilon)
         mixer = stored.mixer
         self.layer_id = layer_id
         self.config = config
-        self.in_proj = frozen(matmul_layout(mixer.in_proj.weight.T.to(dtype)))
-        self.in_proj_bias = frozen(stored_bias(mixer.in_proj, dtype))
-        self.conv_weight = frozen(mixer.conv1d.weight[:, 0].to(dtype))  # [conv_dim, K]
-        self.conv_bias = frozen(stored_bias(mixer.conv1d, dtype))
-        self.dt_bias = frozen(mixer.dt_bias.to(dtype))  # [heads]
+        set_projection(self, "in_proj", [mixer.in_proj])
+        self.in_proj_bias = frozen(mixer.in_proj.bias)
+        self.conv_weight = frozen(mixer.conv1d.weight[:, 0])  # [conv_dim, K]
+        self.conv_bias = frozen(mixer.conv1d.bias)
+        self.dt_bias = frozen(mixer.dt_bias)  # [heads]
         self.A = frozen(-torch.exp(mixer.A_log.float()))  # [heads], float32 as transformers
-        self.D = frozen(mixer.D.to(dtype))  # [heads]
-        self.gate_norm = frozen(mixer.norm.weight.to(dtype))  # [inner]
-        self.out_proj = frozen(matmul_layout(mixer.out_proj.weight.T.to(dtype)))
-        self.out_proj_bias = frozen(stored_bias(mixer.out_proj, dtype))
+        self.D = frozen(mixer.D)  # [heads]
+        self.gate_norm = frozen(mixer.norm.weight)  # [inner]
+        set_projection(self, "out_proj", [mixer.out_proj])
+        self.out_proj_bias = frozen(mixer.out_proj.bias)
 
     def forward(
         self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None
@@ -58,7 +61,7 @@ class Mamba2Block(NemotronBlock):
         recurrent = metadata.recurrent
         assert recurrent is not None, "a Mamba2 layer needs the runner's recurrent metadata"
         normed = rms_norm(hidden, self.norm, self.eps)
-        projected = linear(normed, self.in_proj, self.in_proj_bias, self.bands.get("in_proj"))
+        projected = linear(normed, self.matrix("in_proj"), self.in_proj_bias)
         gate, conv_in, dt = projected.split(
             (config.mamba_inner_size, config.conv_dim, config.mamba_num_heads), dim=-1
         )
@@ -76,7 +79,7 @@ class Mamba2Block(NemotronBlock):
         for request in chunks:
             self._chunk(request, recurrent, conv_in, dt, scanned, conv_states, ssm_states)
         y = self._gated_norm(scanned.flatten(1), gate).to(hidden.dtype)  # [N, inner]
-        out = linear(y, self.out_proj, self.out_proj_bias, self.bands.get("out_proj"))
+        out = linear(y, self.matrix("out_proj"), self.out_proj_bias)
         return hidden + out
 
     def _split_xbc(self, conv_out: torch.Tensor):

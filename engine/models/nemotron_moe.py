@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stillcut.engine.models.layers import linear, matmul_layout
+from stillcut.engine.models.layers import StoredMatrix, linear, scale_of, stored_matrix
 from stillcut.engine.models.nemotron_blocks import (
     NemotronBlock,
     frozen,
     relu2_mlp,
     rms_norm,
-    stored_bias,
+    set_projection,
     stored_mlp,
 )
 from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
@@ -29,30 +29,50 @@ from stillcut.kernels.attention import AttentionMetadata
 
 
 class MoEBlock(NemotronBlock):
-    """One MoE layer; expert weights stacked `[E, in, mid]` and `[E, mid, in]`."""
+    """One MoE layer; expert weights stacked `[E, in, mid]` and `[E, mid, in]` (int8: scales
+    `[E, mid]` and `[E, in]`, one per expert and output channel)."""
 
     projections = ("shared_up", "shared_down")
 
-    def __init__(self, stored: nn.Module, config: NemotronTextConfig, dtype: torch.dtype) -> None:
-        super().__init__(stored.norm.weight.to(dtype), config.layer_norm_epsilon)
+    def __init__(self, stored: nn.Module, config: NemotronTextConfig) -> None:
+        super().__init__(stored.norm.weight, config.layer_norm_epsilon)
         mixer = stored.mixer
         self.config = config
         self.router = frozen(mixer.gate.weight.float())  # [E, hidden], float32 as transformers
         self.correction_bias = frozen(mixer.gate.e_score_correction_bias.float())  # [E]
-        experts = mixer.experts
-        self.experts_up = frozen(torch.stack([e.up_proj.weight.T for e in experts]).to(dtype))
-        self.experts_down = frozen(torch.stack([e.down_proj.weight.T for e in experts]).to(dtype))
+        for name in ("up", "down"):
+            linears = [getattr(expert, f"{name}_proj") for expert in mixer.experts]
+            setattr(self, f"experts_{name}", frozen(torch.stack([p.weight.T for p in linears])))
+            scales = [scale_of(p, "weight") for p in linears]
+            if scales[0] is not None:
+                setattr(self, f"experts_{name}_scale", frozen(torch.stack(scales)))
+        self.expert_matrices: list[tuple[StoredMatrix, StoredMatrix]] = []
         shared = mixer.shared_experts
-        self.shared_up = frozen(matmul_layout(shared.up_proj.weight.T.to(dtype)))
-        self.shared_down = frozen(matmul_layout(shared.down_proj.weight.T.to(dtype)))
-        self.shared_up_bias = frozen(stored_bias(shared.up_proj, dtype))
-        self.shared_down_bias = frozen(stored_bias(shared.down_proj, dtype))
+        set_projection(self, "shared_up", [shared.up_proj])
+        set_projection(self, "shared_down", [shared.down_proj])
+        self.shared_up_bias = frozen(shared.up_proj.bias)
+        self.shared_down_bias = frozen(shared.down_proj.bias)
         self.latent_in = self.latent_out = None
         if config.moe_latent_size is not None:
-            self.latent_in = frozen(matmul_layout(mixer.fc1_latent_proj.weight.T.to(dtype)))
-            self.latent_out = frozen(matmul_layout(mixer.fc2_latent_proj.weight.T.to(dtype)))
-            self.latent_in_bias = frozen(stored_bias(mixer.fc1_latent_proj, dtype))
-            self.latent_out_bias = frozen(stored_bias(mixer.fc2_latent_proj, dtype))
+            self.projections = (*self.projections, "latent_in", "latent_out")
+            set_projection(self, "latent_in", [mixer.fc1_latent_proj])
+            set_projection(self, "latent_out", [mixer.fc2_latent_proj])
+            self.latent_in_bias = frozen(mixer.fc1_latent_proj.bias)
+            self.latent_out_bias = frozen(mixer.fc2_latent_proj.bias)
+
+    def prepare_projections(self) -> None:
+        """The shared projections and every expert's pair, prepared for `linear`."""
+        super().prepare_projections()
+        self.expert_matrices = [
+            tuple(
+                stored_matrix(weights[e], None if scales is None else scales[e])
+                for weights, scales in (
+                    (self.experts_up, scale_of(self, "experts_up")),
+                    (self.experts_down, scale_of(self, "experts_down")),
+                )
+            )
+            for e in range(self.experts_up.shape[0])
+        ]
 
     def forward(
         self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None
@@ -61,17 +81,16 @@ class MoEBlock(NemotronBlock):
         expert_ids, weights = self.route(normed)  # [N, k] each
         routed_in = normed
         if self.latent_in is not None:
-            routed_in = linear(normed, self.latent_in, self.latent_in_bias)  # [N, latent]
-        routed = self.run_experts(routed_in, expert_ids, weights)
+            routed_in = linear(normed, self.matrix("latent_in"), self.latent_in_bias)
+        routed = self.run_experts(routed_in, expert_ids, weights)  # [N, latent or hidden]
         if self.latent_out is not None:
-            routed = linear(routed, self.latent_out, self.latent_out_bias)  # [N, hidden]
+            routed = linear(routed, self.matrix("latent_out"), self.latent_out_bias)
         shared = relu2_mlp(
             normed,
-            self.shared_up,
-            self.shared_down,
+            self.matrix("shared_up"),
+            self.matrix("shared_down"),
             self.shared_up_bias,
             self.shared_down_bias,
-            {"up": self.bands.get("shared_up"), "down": self.bands.get("shared_down")},
         )
         return hidden + routed + shared
 
@@ -110,13 +129,22 @@ class MoEBlock(NemotronBlock):
         for expert, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                outputs[rows] = relu2_mlp(
-                    inputs[rows], self.experts_up[expert], self.experts_down[expert]
-                )
+                outputs[rows] = relu2_mlp(inputs[rows], *self._expert(expert))
                 start += count
         weighted = outputs.float() * weights.reshape(-1)[order, None]  # [N k, in]
         total = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         return total.index_add_(0, token_of, weighted).to(x.dtype)
+
+    def _expert(self, expert: int) -> tuple[StoredMatrix, StoredMatrix]:
+        """Expert `expert`'s up and down matrices, prepared if `prepare_projections` ran."""
+        if self.expert_matrices:
+            return self.expert_matrices[expert]
+        up, down = self.experts_up[expert], self.experts_down[expert]
+        up_scale, down_scale = scale_of(self, "experts_up"), scale_of(self, "experts_down")
+        return (
+            StoredMatrix(up, None if up_scale is None else up_scale[expert]),
+            StoredMatrix(down, None if down_scale is None else down_scale[expert]),
+        )
 
 
 def stored_moe(config: NemotronTextConfig) -> nn.Module:

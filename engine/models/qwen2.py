@@ -7,7 +7,9 @@ decode is bound by reading the weights, so linear weights are fused (q/k/v, gate
 as `x @ w` with `w` `[in, out]` through `layers.linear` (banded matvecs for a few rows on CPU),
 and stored in whichever memory order it reads faster (`matmul_layout`); the residual add rides
 along in the product. The head is `[hidden, vocab]` contiguous, and a tied model gathers its
-embeddings from the head's columns instead of keeping a second vocab x hidden copy.
+embeddings from the head's columns instead of keeping a second vocab x hidden copy. Matrices
+(and the embedding) stay in their stored format (`engine.quantization`); norms and biases are
+in the compute dtype, which is the dtype of everything the layers compute.
 """
 
 from __future__ import annotations
@@ -21,27 +23,37 @@ from torch import nn
 
 from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
 from stillcut.engine.models.layers import (
-    Bands,
+    PROJECTIONS,
     PagedLanguageModel,
+    ProjectingModule,
     checkpoint_layer,
     checkpoint_layout,
+    embedding_rows,
     empty_weight,
     fuse_projections,
     fused_qkv_attention,
     head_layout,
     linear,
+    load_head,
     rotary_tables,
+    scale_of,
     set_weight,
     vocab_logits,
 )
 from stillcut.engine.models.qwen2_vl_config import TextConfig, text_config
 from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.positions import MRopePositions, MRopeSpec, mrope_positions
+from stillcut.engine.positions import (
+    MRopeCursor,
+    MRopePositions,
+    MRopeSpec,
+    extend_mrope,
+    mrope_positions,
+)
+from stillcut.engine.quantization import Conversion, WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
-LM_HEAD_PREFIX = "lm_head."
 
 
 class MRoPE(nn.Module):
@@ -66,8 +78,10 @@ class MRoPE(nn.Module):
         return rotary_tables(angles, dtype)
 
 
-class Qwen2DecoderLayer(nn.Module):
+class Qwen2DecoderLayer(ProjectingModule):
     """Pre-norm attention and SwiGLU MLP with fused weights, all `[in, out]` in shape."""
+
+    projections = PROJECTIONS
 
     def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -87,7 +101,6 @@ class Qwen2DecoderLayer(nn.Module):
             hidden, 2 * config.intermediate_size, **new
         )  # [gate | up]
         self.down_weight = empty_weight(config.intermediate_size, hidden, **new)
-        self.bands: dict[str, Bands] = {}  # see `band_weights`
 
     def forward(
         self,
@@ -99,24 +112,18 @@ class Qwen2DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`hidden` [N, hidden] (the residual stream) -> the next layer's residual stream."""
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
-        qkv = linear(
-            normed, self.qkv_weight, self.qkv_bias, self.bands.get("qkv_weight")
-        )  # [N, (Hq + 2 Hkv) * D]
+        qkv = linear(normed, self.matrix("qkv_weight"), self.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
         attended = fused_qkv_attention(
             qkv, self.num_heads, self.num_kv_heads, cos, sin, kv_cache, metadata, scale=self.scale
         )  # [N, Hq * D]
-        hidden = linear(attended, self.o_weight, hidden, self.bands.get("o_weight"))
+        hidden = linear(attended, self.matrix("o_weight"), hidden)
 
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
-        gate_up = linear(
-            normed, self.gate_up_weight, banded=self.bands.get("gate_up_weight")
-        )  # [N, 2 * intermediate]
+        gate_up = linear(normed, self.matrix("gate_up_weight"))  # [N, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
         # In place on our own temporary: the decode step allocates nothing more for SwiGLU.
         activated = F.silu(gate, inplace=True).mul_(up)  # [N, intermediate]
-        return linear(
-            activated, self.down_weight, hidden, self.bands.get("down_weight")
-        )  # [N, hidden]
+        return linear(activated, self.matrix("down_weight"), hidden)  # [N, hidden]
 
 
 class Qwen2LanguageModel(PagedLanguageModel):
@@ -124,6 +131,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
 
     A tied model holds the embedding only as `lm_head` `[hidden, vocab]` (`embed_tokens` is
     None); an untied one holds the embedding `[vocab, hidden]` and the head `[hidden, vocab]`.
+    Int8 tables have `lm_head_scale` `[vocab]` / `embed_tokens_scale` `[vocab]` beside them.
     `rope_spec` holds the checkpoint's placeholder ids and video time scale for
     `prompt_positions`.
     """
@@ -183,15 +191,17 @@ class Qwen2LanguageModel(PagedLanguageModel):
         return F.rms_norm(hidden, hidden.shape[-1:], self.norm, self.config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings: [N] ids -> [N, hidden]."""
+        """Token embeddings in the compute dtype: [N] ids -> [N, hidden]."""
         if self.embed_tokens is None:
             # the tied head's rows are the embedding table (see `head_layout`)
-            return F.embedding(input_ids, self.lm_head.T)
-        return F.embedding(input_ids, self.embed_tokens)
+            table, scale = self.lm_head.T, scale_of(self, "lm_head")
+        else:
+            table, scale = self.embed_tokens, scale_of(self, "embed_tokens")
+        return embedding_rows(input_ids, table, scale, self.norm.dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
-        return vocab_logits(hidden_states, self.lm_head, self.head_bands)
+        return vocab_logits(hidden_states, self.head_matrices or self.lm_head)
 
     def prompt_positions(
         self,
@@ -203,14 +213,26 @@ class Qwen2LanguageModel(PagedLanguageModel):
         `placements` (offset, length) per item; by default read off the placeholder runs."""
         return mrope_positions(token_ids, items, self.rope_spec, placements)
 
+    def extend_positions(
+        self,
+        cursor: MRopeCursor | None,
+        token_ids: torch.Tensor,
+        items: Sequence[MultiModalItem],
+        placements: Sequence[tuple[int, int]],
+    ) -> tuple[torch.Tensor, MRopeCursor]:
+        """M-RoPE positions [3, n] of tokens appended after `cursor` (None: a sequence's
+        start) and the cursor after them (see `extend_mrope`)."""
+        return extend_mrope(cursor or MRopeCursor(), token_ids, items, self.rope_spec, placements)
+
     @classmethod
     def from_checkpoint(
         cls,
         path: str | PathLike[str],
-        dtype: torch.dtype = torch.float32,
+        weight_format: WeightFormat = WeightFormat(),
         device: torch.device | str = "cpu",
     ) -> Qwen2LanguageModel:
-        """The language model of a checkpoint folder (or hub id), in eval mode.
+        """The language model of a checkpoint folder (or hub id), in eval mode, its weights
+        stored as `weight_format` says (default: as the checkpoint stores them).
 
         Loads `language_model.*` (and `lm_head.*` when untied) strictly through the shared
         loader: missing, unexpected or misshapen tensors raise CheckpointError. A tied
@@ -219,25 +241,32 @@ class Qwen2LanguageModel(PagedLanguageModel):
         folder = resolve_checkpoint(path)
         model_config = load_model_config(folder)
         config = text_config(model_config)
+        weight_format = weight_format.resolved(folder)
         rope_spec = MRopeSpec(
             model_config.image_token_id,
             model_config.video_token_id,
             tokens_per_second=model_config.vision.tokens_per_second,  # None: Qwen2-VL's steps
         )
         stored = _checkpoint_layout(config)
-        load_weights(stored, folder, LANGUAGE_MODEL_PREFIX, dtype=dtype, device=device)
-        model = cls(config, rope_spec, dtype=dtype, device=device)
+        load_weights(
+            stored,
+            folder,
+            LANGUAGE_MODEL_PREFIX,
+            device=device,
+            formats=_stored_formats(stored, weight_format, config.tie_word_embeddings),
+        )
+        model = cls(config, rope_spec, dtype=weight_format.compute_dtype, device=device)
+        model.weight_format = weight_format
         for layer in model.layers:
             _fuse_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
         set_weight(model, "norm", stored.norm.weight)
+        table = stored.embed_tokens
         if config.tie_word_embeddings:
-            set_weight(model, "lm_head", head_layout(stored.embed_tokens.weight))
+            set_weight(model, "lm_head", head_layout(table.weight), scale_of(table, "weight"))
         else:
-            with torch.device("meta"):
-                head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            load_weights(head, folder, LM_HEAD_PREFIX, dtype=dtype, device=device)
-            set_weight(model, "embed_tokens", stored.embed_tokens.weight)
-            set_weight(model, "lm_head", head_layout(head.weight))
+            head = load_head(folder, config.hidden_size, config.vocab_size, weight_format, device)
+            set_weight(model, "embed_tokens", table.weight, scale_of(table, "weight"))
+            set_weight(model, "lm_head", head_layout(head.weight), scale_of(head, "weight"))
         model.prepare_weights()
         return model.eval()
 
@@ -255,18 +284,44 @@ class Qwen2LanguageModel(PagedLanguageModel):
                 cache=index,
                 scale=layer.scale,
                 qkv_bias=layer.qkv_bias,
+                qkv_scale=scale_of(layer, "qkv_weight"),
+                o_scale=scale_of(layer, "o_weight"),
             )
-            mlp = GatedMlp(layer.gate_up_weight, layer.down_weight, Activation.SILU)
+            mlp = GatedMlp(
+                layer.gate_up_weight,
+                layer.down_weight,
+                Activation.SILU,
+                gate_up_scale=scale_of(layer, "gate_up_weight"),
+                down_scale=scale_of(layer, "down_weight"),
+            )
             blocks += [Block(layer.input_layernorm, attention)]
             blocks += [Block(layer.post_attention_layernorm, mlp)]
+        tied = self.embed_tokens is None
         return Stack(
             blocks,
-            embedding=self.lm_head.T if self.embed_tokens is None else self.embed_tokens,
+            embedding=self.lm_head.T if tied else self.embed_tokens,
+            embedding_scales=scale_of(self, "lm_head" if tied else "embed_tokens"),
             final_norm=self.norm,
             inv_freqs=[self.rotary.inv_freq],
             section=self.rotary.section,
             eps=config.rms_norm_eps,
         )
+
+
+def _stored_formats(
+    stored: nn.Module, weight_format: WeightFormat, tied: bool
+) -> dict[str, Conversion]:
+    """How each `language_model.*` tensor is stored: a tied table is the LM head (laid out as
+    its transpose, kept unquantized when the head is)."""
+    table = "embed_tokens.weight"
+    head_kept = tied and not weight_format.quantizes("lm_head")
+    return plan_formats(
+        stored,
+        weight_format,
+        matmul_weights(stored, {table: 0}),
+        unquantized=(table,) if head_kept else (),
+        transposed=(table,) if tied else (),
+    )
 
 
 def _fuse_layer(layer: Qwen2DecoderLayer, stored: nn.Module) -> None:

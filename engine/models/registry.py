@@ -3,7 +3,8 @@
 An entry names the family's config reader, language model, vision tower, media preprocessing
 and prompt format, and carries the flags the shared code branches on: how positions work,
 whether image items attend bidirectionally, whether a video has its own placeholder token,
-where a checkpoint keeps its own EVS pruning rate, whether live sessions are served, and which
+where a checkpoint keeps its own EVS pruning rate, whether live sessions are served, how a
+narration writes each tubelet (or that the family does not narrate), and which
 layers keep which cache (`cache_groups`). The runner, scheduler, KV cache, engine, prompt
 processor, vision pipeline, service and kernels read these fields and never a family's name, so
 adding a family is its own files plus one `register` call (the built-in ones are in
@@ -70,7 +71,10 @@ class ModelFamily:
     `from_checkpoint(path, dtype, device)`), the tower class (built from the vision config) and
     the media class (built from `(checkpoint folder, model_config)`, it preprocesses frames and
     encodes batches). `weight_prefixes` maps stored tensor-name prefixes to the canonical
-    `visual.` / `language_model.` / `lm_head.` ones.
+    `visual.` / `language_model.` / `lm_head.` ones. `narration_timestamp` is the text a
+    narration writes before each tubelet (`{t}`: its first frame's time in seconds), which
+    then follows as its own one-tubelet video between the vision markers; None: the family
+    does not narrate.
     """
 
     model_type: str
@@ -85,6 +89,7 @@ class ModelFamily:
     has_video_token: bool = True
     native_evs_rate: Callable[[Mapping[str, Any]], float] | None = None
     live_sessions: bool = False
+    narration_timestamp: str | None = None
     weight_prefixes: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,6 +103,8 @@ class ModelFamily:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be 'module:attribute'")
         if self.live_sessions and not self.has_video_token:
             raise ValueError("live sessions append video placeholders: they need a video token")
+        if self.narration_timestamp is not None and not self.live_sessions:
+            raise ValueError("narration appends tubelets as live sessions do: it needs those")
         object.__setattr__(self, "weight_prefixes", MappingProxyType(dict(self.weight_prefixes)))
 
     @property

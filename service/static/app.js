@@ -243,8 +243,9 @@ function barOf(kept, total, index) {
 }
 
 // Live mode: play the chosen sample in a hidden <video>, grab frames at `fps` through a canvas
-// and send each as 8 bytes of little-endian float64 seconds followed by the JPEG bytes.
-const live = { socket: null, running: false };
+// and send each as 8 bytes of little-endian float64 seconds followed by the JPEG bytes. With
+// "Narrate" the session narrates (the prompt is its instruction) instead of answering asks.
+const live = { socket: null, running: false, narrating: false };
 const WEBCAM = "__webcam__";
 const LIVE_FPS = 2;
 
@@ -274,9 +275,15 @@ async function startLive(event) {
   const socket = new WebSocket(`${scheme}://${location.host}/v1/stream`, socketProtocols());
   socket.binaryType = "arraybuffer";
   live.socket = socket;
+  live.narrating = $("live-narrate").checked;
+  $("live-answer").textContent = "";
   socket.onopen = () => {
     const threshold = Number($("live-threshold").value);
-    socket.send(JSON.stringify({ type: "start", threshold, fps: LIVE_FPS, max_tokens: 64 }));
+    // a camera cannot wait for the model: it skips to the newest tubelet; a file is seeked
+    const narrate = { mode: "narrate", prompt: $("live-prompt").value,
+                      lag: source === WEBCAM ? "latest" : "queue" };
+    const options = live.narrating ? narrate : { max_tokens: 64 };
+    socket.send(JSON.stringify({ type: "start", threshold, fps: LIVE_FPS, ...options }));
   };
   socket.onmessage = (message) => onLiveMessage(JSON.parse(message.data), video);
   socket.onclose = (close) => {
@@ -299,6 +306,12 @@ function onLiveMessage(data, video) {
     $("live-answer").textContent += data.text;
   } else if (data.type === "answer") {
     $("live-answer").textContent = data.text;
+  } else if (data.type === "segment") {
+    const [first, last] = data.t;
+    const skipped = data.skipped ? `, ${data.skipped} skipped` : "";
+    $("live-answer").textContent += `  [${first.toFixed(1)}-${last.toFixed(1)} s${skipped}]\n`;
+  } else if (data.type === "rollover") {
+    $("live-answer").textContent += "[rollover]\n";
   } else if (data.type === "error") {
     showError(data.message);
     if (data.code === "invalid_api_key") askForKey();  // the next Start sends the new key
@@ -329,14 +342,14 @@ async function sendFrames(video) {
   if (webcam) {
     for (const track of video.srcObject.getTracks()) track.stop();
   } else {
-    $("live-status").textContent += " (all frames sent; ask away)";
+    $("live-status").textContent += live.narrating ? " (all frames sent)" : " (all frames sent; ask away)";
   }
 }
 
 function setLiveButtons(running) {
   $("live-start").disabled = running;
   $("live-stop").disabled = !running;
-  $("live-ask").disabled = !running;
+  $("live-ask").disabled = !running || live.narrating;
 }
 
 function stopLive() {

@@ -134,7 +134,7 @@ def test_held_prefix_extended_three_times_with_forks(tiny_checkpoint, pipeline):
             fork.metrics.num_prompt_tokens - fork.metrics.num_cached_tokens <= len(question) + BLOCK
         )
         pads = [processor.special.video_token_id] * tubelets[k].num_tokens
-        engine.extend_held(held, pads, [tubelets[k]])
+        engine.append_input(held, pads, [tubelets[k]])
         assert _run_until_idle(engine)[held] == len(pads)  # only the new tokens are prefilled
     engine.release_held(held)
     _run_until_idle(engine)

@@ -1,12 +1,21 @@
-"""The decode fast paths against plain torch: banded matvecs and the blocked greedy argmax."""
+"""The decode fast paths against plain torch: banded matvecs, products with weights in their
+stored formats, and the blocked greedy argmax."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from stillcut.engine.models.layers import bands, head_layout, linear, matmul_layout, vocab_logits
+from stillcut.engine.models.layers import (
+    head_layout,
+    linear,
+    matmul_layout,
+    stored_matrix,
+    vocab_logits,
+)
+from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.engine.sampler import first_argmax
+from stillcut.kernels import cpu_decode
 
 
 @pytest.mark.parametrize(("num_in", "num_out"), [(64, 96), (96, 64), (48, 64), (7, 5), (5, 7)])
@@ -36,11 +45,44 @@ def test_vocab_logits_equal_the_head_product():
     table = torch.randn(1000, 32)  # [vocab, hidden], as a checkpoint stores it
     head = head_layout(table)
     assert head.shape == (32, 1000) and head.is_contiguous()
-    for banded in (None, (bands(head), bands(head, 64))):
+    for heads in (stored_matrix(head), (stored_matrix(head), stored_matrix(head, None, 64))):
         for num_rows in (1, 4, 40):
             hidden = torch.randn(num_rows, 32)
-            logits = vocab_logits(hidden, head, banded)
+            logits = vocab_logits(hidden, heads)
             torch.testing.assert_close(logits, hidden @ table.T)
+
+
+def _stored(weight: torch.Tensor, dtype: torch.dtype):
+    """`weight` `[in, out]` in `dtype` (int8: quantized per output column) and its scale."""
+    if dtype == torch.int8:
+        return quantize_int8(weight, 1)
+    return weight.to(dtype), None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_linear_of_a_stored_weight_equals_the_product_with_it_widened(dtype, threads):
+    """The native product (few rows: every group size of its 4-row groups, widths that leave
+    vector and 4-row tails) and the sliced widening (more rows) compute x @ the widened
+    weight; the stored weight is never widened whole in place."""
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler: the native product is not built")
+    torch.manual_seed(7)
+    weight, scale = _stored(torch.randn(37, 45), dtype)
+    widened = dense(weight, scale, 1, torch.float32)
+    matrix = stored_matrix(weight, scale)
+    assert matrix.native is not None and matrix.weight is weight
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for num_rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
+            x = torch.randn(num_rows, 2 * 37)[:, :37]  # strided rows
+            for add in (None, torch.randn(45), torch.randn(num_rows, 45)):
+                expected = x @ widened if add is None else torch.addmm(add, x, widened)
+                torch.testing.assert_close(linear(x, matrix, add), expected)
+    finally:
+        torch.set_num_threads(before)
+    assert weight.dtype == dtype
 
 
 @pytest.mark.parametrize("vocab", [151936, 4096, 1000, 7])

@@ -21,6 +21,7 @@ from stillcut.engine.loader import (
     resolve_checkpoint,
 )
 from stillcut.engine.models.families import QWEN_WEIGHT_PREFIXES
+from stillcut.engine.quantization import WeightFormat
 from stillcut.vision.towers import load_vision_tower
 
 GRID = (2, 8, 12)
@@ -76,7 +77,10 @@ def with_tensors(source, target, tensors):
     return target
 
 
-def test_sharded_bf16_checkpoint_loads_as_fp32(tiny, patches, tmp_path):
+def test_sharded_bf16_checkpoint_keeps_its_matrices_in_bf16(tiny, patches, tmp_path):
+    """Weights as stored: a bf16 checkpoint's matrices stay bf16 (widened for each product),
+    everything else is its bf16 value in float32, and the tower computes what transformers'
+    bf16 model upcast to float32 computes; asked for float32, every tensor is float32."""
     model, fp32_folder = tiny
     bf16_model = copy.deepcopy(model).to(torch.bfloat16)
     bf16_model.save_pretrained(tmp_path, max_shard_size="40KB")
@@ -84,7 +88,9 @@ def test_sharded_bf16_checkpoint_loads_as_fp32(tiny, patches, tmp_path):
     assert len(set(index["weight_map"].values())) > 1
 
     tower = load_vision_tower(tmp_path)
-    assert {p.dtype for p in tower.parameters()} == {torch.float32}
+    matrices = {p.dtype for p in tower.parameters() if p.dim() > 1}  # linears, patch conv
+    assert matrices == {torch.bfloat16}
+    assert {p.dtype for p in tower.parameters() if p.dim() == 1} == {torch.float32}
     ours = embed(tower, patches)
     # Same weights as transformers' bf16 model upcast: equal up to fp32 rounding.
     with torch.inference_mode():
@@ -92,17 +98,20 @@ def test_sharded_bf16_checkpoint_loads_as_fp32(tiny, patches, tmp_path):
             bf16_model.float().model.get_video_features(patches, torch.tensor([GRID])).pooler_output
         )
     assert (ours - theirs).abs().max().item() < 1e-4
+    widened = load_vision_tower(tmp_path, WeightFormat(torch.float32))
+    assert {p.dtype for p in widened.parameters()} == {torch.float32}
+    torch.testing.assert_close(embed(widened, patches), ours, atol=1e-5, rtol=1e-5)
     # And close to the fp32 original, within what bf16 weights allow.
     fp32 = embed(load_vision_tower(fp32_folder), patches)
     assert (ours - fp32).abs().max().item() < 0.05 * fp32.abs().max().item()
 
 
-def test_dtype_none_keeps_stored_dtype(tiny, tmp_path):
+def test_computing_in_the_stored_dtype_keeps_every_tensor_in_it(tiny, tmp_path):
+    """CUDA's way (compute dtype None: the stored one): an fp16 checkpoint stays all fp16."""
     model, _ = tiny
     copy.deepcopy(model).to(torch.float16).save_pretrained(tmp_path)
-    assert {p.dtype for p in load_vision_tower(tmp_path, dtype=None).parameters()} == {
-        torch.float16
-    }
+    tower = load_vision_tower(tmp_path, WeightFormat(None, compute_dtype=None))
+    assert {p.dtype for p in tower.parameters()} == {torch.float16}
 
 
 def test_both_weight_name_layouts_load_the_same(tiny, patches, tmp_path):

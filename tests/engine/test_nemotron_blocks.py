@@ -119,7 +119,7 @@ def _hf_mamba_outputs(block, config, prompt, decodes):
 def test_mamba2_block_over_split_prompts_and_batched_decodes_equals_transformers():
     ours_config, hf_config = _configs("mamba")
     block = _hf_block(hf_config, seed=0)
-    ours = Mamba2Block(block, ours_config, layer_id=0, dtype=torch.float32)
+    ours = Mamba2Block(block, ours_config, layer_id=0)
     conv_shape = (ours_config.conv_dim, ours_config.conv_kernel - 1)
     ssm_shape = (4, 8, 8)
     # rows 1 and 2 hold garbage from earlier requests: a fresh request must not read them
@@ -157,7 +157,7 @@ def test_mamba2_block_over_split_prompts_and_batched_decodes_equals_transformers
 def test_moe_block_equals_transformers(latent):
     ours_config, hf_config = _configs("moe", moe_latent_size=latent)
     block = _hf_block(hf_config, seed=2)
-    ours = MoEBlock(_stored_moe(block), ours_config, dtype=torch.float32)
+    ours = MoEBlock(_stored_moe(block), ours_config)
     hidden = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         expected = block(hidden[None])[0]

@@ -5,6 +5,7 @@ import torch
 
 from stillcut.engine.config import CacheConfig, SchedulerConfig
 from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.outputs import Snapshot
 from stillcut.engine.request import (
     PlaceholderRange,
     Request,
@@ -106,14 +107,24 @@ def test_request_validates_its_placements():
         Request("r", [])
 
 
-def test_extend_prompt_shifts_placements_and_is_all_or_nothing():
+def test_append_input_shifts_placements_and_is_all_or_nothing():
     request = Request("r", [1, VIDEO_PAD, VIDEO_PAD], [make_item(2, "t0")], [(1, 2)], hold=True)
     with pytest.raises(ValueError, match=r"mm_positions\[0\]=\(4, 2\) must lie in \[3, 5\]"):
-        request.extend_prompt([VIDEO_PAD, VIDEO_PAD], [make_item(2, "t1")], [(1, 2)])
+        request.append_input([VIDEO_PAD, VIDEO_PAD], [make_item(2, "t1")], [(1, 2)])
     assert request.num_prompt_tokens == 3 and len(request.mm_items) == 1
-    request.extend_prompt([VIDEO_PAD, VIDEO_PAD, 7], [make_item(2, "t1")], [(0, 2)])
-    assert request.mm_positions == [(1, 2), (3, 2)]
+    assert request.append_input([VIDEO_PAD, VIDEO_PAD, 7], [make_item(2, "t1")], [(0, 2)]) == 3
+    assert request.mm_positions == [(1, 2), (3, 2)] and request.num_visual_tokens == 4
     assert request.all_token_ids == [1, VIDEO_PAD, VIDEO_PAD, VIDEO_PAD, VIDEO_PAD, 7]
+
+
+def test_append_input_turns_the_output_so_far_into_prompt():
+    request = Request("r", [1, 2], streaming=True)
+    request.output_token_ids.extend([3, 4])
+    shown = Snapshot(request.output_token_ids)
+    assert request.append_input([VIDEO_PAD, 9], [make_item(1, "t0")], [(0, 1)]) == 4
+    assert request.prompt_token_ids == [1, 2, 3, 4, VIDEO_PAD, 9]
+    assert request.output_token_ids == [] and shown == [3, 4]  # earlier outputs stay as shown
+    assert request.mm_positions == [(4, 1)]
 
 
 def test_token_ids_between_reads_across_prompt_and_output():

@@ -7,12 +7,15 @@ from stillcut.engine.request import RequestStatus, SamplingParams
 BLOCK = 16
 
 
-def _engine(path, max_num_seqs: int, num_blocks: int = 64) -> LLMEngine:
+def _engine(path, max_num_seqs: int, num_blocks: int = 64, max_num_held_seqs=16) -> LLMEngine:
     return LLMEngine(
         path,
         EngineConfig(
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=64, max_num_seqs=max_num_seqs, max_model_len=512
+                max_num_batched_tokens=64,
+                max_num_seqs=max_num_seqs,
+                max_num_held_seqs=max_num_held_seqs,
+                max_model_len=512,
             ),
             cache=CacheConfig(num_blocks=num_blocks, block_size=BLOCK, held_share=0.25),
         ),
@@ -38,12 +41,13 @@ def test_a_reused_row_is_padded_with_zeros(tiny_checkpoint):
 
 
 def test_rows_are_as_many_as_requests_can_run(tiny_checkpoint):
-    """Rows of finished, aborted, preempted and held requests go before new ones come, so
-    `max_num_seqs` rows serve any churn: here arrivals, an abort, preemption (the pool holds
-    about two requests) and a held prefix extended between steps."""
-    engine = _engine(tiny_checkpoint, max_num_seqs=2, num_blocks=12)
+    """Rows of finished, aborted and preempted requests go before new ones come, and a live
+    request keeps one of the `max_num_held_seqs` rows of its own, so `max_num_seqs +
+    max_num_held_seqs` rows serve any churn: here arrivals, an abort, preemption (the pool
+    holds about two requests) and a held prefix extended between steps."""
+    engine = _engine(tiny_checkpoint, max_num_seqs=2, num_blocks=12, max_num_held_seqs=1)
     runner = engine.runner
-    assert runner.block_table.shape[0] == runner.token_ids.shape[0] == 2
+    assert runner.block_table.shape[0] == runner.token_ids.shape[0] == 3
     preempted = []
     preempt = engine.scheduler._preempt
 
@@ -64,13 +68,13 @@ def test_rows_are_as_many_as_requests_can_run(tiny_checkpoint):
         if step == 6:
             ids.append(engine.add_request([1, 2, 3], SamplingParams(max_tokens=5)))
         if engine.scheduler.requests[held].status is RequestStatus.HELD and not extended:
-            engine.extend_held(held, [40, 41, 42])  # re-enters while others hold the rows
+            engine.append_input(held, [40, 41, 42])  # re-enters while others hold the rows
             extended = True
         finished |= {o.request_id for o in engine.step() if o.finished and o.request_id != held}
-        assert len(runner.rows) <= 2
+        assert len(runner.rows) <= 3
         _assert_rows_padded_with_zeros(engine)
     assert extended and preempted and finished == {ids[0], *ids[2:]}
     engine.release_held(held)
     engine.step()
-    assert not runner.rows and sorted(runner.free_rows) == [0, 1]
+    assert not runner.rows and sorted(runner.free_rows) == [0, 1, 2]
     assert engine.scheduler.kv_cache.num_free_blocks == 12

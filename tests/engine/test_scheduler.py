@@ -109,6 +109,10 @@ class FakeRunner:
         for cached in output.scheduled_cached:
             row = self.rows[cached.request_id]
             assert row.num_computed == cached.num_computed_tokens
+            for appended in cached.appended:  # the new part only, after the tokens kept
+                row.token_ids = row.token_ids[: appended.start] + appended.token_ids
+                row.items = [*row.items, *appended.mm_items]
+                row.positions = [*row.positions, *appended.mm_positions]
             row.block_ids.extend(cached.new_block_ids)
         return {
             request_id: sampled
@@ -387,12 +391,17 @@ def test_held_prefix_extends_forks_and_releases():
         blocks_before, num_before = list(live.block_ids), live.num_prompt_tokens
         new_token_ids = [50 + index] * num_text + [PAD] * num_pad
         placement = PlaceholderRange(num_text, num_pad)
-        scheduler.extend_held("live", new_token_ids, [tubelet(index, num_pad)], [placement])
+        scheduler.append_input("live", new_token_ids, [tubelet(index, num_pad)], [placement])
         output = step(scheduler, runner)
-        # only the new tokens are prefilled, into the same partial last block first
+        # only the new tokens are prefilled, into the same partial last block first; the
+        # runner keeps the row and is told only the new part
         assert output.num_scheduled_tokens == {"live": len(new_token_ids)}
-        assert output.scheduled_new[0].num_computed_tokens == num_before
-        assert "live" in output.finished_ids  # its old row goes before the new one comes
+        assert not output.scheduled_new and not output.finished_ids
+        (cached,) = output.scheduled_cached
+        assert cached.num_computed_tokens == num_before
+        (appended,) = cached.appended
+        assert appended.start == num_before and appended.token_ids == new_token_ids
+        assert appended.mm_positions == [(num_before + num_text, num_pad)]
         assert live.block_ids[: len(blocks_before)] == blocks_before
         assert live.status is RequestStatus.HELD
     assert live.num_prompt_tokens == 31 and len(live.block_ids) == 8
@@ -471,12 +480,12 @@ def test_held_share_is_enforced():
     runner = FakeRunner()
     step(scheduler, runner)
     with pytest.raises(ResourceExhausted):
-        scheduler.extend_held("first", range(40, 52))  # 32 tokens: 8 blocks, 9 with `small`
+        scheduler.append_input("first", range(40, 52))  # 32 tokens: 8 blocks, 9 with `small`
     assert first.num_prompt_tokens == 20 and first.status is RequestStatus.HELD
     scheduler.release_held("small")
     with pytest.raises(RequestTooLong):
-        scheduler.extend_held("first", range(40, 53))  # 33 tokens: 9 blocks, never possible
-    scheduler.extend_held("first", range(40, 52))
+        scheduler.append_input("first", range(40, 53))  # 33 tokens: 9 blocks, never possible
+    scheduler.append_input("first", range(40, 52))
     step(scheduler, runner)
     assert len(first.block_ids) == 8 and first.status is RequestStatus.HELD
     scheduler.release_held("first")
@@ -489,8 +498,8 @@ def test_held_share_is_enforced():
 def test_only_a_held_request_can_be_extended_or_released():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("plain", [1, 2, 3]))
-    with pytest.raises(ValueError, match="'plain' is waiting; only a held prefix qualifies"):
-        scheduler.extend_held("plain", [4])
+    with pytest.raises(ValueError, match="'plain' is not live .* only to a held prefix or a"):
+        scheduler.append_input("plain", [4])
     with pytest.raises(ValueError, match="'gone' is unknown"):
         scheduler.release_held("gone")
     scheduler.abort("plain")

@@ -7,7 +7,9 @@ between the three M-RoPE rows, and Gemma's contexts outgrow its local layers' wi
 Requests sit in scattered blocks, with contexts ending inside and exactly at block boundaries.
 A model whose weights become other tensors (`.to()`, a swapped layer, new parameters,
 `param.data`) or a copy of it decodes with those; and a stack of blocks in no family's order
-matches a torch reading of the same description. Where CI sets
+matches a torch reading of the same description, with its weights float32, bfloat16, float16
+or int8 (per-column scales; an int8 embedding scaled per row) and float32 or bfloat16 KV
+caches: the kernel widens what is stored exactly as the torch path does. Where CI sets
 `STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead of skipping.
 """
 
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.models import Gemma3LanguageModel, Qwen2LanguageModel
-from stillcut.engine.models.layers import fused_qkv_attention, rotary_tables
+from stillcut.engine.models.layers import embedding_rows, fused_qkv_attention, rotary_tables
+from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
@@ -375,7 +378,8 @@ def _mixed_stack() -> Stack:
 
 def _torch_reading(stack: Stack, ids, positions, kv_caches, metadata) -> torch.Tensor:
     """What the stack means, in torch ops: [N] ids -> final-normed hidden [N, hidden]."""
-    hidden = stack.embedding[ids] * stack.embedding_scale
+    table, scales = stack.embedding, stack.embedding_scales
+    hidden = embedding_rows(ids, table, scales, torch.float32) * stack.embedding_scale
     angles = positions[stack.section].T.float()  # [N, D/2]
     tables = [rotary_tables(angles * inv_freq, torch.float32) for inv_freq in stack.inv_freqs]
     for block in stack.blocks:
@@ -410,30 +414,76 @@ def _torch_reading(stack: Stack, ids, positions, kv_caches, metadata) -> torch.T
     return F.rms_norm(hidden, (HIDDEN,), stack.final_norm, EPS)
 
 
+def _in_format(stack: Stack, dtype: torch.dtype) -> tuple[Stack, Stack]:
+    """`stack` with its weights stored as `dtype` (int8: quantized per output channel, narrow
+    formats as contiguous `[in, out]`), and the same stack with those weights widened back to
+    float32: what the stored one means."""
+    if dtype == torch.float32:
+        return stack, stack
+
+    def store(weight: torch.Tensor, axis: int):
+        if dtype == torch.int8:
+            quantized, scale = quantize_int8(weight, axis)
+            return quantized.contiguous(), scale
+        return weight.to(dtype).contiguous(), None
+
+    stored, widened = [], []
+    for block in stack.blocks:
+        mixer, narrow, wide = block.mixer, {}, {}
+        for name in ("qkv", "o", "gate_up", "down"):
+            if hasattr(mixer, f"{name}_weight"):
+                weight, scale = store(getattr(mixer, f"{name}_weight"), 1)
+                narrow[f"{name}_weight"], narrow[f"{name}_scale"] = weight, scale
+                wide[f"{name}_weight"] = dense(weight, scale, 1, torch.float32)
+        stored.append(dataclasses.replace(block, mixer=dataclasses.replace(mixer, **narrow)))
+        widened.append(dataclasses.replace(block, mixer=dataclasses.replace(mixer, **wide)))
+    table, scales = store(stack.embedding, 0)
+    return (
+        dataclasses.replace(stack, blocks=stored, embedding=table, embedding_scales=scales),
+        dataclasses.replace(
+            stack, blocks=widened, embedding=dense(table, scales, 0, torch.float32)
+        ),
+    )
+
+
 def _mlps_only(stack: Stack) -> Stack:
     return dataclasses.replace(
         stack, blocks=[b for b in stack.blocks if isinstance(b.mixer, GatedMlp)]
     )
 
 
-@pytest.mark.parametrize("blocks", ["mixed", "gated MLPs only"])
-@pytest.mark.parametrize("threads", [1, 3])
-def test_a_stack_of_any_blocks_matches_its_torch_reading(threads, blocks):
+STORED = {  # name: (blocks, weight format, KV cache dtype, threads)
+    "mixed, 1 thread": ("mixed", torch.float32, torch.float32, 1),
+    "mixed, 3 threads": ("mixed", torch.float32, torch.float32, 3),
+    "gated MLPs only": ("gated MLPs only", torch.float32, torch.float32, 3),
+    "bfloat16 weights": ("mixed", torch.bfloat16, torch.float32, 3),
+    "float16 weights, bfloat16 KV": ("mixed", torch.float16, torch.bfloat16, 2),
+    "int8 weights": ("mixed", torch.int8, torch.float32, 3),
+    "int8 weights, bfloat16 KV": ("mixed", torch.int8, torch.bfloat16, 1),
+}
+
+
+@pytest.mark.parametrize("case", list(STORED))
+def test_a_stack_of_any_blocks_matches_its_torch_reading(case):
     """The kernel follows the description block by block, whatever the order of the kinds,
-    their options and activations, and the caches they use (none without attention)."""
+    their options and activations, the caches they use (none without attention), and the
+    formats its weights and caches are stored in."""
     if cpu_decode.load() is None:
         pytest.skip("no C compiler: the native CPU decode kernel is not built")
+    blocks, weight_dtype, kv_dtype, threads = STORED[case]
     stack = _mixed_stack() if blocks == "mixed" else _mlps_only(_mixed_stack())
+    stack, meaning = _in_format(stack, weight_dtype)
+    tolerance = TOLERANCE if kv_dtype == torch.float32 else BFLOAT16_KV_TOLERANCE
     decoder = cpu_decode.bind(stack)
     assert decoder is not None
     requests = [0, 1, LONG]
     lens = [PROMPT_LENS[r] for r in requests]
     shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    native_caches = [torch.zeros(shape) for _ in range(3)]
+    native_caches = [torch.zeros(shape, dtype=kv_dtype) for _ in range(3)]
     ids = torch.cat([torch.arange(n) * 7 % VOCAB for n in lens])
     positions = torch.cat([torch.arange(n).expand(3, -1) for n in lens], dim=1)
     with torch.inference_mode():
-        _torch_reading(stack, ids, positions, native_caches, _metadata(requests, [0] * 3, lens))
+        _torch_reading(meaning, ids, positions, native_caches, _metadata(requests, [0] * 3, lens))
     torch_caches = [cache.clone() for cache in native_caches]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -446,12 +496,21 @@ def test_a_stack_of_any_blocks_matches_its_torch_reading(threads, blocks):
             assert decoder.supports(ids, native_caches, metadata)
             with torch.inference_mode():
                 ours = decoder(ids, positions, native_caches, metadata)
-                theirs = _torch_reading(stack, ids, positions, torch_caches, metadata)
-            torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+                theirs = _torch_reading(meaning, ids, positions, torch_caches, metadata)
+            torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=tolerance)
     finally:
         torch.set_num_threads(before)
     for ours, theirs in zip(native_caches, torch_caches, strict=True):
-        torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+        if kv_dtype == torch.float32:
+            torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
+        else:  # rounded to nearest even as torch rounds: a key a hair apart may round apart,
+            # and one near zero is a hair apart in absolute terms (fp32 sums in another order)
+            torch.testing.assert_close(ours.float(), theirs.float(), atol=TOLERANCE, rtol=2**-7)
+            assert (ours != theirs).float().mean() < 1e-3
+
+
+# A key or value that differs by float32 rounding may round to the neighbouring bfloat16.
+BFLOAT16_KV_TOLERANCE = 1e-3
 
 
 def test_a_stack_that_does_not_fit_together_is_refused_with_its_reason():

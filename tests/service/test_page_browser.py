@@ -171,6 +171,27 @@ def test_live_mode_streams_and_answers(browser, main_server, source):
     page.close()
 
 
+def test_live_mode_narrates_a_sample(browser, main_server):
+    page, errors = _open_page(browser, main_server.url + "/", (1280, 800))
+    page.click("#tab-live")
+    page.wait_for_function("document.querySelector('#live-sample').options.length > 1")
+    page.select_option("#live-sample", value="moving_object.mp4")
+    page.check("#live-narrate")
+    page.fill("#live-prompt", "Narrate what moves.")
+    page.click("#live-start")
+    # each segment ends with its tubelet's times
+    page.wait_for_function(
+        "document.querySelector('#live-answer').textContent.includes('1.0-1.5 s')",
+        timeout=TIMEOUT_MS,
+    )
+    assert page.locator("#live-ask").is_disabled()
+    page.click("#live-stop")
+    page.wait_for_selector("#live-start:not([disabled])", timeout=TIMEOUT_MS)
+    assert page.locator("#error").is_hidden(), page.locator("#error").inner_text()
+    assert errors == []
+    page.close()
+
+
 def test_live_mode_sends_the_key_as_a_subprotocol(browser, tiny_checkpoint):
     """A browser cannot set headers on a WebSocket: on a server with a key, the page offers
     it as a subprotocol, and the session starts and answers."""

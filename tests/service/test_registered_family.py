@@ -51,6 +51,7 @@ TOY = dataclasses.replace(
     read_config=_read_without_video_token,
     has_video_token=False,
     live_sessions=False,
+    narration_timestamp=None,
     bidirectional_items=True,
     native_evs_rate=lambda raw: float(raw["video_pruning_rate"]),
 )

@@ -30,6 +30,7 @@ CLIPS = {
     "scene_cut": (320, 240, 24, 144),
     "near_static_long": (160, 120, 4, 1000),
     "motion_mask": (224, 224, 24, 192),
+    "steady_motion": (320, 240, 4, 480),
 }
 
 

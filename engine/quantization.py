@@ -1,0 +1,206 @@
+"""Weights as stored: the format each checkpoint tensor is kept in, and int8 quantization.
+
+A `WeightFormat` says how a model's weights live in memory: floating tensors in `dtype`
+(None: the checkpoint's own), the matrices a model multiplies by optionally quantized to int8,
+and the dtype activations are computed in (float32 on CPU, whatever the weights; the weights'
+dtype on CUDA). On CPU only the matrices stay narrow — products widen them in registers
+(`kernels/cpu_linear.h`) — while norms, biases, position tables and the like, a small share of
+the bytes, are rounded to `dtype` and kept in the compute dtype, so the model computes exactly
+what an fp32 model with every tensor rounded to `dtype` computes.
+
+int8 is weight-only and symmetric with one float32 scale per output channel, whatever the
+layout: `scale = max|w| / 127` over the channel, `q = round_half_even(w / scale)` clipped to
+±127 (a zero channel has scale 0 and q 0), and `w ≈ q * scale`. `plan_formats` decides which
+tensors it covers: every matrix of a product (`nn.Linear` weights, patch-embedding convolutions
+as `[out, in * kernel]`) plus the ones a model names (token embeddings, bare projection
+parameters), each with the axis of its output channels. `lm_head` in `skip` keeps the LM head
+(and a tied table, which is the head) in `dtype`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("int8",)
+SKIPPABLE = ("lm_head",)
+INT8_MAX = 127
+# Tensors are converted a block of rows at a time, at most this many float32 bytes of them.
+BLOCK_BYTES = 64 << 20
+STORED_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How a model's weights are stored (see the module docstring). `dtype` None means the
+    checkpoint's own, `compute_dtype` None the stored dtype (CUDA's way): `resolved` sets
+    both; `skip` names parts left unquantized."""
+
+    dtype: torch.dtype | None = None
+    compute_dtype: torch.dtype | None = torch.float32
+    quantization: str | None = None
+    skip: tuple[str, ...] = ()
+
+    @classmethod
+    def for_engine(
+        cls, dtype: str, quantization: str | None, skip: tuple[str, ...], device: str
+    ) -> WeightFormat:
+        """The format `EngineConfig`'s fields ask for: on CPU every product is float32."""
+        stored = None if dtype == "auto" else STORED_DTYPES[dtype]
+        compute = torch.float32 if torch.device(device).type == "cpu" else None
+        return cls(stored, compute, quantization, tuple(skip))
+
+    def __post_init__(self) -> None:
+        allowed = tuple(STORED_DTYPES.values())
+        if self.dtype is not None and self.dtype not in allowed:
+            raise ValueError(f"dtype={self.dtype} must be None or one of {allowed}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization={self.quantization!r}: allowed None, {QUANTIZATIONS}")
+        unknown = set(self.skip) - set(SKIPPABLE)
+        if unknown:
+            raise ValueError(f"skip={self.skip}: unknown {sorted(unknown)}; allowed {SKIPPABLE}")
+
+    def resolved(self, folder: str | Path) -> WeightFormat:
+        """This format with `dtype` (the checkpoint's own when None) and `compute_dtype` (the
+        stored one when None) set."""
+        dtype = self.dtype if self.dtype is not None else checkpoint_dtype(folder)
+        return replace(self, dtype=dtype, compute_dtype=self.compute_dtype or dtype)
+
+    def kv_cache_dtype(self, name: str) -> torch.dtype:
+        """The K/V pool's dtype for `EngineConfig.kv_cache_dtype` `name` ("auto": the compute
+        dtype, float32 on CPU) of a resolved format."""
+        return self.compute_dtype if name == "auto" else STORED_DTYPES[name]
+
+    def quantizes(self, part: str | None = None) -> bool:
+        """Whether matrices (of `part`, e.g. "lm_head") are quantized."""
+        return self.quantization is not None and part not in self.skip
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        assert self.dtype is not None, "resolve the format against its checkpoint first"
+        return self.dtype
+
+    def describe(self) -> str:
+        """What the startup log and /health say: e.g. "bfloat16", "int8 (bfloat16, lm_head)"."""
+        dtype = str(self.dtype).removeprefix("torch.") if self.dtype is not None else "auto"
+        if self.quantization is None:
+            return dtype
+        return f"{self.quantization} ({', '.join((dtype, *(f'{s} kept' for s in self.skip)))})"
+
+
+class Conversion(NamedTuple):
+    """What one checkpoint tensor becomes at load: `dtype` (int8: quantized per channel along
+    `axis`), rounded through `through` first when set (a vector rounded to the stored dtype,
+    kept in the compute dtype); `transposed`: a matrix held as the `[rows, cols]` view of a
+    contiguous `[cols, rows]` (an LM head table, see `layers.head_layout`), made so at load."""
+
+    dtype: torch.dtype
+    axis: int | None = None
+    through: torch.dtype | None = None
+    transposed: bool = False
+
+
+def checkpoint_dtype(folder: str | Path) -> torch.dtype:
+    """The dtype a checkpoint says it is stored in (config.json `dtype` / `torch_dtype`), else
+    the dtype of its first floating tensor."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    for section in (config, config.get("text_config") or {}):
+        name = section.get("dtype") or section.get("torch_dtype")
+        if name in STORED_DTYPES:
+            return STORED_DTYPES[name]
+    from stillcut.engine.loader import stored_floating_dtype
+
+    return stored_floating_dtype(folder)
+
+
+def matmul_weights(module: nn.Module, extra: Mapping[str, int] = {}) -> dict[str, int]:
+    """State name -> output-channel axis of every matrix `module` multiplies by: `nn.Linear`
+    weights and 2-D/3-D convolutions (patch embeddings; a Mamba depthwise `Conv1d` is no
+    matrix), plus `extra` (a model's token embedding, bare projection parameters)."""
+    found = {
+        f"{name}.weight" if name else "weight": 0
+        for name, child in module.named_modules()
+        if isinstance(child, nn.Linear | nn.Conv2d | nn.Conv3d)
+    }
+    return {**found, **extra}
+
+
+def plan_formats(
+    module: nn.Module,
+    weight_format: WeightFormat,
+    matmuls: Mapping[str, int],
+    unquantized: Collection[str] = (),
+    transposed: Collection[str] = (),
+) -> dict[str, Conversion]:
+    """A `Conversion` for every state tensor of `module` (a checkpoint-named layout): the
+    `matmuls` (name -> output axis, see `matmul_weights`) in the stored dtype or int8 (but for
+    `unquantized`), the `transposed` ones laid out as their transpose; everything else rounded
+    to the stored dtype and kept in the compute dtype."""
+    stored, compute = weight_format.stored_dtype, weight_format.compute_dtype
+    assert compute is not None, "resolve the format against its checkpoint first"
+    plan = {}
+    for name in module.state_dict(keep_vars=True):
+        if name not in matmuls:
+            plan[name] = Conversion(compute, through=stored if stored != compute else None)
+            continue
+        quantized = weight_format.quantizes() and name not in unquantized
+        plan[name] = Conversion(
+            torch.int8 if quantized else stored,
+            matmuls[name] if quantized else None,
+            transposed=name in transposed,
+        )
+    return plan
+
+
+def quantize_int8(weight: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` as int8 per output channel along `axis`, and the float32 scales of the
+    channels (`weight.shape[axis]`): see the module docstring."""
+    values = weight.float()
+    others = tuple(d for d in range(values.dim()) if d != axis)
+    scale = values.abs().amax(dim=others, keepdim=True) / INT8_MAX
+    ratio = torch.div(values, scale).nan_to_num_(nan=0.0)  # 0 / 0 in a zero channel: q = 0
+    return ratio.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale.flatten()
+
+
+def row_blocks(num_rows: int, row_elements: int) -> Iterator[slice]:
+    """Slices of rows that hold at most `BLOCK_BYTES` of float32 each (at least one row)."""
+    step = max(1, BLOCK_BYTES // (4 * max(row_elements, 1)))
+    for start in range(0, num_rows, step):
+        yield slice(start, min(start + step, num_rows))
+
+
+def dense(
+    weight: torch.Tensor, scale: torch.Tensor | None, axis: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """`weight` widened to `dtype` (times its int8 `scale` along `axis`): what a product with
+    it reads, made for one layer at a time (towers' products, long prefill chunks)."""
+    if scale is None:
+        return weight if weight.dtype == dtype else weight.to(dtype)
+    shape = [1] * weight.dim()
+    shape[axis] = -1
+    return weight.to(dtype) * scale.to(dtype).view(shape)
+
+
+def widened(module: nn.Module, name: str = "weight", axis: int = 0) -> torch.Tensor:
+    """`module.<name>` (and its int8 `<name>_scale`) in the dtype it computes in: float32 on
+    CPU, the weight's own dtype elsewhere; `axis` is its output channels' (see `dense`)."""
+    weight = getattr(module, name)
+    dtype = torch.float32 if weight.is_cpu else weight.dtype
+    return dense(weight, getattr(module, f"{name}_scale", None), axis, dtype)
+
+
+def stored_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer of `module` as stored (int8 scales included)."""
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -1,0 +1,284 @@
+/* Products with weights in their stored formats, on CPU: the one place a format is read.
+ *
+ * A weight is a `Matrix` `[in, out]` in one of the formats below; activations and sums are
+ * always float32. Narrow formats are widened to float32 in registers as they stream past, so a
+ * product reads 2 (BF16, F16) or 1 (I8) bytes per weight instead of 4:
+ *
+ *   F32   float32
+ *   BF16  the top half of a float32: widened by a 16-bit shift
+ *   F16   IEEE half: widened by F16C's conversion
+ *   I8    symmetric int8 with one float32 scale per output column (`scales`): the product
+ *         sums x * q in float32 and multiplies each output once by its scale
+ *
+ * `linear` is what every kind of block multiplies by (inside the decode step's parallel region)
+ * and `matmul` in `cpu_decode.c` the same product on its own (the LM head, products of the
+ * torch path). A weight is read either as a contiguous [in, out] (each thread streams its own
+ * band of input rows into a private partial sum, rows of x in groups of 4 so that each widened
+ * weight vector serves the whole group from registers; the partials are then added by column)
+ * or, in F32 only, as a contiguous [out, in] (each thread owns a band of output rows: dot
+ * products). Measured on the 2-core CPU (see `bench/matmul_formats.py`): widening in
+ * registers keeps a one-row product at its read floor in every format, and grouping rows made
+ * eight-row products of the narrow formats 1.5-3x faster than widening once per row.
+ */
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Rows [begin, end) of `count` split evenly over `parts`: part `index`'s share. */
+static void share(int count, int parts, int index, int *begin, int *end) {
+    int base = count / parts, extra = count % parts;
+    *begin = index * base + (index < extra ? index : extra);
+    *end = *begin + base + (index < extra ? 1 : 0);
+}
+
+enum format { F32 = 1, BF16 = 2, F16 = 3, I8 = 4 };
+
+typedef struct {
+    const void *data;            /* [in, out] or (F32 only) its [out, in] transpose */
+    const float *scales;         /* [out]: I8's scale of each output column; NULL otherwise */
+    int32_t format;
+    int32_t out_in;              /* 1: stored [out, in] */
+    int32_t in, out;
+} Matrix;
+
+typedef float vec8 __attribute__((vector_size(32)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+#define SPLAT(c) ((vec8){c, c, c, c, c, c, c, c})
+
+static inline vec8 load8(const float *p) {
+    vec8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsum8(vec8 v) {
+    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+static inline float bits_float(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* IEEE half -> float (the scalar path where F16C is missing, and vector tails). */
+static float half_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
+        float magnitude = (float)mantissa * 5.9604644775390625e-8f;
+        return sign ? -magnitude : magnitude;
+    }
+    if (exponent == 0x1f) return bits_float(sign | 0x7f800000 | mantissa << 13); /* inf, nan */
+    return bits_float(sign | (exponent + 112) << 23 | mantissa << 13);
+}
+
+/* Element `at` of `data` in `format`, as float32. */
+INLINE float widen1(int format, const void *data, size_t at) {
+    switch (format) {
+    case BF16: return bits_float((uint32_t)((const uint16_t *)data)[at] << 16);
+    case F16: return half_float(((const uint16_t *)data)[at]);
+    case I8: return (float)((const int8_t *)data)[at];
+    default: return ((const float *)data)[at];
+    }
+}
+
+/* Elements [at, at + 8) of `data` in `format`, as float32 lanes. */
+INLINE vec8 widen8(int format, const void *data, size_t at) {
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m128i *p = (const __m128i *)((const char *)data + at * (format == I8 ? 1 : 2));
+    switch (format) {
+    case BF16: return (vec8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p)), 16);
+    case F16: return (vec8)_mm256_cvtph_ps(_mm_loadu_si128(p));
+    case I8: return (vec8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p)));
+    default: return load8((const float *)data + at);
+    }
+#else
+    if (format == F32) return load8((const float *)data + at);
+    vec8 v;
+    for (int lane = 0; lane < 8; lane++) v[lane] = widen1(format, data, at + lane);
+    return v;
+#endif
+}
+
+/* float32 -> bfloat16, rounded to nearest even (as torch's conversion; NaN stays NaN). */
+static inline uint16_t bfloat16_bits(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)(bits >> 16 | 0x40);
+    return (uint16_t)((bits + 0x7fff + (bits >> 16 & 1)) >> 16);
+}
+
+/* Rows `[at, at + n)` of `data` in `format` as float32 into `out`. */
+INLINE void widen_row(int format, const void *data, size_t at, int n, float *out) {
+    int d = 0;
+    for (; d + 8 <= n; d += 8) {
+        vec8 v = widen8(format, data, at + d);
+        memcpy(out + d, &v, sizeof v);
+    }
+    for (; d < n; d++) out[d] = widen1(format, data, at + d);
+}
+
+/* partial[k][c] += sum over j < 4 of x[k][i + j] * w[i + j][c] for the `group` rows k of x
+ * and columns c in [c0, c1): each widened vector of w serves the whole group. */
+INLINE void band_group(int format, int group, const float *x, size_t stride, const void *w,
+                       int out, int i, int c0, int c1, float *partial) {
+    vec8 xs[4][4];
+    for (int k = 0; k < group; k++)
+        for (int j = 0; j < 4; j++) xs[k][j] = SPLAT(x[k * stride + i + j]);
+    int c = c0;
+    for (; c + 8 <= c1; c += 8) {
+        size_t at = (size_t)i * out + c;
+        vec8 w0 = widen8(format, w, at), w1 = widen8(format, w, at + out);
+        vec8 w2 = widen8(format, w, at + 2 * (size_t)out), w3 = widen8(format, w, at + 3 * (size_t)out);
+        for (int k = 0; k < group; k++) {
+            float *acc = partial + (size_t)k * out + c;
+            vec8 sum = load8(acc);
+            sum += xs[k][0] * w0 + xs[k][1] * w1 + xs[k][2] * w2 + xs[k][3] * w3;
+            memcpy(acc, &sum, sizeof sum);
+        }
+    }
+    for (; c < c1; c++) {
+        size_t at = (size_t)i * out + c;
+        float w0 = widen1(format, w, at), w1 = widen1(format, w, at + out);
+        float w2 = widen1(format, w, at + 2 * (size_t)out), w3 = widen1(format, w, at + 3 * (size_t)out);
+        for (int k = 0; k < group; k++)
+            partial[(size_t)k * out + c] +=
+                xs[k][0][0] * w0 + xs[k][1][0] * w1 + xs[k][2][0] * w2 + xs[k][3][0] * w3;
+    }
+}
+
+/* partial[r][c] += x[r][i] * w[i][c] for one input row i, every row r and column. */
+INLINE void band_row(int format, const float *x, size_t stride, int rows, const void *w, int out,
+                     int i, float *partial) {
+    for (int r = 0; r < rows; r++) {
+        vec8 x0 = SPLAT(x[r * stride + i]);
+        float *acc = partial + (size_t)r * out;
+        int c = 0;
+        for (; c + 8 <= out; c += 8) {
+            vec8 sum = load8(acc + c) + x0 * widen8(format, w, (size_t)i * out + c);
+            memcpy(acc + c, &sum, sizeof sum);
+        }
+        for (; c < out; c++) acc[c] += x0[0] * widen1(format, w, (size_t)i * out + c);
+    }
+}
+
+/* partial[r][c] = sum over input rows i in [i0, i1) of x[r][i] * w[i][c], w contiguous
+ * [in, out] in `format` (unscaled): the thread streams its band of w once for all rows, four
+ * input rows at a time, in column tiles small enough that a group's tile of partial sums stays
+ * in L1 while the group uses it. */
+#define TILE 512
+INLINE void band_product_as(int format, const float *x, size_t stride, int rows, const void *w,
+                            int out, int i0, int i1, float *partial) {
+    for (int r = 0; r < rows; r++) memset(partial + (size_t)r * out, 0, sizeof(float) * out);
+    int i = i0;
+    for (; i + 4 <= i1; i += 4)
+        for (int c0 = 0; c0 < out; c0 += TILE) {
+            int c1 = c0 + TILE < out ? c0 + TILE : out;
+            for (int r0 = 0; r0 < rows; r0 += 4) {
+                const float *xr = x + r0 * stride;
+                float *pr = partial + (size_t)r0 * out;
+                switch (rows - r0 < 4 ? rows - r0 : 4) { /* a constant group: unrolled */
+                case 4: band_group(format, 4, xr, stride, w, out, i, c0, c1, pr); break;
+                case 3: band_group(format, 3, xr, stride, w, out, i, c0, c1, pr); break;
+                case 2: band_group(format, 2, xr, stride, w, out, i, c0, c1, pr); break;
+                default: band_group(format, 1, xr, stride, w, out, i, c0, c1, pr);
+                }
+            }
+        }
+    for (; i < i1; i++) band_row(format, x, stride, rows, w, out, i, partial);
+}
+
+static void band_product(int format, const float *x, size_t stride, int rows, const void *w,
+                         int out, int i0, int i1, float *partial) {
+    switch (format) { /* one copy of the loops per format, its widening inlined */
+    case BF16: band_product_as(BF16, x, stride, rows, w, out, i0, i1, partial); break;
+    case F16: band_product_as(F16, x, stride, rows, w, out, i0, i1, partial); break;
+    case I8: band_product_as(I8, x, stride, rows, w, out, i0, i1, partial); break;
+    default: band_product_as(F32, x, stride, rows, w, out, i0, i1, partial);
+    }
+}
+
+/* y[r][c] = dot(w[c], x[r]) (+ add[r][c]) for output rows c in [c0, c1), w contiguous [out, in]
+ * float32. Whole blocks of 4 rows run 2 output rows x 4 rows of 8-float accumulators along
+ * `in` together, so each loaded vector of w feeds 4 rows and each of x feeds 2 outputs; the
+ * rows and the output row left over take plain dot products. */
+static void row_products(const float *x, size_t stride, int rows, int in, const float *w,
+                         int out, int c0, int c1, const float *add, float *y) {
+    int blocked_rows = rows - rows % 4, pairs_end = c0 + (c1 - c0) / 2 * 2, whole = in - in % 8;
+    if (blocked_rows)
+        for (int c = c0; c < pairs_end; c += 2)
+            for (int r0 = 0; r0 < blocked_rows; r0 += 4) {
+                const float *w0 = w + (size_t)c * in, *w1 = w0 + in, *x0 = x + r0 * stride;
+                vec8 acc[2][4] = {{{0}}};
+                for (int i = 0; i < whole; i += 8) {
+                    vec8 u = load8(w0 + i), v = load8(w1 + i);
+                    for (int k = 0; k < 4; k++) {
+                        vec8 xv = load8(x0 + k * stride + i);
+                        acc[0][k] += u * xv, acc[1][k] += v * xv;
+                    }
+                }
+                for (int k = 0; k < 4; k++)
+                    for (int j = 0; j < 2; j++) {
+                        const float *wj = j ? w1 : w0, *xk = x0 + k * stride;
+                        float sum = hsum8(acc[j][k]);
+                        for (int i = whole; i < in; i++) sum += wj[i] * xk[i];
+                        size_t at = (size_t)(r0 + k) * out + c + j;
+                        y[at] = add ? add[at] + sum : sum;
+                    }
+            }
+    for (int c = c0; c < c1; c++) {
+        const float *wc = w + (size_t)c * in;
+        for (int r = c < pairs_end ? blocked_rows : 0; r < rows; r++) {
+            const float *xr = x + r * stride;
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < in; i++) sum += wc[i] * xr[i];
+            y[(size_t)r * out + c] = add ? add[(size_t)r * out + c] + sum : sum;
+        }
+    }
+}
+
+/* Whether `w` is a matrix `linear` reads: `in` x `out`, a known format, [out, in] only in F32,
+ * scales exactly for I8. */
+static int check_matrix(const Matrix *w, int in, int out) {
+    int known = w->format >= F32 && w->format <= I8;
+    return w->data && known && w->in == in && w->out == out &&
+           (!w->out_in || w->format == F32) && (w->format == I8) == (w->scales != NULL);
+}
+
+/* y = x @ w (+ add), x [rows, w.in] with rows `stride` apart, y [rows, w.out]. Every thread of
+ * the region calls it; it ends with a barrier. `partials` holds threads * rows * w.out floats. */
+static void linear(const float *x, size_t stride, int rows, const Matrix *matrix,
+                   const float *add, float *y, float *partials) {
+    int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
+    int in = matrix->in, out = matrix->out;
+    if (matrix->out_in) {
+        share(out, threads, thread, &begin, &end);
+        row_products(x, stride, rows, in, matrix->data, out, begin, end, add, y);
+#pragma omp barrier
+        return;
+    }
+    share(in, threads, thread, &begin, &end);
+    size_t size = (size_t)rows * out;
+    band_product(matrix->format, x, stride, rows, matrix->data, out, begin, end,
+                 partials + (size_t)thread * size);
+#pragma omp barrier
+    share(out, threads, thread, &begin, &end);
+    const float *scales = matrix->scales;
+    for (int r = 0; r < rows; r++) {
+        for (int c = begin; c < end; c++) {
+            size_t at = (size_t)r * out + c;
+            float sum = 0.0f;
+            for (int t = 0; t < threads; t++) sum += partials[(size_t)t * size + at];
+            if (scales) sum *= scales[c];
+            y[at] = add ? add[at] + sum : sum;
+        }
+    }
+#pragma omp barrier
+}

@@ -1,0 +1,128 @@
+"""Narration from Python: the WebSocket's `Narration`, fed from a file or an iterator of frames.
+
+`narrate_frames` runs one `Narration` on a private event loop in a worker thread, over an
+`AsyncEngine` lent the `LLMEngine` for the duration, and yields its segments as they come: the
+same code and the same frames (sent losslessly, as PNG) as a WebSocket narration, so the two
+give the same segments under lag `queue`. `realtime` paces frames at their timestamps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from stillcut.engine.llm_engine import LLMEngine
+from stillcut.service.async_engine import AsyncEngine
+from stillcut.service.narrate_options import NarrateOptions
+from stillcut.service.narration import Narration
+from stillcut.vision.decode import DecodeConfig, decode_video
+from stillcut.vision.pipeline import VisionPipeline
+
+Frames = Iterable[tuple[float, np.ndarray]]  # (timestamp s, [H, W, 3] uint8 RGB)
+_DONE = object()
+
+
+@dataclass(frozen=True)
+class Segment:
+    """What the model said about one tubelet: its frames' times, the text, the tubelets
+    skipped before it (lag `latest`), the tokens prefilled for it, the seconds from its
+    tubelet's last frame to its first token, and whether the sequence rolled over before it."""
+
+    t: tuple[float, float]
+    text: str
+    skipped: int
+    prefill_tokens: int
+    lag_s: float
+    rolled_over: bool = False
+
+
+class NarrationError(RuntimeError):
+    """The narration stopped: the engine refused an append (the message says why)."""
+
+
+def file_frames(path: Any, fps: float, max_duration_s: float = 600.0) -> Frames:
+    """Frames of a video file sampled at `fps`, with their timestamps."""
+    max_frames = max(1, int(max_duration_s * fps))
+    config = DecodeConfig(fps=fps, max_frames=max_frames, max_duration_s=max_duration_s)
+    decoded = decode_video(path, config)
+    return zip(decoded.timestamps, decoded.frames, strict=True)
+
+
+def narrate_frames(
+    engine: LLMEngine,
+    pipeline: VisionPipeline,
+    frames: Frames,
+    options: NarrateOptions,
+    *,
+    realtime: bool = False,
+) -> Iterator[Segment]:
+    """Segments of a narration of `frames`, as they come; see the module docstring. Closing
+    the iterator early ends the narration and frees its request."""
+    out: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    worker = threading.Thread(
+        target=lambda: asyncio.run(_run(engine, pipeline, frames, options, realtime, out, stop)),
+        name="stillcut-narrate",
+        daemon=True,
+    )
+    worker.start()
+    try:
+        while (got := out.get()) is not _DONE:
+            if isinstance(got, BaseException):
+                raise got
+            yield got
+    finally:
+        stop.set()
+        worker.join()
+
+
+async def _run(engine, pipeline, frames, options, realtime, out, stop) -> None:
+    async_engine = AsyncEngine(engine)
+    rolled_over = False
+
+    async def emit(message: dict) -> None:
+        nonlocal rolled_over
+        if message["type"] == "rollover":
+            rolled_over = True
+        elif message["type"] == "segment":
+            t, text, skipped = tuple(message["t"]), message["text"], message["skipped"]
+            prefilled, lag_s = message["prefill_tokens"], message["lag_s"]
+            out.put(Segment(t, text, skipped, prefilled, lag_s, rolled_over))
+            rolled_over = False
+        elif message["type"] == "error":
+            out.put(NarrationError(message["message"]))
+
+    try:
+        session = Narration(pipeline, async_engine, options, f"narrate-{uuid.uuid4().hex}", emit)
+        try:
+            await _feed(session, frames, realtime, stop)
+            await session.drain()
+        finally:
+            await session.close()
+    except BaseException as error:  # every failure reaches the caller
+        out.put(error)
+    finally:
+        async_engine.shutdown()
+        out.put(_DONE)
+
+
+async def _feed(session: Narration, frames: Frames, realtime: bool, stop: threading.Event) -> None:
+    start = time.monotonic()
+    for timestamp, frame in frames:
+        if stop.is_set():
+            return
+        if realtime:
+            await asyncio.sleep(max(0.0, start + timestamp - time.monotonic()))
+        buffer = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(frame)).save(buffer, format="PNG")
+        await session.add_frame(float(timestamp), buffer.getvalue())

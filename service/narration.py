@@ -1,0 +1,230 @@
+"""A narrating live session: frames in, running commentary out, one streaming request.
+
+Frames arrive, are checked and become tubelets exactly as in a question-answer `LiveSession`
+(threshold EVS whose reference carries from tubelet to tubelet; EVS off is the same pruner
+keeping every token), but each tubelet is its own one-tubelet video (t = 0, grid (1, h, w)).
+A speaker task appends ready tubelets to one streaming request (its timestamp text, then the
+tubelet, `PromptProcessor.narration_input`) and streams the segment the model says about it; each
+`segment` message says how many tokens were prefilled for it (`prefill_tokens`) and how long
+after its tubelet's last frame arrived its first token came (`lag_s`).
+Under lag `queue` every tubelet is appended in order; under `latest` the speaker skips to the
+newest and reports how many it skipped. A tubelet EVS emptied is not appended. When the next
+append would pass `max_context_tokens`, the request is replaced by a fresh one holding the
+instruction and the last `keep_last_s` seconds of tubelets (a `rollover` message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
+from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.processor import Prompt
+from stillcut.engine.request import PlaceholderRange
+from stillcut.kernels.evs import ThresholdPruner
+from stillcut.service.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestAborted
+from stillcut.service.live_session import LiveSession, Runner
+from stillcut.service.narrate_options import NarrateOptions
+from stillcut.vision.pipeline import VisionPipeline
+
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+_ENGINE_ERRORS = (RequestTooLong, TooManyVisualTokens, ResourceExhausted, QueueFull)
+logger = logging.getLogger("stillcut.service")
+
+
+class Narration(LiveSession):
+    """One client's narrated stream over a shared engine; see the module docstring. Server
+    messages go to `emit`: `token`, `segment`, `rollover` and `error`."""
+
+    def __init__(
+        self,
+        pipeline: VisionPipeline,
+        engine: AsyncEngine,
+        options: NarrateOptions,
+        session_id: str,
+        emit: Emit,
+        *,
+        run_encode: Runner = asyncio.to_thread,
+        run_prompt: Runner = asyncio.to_thread,
+    ) -> None:
+        super().__init__(
+            pipeline, engine, options, session_id, run_encode=run_encode, run_prompt=run_prompt
+        )
+        if pipeline.model_config.family.narration_timestamp is None:
+            raise ValueError(f"{pipeline.model_config.family.model_type!r} models do not narrate")
+        max_model_len = engine.engine.config.scheduler.max_model_len
+        self._max_context = min(options.max_context_tokens or max_model_len, max_model_len)
+        self._emit = emit
+        # ready tubelets, each with when its last frame arrived (monotonic seconds)
+        self._ready: collections.deque[tuple[MultiModalItem, float]] = collections.deque()
+        self._frame_arrived_at = 0.0
+        self._kept: collections.deque[MultiModalItem] = collections.deque()  # the window
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # nothing ready, nothing being said
+        self._idle.set()
+        self._speaker: asyncio.Task | None = None
+        self._stream = None  # the streaming request's outputs
+        self._request_id: str | None = None
+        self._num_tokens = 0  # in the streaming request's sequence
+        self._num_requests = 0
+        self._params = None  # built on first use: finding segment-end tokens takes a second
+
+    async def add_frame(self, timestamp: float, image: bytes):
+        """As a live session's; the time it arrives is when its tubelet's lag starts."""
+        self._frame_arrived_at = time.monotonic()
+        return await super().add_frame(timestamp, image)
+
+    async def drain(self) -> None:
+        """Wait until every ready tubelet has been spoken about (or skipped)."""
+        await self._idle.wait()
+
+    # ---- tubelets ------------------------------------------------------------------------------
+
+    async def _tubelet(
+        self, frames: np.ndarray, timestamps: tuple[float, ...]
+    ) -> tuple[MultiModalItem, ThresholdPruner]:
+        """As a live session's, but the tubelet is its own video: t = 0 in a (1, h, w) grid."""
+        item, pruner = await super()._tubelet(frames, timestamps)
+        coords = item.coords * torch.tensor([0, 1, 1])  # [num_kept, 3]
+        return replace(item, coords=coords, grid_thw=(1, *item.grid_thw[1:])), pruner
+
+    async def _commit(self, item: MultiModalItem) -> None:
+        self._items.append(item)
+        self._chain = item.identifier
+        if not item.num_tokens:
+            return  # nothing changed enough to show: nothing to say about it
+        self._ready.append((item, self._frame_arrived_at))
+        self._idle.clear()
+        self._wake.set()
+        if self._speaker is None:
+            self._speaker = asyncio.create_task(self._speak())
+
+    async def _release(self) -> None:
+        if self._speaker is not None:
+            self._speaker.cancel()
+            await asyncio.gather(self._speaker, return_exceptions=True)
+        await self._end_request()
+        self._idle.set()
+
+    # ---- speaking ------------------------------------------------------------------------------
+
+    async def _speak(self) -> None:
+        while True:
+            while not self._ready:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+            skipped = 0
+            if self.options.lag == "latest":
+                skipped = len(self._ready) - 1
+                item, arrived_at = self._ready[-1]
+                self._ready.clear()
+            else:
+                item, arrived_at = self._ready.popleft()
+            try:
+                await self._append(item)
+                text, num_prefilled, lag_s = await self._segment(arrived_at)
+            except (*_ENGINE_ERRORS, EngineStopped, RequestAborted) as error:
+                await self._stop_speaking("engine", str(error))
+                return
+            except Exception:
+                logger.exception("narration %s failed", self.session_id)
+                await self._stop_speaking("internal_error", "internal server error while narrating")
+                return
+            t_first, t_last = item.timestamps[0], item.timestamps[-1]
+            await self._emit(
+                {
+                    "type": "segment",
+                    "t": [t_first, t_last],
+                    "text": text,
+                    "skipped": skipped,
+                    "prefill_tokens": num_prefilled,
+                    "lag_s": lag_s,
+                }
+            )
+
+    async def _stop_speaking(self, code: str, message: str) -> None:
+        await self._emit({"type": "error", "code": code, "message": message})
+        self._ready.clear()
+        self._idle.set()
+
+    async def _append(self, item: MultiModalItem) -> None:
+        processor = self._processor
+        if self._params is None:
+            ends = await self._run_prompt(
+                lambda: processor.segment_end_token_ids(self.options.segment_end)
+            )
+            self._params = self.options.sampling(ends)
+        new_ids = processor.narration_input(item, item.timestamps[0])
+        self._keep_window(item)
+        room = self._max_context - self.options.max_tokens_per_segment
+        if self._request_id is None or self._num_tokens + len(new_ids) > room:
+            if self._request_id is not None:
+                await self._end_request()
+                await self._emit({"type": "rollover"})
+            await self._start_request()
+            return
+        await self._engine.append_input(self._request_id, new_ids, [item])
+        self._num_tokens += len(new_ids)
+
+    def _keep_window(self, item: MultiModalItem) -> None:
+        """Remember `item` and forget tubelets that start over `keep_last_s` before it ends
+        (it stays: a fresh sequence holds at least the tubelet it is about)."""
+        self._kept.append(item)
+        oldest = item.timestamps[-1] - self.options.keep_last_s
+        while len(self._kept) > 1 and self._kept[0].timestamps[0] < oldest:
+            self._kept.popleft()
+
+    async def _start_request(self) -> None:
+        """A fresh streaming request: the instruction and the kept tubelets."""
+        prompt = self._window_prompt()
+        self._num_requests += 1
+        self._request_id = f"{self.session_id}-narrate-{self._num_requests}"
+        self._num_tokens = len(prompt.token_ids)
+        self._stream = self._engine.generate(
+            prompt, self._params, request_id=self._request_id, streaming=True
+        )
+
+    def _window_prompt(self) -> Prompt:
+        processor, items = self._processor, list(self._kept)
+        first = processor.narration_prompt(self.options.prompt, items[0], items[0].timestamps[0])
+        token_ids, positions = list(first.token_ids), list(first.mm_positions)
+        pad = processor.special.video_token_id
+        for item in items[1:]:
+            ids = processor.narration_input(item, item.timestamps[0])
+            positions.append(PlaceholderRange(len(token_ids) + ids.index(pad), item.num_tokens))
+            token_ids += ids
+        return Prompt(token_ids, items, positions)
+
+    async def _segment(self, arrived_at: float) -> tuple[str, int, float]:
+        """Stream one segment's tokens; its text, the tokens prefilled before it (the append's,
+        with the last segment's final token; a fresh request's whole prompt) and the seconds
+        from its tubelet's last frame arriving to its first token."""
+        pieces, num_prefilled, lag_s = [], 0, None
+        async for output in self._stream:
+            self._num_tokens += len(output.new_token_ids)
+            if lag_s is None:
+                lag_s = time.monotonic() - arrived_at
+            metrics = output.metrics
+            appended = metrics.append_prefill_tokens
+            num_prefilled = appended[-1] if appended else metrics.num_prompt_tokens
+            if output.delta:
+                pieces.append(output.delta)
+                await self._emit({"type": "token", "text": output.delta})
+            if output.segment_end is not None:
+                break
+        return "".join(pieces), num_prefilled, lag_s
+
+    async def _end_request(self) -> None:
+        stream, self._stream, self._request_id = self._stream, None, None
+        if stream is not None:
+            await stream.aclose()  # leaving the stream aborts the request, freeing its blocks

@@ -1,0 +1,204 @@
+"""Narration over `WebSocket /v1/stream` (`"mode": "narrate"`), with the websockets client on
+a real server: segments per tubelet under `queue`, the engine's own narration of the same
+frames, bad start options, rollover at the context limit, a client that vanishes mid-segment.
+Every block is back once a session ends or drops."""
+
+import io
+import json
+import struct
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from stillcut.service.config import ServerConfig
+from stillcut.service.narrate_api import file_frames
+
+from .conftest import make_llm, running_server, settled_pool_state
+
+NUM_TUBELETS = 4
+START = {
+    "type": "start",
+    "mode": "narrate",
+    "prompt": "Say what you see.",
+    "lag": "queue",
+    "threshold": None,
+    "max_tokens_per_segment": 3,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    with running_server(tiny_checkpoint, ServerConfig(max_sessions=2)) as server:
+        yield server
+
+
+def _pixels(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+
+
+def _frame(timestamp: float, seed: int) -> bytes:
+    return _png_frame(timestamp, _pixels(seed))
+
+
+def _png_frame(timestamp: float, pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return struct.pack("<d", timestamp) + buffer.getvalue()
+
+
+def _connect(server):
+    return connect(server.url.replace("http://", "ws://") + "/v1/stream", proxy=None)
+
+
+def _narrate(server, start: dict, num_frames: int, frames=None) -> tuple[list[dict], int]:
+    """Send a start and the frames (random ones by default), then stop; every message until
+    the close, and its code."""
+    messages = []
+    frames = frames or [_frame(k / 2, seed=k) for k in range(num_frames)]
+    with _connect(server) as socket:
+        socket.send(json.dumps(start))
+        for frame in frames:
+            socket.send(frame)
+        socket.send(json.dumps({"type": "stop"}))
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                messages.append(json.loads(socket.recv(timeout=60)))
+    return messages, closed.value.rcvd.code
+
+
+def test_queue_narrates_every_tubelet_in_order_and_frees_everything(server):
+    messages, code = _narrate(server, START, 2 * NUM_TUBELETS)
+    assert code == 1000 and messages[0]["type"] == "started"
+    segments = [m for m in messages if m["type"] == "segment"]
+    assert [s["t"] for s in segments] == [[k, k + 0.5] for k in range(NUM_TUBELETS)]
+    assert all(s["skipped"] == 0 for s in segments)
+    # the tokens streamed before each segment spell its text
+    text, spelled = "", []
+    for message in messages:
+        if message["type"] == "token":
+            text += message["text"]
+        elif message["type"] == "segment":
+            spelled.append(text)
+            text = ""
+    assert spelled == [s["text"] for s in segments]
+    assert settled_pool_state(server) == (True, 0)
+
+
+@pytest.mark.parametrize(
+    ("option", "phrase"),
+    [
+        ({"max_tokens": 4}, "answer-only options"),
+        ({"segment_end": ["x"] * 17}, "segment_end must hold 1 to 16"),
+        ({"segment_end": ["x" * 257]}, "at most 256 characters"),
+        ({"lag": "sometimes"}, "lag='sometimes' must be one of"),
+        ({"prompt": " "}, "prompt must be a non-empty string"),
+        ({"mode": "sing"}, "mode='sing': allowed 'narrate'"),
+    ],
+)
+def test_bad_narrate_options_end_the_socket_with_a_clear_error(server, option, phrase):
+    with _connect(server) as socket:
+        socket.send(json.dumps({**START, **option}))
+        message = json.loads(socket.recv(timeout=30))
+        with pytest.raises(ConnectionClosed) as closed:
+            socket.recv(timeout=30)
+    assert closed.value.rcvd.code == 1008
+    assert message["code"] == "bad_start" and phrase in message["message"], message
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_rollover_at_the_context_limit_and_the_session_goes_on(server):
+    start = {**START, "max_context_tokens": 120, "keep_last_s": 0.0}
+    messages, code = _narrate(server, start, 2 * NUM_TUBELETS)
+    kinds = [m["type"] for m in messages]
+    assert code == 1000 and "rollover" in kinds
+    assert kinds.count("segment") == NUM_TUBELETS  # every tubelet was still narrated
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_a_client_that_vanishes_mid_segment_frees_its_request(server):
+    with _connect(server) as socket:
+        socket.send(json.dumps({**START, "max_tokens_per_segment": 24}))
+        for k in range(2):
+            socket.send(_frame(k / 2, seed=k))
+        # the tubelet is committed and its segment under way when the client leaves
+        while json.loads(socket.recv(timeout=60))["type"] != "frame":
+            pass
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_video_llm_narrate_on_a_file_equals_the_websocket_narration(
+    server, tiny_checkpoint, tiny_clip, tmp_path
+):
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(tiny_clip)
+    # sampled tokens (seeded) make the texts tell the two apart if anything differs
+    options = {"max_tokens_per_segment": 4, "temperature": 1.0, "seed": 7, "threshold": 0.05}
+    segments = list(make_llm(tiny_checkpoint).narrate(path, START["prompt"], **options))
+    frames = [_png_frame(t, pixels) for t, pixels in file_frames(path, 2.0)]
+    messages, code = _narrate(server, {**START, **options}, len(frames), frames)
+    sent = [m for m in messages if m["type"] == "segment"]
+    assert code == 1000 and len(segments) == 3 and any(s.text for s in segments)
+    assert [(list(s.t), s.text, s.skipped, s.prefill_tokens) for s in segments] == [
+        (m["t"], m["text"], m["skipped"], m["prefill_tokens"]) for m in sent
+    ]
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_a_static_stream_prefills_its_wrappers_and_the_kept_token_per_append(tiny_checkpoint):
+    """Threshold EVS with floor 1: after the first tubelet a static scene keeps one token per
+    tubelet, so each append prefills that token, its wrapper (timestamp text, vision start and
+    end) and the last segment's final token, however long the stream."""
+    llm = make_llm(tiny_checkpoint)
+    pixels = np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    frames = [(k / 2, pixels) for k in range(16)]
+    options = {"threshold": 0.1, "floor": 1, "max_tokens_per_segment": 2}
+    segments = list(llm.narrate(iter(frames), "Say what changes.", **options))
+    assert len(segments) == 8
+    for segment in segments[1:]:
+        wrapper = len(llm.processor.encode(f"<{segment.t[0]:.1f}s>")) + 2
+        assert segment.prefill_tokens == wrapper + 1 + 1
+
+
+def test_latest_skips_to_the_newest_tubelet_when_the_model_falls_behind(tiny_checkpoint):
+    llm = make_llm(tiny_checkpoint)
+    forward = llm.engine.model.forward
+
+    def slow_forward(*args, **kwargs):  # a segment now takes longer than a tubelet lasts
+        time.sleep(0.25)
+        return forward(*args, **kwargs)
+
+    llm.engine.model.forward = slow_forward
+    frames = [(k / 8, _pixels(k)) for k in range(16)]
+    options = {"fps": 8.0, "lag": "latest", "threshold": None, "max_tokens_per_segment": 3}
+    segments = list(llm.narrate(iter(frames), "Say what you see.", realtime=True, **options))
+    assert any(s.skipped for s in segments)
+    # every tubelet was either narrated or reported skipped, and time only moves forward
+    assert len(segments) + sum(s.skipped for s in segments) == 8
+    assert [s.t for s in segments] == sorted(s.t for s in segments)
+    assert segments[-1].t == (14 / 8, 15 / 8)  # the newest is never skipped
+
+
+@pytest.mark.parametrize(
+    ("bad_frame", "code"),
+    [
+        (_png_frame(1.0, np.zeros((84, 56, 3), np.uint8)), 1003),  # another size
+        (_frame(0.2, seed=1), 1003),  # back in time
+        (b"\0" * 4, 1003),  # no room for a timestamp
+    ],
+)
+def test_bad_frames_end_a_narration_and_free_everything(server, bad_frame, code):
+    with _connect(server) as socket:
+        socket.send(json.dumps({**START, "max_tokens_per_segment": 24}))
+        socket.send(_frame(0.0, seed=0))
+        socket.send(_frame(0.5, seed=1))  # a tubelet: its segment may be under way
+        socket.send(bad_frame)
+        messages = []
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                messages.append(json.loads(socket.recv(timeout=30)))
+    assert closed.value.rcvd.code == code and messages[-1]["type"] == "error"
+    assert settled_pool_state(server) == (True, 0)
