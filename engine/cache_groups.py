@@ -6,7 +6,9 @@ request. A model family lists its layers as groups (DESIGN.md, "Cache groups"): 
 `AttentionGroup` per distinct K/V shape or window, a `RecurrentGroup` per distinct state shape.
 The KV pool is sized from the groups once, and the runner allocates one tensor per layer from
 them: a layer's K/V `[2, num_blocks, block_size, num_kv_heads, head_dim]`, a layer's recurrent
-state `[num_state_slots, *shape]` per state tensor.
+state `[num_state_slots, *shape]` per state tensor. Snapshots of recurrent states (hybrid
+prefix caching, `state_snapshots`) are sized like a request's state and come out of the same
+budget: one per `snapshot_interval` KV blocks.
 """
 
 from __future__ import annotations
@@ -97,6 +99,27 @@ def state_bytes_per_request(groups: Sequence[CacheGroup], dtype_bytes: int) -> i
     return sum(g.bytes_per_request(dtype_bytes) for g in recurrent_groups(groups))
 
 
+def num_snapshots_for_budget(
+    budget_bytes: int,
+    groups: Sequence[CacheGroup],
+    *,
+    block_size: int,
+    dtype_bytes: int,
+    num_state_slots: int,
+    snapshot_interval: int,
+    state_dtype_bytes: int | None = None,
+) -> int:
+    """How many recurrent-state snapshots to keep: one per `snapshot_interval` KV blocks of
+    what `budget_bytes` holds after `num_state_slots` states, at least one; 0 for a model
+    without recurrent layers. `state_dtype_bytes` as in `num_blocks_for_budget`."""
+    state_bytes = state_bytes_per_request(groups, state_dtype_bytes or dtype_bytes)
+    if not state_bytes:
+        return 0
+    block_bytes = kv_bytes_per_block(groups, block_size, dtype_bytes)
+    remaining = max(budget_bytes - num_state_slots * state_bytes, 0)
+    return max(1, remaining // (snapshot_interval * block_bytes + state_bytes))
+
+
 def num_blocks_for_budget(
     budget_bytes: int,
     groups: Sequence[CacheGroup],
@@ -107,8 +130,8 @@ def num_blocks_for_budget(
     state_dtype_bytes: int | None = None,
 ) -> int:
     """How many KV blocks fit in `budget_bytes` once `num_state_slots` recurrent states (one per
-    request that can run at once; `state_dtype_bytes` per value, by default the K/V's
-    `dtype_bytes`) have taken their share."""
+    request that can run at once, plus the snapshots; `state_dtype_bytes` per value, by default
+    the K/V's `dtype_bytes`) have taken their share."""
     if block_size < 1 or dtype_bytes < 1:
         raise ValueError(f"block_size={block_size} and dtype_bytes={dtype_bytes} must be >= 1")
     state_bytes = num_state_slots * state_bytes_per_request(
@@ -119,7 +142,7 @@ def num_blocks_for_budget(
     if num_blocks < 1:
         raise ValueError(
             f"budget_bytes={budget_bytes} holds no KV block: one block needs {block_bytes} "
-            f"bytes after {state_bytes} bytes of recurrent state for {num_state_slots} requests"
+            f"bytes after {state_bytes} bytes of recurrent state in {num_state_slots} slots"
         )
     return num_blocks
 

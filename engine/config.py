@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _MAX_BLOCK_SIZE = 1024
+DEFAULT_SNAPSHOT_INTERVAL = 8
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class CacheConfig:
     `memory_fraction` of the device memory left after the weights. `held_share` caps the
     fraction of the pool that held prefixes (live video sessions) may pin, so sessions can
     never starve ordinary requests.
+
+    For a model with recurrent layers, every `mamba_snapshot_interval`-th full block of a
+    prefill saves a snapshot of their state (besides the ends of prompts and items, see
+    `state_snapshots`); the budget holds one snapshot per that many blocks, or
+    `num_state_snapshots` when set.
     """
 
     block_size: int = 16
@@ -30,12 +36,18 @@ class CacheConfig:
     memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
     held_share: float = 0.5
+    mamba_snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL
+    num_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         size = self.block_size
         if not 1 <= size <= _MAX_BLOCK_SIZE or size & (size - 1):
             raise ValueError(f"block_size={size} must be a power of two in [1, {_MAX_BLOCK_SIZE}]")
-        for name in ("num_blocks", "kv_cache_memory"):
+        if self.mamba_snapshot_interval < 1:
+            raise ValueError(
+                f"mamba_snapshot_interval={self.mamba_snapshot_interval} must be >= 1 (blocks)"
+            )
+        for name in ("num_blocks", "kv_cache_memory", "num_state_snapshots"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value} must be >= 1 or None")
@@ -99,11 +111,14 @@ class EngineConfig:
     scale per output channel (`engine.quantization`); `quantization_skip=("lm_head",)` keeps
     the LM head (a tied embedding with it) in `dtype`. `kv_cache_dtype` is the K/V pool's
     dtype ("auto": float32 on CPU, the model's dtype on CUDA); bfloat16 halves its bytes per
-    block.
+    block. On CUDA, decode steps replay one CUDA graph per batch bucket (`engine.cuda_graphs`),
+    captured at start; `enforce_eager` runs every step eagerly instead (no capture time, no
+    graph memory, slower small-batch decodes). Ignored on CPU.
     """
 
     dtype: str = "auto"
     device: str = "cpu"
+    enforce_eager: bool = False
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     quantization: str | None = None

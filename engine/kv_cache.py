@@ -6,7 +6,10 @@ it, and stays findable, until the LRU free list hands it out for something else,
 computed by a finished or held request is reused by any later prompt that starts the same way.
 Only full blocks are hashed. A block's hash chains its parent's hash, its token ids, every mm
 item overlapping it as `(identifier, item start - block start)`, and the cache salt in the
-first block only: the chain carries the salt into every later block.
+first block only: the chain carries the salt into every later block. For a model with
+recurrent layers a hit must also restore their state, so it stops at the deepest cached block
+that has a state snapshot (`state_snapshots`); a block reused for other content takes its
+snapshot with it.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import bisect
 import hashlib
 import struct
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from stillcut.engine.request import Request, RequestStatus
+from stillcut.engine.state_snapshots import SnapshotPool, StateCapture, restart_blocks
 
 
 @dataclass(slots=True, eq=False)
@@ -34,9 +38,13 @@ class Block:
 class BlockPool:
     """All blocks, the free list in LRU order, and the hash -> block map of the prefix cache."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(
+        self, num_blocks: int, on_evict: Callable[[bytes], None] = lambda block_hash: None
+    ) -> None:
+        """`on_evict(block_hash)` is told of every hash that leaves the cache by reuse."""
         assert num_blocks >= 1, num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
+        self._on_evict = on_evict
         # head = least recently freed = first to be handed out; O(1) pop, append and remove
         self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[bytes, Block] = {}
@@ -53,6 +61,7 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                self._on_evict(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             taken.append(block)
@@ -144,10 +153,13 @@ def block_extra_keys(request: Request, block_index: int, block_size: int) -> tup
 
 
 class CachedPrefix(NamedTuple):
-    """A prefix-cache hit: the blocks holding the first `num_tokens` tokens of a request."""
+    """A prefix-cache hit: the blocks holding the first `num_tokens` tokens of a request, and
+    the hash of the last one, under which the recurrent state after them is saved (None for a
+    model without recurrent layers, or no hit)."""
 
     blocks: tuple[Block, ...]
     num_tokens: int
+    restart_hash: bytes | None = None
 
 
 NO_PREFIX = CachedPrefix((), 0)
@@ -163,9 +175,16 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        snapshots: SnapshotPool | None = None,
     ) -> None:
-        self.block_pool = BlockPool(num_blocks)
+        """`snapshots`: the recurrent-state snapshots of a model with recurrent layers."""
+        self.snapshots = snapshots
+        on_evict = snapshots.drop if snapshots is not None else lambda block_hash: None
+        self.block_pool = BlockPool(num_blocks, on_evict)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.num_query_tokens = 0
@@ -173,6 +192,7 @@ class KVCacheManager:
         self._req_blocks: dict[str, list[Block]] = {}
         self._block_hashes: dict[str, list[bytes]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered
+        self._num_shared_blocks: dict[str, int] = {}  # leading blocks found in K/V at start
 
     @property
     def num_blocks(self) -> int:
@@ -194,23 +214,38 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """The longest chain of cached full blocks from the request's first token.
 
-        At least one token is left to compute so the runner has logits, and a hit ending
-        inside a bidirectional item is rounded down to the block boundary below its start.
+        At least one token is left to compute so the runner has logits, a hit ending inside a
+        bidirectional item is rounded down to the block boundary below its start, and with
+        recurrent layers it is rounded down to the deepest block with a state snapshot.
         """
         if not self.enable_prefix_caching:
             return NO_PREFIX
         max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self.block_hashes(request)
         blocks = []
-        for block_hash in self.block_hashes(request)[:max_blocks]:
+        for block_hash in hashes[:max_blocks]:
             block = self.block_pool.lookup(block_hash)
             if block is None:
                 break
             blocks.append(block)
-        num_tokens = len(blocks) * self.block_size
-        # rounding down may land inside an earlier bidirectional item: repeat until stable
-        while (boundary := request.chunk_end_at_or_before(num_tokens)) != num_tokens:
-            num_tokens = boundary // self.block_size * self.block_size
-        return CachedPrefix(tuple(blocks[: num_tokens // self.block_size]), num_tokens)
+        num_blocks = len(blocks)
+        if self.snapshots is not None:
+            self._num_shared_blocks[request.request_id] = num_blocks
+        # each rounding may land where the other does not hold: repeat until both do
+        while (rounded := self._restart_at_or_before(request, num_blocks, hashes)) != num_blocks:
+            num_blocks = rounded
+        restart_hash = hashes[num_blocks - 1] if self.snapshots is not None and num_blocks else None
+        return CachedPrefix(tuple(blocks[:num_blocks]), num_blocks * self.block_size, restart_hash)
+
+    def _restart_at_or_before(self, request: Request, num_blocks: int, hashes) -> int:
+        """The most leading blocks, at most `num_blocks`, a hit may end after: not inside a
+        bidirectional item, and (recurrent layers) at a saved state snapshot."""
+        size = self.block_size
+        num_blocks = request.chunk_end_at_or_before(num_blocks * size) // size
+        if self.snapshots is not None:
+            while num_blocks and self.snapshots.slot_of(hashes[num_blocks - 1]) is None:
+                num_blocks -= 1
+        return num_blocks
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, prefix: CachedPrefix = NO_PREFIX
@@ -250,6 +285,35 @@ class KVCacheManager:
             self.block_pool.cache(blocks[index], hashes[index])
         self._num_cached_blocks[request_id] = max(num_cached, num_full)
 
+    def restored_state_slot(self, prefix: CachedPrefix) -> int | None:
+        """The snapshot slot a request starting from `prefix` restores its recurrent state
+        from; None when it starts from zeros (or the model has no recurrent layers)."""
+        if self.snapshots is None or prefix.restart_hash is None:
+            return None
+        return self.snapshots.restore(prefix.restart_hash)
+
+    def plan_state_captures(self, request: Request, num_new_tokens: int) -> list[StateCapture]:
+        """Where this step saves the request's recurrent state: at each restart point among
+        its next `num_new_tokens` tokens that has no snapshot yet."""
+        if self.snapshots is None or not self.enable_prefix_caching:
+            return []
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
+        captures, size, hashes = [], self.block_size, self.block_hashes(request)
+        num_shared = self._num_shared_blocks.get(request.request_id, 0)
+        for j in restart_blocks(request, start, end, size, self.snapshots.interval, num_shared):
+            if self.snapshots.has(hashes[j - 1]):
+                continue
+            slot = self.snapshots.reserve(hashes[j - 1])
+            if slot is None:
+                break
+            captures.append(StateCapture(j * size - start, slot, hashes[j - 1]))
+        return captures
+
+    def commit_state_captures(self, captures: Iterable[StateCapture]) -> None:
+        """After the step: keep each captured state whose block is now in the prefix cache."""
+        for capture in captures:
+            self.snapshots.commit(capture, self.block_pool.lookup(capture.block_hash) is not None)
+
     def free(self, request: Request) -> None:
         """Release every block of the request; hashed ones stay findable until reused."""
         blocks = self._req_blocks.pop(request.request_id, [])
@@ -258,14 +322,25 @@ class KVCacheManager:
         request.block_ids.clear()
         self._block_hashes.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_shared_blocks.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes (after a weight reload); False while blocks are in use."""
-        return self.block_pool.reset_prefix_cache()
+        """Forget all cached prefixes and their state snapshots (after a weight reload); False
+        while blocks are in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.snapshots is not None:
+            self.snapshots.clear()
+        return True
 
     def check_consistency(self) -> None:
-        """Assert that every block's ref count equals the number of tables holding it."""
+        """Assert that every block's ref count equals the number of tables holding it, and
+        that every saved state snapshot belongs to a cached block."""
         self.block_pool.check_consistency()
+        if self.snapshots is not None:
+            self.snapshots.check_consistency()
+            saved = self.snapshots.saved_hashes()
+            assert all(self.block_pool.lookup(h) is not None for h in saved)
         holders = Counter(b.block_id for blocks in self._req_blocks.values() for b in blocks)
         assert all(b.ref_cnt == holders[b.block_id] for b in self.block_pool.blocks)
 

@@ -18,14 +18,20 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from os import PathLike
 
 import torch
 
 from stillcut.engine.admission import BidirectionalItemTooLong
-from stillcut.engine.cache_groups import num_blocks_for_budget, recurrent_groups
+from stillcut.engine.cache_groups import (
+    num_blocks_for_budget,
+    num_snapshots_for_budget,
+    recurrent_groups,
+    state_bytes_per_request,
+)
 from stillcut.engine.config import EngineConfig, SchedulerConfig
+from stillcut.engine.cuda_graphs import decode_buckets, graphs_unavailable
 from stillcut.engine.detokenizer import IncrementalDetokenizer
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.model_config import CheckpointError
@@ -102,15 +108,29 @@ class LLMEngine:
         num_rows = max_num_live_requests(config.scheduler)
         kv_dtype = self.weight_format.kv_cache_dtype(config.kv_cache_dtype)
         state_dtype = self.weight_format.compute_dtype  # recurrent states: what layers compute in
-        num_blocks = self._num_blocks(kv_dtype, state_dtype, num_rows)
-        # Until hybrid prefix caching saves recurrent states at block boundaries, cached K/V of
-        # a prefix comes without the Mamba2 state after it: such a model never takes a
-        # prefix-cache hit and holds no prefixes (held requests resume from their K/V).
+        cache = config.cache
+        budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(config))
+        num_snapshots = self._num_state_snapshots(budget, kv_dtype, state_dtype, num_rows)
+        num_blocks = self._num_blocks(budget, kv_dtype, state_dtype, num_rows + num_snapshots)
         self.has_recurrent_state = bool(recurrent_groups(self.cache_groups))
-        cache_config = config.cache
-        if self.has_recurrent_state:
-            cache_config = replace(cache_config, enable_prefix_caching=False)
-        self.scheduler = Scheduler(config.scheduler, cache_config, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, num_snapshots)
+        if num_snapshots:
+            log.info(
+                "%d recurrent-state snapshots of %d bytes each, one saved every %d KV blocks",
+                num_snapshots,
+                state_bytes_per_request(self.cache_groups, state_dtype.itemsize),
+                config.cache.mamba_snapshot_interval,
+            )
+        no_graphs = graphs_unavailable(torch.device(config.device), self.has_recurrent_state)
+        if config.enforce_eager:
+            no_graphs = "enforce_eager is set"
+        # a step decodes at most max_num_seqs running requests (rows may hold more, waiting)
+        max_decodes = min(config.scheduler.max_num_seqs, num_rows)
+        buckets = (
+            ()
+            if no_graphs
+            else decode_buckets(max_decodes, config.scheduler.max_num_batched_tokens)
+        )
         self.runner = ModelRunner(
             self.model,
             self.cache_groups,
@@ -122,6 +142,8 @@ class LLMEngine:
             device=config.device,
             kv_dtype=kv_dtype,
             state_dtype=state_dtype,
+            decode_buckets=buckets,
+            num_state_snapshots=num_snapshots,
         )
         self.memory = EngineMemory(
             self.weight_format.describe(),
@@ -131,6 +153,10 @@ class LLMEngine:
             num_blocks,
         )
         log.info("%s", self.memory)
+        if no_graphs:
+            log.info("decode steps run eagerly: %s", no_graphs)
+        else:
+            self.runner.capture_decode_graphs()
         self.eos_token_ids = self.processor.special.eos_token_ids
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
@@ -154,10 +180,10 @@ class LLMEngine:
         `mm_items` in order. `hold=True` makes a prefill-only held prefix, `streaming=True` a
         request generating in segments; both take more input (see `append_input`).
         """
-        if (hold or streaming) and self.has_recurrent_state:
+        if streaming and self.has_recurrent_state:
             raise ValueError(
-                "held prefixes are not supported for models with recurrent layers yet, nor "
-                "streaming requests: their state after the prefix is not kept"
+                "streaming requests are not supported for models with recurrent layers yet "
+                "(held prefixes are)"
             )
         params = sampling_params or SamplingParams()
         if streaming and params.stop:
@@ -312,23 +338,47 @@ class LLMEngine:
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
 
-    def _num_blocks(self, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_rows: int) -> int:
-        """KV blocks for the budget, after one recurrent state per runner row (if any)."""
+    def _num_blocks(
+        self, budget: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_state_slots: int
+    ) -> int:
+        """KV blocks for the budget, after the recurrent states (one per runner row) and their
+        snapshots, if any."""
         cache, sched = self.config.cache, self.config.scheduler
         if cache.num_blocks is not None:
             return cache.num_blocks
         # never more than every seat filled to max_model_len could use
         needed = 2 * sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
-        budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(self.config))
         fitting = num_blocks_for_budget(
             budget,
             self.cache_groups,
             block_size=self.block_size,
             dtype_bytes=kv_dtype.itemsize,
             state_dtype_bytes=state_dtype.itemsize,
-            num_state_slots=num_rows,
+            num_state_slots=num_state_slots,
         )
         return min(fitting, needed)
+
+    def _num_state_snapshots(
+        self, budget: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_rows: int
+    ) -> int:
+        """Recurrent-state snapshot slots (0 without recurrent layers): as configured, one per
+        `mamba_snapshot_interval` configured blocks, or their share of the budget."""
+        cache = self.config.cache
+        if not state_bytes_per_request(self.cache_groups, state_dtype.itemsize):
+            return 0
+        if cache.num_state_snapshots is not None:
+            return cache.num_state_snapshots
+        if cache.num_blocks is not None:
+            return max(1, cache.num_blocks // cache.mamba_snapshot_interval)
+        return num_snapshots_for_budget(
+            budget,
+            self.cache_groups,
+            block_size=self.block_size,
+            dtype_bytes=kv_dtype.itemsize,
+            state_dtype_bytes=state_dtype.itemsize,
+            num_state_slots=num_rows,
+            snapshot_interval=cache.mamba_snapshot_interval,
+        )
 
 
 def _check_item_budget(num_item_tokens: int, config: SchedulerConfig) -> None:

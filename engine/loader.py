@@ -31,6 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from stillcut.engine.anon_memory import release_freed_memory
 from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
 from stillcut.engine.quantization import Conversion, quantize_int8, row_blocks
 
@@ -185,6 +186,8 @@ def load_weights(
                 _assign(module, names, tensor, isinstance(targets[names[0]], nn.Parameter))
                 if scale is not None:
                     _assign(module, [f"{name}_scale" for name in names], scale, True)
+                if conversion is not None:
+                    release_freed_memory()  # the blocks it converted through
 
 
 def _converted(
@@ -237,6 +240,8 @@ def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conver
             converted[:, rows] = block.T
         else:
             converted[rows] = block
+        del block
+        release_freed_memory()  # the block's temporaries, before the next one is read
     return (converted.T if conversion.transposed else converted), scales
 
 

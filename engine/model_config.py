@@ -65,15 +65,11 @@ class ModelConfig:
 
     @property
     def live_sessions_refusal(self) -> str | None:
-        """Why this checkpoint serves no live sessions, or None when it serves them. A session
-        is a held prefix extended tubelet by tubelet: layers with recurrent state cannot resume
-        one until their states are kept at block boundaries (hybrid prefix caching)."""
-        from stillcut.engine.cache_groups import recurrent_groups
-
-        where = f"live sessions are not supported for {self.model_type!r} checkpoints"
-        if recurrent_groups(self.cache_groups):
-            return f"{where}: the model's recurrent layers keep a state a held prefix cannot resume"
-        return None if self.family.live_sessions else where
+        """Why this checkpoint serves no live sessions, or None when it serves them (its
+        family's registry entry says so)."""
+        if self.family.live_sessions:
+            return None
+        return f"live sessions are not supported for {self.model_type!r} checkpoints"
 
 
 def load_model_config(path: str | PathLike[str]) -> ModelConfig:

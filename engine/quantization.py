@@ -31,8 +31,9 @@ from torch import nn
 QUANTIZATIONS = ("int8",)
 SKIPPABLE = ("lm_head",)
 INT8_MAX = 127
-# Tensors are converted a block of rows at a time, at most this many float32 bytes of them.
-BLOCK_BYTES = 64 << 20
+# Tensors are converted a block of rows at a time, at most this many float32 bytes of them:
+# quantizing one holds a few such temporaries, a small share of a model that needs blocks.
+BLOCK_BYTES = 16 << 20
 STORED_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -165,12 +166,16 @@ def plan_formats(
 
 def quantize_int8(weight: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight` as int8 per output channel along `axis`, and the float32 scales of the
-    channels (`weight.shape[axis]`): see the module docstring."""
-    values = weight.float()
-    others = tuple(d for d in range(values.dim()) if d != axis)
-    scale = values.abs().amax(dim=others, keepdim=True) / INT8_MAX
-    ratio = torch.div(values, scale).nan_to_num_(nan=0.0)  # 0 / 0 in a zero channel: q = 0
-    return ratio.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale.flatten()
+    channels (`weight.shape[axis]`): see the module docstring. Besides the result it holds one
+    float32 copy of `weight` (a block of a large tensor's rows at load)."""
+    values = weight.to(torch.float32, copy=True)
+    channels = values.movedim(axis, 0)
+    low, high = channels.reshape(channels.shape[0], -1).aminmax(dim=1)
+    scale = torch.maximum(-low, high) / INT8_MAX
+    shape = [1] * values.dim()
+    shape[axis] = -1
+    ratio = values.div_(scale.view(shape)).nan_to_num_(nan=0.0)  # 0 / 0 in a zero channel: q = 0
+    return ratio.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def row_blocks(num_rows: int, row_elements: int) -> Iterator[slice]:

@@ -2,16 +2,22 @@
 
 In the style of vLLM's Model Runner V2, each request the runner knows owns one row of
 persistent tensors for its lifetime (token ids, block table) plus its position table, items and
-sampling state. A step gathers only what the scheduler asked for into preallocated input
-buffers, builds the attention metadata once (slot mapping, block tables, bidirectional item
-ranges), runs the model over the flat batch, computes logits only for the requests that sample,
-and samples. Nothing here is specific to one model: positions come from `model.extend_positions`,
-a fold over the sequence whose cursor the row keeps, so input appended to a live request costs
-O(its tokens): its ids, positions and items are added to the row, nothing is recomputed. The
-caches are allocated from the family's cache groups: one paged K/V tensor per attention
-layer (handed to the model in layer order) and one recurrent state per row and recurrent layer
-(handed to it in the step's `metadata.recurrent`, with each request's row and whether its state
-starts fresh).
+sampling state. A step gathers only what the scheduler asked for into persistent input
+buffers (`StepBuffers`: staged on the host, one copy to the device), builds the attention
+metadata once (slot mapping, block tables, bidirectional item ranges), runs the model over the
+flat batch, computes logits only for the requests that sample, and samples. With
+`decode_buckets`, a step of decodes only is padded to the next bucket (pad rows are one-token
+requests writing to a sink block of their own) and, once `capture_decode_graphs` has run,
+replayed as that bucket's CUDA graph (`cuda_graphs`). Nothing here is specific to one model:
+positions come from `model.extend_positions`, a fold over the sequence whose cursor the row
+keeps, so input appended to a live request costs O(its tokens): its ids, positions and items
+are added to the row, nothing is recomputed. The caches are allocated from the family's cache
+groups: one paged K/V tensor per attention layer (handed to the model in layer order) and one
+recurrent state per row and recurrent layer (handed to it in the step's `metadata.recurrent`,
+with each request's row and whether its state starts fresh), beside the slots of
+recurrent-state snapshots: a request entering from a snapshot (a prefix-cache hit) has
+its row's states copied from its slot, and the recurrent layers save their states into
+the slots the step's captures name.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from dataclasses import dataclass, field
 import torch
 
 from stillcut.engine.cache_groups import CacheGroup, attention_groups, recurrent_groups
+from stillcut.engine.cuda_graphs import DecodeGraphs, bucket_for
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.row_sampler import RowSampler, StepResult
 from stillcut.engine.scheduler_output import AppendedInput, NewRequestData, SchedulerOutput
+from stillcut.engine.step_buffers import StepBuffers
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
@@ -69,38 +77,63 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype = torch.float32,
         state_dtype: torch.dtype | None = None,
+        decode_buckets: Sequence[int] = (),
+        num_state_snapshots: int = 0,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.kv_caches = _paged_kv_caches(cache_groups, num_blocks, block_size, kv_dtype, device)
+        self.max_model_len = max_model_len
+        # Padded decode rows write their K/V into one extra block that no request owns.
+        self.decode_buckets = tuple(decode_buckets)
+        assert max(self.decode_buckets, default=0) <= min(max_num_reqs, max_num_batched_tokens)
+        self.sink_block = num_blocks
+        num_cache_blocks = num_blocks + (1 if self.decode_buckets else 0)
+        self.kv_caches = _paged_kv_caches(
+            cache_groups, num_cache_blocks, block_size, kv_dtype, device
+        )
         # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
-        self.recurrent_states = {
-            layer: tuple(
-                torch.zeros(max_num_reqs, *shape, dtype=state_dtype or kv_dtype, device=device)
-                for shape in group.state_shapes
-            )
-            for group in recurrent_groups(cache_groups)
-            for layer in group.layer_ids
-        }
+        state_dtype = state_dtype or kv_dtype
+        self.recurrent_states = _recurrent_states(cache_groups, max_num_reqs, state_dtype, device)
+        # layer id -> its snapshot tensors, each [num_state_snapshots, *shape]
+        self.state_snapshots = _recurrent_states(
+            cache_groups, num_state_snapshots, state_dtype, device
+        )
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.rows: dict[str, RowState] = {}
         self.sampling = RowSampler(self.device)
-        # Preallocated per-step input buffers (host side; copied to the device in one go).
-        self.input_ids = torch.zeros(max_num_batched_tokens, dtype=torch.long)
-        self.positions = torch.zeros(
-            model.num_position_rows, max_num_batched_tokens, dtype=torch.long
+        self.buffers = StepBuffers(
+            max_num_tokens=max_num_batched_tokens,
+            max_num_reqs=max_num_reqs,
+            max_num_blocks=max_blocks,
+            num_position_rows=model.num_position_rows,
+            block_size=block_size,
+            device=self.device,
         )
-        self.slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.long)
+        # `_prepare` writes token inputs straight into the staging views.
+        self.input_ids = self.buffers.host.input_ids
+        self.positions = self.buffers.host.positions
+        self.slot_mapping = self.buffers.host.slot_mapping
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self) -> DecodeGraphs:
+        """Capture one CUDA graph per decode bucket (see `cuda_graphs`); decodes then replay."""
+        self.graphs = DecodeGraphs.capture(self)
+        return self.graphs
 
     @property
     def num_kv_bytes(self) -> int:
-        """Bytes of the paged K/V and of the recurrent states."""
-        states = [t for layer in self.recurrent_states.values() for t in layer]
+        """Bytes of the paged K/V, the recurrent states and their snapshots."""
+        states = [
+            t
+            for layers in (self.recurrent_states, self.state_snapshots)
+            for layer in layers.values()
+            for t in layer
+        ]
         return sum(t.numel() * t.element_size() for t in [*self.kv_caches, *states])
 
     def execute(self, output: SchedulerOutput) -> StepResult:
@@ -110,6 +143,9 @@ class ModelRunner:
             return StepResult({}, {})
         batch = self._prepare(output)
         with torch.inference_mode():
+            if self.graphs is not None and batch.bucket in self.graphs.logits:
+                logits = self.graphs.replay(batch.bucket)[: len(batch.sample_ids)]
+                return self._sample(batch.sample_ids, logits)
             hidden = self.model(
                 batch.input_ids,
                 batch.positions,
@@ -122,6 +158,8 @@ class ModelRunner:
                 return StepResult({}, {})
             if batch.sample_index is not None:
                 hidden = hidden[batch.sample_index]  # [S, hidden]
+            elif batch.bucket is not None:
+                hidden = hidden[: len(batch.sample_ids)]  # [S, hidden]: the pad rows dropped
             logits = self.model.compute_logits(hidden)  # [S, vocab]
             return self._sample(batch.sample_ids, logits)
 
@@ -167,6 +205,11 @@ class ModelRunner:
         self.rows[new.request_id] = state
         self._append_blocks(state, new.block_ids)
         self.sampling.admit(new.request_id, new.sampling_params)
+        if new.restore_slot is not None:
+            # before this step's forward, which may save other states into the same slot
+            for layer, states in self.recurrent_states.items():
+                for tensor, snapshot in zip(states, self.state_snapshots[layer], strict=True):
+                    tensor[row] = snapshot[new.restore_slot]
 
     def _append_input(self, state: RowState, appended: AppendedInput) -> None:
         """Write appended input into a row: the sampled tokens it follows become placed (at the
@@ -216,6 +259,7 @@ class ModelRunner:
 
     def _prepare(self, output: SchedulerOutput) -> _Batch:
         request_ids = list(output.num_scheduled_tokens)
+        self.buffers.staging()  # the previous step's copy has read the staging buffer
         computed = {c.request_id: c.num_computed_tokens for c in output.scheduled_cached}
         computed.update({n.request_id: n.num_computed_tokens for n in output.scheduled_new})
         query_start = [0]
@@ -249,33 +293,35 @@ class ModelRunner:
                 sample_index.append(q1 - 1)
         if decodes:
             self._write_decodes(decodes)
-        device = self.device
-        num_tokens = query_start[-1]
-        metadata = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=self.block_table[rows, :max_blocks].to(device),
-            slot_mapping=self.slot_mapping[:num_tokens].to(device),
-            max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
-            max_seq_len=max(seq_lens),
-            mm_ranges=torch.tensor(mm_ranges, dtype=torch.int32, device=device)
-            if mm_ranges
-            else None,
-            query_start_loc_cpu=query_start,
-            seq_lens_cpu=seq_lens,
-            recurrent=self._recurrent_metadata(output, request_ids, rows, computed, query_start),
+        recurrent = self._recurrent_metadata(output, request_ids, rows, computed, query_start)
+        every_token_samples = len(sample_index) == query_start[-1]  # a step of decodes only
+        bucket = None
+        if every_token_samples and len(decodes) == len(request_ids) and recurrent is None:
+            bucket = bucket_for(len(request_ids), self.decode_buckets)
+        if mm_pieces:
+            self.buffers.stage_items(query_start[-1], mm_spans, mm_ranges)
+        if bucket is not None:
+            self.buffers.stage_pads(query_start, seq_lens, bucket, self.sink_block)
+        self.buffers.stage_requests(
+            query_start,
+            seq_lens,
+            self.block_table,
+            rows,
+            max_blocks,
+            None if every_token_samples else sample_index,
         )
-        every_token_samples = len(sample_index) == num_tokens  # a step of decodes only
+        metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), len(mm_ranges))
+        metadata.recurrent = recurrent
+        device, inputs, num_tokens = self.device, self.buffers.device, query_start[-1]
         return _Batch(
-            input_ids=self.input_ids[:num_tokens].to(device),
-            positions=self.positions[:, :num_tokens].to(device),
+            input_ids=inputs.input_ids[:num_tokens],
+            positions=inputs.positions[:, :num_tokens],
             metadata=metadata,
             mm_embeds=torch.cat(mm_pieces).to(device) if mm_pieces else None,
-            mm_mask=_mask(num_tokens, mm_spans).to(device) if mm_pieces else None,
+            mm_mask=inputs.mm_mask[:num_tokens] if mm_pieces else None,
             sample_ids=sample_ids,
-            sample_index=None
-            if every_token_samples
-            else torch.tensor(sample_index, dtype=torch.long, device=device),
+            sample_index=None if every_token_samples else inputs.sample_index[: len(sample_index)],
+            bucket=bucket,
         )
 
     def _write_decodes(self, decodes: list[tuple[int, int, int, int]]) -> None:
@@ -300,12 +346,15 @@ class ModelRunner:
         query_start: list[int],
     ) -> RecurrentMetadata | None:
         """Each request's state row, whether its state starts fresh (its first computed
-        token is token 0: a new request, or one recomputed after preemption) and which
-        scheduled tokens are prompt tokens. None for a model without recurrent layers."""
+        token is token 0: a new request, or one recomputed after preemption), which
+        scheduled tokens are prompt tokens, and where to save snapshots. None for a model
+        without recurrent layers."""
         if not self.recurrent_states:
             return None
-        # a recurrent state is never resumed from cached K/V (no prefix hits, no held prefixes)
-        assert all(computed[n.request_id] == 0 for n in output.scheduled_new), "resumed state"
+        # a request resuming after cached tokens had its state restored from a snapshot
+        assert all(
+            n.num_computed_tokens == 0 or n.restore_slot is not None for n in output.scheduled_new
+        ), "a state resumed without a snapshot"
         prompt_token_mask = torch.zeros(query_start[-1], dtype=torch.bool)
         for b, request_id in enumerate(request_ids):
             # a request's prompt tokens come first among its scheduled ones
@@ -318,6 +367,10 @@ class ModelRunner:
             fresh=[computed[r] == 0 for r in request_ids],
             query_start_loc_cpu=query_start,
             prompt_token_mask=prompt_token_mask.to(self.device),
+            snapshots=self.state_snapshots,
+            captures=[
+                [capture[:2] for capture in output.state_captures.get(r, ())] for r in request_ids
+            ],
         )
 
     def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:
@@ -372,14 +425,21 @@ class _Batch:
     mm_mask: torch.Tensor | None  # [N] bool
     sample_ids: list[str]
     sample_index: torch.Tensor | None  # [S]; None when every token samples
+    bucket: int | None = None  # decode rows padded to this many; None: not padded
 
 
-def _mask(num_tokens: int, spans: list[tuple[int, int]]) -> torch.Tensor:
-    """[num_tokens] bool, True inside `spans` (half-open batch ranges)."""
-    mask = torch.zeros(num_tokens, dtype=torch.bool)
-    for lo, hi in spans:
-        mask[lo:hi] = True
-    return mask
+def _recurrent_states(
+    groups: Sequence[CacheGroup], num_slots: int, dtype: torch.dtype, device: torch.device | str
+) -> dict[int, tuple[torch.Tensor, ...]]:
+    """Layer id -> its zeroed state tensors, each [num_slots, *shape], for recurrent layers."""
+    return {
+        layer: tuple(
+            torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+            for shape in group.state_shapes
+        )
+        for group in recurrent_groups(groups)
+        for layer in group.layer_ids
+    }
 
 
 def _paged_kv_caches(

@@ -6,6 +6,8 @@ chunks so admitting prompts never stalls generation; then waiting requests in FI
 first matched against the prefix cache. A prefill chunk is the rest of the prompt or of the
 budget, whichever is smaller, but never ends inside a bidirectional item. When blocks run out
 the newest running request is preempted: freed, and recomputed later, outputs included.
+For a model with recurrent layers and prefix caching on, prefill chunks end on block boundaries
+and each step says where the runner saves recurrent-state snapshots (`state_snapshots`).
 
 Live requests take appended input: held prefixes (prefill-only, never preempted) and streaming
 requests (a stop ends a segment, see `Request`). Between inputs a live request is HELD: it keeps
@@ -40,30 +42,53 @@ from stillcut.engine.scheduler_output import (
     RequestUpdate,
     SchedulerOutput,
 )
+from stillcut.engine.state_snapshots import SnapshotPool
 
 
 class Scheduler:
     """Owns the request queues and the KV cache manager.
 
-    `num_blocks` overrides `cache_config.num_blocks` (the runner sizes the pool from memory).
+    `num_blocks` overrides `cache_config.num_blocks` (the runner sizes the pool from memory);
+    `num_state_snapshots` > 0 says the model has recurrent layers, and how many of their
+    state snapshots the runner keeps.
     """
 
     def __init__(
-        self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int | None = None
+        self,
+        config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int | None = None,
+        num_state_snapshots: int = 0,
     ) -> None:
         num_blocks = cache_config.num_blocks if num_blocks is None else num_blocks
         if num_blocks is None or num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1 (or set in cache_config)")
         self.config = config
         self.cache_config = cache_config
+        snapshots = (
+            SnapshotPool(num_state_snapshots, cache_config.mamba_snapshot_interval)
+            if num_state_snapshots
+            else None
+        )
         self.kv_cache = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, snapshots
         )
         self.requests: dict[str, Request] = {}  # every unfinished request, held ones included
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in the order they started running: last = newest
         self._finished_ids: list[str] = []  # rows the runner may drop, told at the next step
         self._appended: dict[str, list[AppendedInput]] = {}  # not yet told to the runner
+
+    @property
+    def _chunks_end_on_blocks(self) -> bool:
+        """Prefill chunks of a model with recurrent layers end on block boundaries when
+        prefix caching is on (a step budget smaller than a block leaves them unaligned)."""
+        kv = self.kv_cache
+        return (
+            kv.snapshots is not None
+            and kv.enable_prefix_caching
+            and self.config.max_num_batched_tokens >= kv.block_size
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -201,6 +226,8 @@ class Scheduler:
             updates.append(
                 RequestUpdate(request_id, new_token_ids, request.status, stop_reason, segment_end)
             )
+        for captures in output.state_captures.values():  # aborted requests' too: slots return
+            self.kv_cache.commit_state_captures(captures)
         return updates
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
@@ -223,6 +250,7 @@ class Scheduler:
                     request.request_id, new_block_ids, request.num_computed_tokens, appended
                 )
             )
+            self._plan_state_captures(request, num_new, output)
             budget -= num_new
         return budget
 
@@ -244,19 +272,32 @@ class Scheduler:
             self.waiting.popleft()
             if request.status is RequestStatus.WAITING and fresh:
                 request.num_cached_tokens = prefix.num_tokens
+            restore_slot = self.kv_cache.restored_state_slot(prefix)
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_seated += not request.is_live
             output.num_scheduled_tokens[request.request_id] = num_new
-            output.scheduled_new.append(NewRequestData.from_request(request))
+            output.scheduled_new.append(NewRequestData.from_request(request, restore_slot))
+            self._plan_state_captures(request, num_new, output)
             budget -= num_new
+
+    def _plan_state_captures(self, request: Request, num_new: int, output: SchedulerOutput) -> None:
+        captures = self.kv_cache.plan_state_captures(request, num_new)
+        if captures:
+            output.state_captures[request.request_id] = captures
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_left = request.num_tokens - num_computed
         num_new = min(num_left, budget)
         if num_new < num_left and not self.config.enable_chunked_prefill:
             return 0
+        if num_new < num_left and self._chunks_end_on_blocks:
+            # the state at a chunk's end is then at a block boundary: a restart point
+            size = self.kv_cache.block_size
+            num_new = (num_computed + num_new) // size * size - num_computed
+            if num_new <= 0:
+                return 0
         num_new = request.chunk_end_at_or_before(num_computed + num_new) - num_computed
         assert num_new >= 0, "computed tokens never end inside a bidirectional item"
         return num_new

@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import PlaceholderRange, Request, RequestStatus, SamplingParams
+from stillcut.engine.state_snapshots import StateCapture
 
 
 @dataclass(frozen=True)
 class NewRequestData:
     """A request entering the runner: new, resumed after preemption, or a held prefix that was
     extended. Tokens before `num_computed_tokens` are already in its blocks (prefix-cache hit
-    or earlier prefill); output tokens are recomputed as prompt."""
+    or earlier prefill); output tokens are recomputed as prompt. With recurrent layers, the
+    state after them is in snapshot slot `restore_slot` (None: it starts from zeros)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -32,9 +34,10 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     hold: bool  # prefill-only: nothing is sampled for it
+    restore_slot: int | None = None
 
     @classmethod
-    def from_request(cls, request: Request) -> NewRequestData:
+    def from_request(cls, request: Request, restore_slot: int | None = None) -> NewRequestData:
         """A snapshot: later changes to the request do not show through."""
         return cls(
             request_id=request.request_id,
@@ -46,6 +49,7 @@ class NewRequestData:
             block_ids=list(request.block_ids),
             num_computed_tokens=request.num_computed_tokens,
             hold=request.hold,
+            restore_slot=restore_slot,
         )
 
     @property
@@ -79,13 +83,16 @@ class CachedRequestData:
 
 @dataclass
 class SchedulerOutput:
-    """One step: `num_scheduled_tokens[request_id]` tokens to compute for each request."""
+    """One step: `num_scheduled_tokens[request_id]` tokens to compute for each request, and
+    where to save its recurrent state among them (`state_captures`, models with recurrent
+    layers only)."""
 
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     scheduled_new: list[NewRequestData] = field(default_factory=list)
     scheduled_cached: list[CachedRequestData] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished, aborted or now held
+    state_captures: dict[str, list[StateCapture]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

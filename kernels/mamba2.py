@@ -7,13 +7,15 @@ inputs and the chunked SSD scan (Mamba2's state-space duality: a masked quadrati
 chunks of `chunk_size`, a recurrence across them) from the stored state, then stores the new
 ones, so a prompt split across steps gives what one pass would. A decode step advances every
 decoding request by one token at once. A request whose context starts at token 0 (new, or
-recomputed after preemption) starts from zeros, whatever its row held before.
+recomputed after preemption) starts from zeros, whatever its row held before. A step may also
+ask for the state after some of a request's tokens to be saved into snapshot slots (hybrid
+prefix caching): a chunk's scan is then split at those tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -30,7 +32,9 @@ class RecurrentMetadata:
 
     `states[layer_id]` are the runner's persistent state tensors of that layer, each
     `[max_num_reqs, *shape]`. `prompt_token_mask` marks the scheduled tokens that belong to
-    their request's prompt (each request's come first).
+    their request's prompt (each request's come first). `captures[b]` lists `(num_tokens,
+    slot)`: save the state after request b's first `num_tokens` scheduled tokens into slot
+    `slot` of `snapshots[layer_id]` (tensors `[num_slots, *shape]`), ascending.
     """
 
     states: Mapping[int, tuple[torch.Tensor, ...]]
@@ -38,6 +42,8 @@ class RecurrentMetadata:
     fresh: list[bool]
     query_start_loc_cpu: list[int]
     prompt_token_mask: torch.Tensor  # [N] bool, on the model's device
+    snapshots: Mapping[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    captures: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @cached_property
     def one_token_steps(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -56,6 +62,23 @@ class RecurrentMetadata:
         tokens_and_rows = torch.tensor([tokens, rows], dtype=torch.long, device=device)  # [2, D]
         return tokens_and_rows[0], tokens_and_rows[1], chunks
 
+    @cached_property
+    def one_token_captures(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Of the one-token steps (in `one_token_steps` order), which save their new state:
+        their indices `[S]` and snapshot slots `[S]` (on the device); None when none do."""
+        starts = self.query_start_loc_cpu
+        index, slots, num_steps = [], [], 0
+        for request, captures in enumerate(self.captures):
+            if starts[request + 1] - starts[request] == 1 and not self.fresh[request]:
+                index.extend(num_steps for _ in captures)
+                slots.extend(slot for _, slot in captures)
+                num_steps += 1
+        if not slots:
+            return None
+        device = self.prompt_token_mask.device
+        index_and_slots = torch.tensor([index, slots], dtype=torch.long, device=device)
+        return index_and_slots[0], index_and_slots[1]
+
 
 def causal_conv1d(
     x: torch.Tensor,
@@ -72,6 +95,17 @@ def causal_conv1d(
     inputs = torch.cat([conv_state.to(x.dtype), x.T], dim=1)  # [C, K - 1 + L]
     out = F.conv1d(inputs[None], weight[:, None, :], bias, groups=weight.shape[0])[0]  # [C, L]
     return F.silu(out.T), inputs[:, inputs.shape[1] - (num_taps - 1) :]
+
+
+def conv_state_after(
+    conv_state: torch.Tensor | None, x: torch.Tensor, num_tokens: int, num_taps: int
+) -> torch.Tensor:
+    """The conv state `[C, K - 1]` after the first `num_tokens` of `x` `[L, C]`, which followed
+    `conv_state` (None: zeros): the last `K - 1` inputs up to there."""
+    if conv_state is None:
+        conv_state = x.new_zeros(x.shape[1], num_taps - 1)
+    inputs = torch.cat([conv_state.to(x.dtype), x[:num_tokens].T], dim=1)  # [C, K - 1 + n]
+    return inputs[:, inputs.shape[1] - (num_taps - 1) :]
 
 
 def causal_conv1d_step(
@@ -104,6 +138,9 @@ def ssd_chunk_scan(
     """
     length, num_heads, _ = x.shape
     repeat = num_heads // B.shape[1]
+    # a sequence shorter than a chunk is one chunk of its own length: the same sums, without
+    # the quadratic work on padding (short segments between snapshots are common)
+    chunk_size = min(chunk_size, length)
     pad = (-length) % chunk_size
     x, dt = x.float(), dt.float()
     # Padding steps have dt = 0: no decay and no input, so the final state is the state at L.
@@ -137,6 +174,35 @@ def ssd_chunk_scan(
     y = y + torch.einsum("clhn,chpn->clhp", C, start_states) * from_start
     y = y.reshape(-1, *y.shape[2:])[:length] + D.float()[:, None] * x
     return y, state
+
+
+def ssd_scan_with_states(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    initial_state: torch.Tensor | None,
+    state_ends: list[int],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`ssd_chunk_scan` split at `state_ends` (ascending, in `(0, L]`): `y` `[L, H, P]` and
+    the states after each of those tokens, then the final state. A run that restarts at one
+    of them from its state computes exactly what this one computes after it."""
+    ys, states, start, state = [], [], 0, initial_state
+    for end in [*state_ends, x.shape[0]]:
+        if end == start:  # the last end is the sequence's own
+            states.append(state)
+            continue
+        segment = slice(start, end)
+        y, state = ssd_chunk_scan(
+            x[segment], dt[segment], A, B[segment], C[segment], D, chunk_size, state
+        )
+        ys.append(y)
+        states.append(state)
+        start = end
+    return torch.cat(ys), states
 
 
 def selective_state_step(

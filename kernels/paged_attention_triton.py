@@ -7,11 +7,19 @@ is request b's first), so the grid needs only host-known sizes and each program 
 request by binary search. It walks the keys its rows can see, reading them through the block
 table one key at a time (any block size), with an online softmax accumulated in fp32. Masks:
 window AND (causal OR same bidirectional item), then the soft cap. Items are passed per request
-in CSR form; a row's item, if any, is found once before the key loop. Import lazily: this
-module needs triton.
+in CSR form; a row's item, if any, is found once before the key loop.
+
+Split-KV: a decode-only step with few requests would leave most of the GPU idle (one program
+per request and kv head walking a long context), so its key span is cut into `NUM_SPLITS`
+pieces of whole key tiles, one program each, found on the device from the sequence length (a
+fixed split count serves every length, so a captured graph stays valid as contexts grow).
+Each writes its normalised partial output and log-sum-exp; `_merge_splits_kernel` weighs them
+together. Import lazily: this module needs triton.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -21,6 +29,9 @@ from stillcut.kernels.attention import AttentionMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_DOT_SIZE = 16  # tl.dot needs every tile side >= 16 on GPU
+MIN_KEYS_PER_SPLIT = 256  # below this a split's merge costs more than its parallelism brings
+MAX_KV_SPLITS = 16
+TARGET_PROGRAMS = 256  # about two waves of programs on a large GPU (an H100/H200 has 132 SMs)
 
 
 @triton.jit
@@ -48,6 +59,8 @@ def _tanh(x):
 @triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [N, H, D]
+    partial_out_ptr,  # [N, H, NUM_SPLITS, D] fp32, read only with NUM_SPLITS > 1
+    partial_lse_ptr,  # [N, H, NUM_SPLITS] fp32, likewise
     query_ptr,  # [N, H, D], unit stride on D
     key_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     value_cache_ptr,  # same layout as the keys
@@ -57,6 +70,7 @@ def _paged_attention_kernel(
     item_offsets_ptr,  # [B + 1] int32, CSR offsets into items
     items_ptr,  # [R, 2] int32 (start, end), grouped by request
     num_requests,
+    num_heads,
     scale,
     soft_cap,
     window,
@@ -79,9 +93,12 @@ def _paged_attention_kernel(
     HAS_ITEMS: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,  # widen tiles before tl.dot (the interpreter's bf16 dot is wrong)
+    NUM_SPLITS: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     request = _find_request(query_start_loc_ptr, num_requests, program, BLOCK_Q)
     query_begin = tl.load(query_start_loc_ptr + request)
     query_len = tl.load(query_start_loc_ptr + request + 1) - query_begin
@@ -104,6 +121,8 @@ def _paged_attention_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
 
     # Items of one request are disjoint, so each query lies in at most one: [start, end).
     item_start = tl.zeros_like(query_pos)
@@ -124,6 +143,10 @@ def _paged_attention_kernel(
         lowest = query_pos - window + 1
     key_begin = tl.maximum(tl.min(tl.where(row_valid, lowest, context_len), 0), 0)
     key_end = tl.max(tl.where(row_valid, tl.maximum(query_pos + 1, item_end), 0), 0)
+    if NUM_SPLITS > 1:
+        split_len = tl.cdiv(tl.cdiv(key_end - key_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        key_begin = key_begin + split * split_len
+        key_end = tl.minimum(key_end, key_begin + split_len)  # empty for the last splits
 
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
@@ -140,6 +163,8 @@ def _paged_attention_kernel(
         )  # [BLOCK_N]
         k_mask = dim_valid[:, None] & key_valid[None, :]
         k = tl.load(key_cache_ptr + slot[None, :] + dims[:, None], mask=k_mask, other=0.0)
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFT_CAP:
             scores = soft_cap * _tanh(scores / soft_cap)
@@ -160,16 +185,52 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_mask = key_valid[:, None] & dim_valid[None, :]
         v = tl.load(value_cache_ptr + slot[:, None] + dims[None, :], mask=v_mask, other=0.0)
+        if DOT_IN_FP32:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    out_rows = out_ptr + row_offset * stride_out_token + head * stride_out_head
-    tl.store(
-        out_rows[:, None] + dims[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & dim_valid[None, :],
-    )
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # [BLOCK_M, BLOCK_D]
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        out_rows = out_ptr + row_offset * stride_out_token + head * stride_out_head
+        tl.store(out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        partial = (row_offset * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM + dims[None, :], out, mask=out_mask)
+        has_keys = l_i > 0.0
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(partial_lse_ptr + partial, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [N, H, D]
+    partial_out_ptr,  # [N, H, NUM_SPLITS, D] fp32
+    partial_lse_ptr,  # [N, H, NUM_SPLITS] fp32
+    num_heads,
+    stride_out_token,
+    stride_out_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """One (token, head): the splits' outputs weighted by exp(lse - max lse)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < HEAD_DIM
+    first = (token * num_heads + head) * NUM_SPLITS
+    lse = tl.load(partial_lse_ptr + first + splits)  # [NUM_SPLITS]
+    lse_max = tl.max(lse, 0)
+    # Every row sees at least its own key, so some split is non-empty and lse_max is finite.
+    weight = tl.exp(lse - lse_max)  # [NUM_SPLITS], 0 for empty splits
+    rows = partial_out_ptr + (first + splits)[:, None] * HEAD_DIM + dims[None, :]
+    partial = tl.load(rows, mask=dim_valid[None, :], other=0.0)  # [NUM_SPLITS, BLOCK_D]
+    out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)  # [BLOCK_D]
+    out_row = out_ptr + token * stride_out_token + head * stride_out_head
+    tl.store(out_row + dims, out.to(out_ptr.dtype.element_ty), mask=dim_valid)
 
 
 def _items_csr(mm_ranges: torch.Tensor, num_requests: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,6 +262,20 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMeta
     assert md.mm_ranges is None or md.mm_ranges.device == query.device, md.mm_ranges.device
 
 
+def num_kv_splits(
+    max_query_len: int, max_seq_len: int, num_requests: int, num_kv_heads: int
+) -> int:
+    """Programs per (request, kv head) of a step: a power of two, more than 1 only for
+    decode-only steps whose requests and heads alone would not fill the GPU. `max_seq_len`
+    is an upper bound (a captured graph passes the longest context it will meet)."""
+    if max_query_len > 1:
+        return 1
+    by_length = triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)
+    by_occupancy = triton.cdiv(TARGET_PROGRAMS, max(1, num_requests * num_kv_heads))
+    wanted = min(MAX_KV_SPLITS, by_length, by_occupancy)
+    return 1 << (wanted.bit_length() - 1)  # round down to a power of two
+
+
 def paged_attention_triton(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -227,13 +302,25 @@ def paged_attention_triton(
     block_q = block_m // group_pad
     has_items = metadata.mm_ranges is not None and metadata.mm_ranges.shape[0] > 0
     if has_items:
-        item_offsets, items = _items_csr(metadata.mm_ranges, num_requests)
+        if "items_csr" not in metadata.plans:  # once per step, not per layer
+            metadata.plans["items_csr"] = _items_csr(metadata.mm_ranges, num_requests)
+        item_offsets, items = metadata.plans["items_csr"]
     else:
         item_offsets = items = metadata.query_start_loc  # never read
     key_cache, value_cache = kv_cache[0], kv_cache[1]
-    grid = (num_tokens // block_q + num_requests, num_kv_heads)
+    num_splits = num_kv_splits(
+        metadata.max_query_len, metadata.max_seq_len, num_requests, num_kv_heads
+    )
+    partial_out = partial_lse = out  # never read with one split
+    if num_splits > 1:
+        partial_shape = (num_tokens, num_heads, num_splits)
+        partial_out = torch.empty(*partial_shape, head_dim, dtype=torch.float32, device=out.device)
+        partial_lse = torch.empty(partial_shape, dtype=torch.float32, device=out.device)
+    grid = (num_tokens // block_q + num_requests, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out,
+        partial_out,
+        partial_lse,
         query,
         key_cache,
         value_cache,
@@ -243,6 +330,7 @@ def paged_attention_triton(
         item_offsets,
         items,
         num_requests,
+        num_heads,
         float(scale),
         float(logits_soft_cap or 0.0),
         int(sliding_window or 0),
@@ -265,5 +353,19 @@ def paged_attention_triton(
         HAS_ITEMS=has_items,
         HAS_SOFT_CAP=logits_soft_cap is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_IN_FP32=query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+        NUM_SPLITS=num_splits,
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            out,
+            partial_out,
+            partial_lse,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+        )
     return out

@@ -94,6 +94,7 @@ class VideoLLM:
             device=engine_config.device,
             decode_config=decode_config,
             cache_bytes=encoder_cache_bytes,
+            enforce_eager=engine_config.enforce_eager,
         )
         self.vision_weight_bytes = stored_bytes(self.pipeline.tower)
         log.info("vision tower weights: %.1f MiB", self.vision_weight_bytes / 2**20)
@@ -118,8 +119,22 @@ class VideoLLM:
             if budget is not None:
                 check_media_budget(self.pipeline, specs, budget)
             items = self.pipeline.encode(list(distinct.values()))
-        encoded = dict(zip(distinct, items, strict=True))
-        return [encoded[media_identity(spec)] for spec in specs]
+        return _repeated(specs, dict(zip(distinct, items, strict=True)))
+
+    def encode_cached(
+        self, inputs: Sequence[VideoInput | ImageInput], *, budget: MediaBudget | None = None
+    ) -> list[MultiModalItem] | None:
+        """What `encode` returns when every input is in the encoder cache, else None. It waits
+        for no encode in progress (only hashing, EVS and the budget check run), so a question
+        about a video already seen is not queued behind other videos' encoding."""
+        specs = list(inputs)
+        distinct = {media_identity(spec): spec for spec in specs}
+        items = self.pipeline.encode_cached(list(distinct.values()))
+        if items is None:
+            return None
+        if budget is not None:
+            check_media_budget(self.pipeline, specs, budget)
+        return _repeated(specs, dict(zip(distinct, items, strict=True)))
 
     def start_async(self, *, max_queue: int = 64) -> AsyncEngine:
         """Hand the engine to a background `AsyncEngine`; `describe` is refused from then on."""
@@ -277,3 +292,10 @@ def _model_name(model: str | PathLike) -> str:
     """A local folder is named by its last part (never a machine path); a hub id as given."""
     path = Path(model)
     return path.name if path.is_dir() else os.fspath(model)
+
+
+def _repeated(
+    specs: list[VideoInput | ImageInput], encoded: dict[object, MultiModalItem]
+) -> list[MultiModalItem]:
+    """One item per spec, repeats sharing their distinct input's item."""
+    return [encoded[media_identity(spec)] for spec in specs]

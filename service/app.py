@@ -2,16 +2,20 @@
 
 `create_app(llm, config)` wires the endpoints to one `VideoLLM`. At startup its engine goes to
 a background `AsyncEngine`, one `Worker` takes the vision pipeline and another tokenizes
-prompts; at shutdown in-flight requests get `shutdown_timeout_s` to finish, then are aborted.
-Every error leaves as the one JSON shape of `errors`, with the request's id; a client that
-hung up is logged once, as 499.
+prompts (and looks up media already in the encoder cache); at shutdown in-flight requests get
+`shutdown_timeout_s` to finish, then are aborted. Every error leaves as the one JSON shape of
+`errors`, with the request's id; a client that hung up is logged once, as 499.
+`add_service_routes` is the app's skeleton (paths, page, error handlers, request middleware)
+given the endpoints, so the cluster ingress, whose endpoints forward to replicas, answers the
+same paths with the same checks.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import httpx
 from fastapi import FastAPI
@@ -28,6 +32,7 @@ from stillcut.service.errors import APIError, ClientGone, api_error
 from stillcut.service.metrics import CONTENT_TYPE, ServiceMetrics
 from stillcut.service.middleware import RequestContextMiddleware
 from stillcut.service.page_routes import add_page_routes
+from stillcut.service.record import RecordObserver
 from stillcut.service.state import ServiceState, record_of
 from stillcut.service.stream_route import stream_endpoint
 from stillcut.service.worker import Worker
@@ -58,16 +63,44 @@ def create_app(llm: VideoLLM, config: ServerConfig = ServerConfig()) -> FastAPI:
     metrics = ServiceMetrics(
         lambda: _engine_stats(app), lambda: _encoder_pending(app), lambda: llm.pipeline.work
     )
-    app.add_api_route("/v1/videos/describe", describe_endpoint, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_endpoint, methods=["POST"])
-    app.add_api_route("/v1/models", models_endpoint, methods=["GET"])
-    app.add_api_websocket_route("/v1/stream", stream_endpoint)
-    app.add_api_route("/health", health_endpoint, methods=["GET"])
 
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    app.add_api_route("/metrics", metrics_endpoint, methods=["GET"])
+    endpoints = Endpoints(
+        describe_endpoint,
+        chat_endpoint,
+        models_endpoint,
+        stream_endpoint,
+        health_endpoint,
+        metrics_endpoint,
+    )
+    return add_service_routes(app, config, metrics, endpoints)
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The handlers behind the service's paths."""
+
+    describe: Callable  # POST /v1/videos/describe
+    chat: Callable  # POST /v1/chat/completions
+    models: Callable  # GET /v1/models
+    stream: Callable  # WebSocket /v1/stream
+    health: Callable  # GET /health
+    metrics: Callable  # GET /metrics
+
+
+def add_service_routes(
+    app: FastAPI, config: ServerConfig, metrics: RecordObserver, endpoints: Endpoints
+) -> FastAPI:
+    """`app` with the service's paths served by `endpoints`, the page, the error handlers and
+    the request middleware (ids, Host and Origin checks, key, body deadline, log, `metrics`)."""
+    app.add_api_route("/v1/videos/describe", endpoints.describe, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", endpoints.chat, methods=["POST"])
+    app.add_api_route("/v1/models", endpoints.models, methods=["GET"])
+    app.add_api_websocket_route("/v1/stream", endpoints.stream)
+    app.add_api_route("/health", endpoints.health, methods=["GET"])
+    app.add_api_route("/metrics", endpoints.metrics, methods=["GET"])
     add_page_routes(app)
     for kind in (APIError, ValueError, RuntimeError, TimeoutError, HTTPException, Exception):
         app.add_exception_handler(kind, _error_response)
@@ -83,11 +116,18 @@ def create_app(llm: VideoLLM, config: ServerConfig = ServerConfig()) -> FastAPI:
 async def health_endpoint(request: Request) -> Response:
     """200 while the engine loop runs, else 503; with the KV pool's state and what the
     weights and the pool are stored in."""
-    state: ServiceState = request.app.state.service
+    body = service_health(request.app.state.service)
+    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+
+def service_health(state: ServiceState) -> dict:
+    """The server's health: "ok" while its engine loop runs, else "unavailable"; the stored
+    formats and bytes of the weights and the KV pool, the pool, the queues and the live
+    sessions."""
     stats = state.engine.stats
     running = state.engine.is_running
     memory = state.llm.engine.memory
-    body = {
+    return {
         "status": "ok" if running else "unavailable",
         "model": state.llm.name,
         "weight_format": memory.weight_format,
@@ -102,7 +142,6 @@ async def health_endpoint(request: Request) -> Response:
         "live_sessions": state.live_sessions,
         "evs_default": state.llm.evs_default.to_dict(),
     }
-    return JSONResponse(body, status_code=200 if running else 503)
 
 
 async def _error_response(request: Request, error: Exception) -> Response:

@@ -53,6 +53,10 @@ class EngineStats:
     num_blocks_used: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # recurrent-state snapshots of a hybrid model's prefix cache (0 for other models)
+    state_snapshots_saved: int = 0
+    state_snapshots_restored: int = 0
+    state_snapshots_evicted: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -337,6 +341,7 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         scheduler = self.engine.scheduler
         kv = scheduler.kv_cache
+        snapshots = kv.snapshots
         self.stats = EngineStats(
             num_waiting=scheduler.num_waiting,
             num_running=scheduler.num_running,
@@ -345,6 +350,9 @@ class AsyncEngine:
             num_blocks_used=kv.num_blocks - kv.num_free_blocks,
             prefix_query_tokens=kv.num_query_tokens,
             prefix_hit_tokens=kv.num_hit_tokens,
+            state_snapshots_saved=snapshots.num_saved if snapshots else 0,
+            state_snapshots_restored=snapshots.num_restored if snapshots else 0,
+            state_snapshots_evicted=snapshots.num_evicted if snapshots else 0,
         )
 
 

@@ -3,15 +3,27 @@
 Listens on 127.0.0.1 unless told otherwise: exposing it is a decision, best made together with
 `--api-key` (or `STILLCUT_API_KEY`, which keeps the key out of the process list) and
 `--trusted-hosts` (the names clients reach it by; by default the local names and `--host`).
+With `--replicas N` the model runs in N engine replicas on Ray Serve behind one ingress
+(`stillcut.service.cluster`, the `cluster` extra); without it, nothing of Ray is imported.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:  # imported where used, so `stillcut --help` stays instant
+    from stillcut.engine.config import EngineConfig
+    from stillcut.service.cluster.launch import ClusterConfig
+    from stillcut.service.cluster.replica import ReplicaSpec
+    from stillcut.service.config import ServerConfig
+    from stillcut.vision.decode import DecodeConfig
+
+from stillcut.engine.config import DEFAULT_SNAPSHOT_INTERVAL
 from stillcut.service.reasoning import REASONING_PARSERS
 
 API_KEY_ENV = "STILLCUT_API_KEY"
@@ -84,8 +96,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--kv-cache-memory", type=int, default=256, help="KV cache size in MiB (default 256)"
     )
+    parser.add_argument(
+        "--mamba-snapshot-interval",
+        type=int,
+        default=DEFAULT_SNAPSHOT_INTERVAL,
+        help="hybrid models: save the recurrent state every N full KV blocks for the prefix "
+        f"cache, besides at the ends of prompts and media (default {DEFAULT_SNAPSHOT_INTERVAL})",
+    )
     parser.add_argument("--max-model-len", type=int, default=32768, help="context length")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly: no CUDA graphs for decode or the vision encoder",
+    )
     parser.add_argument(
         "--request-timeout", type=float, default=600, help="longest a request may take, seconds"
     )
@@ -100,19 +124,72 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="split a leading <think>...</think> of chat answers into reasoning_content",
     )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
+    add_cluster_arguments(parser)
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--replicas` and what goes with it (`pip install 'stillcut[cluster]'`)."""
+    cluster = parser.add_argument_group("replicas on Ray Serve")
+    cluster.add_argument(
+        "--replicas", type=int, help="run N engine replicas on Ray Serve behind one ingress"
+    )
+    cluster.add_argument(
+        "--ray-address", help="join this Ray cluster ('auto', HOST:6379; default: a local one)"
+    )
+    cluster.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="CPUs reserved per replica, and its threads rounded up (default 1)",
+    )
+    cluster.add_argument(
+        "--num-gpus-per-replica", type=float, default=0.0, help="GPUs per replica (default 0)"
+    )
+    cluster.add_argument(
+        "--affinity-margin",
+        type=int,
+        default=4,
+        help="requests a video's replica may have in flight beyond the least-loaded one "
+        "before its requests go there instead (default 4)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from stillcut.service.api import VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config, precision_options
-    from stillcut.service.config import MIB, ServerConfig
+    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config
     from stillcut.service.server import serve
-    from stillcut.vision.decode import DecodeConfig
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if args.replicas is not None:
+        serve_cluster = _cluster_launcher()
+        spec, cluster = cluster_settings(args)
+        serve_cluster(spec, cluster, host=args.host, port=args.port)
+        return 0
+    _check_no_cluster_flags(args)
+    config, engine_config, decode_config = server_settings(args)
+    llm = VideoLLM(
+        args.model,
+        engine_config=engine_config,
+        decode_config=decode_config,
+        evs=evs_config(args),
+    )
+    if llm.is_random_demo:
+        logging.getLogger("stillcut.service").warning(RANDOM_WEIGHTS_NOTICE)
+    serve(llm, config, host=args.host, port=args.port)
+    return 0
+
+
+def server_settings(
+    args: argparse.Namespace,
+) -> tuple[ServerConfig, EngineConfig, DecodeConfig]:
+    """The flags' `ServerConfig`, `EngineConfig` and `DecodeConfig`."""
+    from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stillcut.service.cli import precision_options
+    from stillcut.service.config import MIB, ServerConfig
+    from stillcut.vision.decode import DecodeConfig
+
     config = ServerConfig(
         api_key=args.api_key,
         media_dir=args.media_dir,
@@ -131,21 +208,67 @@ def run(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
     )
     engine_config = EngineConfig(
+        enforce_eager=args.enforce_eager,
         scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),
-        cache=CacheConfig(kv_cache_memory=args.kv_cache_memory * MIB),
+        cache=CacheConfig(
+            kv_cache_memory=args.kv_cache_memory * MIB,
+            mamba_snapshot_interval=args.mamba_snapshot_interval,
+        ),
         **precision_options(args),
     )
-    decode_config = DecodeConfig(max_image_pixels=args.max_image_pixels)
-    llm = VideoLLM(
-        args.model,
+    return config, engine_config, DecodeConfig(max_image_pixels=args.max_image_pixels)
+
+
+def cluster_settings(args: argparse.Namespace) -> tuple[ReplicaSpec, ClusterConfig]:
+    """With `--replicas N`: the `ReplicaSpec` every replica loads and the `ClusterConfig`."""
+    from stillcut.engine.factory import demo_checkpoint
+    from stillcut.service.api import DEMO_MODEL_NAME
+    from stillcut.service.cli import evs_config
+    from stillcut.service.cluster.launch import ClusterConfig
+    from stillcut.service.cluster.replica import ReplicaSpec
+
+    cluster = ClusterConfig(
+        num_replicas=args.replicas,
+        ray_address=args.ray_address,
+        num_cpus_per_replica=args.num_cpus_per_replica,
+        num_gpus_per_replica=args.num_gpus_per_replica,
+        affinity_margin=args.affinity_margin,
+    )
+    model = args.model
+    if model is None and args.ray_address is None:  # built once here, not by every replica
+        model = str(demo_checkpoint())
+    config, engine_config, decode_config = server_settings(args)
+    if args.num_gpus_per_replica > 0:  # Ray shows each replica only its own share of GPUs
+        engine_config = dataclasses.replace(engine_config, device="cuda")
+    spec = ReplicaSpec(
+        model=model,
+        name=None if args.model else DEMO_MODEL_NAME,
+        server=config,
         engine_config=engine_config,
         decode_config=decode_config,
         evs=evs_config(args),
+        num_cpus=args.num_cpus_per_replica,
+        log_level=args.log_level,
     )
-    if llm.is_random_demo:
-        logging.getLogger("stillcut.service").warning(RANDOM_WEIGHTS_NOTICE)
-    serve(llm, config, host=args.host, port=args.port)
-    return 0
+    return spec, cluster
+
+
+def _cluster_launcher():
+    """`launch.serve_cluster`, or an error that names the extra when Ray is not installed."""
+    try:
+        from stillcut.service.cluster.launch import serve_cluster
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "ray":
+            raise
+        raise ValueError(
+            "--replicas needs Ray Serve, which is not installed: pip install 'stillcut[cluster]'"
+        ) from None
+    return serve_cluster
+
+
+def _check_no_cluster_flags(args: argparse.Namespace) -> None:
+    if args.ray_address is not None:
+        raise ValueError("--ray-address needs --replicas N")
 
 
 def _names(text: str) -> tuple[str, ...]:

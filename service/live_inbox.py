@@ -45,20 +45,21 @@ class Inbox:
     async def next(
         self, wait_s: float | None, late: SessionEnd, also: asyncio.Task | None = None
     ) -> bytes | dict[str, Any] | None:
-        """The next frame (bytes) or text message (a JSON object); None when `also` finished
-        first; `WebSocketDisconnect` once the client left. Waits at most `wait_s` (None: no
-        limit but the session's), then raises `late`."""
+        """The next frame (bytes) or text message (a JSON object); None once `also` has
+        finished (a message that arrived as well is the next call's); `WebSocketDisconnect`
+        once the client left. Waits at most `wait_s` (None: no limit but the session's), then
+        raises `late`."""
         if self._receiving is None:
             self._receiving = asyncio.ensure_future(self._websocket.receive())
         left = self._deadline - time.monotonic()
         timeout = max(0.0, left if wait_s is None else min(wait_s, left))
         waits = {self._receiving} if also is None else {self._receiving, also}
         done, _ = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if also is not None and also in done:  # before a message: `ask` may follow at once
+            return None
         if self._receiving in done:
             message, self._receiving = self._receiving.result(), None
             return parse_message(message, self._config)
-        if also is not None and also in done:
-            return None
         if time.monotonic() >= self._deadline:
             limit = f"max_session_s={self._config.max_session_s:g}"
             raise SessionEnd(CLOSE_POLICY, f"the session reached {limit}", "session_expired")

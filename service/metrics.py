@@ -42,6 +42,14 @@ class _EngineCollector(Collector):
             "stillcut_vision_tower_passes", "calls of the vision tower", work.tower_passes
         )
         stats = self._stats()
+        counters = (
+            ("saved", "recurrent-state snapshots saved at block boundaries"),
+            ("restored", "prefix-cache hits that restored a recurrent-state snapshot"),
+            ("evicted", "recurrent-state snapshots evicted"),
+        )
+        for name, documentation in counters:
+            value = getattr(stats, f"state_snapshots_{name}")
+            yield CounterMetricFamily(f"stillcut_state_snapshots_{name}", documentation, value)
         gauges = (
             ("stillcut_kv_blocks_used", "KV cache blocks held by requests", stats.num_blocks_used),
             ("stillcut_kv_blocks_total", "KV cache blocks in the pool", stats.num_blocks),

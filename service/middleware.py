@@ -24,9 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stillcut.service.config import ServerConfig
 from stillcut.service.errors import APIError
-from stillcut.service.metrics import ServiceMetrics
 from stillcut.service.origins import host_is_trusted, origin_is_allowed
-from stillcut.service.record import RequestRecord
+from stillcut.service.record import RecordObserver, RequestRecord
 
 REQUEST_ID_HEADER = "x-request-id"
 OPEN_PATHS = ("/health", "/")  # answered without the API key
@@ -114,7 +113,7 @@ class RequestContextMiddleware:
         app: ASGIApp,
         *,
         config: ServerConfig,
-        metrics: ServiceMetrics,
+        metrics: RecordObserver,
         known_paths: frozenset[str],
     ) -> None:
         self.app = app

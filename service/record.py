@@ -2,14 +2,17 @@
 
 The middleware opens a record when a request arrives and closes it when the last byte is sent
 (or the WebSocket closes); handlers fill in tokens, EVS counts, timings and errors as they
-learn them. One JSON log line per request comes from `log_fields`.
+learn them. One JSON log line per request comes from `log_fields`. Behind a cluster ingress,
+the record there also names the replica that served the request and whether it was the one
+its affinity key prefers, and takes the replica's own counts once the replica is done.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from stillcut.engine.llm_engine import RequestOutput
 from stillcut.engine.multimodal import MultiModalItem
@@ -37,6 +40,8 @@ class RequestRecord:
     ttft_s: float | None = None
     finish_reason: str | None = None
     error_code: str | None = None
+    replica: str | None = None  # the replica that served it (cluster ingress only)
+    affinity: bool | None = None  # whether that replica is the one its key prefers
 
     @property
     def elapsed_s(self) -> float:
@@ -66,6 +71,13 @@ class RequestRecord:
             self.ttft_s = timings.ttft_s
         self.finish_reason = output.finish_reason
 
+    def take_counts(self, fields: Mapping[str, Any]) -> None:
+        """Take the tokens, EVS counts, timings and finish reason from another record's
+        `log_fields` (a replica's, as the ingress receives it)."""
+        for name in _COUNTED_FIELDS:
+            if name in fields:
+                setattr(self, name, fields[name])
+
     def log_fields(self) -> dict:
         """The structured log line's fields (None ones left out)."""
         fields = {
@@ -80,6 +92,8 @@ class RequestRecord:
             "evs_total": self.evs_total,
             "finish_reason": self.finish_reason,
             "error": self.error_code,
+            "replica": self.replica,
+            "affinity": self.affinity,
             "decode_s": self.decode_s,
             "encode_s": self.encode_s,
             "queue_s": self.queue_s,
@@ -91,3 +105,23 @@ class RequestRecord:
             for key, value in fields.items()
             if value is not None
         }
+
+
+_COUNTED_FIELDS = (
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "evs_kept",
+    "evs_total",
+    "finish_reason",
+    "decode_s",
+    "encode_s",
+    "queue_s",
+    "ttft_s",
+)
+
+
+class RecordObserver(Protocol):
+    """What the request middleware hands each finished record to (the server's metrics)."""
+
+    def observe(self, record: RequestRecord) -> None: ...

@@ -10,6 +10,7 @@ counted from its arrival.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,7 +45,7 @@ class ServiceState:
     llm: VideoLLM
     engine: AsyncEngine
     encoder: Worker  # the vision pipeline: decode, encode, EVS, thumbnails, live tubelets
-    prompter: Worker  # tokenizing prompts
+    prompter: Worker  # tokenizing prompts; encoder-cache hits
     config: ServerConfig
     metrics: ServiceMetrics
     http: httpx.AsyncClient
@@ -69,16 +70,16 @@ class ServiceState:
     async def encode(
         self, inputs: list[VideoInput | ImageInput], max_tokens: int, record: RequestRecord
     ) -> list[MultiModalItem]:
-        """Encode a request's media on the encode worker, refused from their headers when
-        they cannot fit the engine beside an answer of `max_tokens`."""
+        """Encode a request's media, refused from their headers when they cannot fit the
+        engine beside an answer of `max_tokens`. Media all in the encoder cache are looked up
+        on the prompt worker, so they do not wait behind other requests' encoding; the rest
+        go to the encode worker."""
         budget = MediaBudget.of(self.llm.engine.config.scheduler, max_tokens)
-
-        def encode() -> tuple[list[MultiModalItem], float]:
-            started = time.perf_counter()
-            items = self.llm.encode(inputs, budget=budget)
-            return items, time.perf_counter() - started
-
-        items, run_s = await self.encoder.run(encode)
+        lookup = functools.partial(_timed, self.llm.encode_cached, inputs, budget)
+        items, run_s = await self.prompter.run(lookup)
+        if items is None:
+            encode = functools.partial(_timed, self.llm.encode, inputs, budget)
+            items, run_s = await self.encoder.run(encode)
         record.add_media(items, run_s)
         return items
 
@@ -98,6 +99,17 @@ class ServiceState:
             if output.finished:
                 record.add_output(items, output)
             yield output
+
+
+def _timed(
+    encode: Callable[..., list[MultiModalItem] | None],
+    inputs: list[VideoInput | ImageInput],
+    budget: MediaBudget,
+) -> tuple[list[MultiModalItem] | None, float]:
+    """`encode(inputs, budget=budget)` and the seconds it took."""
+    started = time.perf_counter()
+    items = encode(inputs, budget=budget)
+    return items, time.perf_counter() - started
 
 
 async def last_output(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -2,7 +2,8 @@
 
 Decoding, preprocessing and the vision tower are CPU-heavy and the pipeline is not
 thread-safe, so the server runs them on one worker thread while the event loop keeps
-answering; tokenizing prompts runs on a second one, so a short chat request never waits
+answering; tokenizing prompts, and looking up media the encoder cache already holds, run on
+a second one, so a short chat request or a question about a video already seen never waits
 behind a long encode. At most `max_pending` jobs wait; one more raises `QueueFull` (503). A
 job whose client left still finishes (a running thread cannot be interrupted), and counts as
 pending until it does, so the queue depth is the real backlog. Each worker keeps its one

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -28,16 +29,24 @@ from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import dense_coords
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, prune
-from stillcut.vision.decode import DecodeConfig, decode_video
+from stillcut.vision.decode_config import DecodeConfig
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
+from stillcut.vision.encoder_graphs import (
+    DEFAULT_MAX_SHAPES,
+    GraphedTower,
+    encoder_graphs_unavailable,
+)
 from stillcut.vision.errors import VideoTooLarge
 from stillcut.vision.image_file import decode_image
 from stillcut.vision.towers import load_vision_tower
 from stillcut.vision.work import VisionWork
 
+log = logging.getLogger(__name__)
 VideoSource = str | os.PathLike | bytes | BinaryIO | np.ndarray
 ImageSource = str | os.PathLike | bytes | BinaryIO | np.ndarray | Image.Image
 _HASH_CHUNK = 1 << 20
+# sources that can be read again (a file object is read once)
+_REREADABLE = (str, os.PathLike, bytes, bytearray, memoryview, np.ndarray, Image.Image)
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,12 @@ class ImageInput:
 
 
 class VisionPipeline:
-    """The vision half of a checkpoint: tower, preprocessing, encoder cache and EVS."""
+    """The vision half of a checkpoint: tower, preprocessing, encoder cache and EVS.
+
+    On CUDA a tower that allows it is replayed from a CUDA graph per input shape (at most
+    `max_graph_shapes` kept, see `encoder_graphs`) unless `enforce_eager`; EVS always runs
+    eagerly. The log says which at construction.
+    """
 
     def __init__(
         self,
@@ -77,6 +91,8 @@ class VisionPipeline:
         device: torch.device | str = "cpu",
         decode_config: DecodeConfig = DecodeConfig(),
         cache_bytes: int = 1 << 30,
+        enforce_eager: bool = False,
+        max_graph_shapes: int = DEFAULT_MAX_SHAPES,
     ) -> None:
         self.path = resolve_checkpoint(model)
         self.model_config = load_model_config(self.path)
@@ -84,6 +100,16 @@ class VisionPipeline:
         self.weight_format = weight_format.resolved(self.path)
         self.tower = load_vision_tower(self.path, self.weight_format, device=device)
         self.device = torch.device(device)
+        eager_reason = encoder_graphs_unavailable(self.tower, self.device, enforce_eager)
+        if eager_reason is None:
+            self.tower = GraphedTower(self.tower, max_graph_shapes)
+            log.info(
+                "vision encoder: CUDA graphs per input shape (at most %d kept); "
+                "EVS runs eagerly after it (its kept count depends on the content)",
+                max_graph_shapes,
+            )
+        else:
+            log.info("vision encoder runs eagerly (%s); so does EVS", eager_reason)
         self.media = self.family.media_class()(self.path, self.model_config)
         self.video_preprocess = self.media.video_preprocess
         self.image_preprocess = self.media.image_preprocess
@@ -117,12 +143,39 @@ class VisionPipeline:
                 # Batched outputs are views of one tensor; a cached view would pin the batch.
                 entry.finish(item_embeds.clone() if len(misses) > 1 else item_embeds, encode_s)
                 self.cache.put(entry.media_key, entry.encoded)
+        return self._items(loaded, inputs)
+
+    def encode_cached(self, inputs: list[VideoInput | ImageInput]) -> list[MultiModalItem] | None:
+        """What `encode(inputs)` returns when every input is in the encoder cache, else None.
+        Only hashing and EVS run (no decoding, no tower), so it may run beside an `encode` in
+        progress. File objects, which can be read only once, are left to `encode`."""
+        if any(not isinstance(spec.source, _REREADABLE) for spec in inputs):
+            return None
+        keys = [self._key(spec)[0] for spec in inputs]
+        if not all(key in self.cache for key in keys):
+            return None
+        loaded = [_Loaded(key, self.cache.get(key)) for key in keys]
+        if any(entry.encoded is None for entry in loaded):  # evicted since the check
+            return None
+        return self._items(loaded, inputs)
+
+    def _items(
+        self, loaded: list[_Loaded], inputs: list[VideoInput | ImageInput]
+    ) -> list[MultiModalItem]:
         return [
             entry.to_item(spec, self.media.merge_size, self.family.bidirectional_items)
             for entry, spec in zip(loaded, inputs, strict=True)
         ]
 
     def _load(self, spec: VideoInput | ImageInput) -> _Loaded:
+        key, prepare_from = self._key(spec)
+        entry = _Loaded(key, self.cache.get(key))
+        if entry.encoded is None:
+            entry.prepare(self, spec, prepare_from)
+        return entry
+
+    def _key(self, spec: VideoInput | ImageInput) -> tuple[str, object]:
+        """The input's `media_key`, and what it is decoded from (its bytes, or its path)."""
         spec_source = None
         if isinstance(spec, ImageInput):
             data = _image_payload(spec.source)
@@ -146,10 +199,7 @@ class VisionPipeline:
                 "preprocess": self.video_preprocess.key(),
             }
         key = media_key(self.model_key, data, params)
-        entry = _Loaded(key, self.cache.get(key))
-        if entry.encoded is None:
-            entry.prepare(self, spec, spec_source if params["kind"] == "video" else data)
-        return entry
+        return key, spec_source if params["kind"] == "video" else data
 
     def _decode_config(self, spec: VideoInput) -> DecodeConfig:
         return self.decode_config.with_sampling(spec.fps, spec.max_frames)
@@ -186,6 +236,9 @@ class _Loaded:
             decoded_s = time.perf_counter()
             self.prepared = pipeline.media.prepare_video(frames, fps)
         else:
+            # PyAV only for files: frame arrays encode where it is not installed (a GPU box)
+            from stillcut.vision.decode import decode_video
+
             config = pipeline._decode_config(spec)
             decoded = decode_video(
                 data,

@@ -159,6 +159,9 @@ class Gemma3Projector(nn.Module):
 class Gemma3VisionEncoder(nn.Module):
     """Gemma 3's vision side: images in, language-model embeddings out."""
 
+    # `encode` is device work only, its shapes fixed by the batch's (see `encoder_graphs`)
+    capturable_per_shape = True
+
     def __init__(self, config: SiglipVisionConfig) -> None:
         super().__init__()
         self.config = config

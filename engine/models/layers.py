@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stillcut.engine.anon_memory import release_freed_memory
 from stillcut.engine.loader import load_weights
 from stillcut.engine.models.weight_snapshot import WeightSnapshot
 from stillcut.engine.multimodal import MultiModalItem
@@ -442,7 +443,7 @@ def fused_weight(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
 def fuse_projections(layer: nn.Module, stored: nn.Module) -> None:
     """Set `layer`'s fused `[in, out]` weights (and int8 scales) from a checkpoint-named layer:
     `qkv_weight` (q, k, v columns side by side), `o_weight`, `gate_up_weight` (gate, up) and
-    `down_weight`."""
+    `down_weight`. The stored layer's linear weights are dropped (its biases stay)."""
     attn, mlp = stored.self_attn, stored.mlp
     parts = {
         "qkv_weight": [attn.q_proj, attn.k_proj, attn.v_proj],
@@ -452,3 +453,8 @@ def fuse_projections(layer: nn.Module, stored: nn.Module) -> None:
     }
     for name, linears in parts.items():
         set_weight(layer, name, *fused_weight(linears))
+        for part in linears:  # released as soon as fused: one projection's copy at a time
+            part.weight = None
+            if hasattr(part, "weight_scale"):
+                del part.weight_scale
+        release_freed_memory()

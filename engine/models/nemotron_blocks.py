@@ -11,6 +11,8 @@ once for its products (`prepare_projections`).
 
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,7 +56,7 @@ def set_projection(module: nn.Module, name: str, linears: list[nn.Module]) -> No
     set_weight(module, name, *fused_weight(linears))
 
 
-class NemotronBlock(ProjectingModule):
+class NemotronBlock(ProjectingModule, abc.ABC):
     """A block's norm and the `[in, out]` weights it multiplies by (see `projections`)."""
 
     def __init__(self, norm: torch.Tensor, eps: float) -> None:
@@ -62,11 +64,11 @@ class NemotronBlock(ProjectingModule):
         self.norm = frozen(norm)
         self.eps = eps
 
+    @abc.abstractmethod
     def forward(
         self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None
     ) -> torch.Tensor:
-        """The residual stream `[N, hidden]` after this block."""
-        raise NotImplementedError
+        """The residual stream `[N, hidden]` after this block (each block kind's own)."""
 
 
 class AttentionBlock(NemotronBlock):

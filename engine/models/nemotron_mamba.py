@@ -7,7 +7,8 @@ RMSNorm per group (`x * silu(z)`, normalised over each `inner / n_groups` slice)
 only: transformers clamps it in its chunked (prefill) scan and not in its one-token update,
 and a request recomputed after preemption reruns its generated tokens without the clamp, so
 it gets back the values they were generated with. Decoding requests share one batched step;
-each prompt chunk runs the chunked scan on its own.
+each prompt chunk runs the chunked scan on its own, split where the step saves snapshots of
+the state (`RecurrentMetadata.captures`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.mamba2 import (
     causal_conv1d,
     causal_conv1d_step,
+    conv_state_after,
     selective_state_step,
-    ssd_chunk_scan,
+    ssd_scan_with_states,
 )
 
 
@@ -72,12 +74,11 @@ class Mamba2Block(NemotronBlock):
         scanned = torch.empty(
             hidden.shape[0], config.mamba_num_heads, config.mamba_head_dim, device=hidden.device
         )  # [N, heads, head_dim] float32
-        conv_states, ssm_states = recurrent.states[self.layer_id]
-        step_tokens, step_rows, chunks = recurrent.one_token_steps
+        step_tokens, _, chunks = recurrent.one_token_steps
         if step_tokens.numel():
-            self._step(step_tokens, step_rows, conv_in, dt, scanned, conv_states, ssm_states)
+            self._step(recurrent, conv_in, dt, scanned)
         for request in chunks:
-            self._chunk(request, recurrent, conv_in, dt, scanned, conv_states, ssm_states)
+            self._chunk(request, recurrent, conv_in, dt, scanned)
         y = self._gated_norm(scanned.flatten(1), gate).to(hidden.dtype)  # [N, inner]
         out = linear(y, self.matrix("out_proj"), self.out_proj_bias)
         return hidden + out
@@ -91,8 +92,11 @@ class Mamba2Block(NemotronBlock):
         heads = (-1, config.mamba_num_heads, config.mamba_head_dim)
         return x.reshape(heads), B.reshape(groups), C.reshape(groups)
 
-    def _step(self, tokens, rows, conv_in, dt, scanned, conv_states, ssm_states) -> None:
-        """One token for every decoding request at once: `tokens` and state `rows` `[D]`."""
+    def _step(self, recurrent, conv_in, dt, scanned) -> None:
+        """One token for every decoding request at once (`one_token_steps`: token indices and
+        state rows `[D]`), saving the new states the step's captures ask for."""
+        tokens, rows, _ = recurrent.one_token_steps
+        conv_states, ssm_states = recurrent.states[self.layer_id]
         conv_out, new_conv = causal_conv1d_step(
             conv_in[tokens], conv_states[rows], self.conv_weight, self.conv_bias
         )
@@ -101,18 +105,27 @@ class Mamba2Block(NemotronBlock):
         y, new_state = selective_state_step(ssm_states[rows], x, dt[tokens], self.A, B, C, self.D)
         ssm_states[rows] = new_state.to(ssm_states.dtype)
         scanned[tokens] = y
+        if recurrent.one_token_captures is not None:
+            index, slots = recurrent.one_token_captures
+            conv_snapshots, ssm_snapshots = recurrent.snapshots[self.layer_id]
+            conv_snapshots[slots] = new_conv[index].to(conv_snapshots.dtype)
+            ssm_snapshots[slots] = new_state[index].to(ssm_snapshots.dtype)
 
-    def _chunk(self, request, recurrent, conv_in, dt, scanned, conv_states, ssm_states) -> None:
-        """A prompt chunk (or a fresh request's tokens) through the chunked scan."""
+    def _chunk(self, request, recurrent, conv_in, dt, scanned) -> None:
+        """A prompt chunk (or a fresh request's tokens) through the chunked scan, split where
+        its state is saved."""
         starts = recurrent.query_start_loc_cpu
         tokens = slice(starts[request], starts[request + 1])
         row, fresh = recurrent.state_rows_cpu[request], recurrent.fresh[request]
+        conv_states, ssm_states = recurrent.states[self.layer_id]
+        conv_state = None if fresh else conv_states[row].clone()  # the row is rewritten below
         conv_out, new_conv = causal_conv1d(
-            conv_in[tokens], None if fresh else conv_states[row], self.conv_weight, self.conv_bias
+            conv_in[tokens], conv_state, self.conv_weight, self.conv_bias
         )
         conv_states[row] = new_conv.to(conv_states.dtype)
+        captures = recurrent.captures[request] if recurrent.captures else []
         x, B, C = self._split_xbc(conv_out)
-        y, final_state = ssd_chunk_scan(
+        y, states = ssd_scan_with_states(
             x,
             dt[tokens],
             self.A,
@@ -121,9 +134,22 @@ class Mamba2Block(NemotronBlock):
             self.D,
             self.config.chunk_size,
             None if fresh else ssm_states[row],
+            [num_tokens for num_tokens, _ in captures],
         )
-        ssm_states[row] = final_state.to(ssm_states.dtype)
+        ssm_states[row] = states[-1].to(ssm_states.dtype)
         scanned[tokens] = y
+        if captures:
+            self._save(recurrent, captures, conv_state, conv_in[tokens], states)
+
+    def _save(self, recurrent, captures, conv_state, conv_in, states) -> None:
+        """The states after each capture's tokens of one chunk (`states`: the scan's, in
+        capture order) into their snapshot slots."""
+        conv_snapshots, ssm_snapshots = recurrent.snapshots[self.layer_id]
+        for (num_tokens, slot), state in zip(captures, states, strict=False):
+            conv_snapshots[slot] = conv_state_after(
+                conv_state, conv_in, num_tokens, self.conv_weight.shape[1]
+            ).to(conv_snapshots.dtype)
+            ssm_snapshots[slot] = state.to(ssm_snapshots.dtype)
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """`y * silu(gate)` RMS-normalised over each of `n_groups` slices, times the weight;

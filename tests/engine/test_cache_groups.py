@@ -36,7 +36,7 @@ def test_recurrent_state_is_taken_from_the_budget_first():
     assert (
         num_blocks_for_budget(budget, groups, block_size=16, dtype_bytes=2, num_state_slots=9) == 9
     )
-    with pytest.raises(ValueError, match="after 3160 bytes of recurrent state for 10 requests"):
+    with pytest.raises(ValueError, match="after 3160 bytes of recurrent state in 10 slots"):
         num_blocks_for_budget(3160 + 4095, groups, block_size=16, dtype_bytes=2, num_state_slots=10)
 
 

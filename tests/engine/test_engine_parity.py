@@ -17,6 +17,8 @@ from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
 
+from .reference import hf_greedy
+
 NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 FAMILIES = ("qwen2_5_vl", "qwen2_vl")
@@ -102,28 +104,14 @@ def _hf_inputs(pipeline, prompt, specs, family):
     return inputs
 
 
-def _hf_greedy(reference, inputs) -> list[int]:
-    with torch.inference_mode():
-        out = reference.generate(
-            **inputs,
-            max_new_tokens=NUM_NEW_TOKENS,
-            min_new_tokens=NUM_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
 @pytest.mark.parametrize("case", ["text", "one video", "two videos and an image"])
 def test_greedy_equals_transformers_generate(setup, case):
     engine, pipeline, reference = setup
     parts, items, specs = _cases(pipeline)[case]
     prompt = engine.processor.build([{"role": "user", "content": parts}], items)
     (ours,) = engine.generate([prompt], GREEDY)
-    assert ours.token_ids == _hf_greedy(
-        reference, _hf_inputs(pipeline, prompt, specs, engine.model_config.family)
-    )
+    inputs = _hf_inputs(pipeline, prompt, specs, engine.model_config.family)
+    assert ours.token_ids == hf_greedy(reference, inputs, NUM_NEW_TOKENS)
     _assert_pool_whole(engine)
 
 

@@ -263,6 +263,35 @@ def test_bfloat16_build_loads(cache, tmp_path):
     assert model.dtype == torch.bfloat16
 
 
+def test_large_presets_are_written_tensor_by_tensor_in_bf16(cache, tmp_path):
+    """The 3b and 7b presets stream each tensor in bf16 from the meta model's shapes: shrunk
+    here to a small size, the file loads strictly in transformers (every tensor present, none
+    extra, a tied head once), weights are drawn at the init's scale, norms one, biases zero;
+    and the full presets have the released models' sizes (on the meta device)."""
+    from transformers import AutoModelForImageTextToText, Qwen2_5_VLForConditionalGeneration
+
+    small = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2}
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 48, "fullatt_block_indexes": [0]}
+    path = build_checkpoint(tmp_path / "3b", "3b", text=small, vision=vision)
+    tensors = load_file(path / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    model, info = AutoModelForImageTextToText.from_pretrained(
+        path, dtype="auto", output_loading_info=True
+    )
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    text = "model.language_model."  # the names transformers 5 gives (our loader reads both)
+    norm, bias = tensors[text + "norm.weight"], tensors[text + "layers.0.self_attn.q_proj.bias"]
+    assert torch.equal(norm, torch.ones_like(norm)) and not bias.any()
+    std = tensors[text + "layers.0.mlp.up_proj.weight"].float().std().item()
+    assert abs(std - model.config.text_config.initializer_range) < 0.002
+    sizes = {}
+    for preset in ("3b", "7b"):
+        with torch.device("meta"):
+            full = Qwen2_5_VLForConditionalGeneration(hf_config(checkpoint_spec(preset)))
+        sizes[preset] = sum(p.numel() for p in full.parameters()) / 1e9
+    assert 3.7 < sizes["3b"] < 3.8 and 8.2 < sizes["7b"] < 8.4, sizes
+
+
 def test_qwen2_vl_family_builds_and_loads(cache, tmp_path):
     from transformers import AutoModelForImageTextToText
 

@@ -23,9 +23,10 @@ from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.loader import checkpoint_tensors
 from stillcut.engine.request import SamplingParams
-from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
+
+from .reference import hf_greedy, prefill_logits
 
 NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
@@ -101,49 +102,6 @@ def _build(setup, parts, evs=None):
     return prompt, hf_inputs
 
 
-def _hf_greedy(reference, inputs) -> list[int]:
-    with torch.inference_mode():
-        out = reference.generate(
-            **inputs,
-            max_new_tokens=NUM_NEW_TOKENS,
-            min_new_tokens=NUM_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
-
-
-def _prefill_logits(model, prompt) -> torch.Tensor:
-    """Our logits [L, vocab] at every prompt position, from one prefill as the runner makes it."""
-    ids = torch.tensor(prompt.token_ids)
-    num_tokens, block_size = ids.numel(), 16
-    num_blocks = -(-num_tokens // block_size)
-    positions, _ = model.prompt_positions(ids, prompt.items, prompt.mm_positions)
-    ranges = [
-        (0, place.offset, place.end)
-        for item, place in zip(prompt.items, prompt.mm_positions, strict=True)
-        if item.bidirectional
-    ]
-    mm_mask = torch.zeros(num_tokens, dtype=torch.bool)
-    for place in prompt.mm_positions:
-        mm_mask[place.offset : place.end] = True
-    metadata = AttentionMetadata(
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
-        slot_mapping=torch.arange(num_tokens),
-        max_query_len=num_tokens,
-        max_seq_len=num_tokens,
-        mm_ranges=torch.tensor(ranges, dtype=torch.int32) if ranges else None,
-    )
-    kv_caches = [torch.zeros(model.kv_cache_shape(num_blocks, block_size)) for _ in model.layers]
-    embeds = torch.cat([item.embeds for item in prompt.items])
-    with torch.inference_mode():
-        hidden = model(ids, positions, kv_caches, metadata, mm_embeds=embeds, mm_mask=mm_mask)
-        return model.compute_logits(hidden)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_and_greedy_tokens_equal_transformers(setup, case):
     engine, _, reference, _ = setup
@@ -154,7 +112,7 @@ def test_prompt_and_greedy_tokens_equal_transformers(setup, case):
     assert image_rows.tolist() == hf_inputs["token_type_ids"][0].bool().tolist()
     assert all(item.bidirectional and item.num_tokens == 16 for item in prompt.items)
     (ours,) = engine.generate([prompt], GREEDY)
-    assert ours.token_ids == _hf_greedy(reference, hf_inputs)
+    assert ours.token_ids == hf_greedy(reference, hf_inputs, NUM_NEW_TOKENS)
 
 
 def test_a_checkpoint_storing_siglips_pooling_head_answers_as_transformers():
@@ -169,7 +127,7 @@ def test_a_checkpoint_storing_siglips_pooling_head_answers_as_transformers():
     setup = (engine, VisionPipeline(path), reference, AutoProcessor.from_pretrained(path))
     prompt, hf_inputs = _build(setup, CASES["text before and after"])
     (ours,) = engine.generate([prompt], GREEDY)
-    assert ours.token_ids == _hf_greedy(reference, hf_inputs)
+    assert ours.token_ids == hf_greedy(reference, hf_inputs, NUM_NEW_TOKENS)
 
 
 @pytest.mark.parametrize("case", ["one image", "text before and after"])
@@ -178,11 +136,11 @@ def test_prefill_logits_equal_transformers_and_need_the_bidirectional_blocks(set
     prompt, hf_inputs = _build(setup, CASES[case])
     with torch.inference_mode():
         theirs = reference(**hf_inputs).logits[0]  # [L, vocab]
-    ours = _prefill_logits(engine.model, prompt)
+    ours = prefill_logits(engine.model, prompt)
     assert theirs.abs().max() > 0.1  # the tolerance means something
     assert (ours - theirs).abs().max().item() < TOLERANCE
     causal = replace(prompt, items=[replace(i, bidirectional=False) for i in prompt.items])
-    assert (_prefill_logits(engine.model, causal)[-1] - theirs[-1]).abs().max() > 1e-2
+    assert (prefill_logits(engine.model, causal)[-1] - theirs[-1]).abs().max() > 1e-2
 
 
 def test_sliding_windows_and_linear_rope_scaling_are_exercised(setup):
@@ -202,7 +160,7 @@ def test_sliding_windows_and_linear_rope_scaling_are_exercised(setup):
     unscaled = copy.deepcopy(engine.model)
     unscaled.rotary.full_attention_inv_freq *= config.rope["full_attention"].factor
     for broken in (no_window, unscaled):
-        assert (_prefill_logits(broken, prompt) - theirs).abs().max() > 1e-2
+        assert (prefill_logits(broken, prompt) - theirs).abs().max() > 1e-2
 
 
 def test_requests_in_flight_with_chunked_prefill_equal_one_at_a_time(setup):

@@ -78,7 +78,8 @@ def _hf_block(config, seed: int):
     return block
 
 
-def _metadata(query_lens, rows, fresh, num_prompt, states) -> AttentionMetadata:
+def _metadata(query_lens, rows, fresh, num_prompt, states, **snapshots) -> AttentionMetadata:
+    """`snapshots`: `snapshots=` the snapshot tensors and `captures=` per request, if any."""
     starts = [0]
     for length in query_lens:
         starts.append(starts[-1] + length)
@@ -100,6 +101,7 @@ def _metadata(query_lens, rows, fresh, num_prompt, states) -> AttentionMetadata:
             fresh=fresh,
             query_start_loc_cpu=starts,
             prompt_token_mask=prompt_token_mask,
+            **snapshots,
         ),
     )
 
@@ -151,6 +153,39 @@ def test_mamba2_block_over_split_prompts_and_batched_decodes_equals_transformers
     block.mixer.time_step_limit = (0.0, float("inf"))
     unclamped = _hf_mamba_outputs(block, hf_config, prompt_a, decodes[:, 0])
     assert (unclamped[:21] - expected_a[:21]).abs().max() > 1e-2
+
+
+def test_mamba2_states_saved_mid_chunk_and_after_a_step_restart_to_the_same_outputs():
+    ours_config, hf_config = _configs("mamba")
+    ours = Mamba2Block(_hf_block(hf_config, seed=0), ours_config, layer_id=0)
+    shapes = ((ours_config.conv_dim, ours_config.conv_kernel - 1), (4, 8, 8))
+    states = {0: tuple(torch.zeros(2, *shape) for shape in shapes)}
+    saved = {"snapshots": {0: tuple(torch.zeros(3, *shape) for shape in shapes)}}
+    generator = torch.Generator().manual_seed(1)
+    prompt, decode = torch.randn(21, HIDDEN, generator=generator), torch.randn(1, HIDDEN)
+    # after tokens 8 (mid-chunk), 15 (2 into a resumed chunk: the conv state still holds
+    # inputs from before it) and 22 (a one-token step), into slots 0, 1 and 2
+    first = ours(
+        prompt[:13], _metadata([13], [0], [True], [13], states, captures=[[(8, 0)]], **saved), None
+    )
+    second = ours(
+        prompt[13:], _metadata([8], [0], [False], [8], states, captures=[[(2, 1)]], **saved), None
+    )
+    step = ours(
+        decode, _metadata([1], [0], [False], [0], states, captures=[[(1, 2)]], **saved), None
+    )
+    cold = torch.cat([first, second, step])
+    for slot, start in ((0, 8), (1, 15), (2, 22)):
+        for tensor, snapshot in zip(states[0], saved["snapshots"][0], strict=True):
+            tensor[1] = snapshot[slot]
+        rest = torch.cat([prompt, decode])[start:]
+        if len(rest):
+            warm = ours(rest, _metadata([len(rest)], [1], [False], [21 - start], states), None)
+            torch.testing.assert_close(warm, cold[start:], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(states[0][1][1], states[0][1][0])  # the same final state
+    # the case is sensitive: the same tokens from a zero state differ
+    from_zero = ours(prompt[8:], _metadata([13], [1], [True], [13], states), None)
+    assert (cold[8:21] - from_zero).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("latent", [None, 12])

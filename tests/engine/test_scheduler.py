@@ -583,3 +583,50 @@ def test_prefix_cache_counts_each_request_once_despite_preemption():
     kv = scheduler.kv_cache
     assert kv.num_query_tokens == sum(r.num_prompt_tokens for r in requests)
     assert kv.num_hit_tokens == sum(r.num_cached_tokens for r in requests) > 0
+
+
+def test_a_recurrent_model_ends_chunks_on_blocks_and_hits_only_at_snapshots():
+    cache = CacheConfig(block_size=BLOCK, held_share=0.0, mamba_snapshot_interval=2)
+    config = SchedulerConfig(max_num_batched_tokens=10)
+    scheduler = Scheduler(config, cache, num_blocks=64, num_state_snapshots=8)
+    first = make_request("a", range(1, 23), max_tokens=1)  # 22 tokens
+    scheduler.add_request(first)
+    chunks, captures = [], []
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        chunks.append(output.num_scheduled_tokens["a"])
+        captures.append([c.num_tokens for c in output.state_captures.get("a", [])])
+        scheduler.update_from_output(output, {"a": [7]})
+    assert chunks == [8, 8, 6]  # a budget of 10 tokens: two blocks, two blocks, the rest
+    # every second block (after tokens 8 and 16) and the prompt's last full block (20)
+    assert captures == [[8], [8], [4]]
+    # 14 shared tokens: K/V of three blocks is cached, the state only after the second
+    second = make_request("b", [*range(1, 15), 60, 61, 62], max_tokens=1)
+    scheduler.add_request(second)
+    output = scheduler.schedule()
+    assert second.num_cached_tokens == 8 and output.scheduled_new[0].restore_slot is not None
+    assert scheduler.kv_cache.snapshots.num_restored == 1
+    scheduler.update_from_output(output, {"b": [7]})
+    scheduler.kv_cache.check_consistency()
+
+
+def test_snapshots_wait_where_later_prompts_diverge():
+    cache = CacheConfig(block_size=BLOCK, held_share=0.0, mamba_snapshot_interval=100)
+    scheduler = Scheduler(SchedulerConfig(), cache, num_blocks=64, num_state_snapshots=16)
+    shared = list(range(1, 31))
+
+    def cached_tokens(request_id: str, token_ids: list[int]) -> int:
+        request = make_request(request_id, token_ids, max_tokens=1)
+        scheduler.add_request(request)
+        while scheduler.has_unfinished_requests():
+            output = scheduler.schedule()
+            scheduler.update_from_output(output, dict.fromkeys(output.num_scheduled_tokens, [7]))
+        return request.num_cached_tokens
+
+    assert cached_tokens("first", [*shared, 40, 41, 42]) == 0
+    # the first's last two full blocks: another short ending hits at the first boundary
+    assert cached_tokens("other ending", [*shared, 50, 51, 52]) == 28
+    # 18 shared tokens: no snapshot there yet, but this one leaves one where it diverged
+    assert cached_tokens("shorter", [*shared[:18], *range(60, 75)]) == 0
+    assert cached_tokens("like it", [*shared[:18], *range(80, 95)]) == 16
+    scheduler.kv_cache.check_consistency()

@@ -256,18 +256,44 @@ def test_strided_query(backend):
     check(batch, backend)
 
 
-# The interpreter's tl.dot gets bf16 wrong, so the Triton kernel meets bf16 on GPU only.
+# The interpreter's bf16 tl.dot is wrong, so there the kernel widens bf16 tiles before its dots
+# (loads, casts and stores stay bf16); the bf16 dot itself is checked on GPU.
 @pytest.mark.parametrize(
     "backend, dtype",
     [
         ("torch", torch.bfloat16),
         ("torch", torch.float16),
         pytest.param("triton", torch.float16, marks=NEEDS_TRITON),
+        pytest.param("triton", torch.bfloat16, marks=NEEDS_TRITON),
     ],
 )
 def test_half_precision(backend, dtype):
     batch = make_batch(MIXED, num_heads=6, dtype=dtype, mm_ranges=[(2, 1, 5)])
     check(batch, backend, atol=2e-2 if dtype == torch.bfloat16 else 3e-3, window=7)
+
+
+@NEEDS_TRITON
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_split_kv_decode_matches_torch(monkeypatch, dtype, atol):
+    # Short contexts split as a long one does: several programs per kv head, some of them
+    # past the end of the keys (empty), merged by log-sum-exp. On GPU the same at 16k tokens.
+    triton_attention = pytest.importorskip("stillcut.kernels.paged_attention_triton")
+    monkeypatch.setattr(triton_attention, "MIN_KEYS_PER_SPLIT", 16)
+    batch = make_batch([(150, 1), (37, 1)], block_size=16, dtype=dtype, mm_ranges=[(0, 140, 152)])
+    md = batch.metadata
+    assert triton_attention.num_kv_splits(1, md.max_seq_len, 2, 2) == 8
+    for options in ({}, {"window": 40, "soft_cap": 2.0}):
+        out = check(batch, "triton", atol=atol, **options)
+        torch.testing.assert_close(out, run(batch, "torch", **options), rtol=0, atol=atol)
+
+
+def test_long_decodes_at_small_batches_split_the_keys():
+    triton_attention = pytest.importorskip("stillcut.kernels.paged_attention_triton")
+    splits = triton_attention.num_kv_splits
+    assert splits(1, 16384, 1, 4) > 1  # a 16k-token decode at batch 1, 4 kv heads
+    assert splits(1, 16384, 64, 4) == 1  # enough programs without splitting
+    assert splits(1, 100, 1, 4) == 1  # too short to be worth a merge
+    assert splits(8, 16384, 1, 4) == 1  # prefill rows already fill the tiles
 
 
 def test_write_kv_places_tokens_at_their_slots():

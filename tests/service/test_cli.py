@@ -1,9 +1,11 @@
-"""`stillcut describe` prints the answer, the EVS summary, timings and the random-weights
-notice (or one JSON object); `stillcut serve` turns its flags into the server's settings."""
+"""`stillcut describe` prints the answer, the EVS summary, timings, the weights' stored format
+and the random-weights notice (or one JSON object); `stillcut serve` turns its flags into the
+server's settings, the precision flags included."""
 
 import json
 
 import pytest
+import torch
 
 from stillcut.service import cli, cli_serve, server
 from stillcut.service.cli_describe import DEFAULT_MAX_TOKENS
@@ -34,9 +36,13 @@ def test_describe_json_with_threshold_evs(tiny_checkpoint, clip_path, capsys):
     argv = [
         *("describe", str(clip_path), "--model", str(tiny_checkpoint), "--json"),
         *("--evs-threshold", "0.05", "--max-tokens", "2", "--prompt", "What moves?"),
+        *("--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
     ]
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
+    memory = report["memory"]
+    assert (memory["weight_format"], memory["kv_cache_dtype"]) == ("bfloat16", "bfloat16")
+    assert 0 < memory["vision_weight_bytes"] < memory["weight_bytes"]
     assert report["evs"]["setting"].startswith("evs:threshold:tau=0.05")
     assert report["usage"]["completion_tokens"] == 2
     assert len(report["frame_timestamps"]) == report["evs"]["frames"] == 6
@@ -45,6 +51,10 @@ def test_describe_json_with_threshold_evs(tiny_checkpoint, clip_path, capsys):
 def test_describe_reports_bad_input(tmp_path, capsys):
     assert cli.main(["describe", str(tmp_path / "missing.mp4")]) == 2
     assert "is not a file" in capsys.readouterr().err
+    video = tmp_path / "x.mp4"
+    video.write_bytes(b"")  # the settings are refused before it is read
+    assert cli.main(["describe", str(video), "--quantization-skip", "lm_head"]) == 2
+    assert "quantization_skip=('lm_head',) needs a quantization" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["describe", "x.mp4", "--evs-rate", "0.5", "--evs-threshold", "0.1"])
     args = cli.build_parser().parse_args(["describe", "x.mp4"])
@@ -64,6 +74,7 @@ def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch)
         *("--limit-fps", "4", "--limit-mm-per-prompt", "3", "--body-timeout", "10"),
         *("--max-connections", "50", "--max-image-pixels", "1000000"),
         *("--allowed-origins", "https://app.example"),
+        *("--quantization", "int8", "--quantization-skip", "lm_head"),
     ]
     assert cli.main(argv) == 0
     config, llm = served["config"], served["llm"]
@@ -78,6 +89,9 @@ def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch)
     assert llm.pipeline.decode_config.max_image_pixels == 1_000_000
     assert llm.engine.config.cache.kv_cache_memory == 4 * MiB
     assert llm.engine.config.scheduler.max_model_len == 1024
+    assert llm.engine.memory.weight_format == "int8 (float32, lm_head kept)"
+    assert llm.engine.model.lm_head.dtype == torch.float32  # the skipped head
+    assert llm.engine.model.layers[0].qkv_weight.dtype == torch.int8
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,12 @@
 """Load and departures: 32 requests at once against an admission queue of 8 each get a correct
-answer or a 503 with Retry-After, none hangs, and no block stays in use; a client that leaves
-mid-stream has its request aborted."""
+answer or a 503 with Retry-After, none hangs, and no block stays in use; a question about a
+video already encoded does not wait behind another encode; a client that leaves mid-stream has
+its request aborted."""
 
 import asyncio
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -66,6 +69,29 @@ def test_32_requests_against_a_queue_of_8(busy_server, clips, reference_llm):
         assert body["evs"]["kept_per_tubelet"] == list(reference.evs.kept_per_tubelet)
     assert pool_state(busy_server) == (True, 0)
     assert httpx.get(f"{busy_server.url}/health").json()["requests_waiting"] == 0
+
+
+def test_a_question_about_a_cached_video_does_not_wait_for_the_encode_worker(busy_server, clips):
+    """With the encode worker held by another job, a second question about a clip already
+    encoded is answered from the encoder cache, as the first was."""
+    url, encoder = f"{busy_server.url}/v1/chat/completions", busy_server.app.state.service.encoder
+    first = httpx.post(url, json=_chat(clips[0], temperature=0), timeout=120)
+    assert first.status_code == 200
+    release = threading.Event()
+    busy = threading.Thread(target=lambda: asyncio.run(encoder.run(lambda: release.wait(60))))
+    busy.start()
+    try:
+        while encoder.num_pending == 0:
+            time.sleep(0.01)
+        second = httpx.post(url, json=_chat(clips[0], temperature=0), timeout=30)
+        assert encoder.num_pending == 1  # the worker was still held
+    finally:
+        release.set()
+        busy.join()
+    assert second.status_code == 200, second.text
+    answers = [response.json() for response in (first, second)]
+    assert answers[1]["choices"][0]["message"] == answers[0]["choices"][0]["message"]
+    assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_a_client_that_leaves_mid_stream_has_its_request_aborted(busy_server, caplog):

@@ -2,6 +2,7 @@
 events, equal to `VideoLLM.describe` on the same bytes; request ids, deadlines, metrics."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -74,12 +75,20 @@ def test_client_request_id_is_echoed_and_logged(main_server, caplog):
             data=data,
             headers={"X-Request-Id": "client-id-42"},
         )
+        deadline = time.monotonic() + 10  # the line is written once the last byte is out
+        while not (lines := _access_lines(caplog, "client-id-42")):
+            assert time.monotonic() < deadline, "no access line"
+            time.sleep(0.02)
     assert response.headers["x-request-id"] == "client-id-42" == response.json()["id"]
-    lines = [json.loads(r.message) for r in caplog.records if r.name == "stillcut.access"]
-    (line,) = [line for line in lines if line["request_id"] == "client-id-42"]
+    (line,) = lines
     assert line["endpoint"] == "/v1/videos/describe" and line["status"] == 200
     assert line["completion_tokens"] == MAX_TOKENS and 0 < line["evs_kept"] < line["evs_total"]
     assert {"decode_s", "encode_s", "queue_s", "ttft_s", "total_s"} <= set(line)
+
+
+def _access_lines(caplog, request_id: str) -> list[dict]:
+    lines = [json.loads(r.message) for r in caplog.records if r.name == "stillcut.access"]
+    return [line for line in lines if line["request_id"] == request_id]
 
 
 def test_a_missed_deadline_is_a_504_and_frees_the_request(main_server):

@@ -1,12 +1,15 @@
 """Nemotron 3 Nano Omni behind the server: the official `openai` client with a `video_url`
 gets transformers' answer, `chat_template_kwargs` reach the chat template, and with
 `--reasoning-parser think` the thinking part comes back as `reasoning_content` (streamed as
-`delta.reasoning_content`); `stillcut describe` answers on the checkpoint; a live session is
-refused with a clear message while the model keeps recurrent state."""
+`delta.reasoning_content`); a second question about the clip restores a recurrent-state
+snapshot, counted in `/metrics`; `stillcut describe` answers on the checkpoint; a live session
+is refused with a clear message (the family's entry serves none)."""
 
 import json
+import re
 import shutil
 
+import httpx
 import openai
 import pytest
 
@@ -122,7 +125,27 @@ def test_bad_chat_template_kwargs_are_a_400(served):
         )
 
 
-def test_a_live_session_is_refused_while_the_model_keeps_recurrent_state(served):
+def _snapshot_counters(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    found = re.findall(r"^stillcut_state_snapshots_(\w+)_total (\S+)$", text, re.MULTILINE)
+    return {name: float(value) for name, value in found}
+
+
+def test_a_second_question_restores_a_snapshot_counted_in_metrics(served):
+    background, client, clip, _ = served
+    before = _snapshot_counters(background.url)
+    assert set(before) == {"saved", "restored", "evicted"}
+    for question in ("What moves?", "What colour is it?"):
+        messages = _messages(f"file://{clip}")
+        messages[0]["content"][1]["text"] = question
+        reply = client.chat.completions.create(model=None, messages=messages, max_tokens=2)
+        assert reply.choices[0].message.content is not None
+    after = _snapshot_counters(background.url)
+    assert after["saved"] > before["saved"]
+    assert after["restored"] >= before["restored"] + 1
+
+
+def test_a_live_session_is_refused_by_the_family_entry(served):
     from websockets.sync.client import connect
 
     background, _, _, _ = served
@@ -130,7 +153,7 @@ def test_a_live_session_is_refused_while_the_model_keeps_recurrent_state(served)
     with connect(url) as socket:
         socket.send('{"type": "start"}')
         reply = socket.recv(timeout=30)
-    assert "recurrent" in reply and "not supported" in reply
+    assert "live sessions are not supported for 'nemotron_h_omni'" in reply
 
 
 def test_describe_cli_answers_on_the_checkpoint(checkpoint, samples_dir, capsys):

@@ -135,6 +135,27 @@ def test_batch_of_videos_and_an_image_in_one_tower_pass(pipeline, counting, samp
     assert together[2].kind == "image" and together[2].grid_thw[0] == 1
 
 
+def test_encode_cached_answers_only_from_the_cache(pipeline, counting, samples_dir):
+    """A miss is None with nothing decoded or encoded; once cached, the items equal
+    `encode`'s, EVS applied; a file object (readable once) is always left to `encode`."""
+    rate = EVSConfig(mode="rate", rate=0.5)
+    data = (samples_dir / "pan.mp4").read_bytes()
+    image = np.random.default_rng(2).integers(0, 256, (60, 90, 3), dtype=np.uint8)
+    inputs = [VideoInput(data, evs=rate), VideoInput(samples_dir / "pan.mp4"), ImageInput(image)]
+    decoded_before = pipeline.work.frames_decoded
+    assert pipeline.encode_cached(inputs) is None
+    assert counting == [] and pipeline.work.frames_decoded == decoded_before
+    encoded = pipeline.encode(inputs)
+    cached = pipeline.encode_cached(inputs)
+    assert len(counting) == 1 and pipeline.work.frames_decoded > decoded_before
+    for a, b in zip(encoded, cached, strict=True):
+        assert torch.equal(a.embeds, b.embeds) and torch.equal(a.coords, b.coords)
+        assert (a.identifier, a.kept_per_tubelet) == (b.identifier, b.kept_per_tubelet)
+    assert [item.stats["cache_hit"] for item in cached] == [True, True, True]
+    assert cached[0].num_tokens < cached[1].num_tokens  # EVS ran on the cached embeddings
+    assert pipeline.encode_cached([VideoInput(io.BytesIO(data))]) is None
+
+
 def test_encoder_cache_is_lru_and_bounded_in_bytes():
     def entry(num_tokens):
         return EncodedMedia(torch.zeros(num_tokens, 4), (1, 2, 2), 1.0, (0.0,), {})

@@ -1,0 +1,88 @@
+"""The native product `x @ W` with W stored as float32, bfloat16, float16 and int8 (per-column
+scales), against each format's read floor: the microkernel measurement behind `cpu_linear.h`.
+
+Widening a narrow weight in registers costs instructions that compete with the FMAs for the
+same ports (int8: a sign extension and a conversion per 8 values), so a narrow format reads
+fewer bytes but may not reach its own floor. Each round times, back to back, every format's
+product at 1 and at 8 rows and one read of a buffer as large as the float32 weight (a sum:
+one streaming pass); a product's floor is its weight's bytes over the bandwidth of that read.
+The table gives medians over rounds of the time, of the time over its floor, and of the speed
+relative to float32 at the same row count. The float32 weight is read by the same kernel, as a
+contiguous [in, out] (the layout the narrow formats use).
+
+    python bench/matmul_formats.py [--shape 2048x11008] [--rounds 15] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from stillcut.engine.quantization import quantize_int8
+from stillcut.kernels import cpu_decode
+
+ROWS = (1, 8)
+
+
+def stored(weight: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    quantized, scale = quantize_int8(weight, 1)
+    return {
+        "float32": (weight, None),
+        "bfloat16": (weight.to(torch.bfloat16), None),
+        "float16": (weight.to(torch.float16), None),
+        "int8": (quantized.contiguous(), scale),
+    }
+
+
+def seconds(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="2048x11008", help="in x out of the weight")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    num_in, num_out = map(int, args.shape.split("x"))
+    weight = torch.randn(num_in, num_out, generator=torch.Generator().manual_seed(0))
+    products = {}
+    for name, (tensor, scale) in stored(weight).items():
+        native = cpu_decode.native_matrix(tensor, scale)
+        if native is None:
+            raise SystemExit("the native kernel did not build here")
+        scale_bytes = 0 if scale is None else 4 * scale.numel()
+        products[name] = (native, tensor.numel() * tensor.element_size() + scale_bytes)
+    inputs = {rows: torch.randn(rows, num_in) for rows in ROWS}
+    buffer = torch.ones(num_in * num_out)
+    times = {(name, rows): [] for name in products for rows in ROWS}
+    reads = []
+    for _ in range(args.rounds):
+        for (name, rows), record in times.items():
+            native = products[name][0]
+            record.append(seconds(lambda: native(inputs[rows])))  # noqa: B023 (called here)
+        reads.append(seconds(buffer.sum))
+    bandwidth = buffer.numel() * 4 / statistics.median(reads)
+    print(
+        f"W [{num_in}, {num_out}], {args.threads} thread(s), {args.rounds} rounds, "
+        f"read {bandwidth / 1e9:.1f} GB/s"
+    )
+    print(f"{'format':<10}{'rows':>5}{'ms':>9}{'floor ms':>10}{'/floor':>8}{'vs f32':>8}")
+    for (name, rows), record in times.items():
+        median = statistics.median(record)
+        floor = products[name][1] / bandwidth
+        versus = statistics.median(times["float32", rows]) / median
+        print(
+            f"{name:<10}{rows:>5}{median * 1e3:>9.2f}{floor * 1e3:>10.2f}"
+            f"{median / floor:>8.2f}{versus:>7.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""What the parity tests compare: transformers' greedy tokens, and our logits at every prompt
+position from one prefill laid out as the runner lays it out."""
+
+from __future__ import annotations
+
+import torch
+
+from stillcut.kernels.attention import AttentionMetadata
+
+
+def hf_greedy(reference, inputs: dict, num_new_tokens: int) -> list[int]:
+    """transformers' `generate`: exactly `num_new_tokens` greedy tokens, EOS not stopping it."""
+    with torch.inference_mode():
+        out = reference.generate(
+            **inputs,
+            max_new_tokens=num_new_tokens,
+            min_new_tokens=num_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def prefill_logits(model, prompt) -> torch.Tensor:
+    """Our logits [L, vocab] at every prompt position, from one prefill as the runner makes it."""
+    ids = torch.tensor(prompt.token_ids)
+    num_tokens, block_size = ids.numel(), 16
+    num_blocks = -(-num_tokens // block_size)
+    positions, _ = model.prompt_positions(ids, prompt.items, prompt.mm_positions)
+    ranges = [
+        (0, place.offset, place.end)
+        for item, place in zip(prompt.items, prompt.mm_positions, strict=True)
+        if item.bidirectional
+    ]
+    mm_mask = torch.zeros(num_tokens, dtype=torch.bool)  # [L]
+    for place in prompt.mm_positions:
+        mm_mask[place.offset : place.end] = True
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(num_tokens),
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        mm_ranges=torch.tensor(ranges, dtype=torch.int32) if ranges else None,
+    )
+    kv_caches = [torch.zeros(model.kv_cache_shape(num_blocks, block_size)) for _ in model.layers]
+    embeds = torch.cat([item.embeds for item in prompt.items]) if prompt.items else None
+    with torch.inference_mode():
+        hidden = model(
+            ids,
+            positions,
+            kv_caches,
+            metadata,
+            mm_embeds=embeds,
+            mm_mask=mm_mask if prompt.items else None,
+        )
+        return model.compute_logits(hidden)
