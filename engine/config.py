@@ -99,6 +99,76 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8")
 QUANTIZATION_SKIPS = ("lm_head",)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: each decoding request proposes up to `num_speculative_tokens`
+    tokens (K) per step, scored together in one verify step.
+
+    `method`: "ngram" (prompt lookup over the request's own tokens, n-grams from
+    `prompt_lookup_max` down to `prompt_lookup_min`), "suffix" (the same over the request and
+    recent outputs of requests with its cache salt) or "draft" (a smaller checkpoint at
+    `draft_model`, proposing greedily). `k_per_batch` caps K by batch size: pairs
+    (min batch size, K), e.g. ((1, 4), (8, 2), (32, 0)); empty means K at every size. With
+    `dynamic`, K is also lowered per request where its measured acceptance and the measured
+    cost of a verify step say speculation would not pay.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    k_per_batch: tuple[tuple[int, int], ...] = ()
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"method={self.method!r} must be one of {SPECULATIVE_METHODS}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"num_speculative_tokens={k!r} must be an int in [1, {MAX_SPECULATIVE_TOKENS}]"
+            )
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError(
+                f"draft_model={self.draft_model!r}: a path is needed for method='draft' and "
+                f"allowed only there (method={self.method!r})"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max="
+                f"{self.prompt_lookup_max} must satisfy 1 <= min <= max"
+            )
+        pairs = tuple(tuple(pair) for pair in self.k_per_batch)
+        object.__setattr__(self, "k_per_batch", pairs)
+        sizes = [size for size, _ in pairs]
+        if sizes != sorted(set(sizes)) or any(size < 1 for size in sizes):
+            raise ValueError(f"k_per_batch={pairs}: batch sizes must be >= 1 and increasing")
+        if any(not 0 <= k_cap <= k for _, k_cap in pairs):
+            raise ValueError(f"k_per_batch={pairs}: each K must be in [0, {k}]")
+
+    def k_for_batch(self, batch_size: int) -> int:
+        """K allowed by the table at this many decoding requests."""
+        k = self.num_speculative_tokens
+        for size, k_cap in self.k_per_batch:
+            if batch_size >= size:
+                k = k_cap
+        return k
+
+
+def parse_k_per_batch(text: str) -> tuple[tuple[int, int], ...]:
+    """`"1:4,8:2,32:0"` -> ((1, 4), (8, 2), (32, 0)); raises ValueError naming the format."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        size, sep, k = part.partition(":")
+        if not sep or not size.strip().isdigit() or not k.strip().isdigit():
+            raise ValueError(f"k_per_batch {text!r}: expected 'BATCH:K,BATCH:K', e.g. '1:4,8:2'")
+        pairs.append((int(size), int(k)))
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)
@@ -124,6 +194,7 @@ class EngineConfig:
     quantization: str | None = None
     quantization_skip: tuple[str, ...] = ()
     kv_cache_dtype: str = "auto"
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -5,10 +5,13 @@ prompt, never a decode) and not on context lengths (the Triton attention kernel 
 request's keys, and each split's share of them, on the device). So the runner pads a step of
 decodes to the next bucket (1, 2, 4, ... up to `max_num_seqs`) and replays that bucket's graph,
 whose inputs are the runner's persistent device buffers and whose output is the bucket's
-logits; steps with prefill run eagerly. A graph is captured with the longest context the
-engine allows as its `max_seq_len`, so its split-KV count serves every later length. Inside a
-graph attention must be the Triton kernel (the torch backend reads host lists), and models with
-recurrent layers are not captured (their state rows are host lists too).
+logits; steps with prefill run eagerly. A verify step of speculative decoding is such a step
+too: a request verifying K drafts is 1 + K one-token rows (causal by their sequence lengths),
+so one graph per bucket of rows serves every K, and the buckets reach max_num_seqs x (1 + K). A
+graph is captured with the longest context the engine allows as its `max_seq_len`, so its
+split-KV count serves every later length. Inside a graph attention must be the Triton kernel
+(the torch backend reads host lists), and models with recurrent layers are not captured (their
+state rows are host lists too).
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ class IncrementalDetokenizer:
         self._unreturned = ""  # text decoded after the pieces: held back, or a stop's
         self.finished = False
         self.stop_reason: str | None = None
+        self.num_unread_tokens = 0  # of the last push: pushed after a stop completed
 
     @property
     def text(self) -> str:
@@ -61,10 +62,14 @@ class IncrementalDetokenizer:
         return "".join(self.pieces)
 
     def push(self, token_ids: int | Sequence[int]) -> str:
-        """Add output tokens; return the new text that is safe to show (may be empty)."""
-        if self.finished:
-            return ""
-        for token_id in [token_ids] if isinstance(token_ids, int) else token_ids:
+        """Add output tokens; return the new text that is safe to show (may be empty).
+
+        With stop strings, several tokens read as if pushed one at a time: a stop completing
+        at one ends the text there, and those after it stay unread (`num_unread_tokens`)."""
+        token_ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self.num_unread_tokens = len(token_ids) if self.finished else 0
+        delta = ""
+        for index, token_id in enumerate([] if self.finished else token_ids):
             chunk = self._step(int(token_id))
             self._output_ids.append(int(token_id))
             if chunk is None:
@@ -72,7 +77,12 @@ class IncrementalDetokenizer:
             else:
                 self._num_pending_ids = 0
                 self._unreturned += chunk
-        return self._advance(final=False)
+            if self._stop or index == len(token_ids) - 1:
+                delta += self._advance(final=False)
+            if self.finished:
+                self.num_unread_tokens = len(token_ids) - index - 1
+                break
+        return delta
 
     def flush(self) -> str:
         """The request ended (EOS, length, abort): return everything still held back.

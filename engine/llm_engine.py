@@ -25,6 +25,7 @@ import torch
 
 from stillcut.engine.admission import BidirectionalItemTooLong
 from stillcut.engine.cache_groups import (
+    kv_bytes_per_block,
     num_blocks_for_budget,
     num_snapshots_for_budget,
     recurrent_groups,
@@ -49,6 +50,8 @@ from stillcut.engine.request import (
 from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate
+from stillcut.engine.spec_decode.build import build_speculator, check_speculation_allowed
+from stillcut.engine.spec_decode.draft import draft_block_bytes
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +94,8 @@ class LLMEngine:
         self.processor = PromptProcessor.from_checkpoint(self.path)
         family = self.model_config.family
         self.cache_groups = self.model_config.cache_groups
+        if config.speculative is not None:  # before loading anything
+            check_speculation_allowed(bool(recurrent_groups(self.cache_groups)))
         model_class = family.language_model_class()
         self.weight_format = WeightFormat.for_engine(
             config.dtype, config.quantization, config.quantization_skip, config.device
@@ -110,6 +115,7 @@ class LLMEngine:
         state_dtype = self.weight_format.compute_dtype  # recurrent states: what layers compute in
         cache = config.cache
         budget = cache.kv_cache_memory or int(cache.memory_fraction * _free_memory(config))
+        budget = self._target_budget(budget, kv_dtype)
         num_snapshots = self._num_state_snapshots(budget, kv_dtype, state_dtype, num_rows)
         num_blocks = self._num_blocks(budget, kv_dtype, state_dtype, num_rows + num_snapshots)
         self.has_recurrent_state = bool(recurrent_groups(self.cache_groups))
@@ -124,8 +130,10 @@ class LLMEngine:
         no_graphs = graphs_unavailable(torch.device(config.device), self.has_recurrent_state)
         if config.enforce_eager:
             no_graphs = "enforce_eager is set"
-        # a step decodes at most max_num_seqs running requests (rows may hold more, waiting)
-        max_decodes = min(config.scheduler.max_num_seqs, num_rows)
+        # a step decodes at most max_num_seqs running requests (rows may hold more, waiting),
+        # each 1 + K one-token rows when it verifies drafts
+        max_spec_tokens = config.speculative.num_speculative_tokens if config.speculative else 0
+        max_decodes = min(config.scheduler.max_num_seqs, num_rows) * (1 + max_spec_tokens)
         buckets = (
             ()
             if no_graphs
@@ -144,7 +152,11 @@ class LLMEngine:
             state_dtype=state_dtype,
             decode_buckets=buckets,
             num_state_snapshots=num_snapshots,
+            max_spec_tokens=max_spec_tokens,
         )
+        self.speculator = None
+        if config.speculative is not None:
+            self.speculator = build_speculator(self, config.speculative)
         self.memory = EngineMemory(
             self.weight_format.describe(),
             stored_bytes(self.model),
@@ -241,7 +253,9 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request in any state and free its blocks; False if it is unknown."""
-        self._tracked.pop(request_id, None)
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and self.speculator is not None:
+            self.speculator.finish(tracked.request)
         return self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -271,10 +285,22 @@ class LLMEngine:
             if tracked is None:
                 continue
             tracked.counting_append = False  # its input is computed: it sampled or is held
-            if update.request_id in result.logprobs:
-                tracked.logprobs.append(result.logprobs[update.request_id])
-            outputs.append(self._postprocess(tracked, update, now))
+            self._record_drafts(tracked, scheduled.spec_token_ids, result.sampled)
+            logprobs = result.logprobs.get(update.request_id, [])
+            outputs.append(self._postprocess(tracked, update, now, logprobs))
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return outputs
+
+    def _record_drafts(
+        self, tracked: _Tracked, spec_token_ids: dict[str, list[int]], sampled: dict
+    ) -> None:
+        request_id = tracked.request.request_id
+        drafts = spec_token_ids.get(request_id)
+        if drafts and self.speculator is not None:
+            self.speculator.record(tracked.request, len(drafts), len(sampled[request_id]))
+            tracked.metrics.num_draft_tokens = tracked.request.num_draft_tokens
+            tracked.metrics.num_accepted_tokens = tracked.request.num_accepted_tokens
 
     def generate(
         self,
@@ -292,26 +318,36 @@ class LLMEngine:
                     final[output.request_id] = output
         return [final[i] for i in ids]
 
-    def _postprocess(self, tracked: _Tracked, update: RequestUpdate, now: float) -> RequestOutput:
+    def _postprocess(
+        self, tracked: _Tracked, update: RequestUpdate, now: float, logprobs: list
+    ) -> RequestOutput:
         request, metrics = tracked.request, tracked.metrics
         new_token_ids = update.new_token_ids
         if new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
-        metrics.num_generated_tokens = len(request.output_token_ids)
         delta = tracked.detokenizer.push(new_token_ids)
         finish_reason = None if update.segment_end else _finish_reason(update.status)
         stop_reason = update.stop_reason
         if tracked.detokenizer.finished and finish_reason not in ("stop", "held"):
-            # a stop string completed: end the request here, whatever the tokens said
+            # a stop string completed: end the request here, whatever the tokens said; tokens
+            # after it (accepted drafts, sampled in the same step) were never generated
+            num_unread = tracked.detokenizer.num_unread_tokens
+            if num_unread:
+                del request.output_token_ids[-num_unread:]
+                new_token_ids = new_token_ids[:-num_unread]
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             finish_reason, stop_reason = "stop", tracked.detokenizer.stop_reason
         elif finish_reason in ("stop", "length", "abort") or update.segment_end is not None:
             delta += tracked.detokenizer.flush()
+        metrics.num_generated_tokens = len(request.output_token_ids)
+        tracked.logprobs.extend(logprobs[: len(new_token_ids)])
         finished = finish_reason is not None
         if finished:
             metrics.finished_time = now
             if finish_reason != "held":
                 self._tracked.pop(request.request_id, None)
+                if self.speculator is not None:
+                    self.speculator.finish(request)
         return RequestOutput(
             request_id=request.request_id,
             token_ids=Snapshot(request.output_token_ids),
@@ -337,6 +373,15 @@ class LLMEngine:
         placeholders = (special.image_token_id, special.video_token_id)
         token_ids = [int(t) for t in prompt]
         return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
+
+    def _target_budget(self, budget: int, kv_dtype: torch.dtype) -> int:
+        """Our share of the K/V budget: all of it, or with a draft model (whose pool has as
+        many blocks as ours) the part in proportion to our block bytes."""
+        if self.config.speculative is None:
+            return budget
+        ours = kv_bytes_per_block(self.cache_groups, self.block_size, kv_dtype.itemsize)
+        theirs = draft_block_bytes(self.config.speculative, self.block_size, kv_dtype.itemsize)
+        return budget * ours // (ours + theirs)
 
     def _num_blocks(
         self, budget: int, kv_dtype: torch.dtype, state_dtype: torch.dtype, num_state_slots: int

@@ -2,12 +2,14 @@
 
 An item is one video or image after encoding (and, for videos, EVS pruning). It carries only
 the kept embeddings, the post-merge (t, h, w) coordinates of each, and the two identities the
-caches use. This module imports nothing beyond torch so the engine never pulls in PyAV.
+caches use; when the engine speculates with a draft model, also the draft's own tower's
+embeddings of the same media, kept at the same coordinates (`draft_embeds`). This module
+imports nothing beyond torch so the engine never pulls in PyAV.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -19,6 +21,8 @@ class MultiModalItem:
 
     `grid_thw` is the pre-merge patch grid as Hugging Face reports it; `coords` index the
     post-merge grid `(t, h // merge_size, w // merge_size)` that the language model sees.
+    `draft_embeds` (None: not encoded for a draft) row i is the draft model's embedding of the
+    token `embeds` row i is the target's, at `coords[i]`; its width is the draft's hidden size.
     """
 
     kind: Literal["video", "image"]
@@ -37,6 +41,7 @@ class MultiModalItem:
     bidirectional: bool = False
     kept_per_tubelet: tuple[int, ...] = ()
     stats: dict = field(default_factory=dict)
+    draft_embeds: torch.Tensor | None = None  # [num_tokens, draft hidden]
 
     def __post_init__(self) -> None:
         assert self.embeds.dim() == 2, self.embeds.shape
@@ -44,6 +49,17 @@ class MultiModalItem:
             self.coords.shape,
             self.embeds.shape,
         )
+        if self.draft_embeds is not None:
+            assert self.draft_embeds.dim() == 2, self.draft_embeds.shape
+            assert self.draft_embeds.shape[0] == self.embeds.shape[0], (
+                self.draft_embeds.shape,
+                self.embeds.shape,
+            )
+
+    def for_draft(self) -> MultiModalItem:
+        """This item as the draft model places it: its `embeds` are the draft's."""
+        assert self.draft_embeds is not None, "the item was not encoded for a draft"
+        return replace(self, embeds=self.draft_embeds, draft_embeds=None)
 
     @property
     def num_tokens(self) -> int:

@@ -76,6 +76,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
+    # speculative decoding: drafts verified, and those accepted (OpenAI's prediction tokens)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # per append to a live request: tokens computed before its next output (its input, plus
     # a sampled token not yet computed)
     append_prefill_tokens: list[int] = field(default_factory=list)

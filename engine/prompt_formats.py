@@ -108,6 +108,7 @@ def frame_items(video: MultiModalItem, frames_per_step: int = 1) -> list[MultiMo
             replace(
                 video,
                 embeds=video.embeds[rows],
+                draft_embeds=None if video.draft_embeds is None else video.draft_embeds[rows],
                 coords=coords,
                 grid_thw=(1, *video.grid_thw[1:]),
                 timestamps=video.timestamps[frames],

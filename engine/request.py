@@ -168,6 +168,10 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prefix-cache hit at first schedule
     block_ids: list[int] = field(default_factory=list, init=False)
+    # speculative decoding: the tokens proposed for the next step, and what verifying cost
+    spec_token_ids: list[int] = field(default_factory=list, init=False)
+    num_draft_tokens: int = field(default=0, init=False)
+    num_accepted_tokens: int = field(default=0, init=False)
     _num_visual_tokens: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -2,22 +2,26 @@
 
 In the style of vLLM's Model Runner V2, each request the runner knows owns one row of
 persistent tensors for its lifetime (token ids, block table) plus its position table, items and
-sampling state. A step gathers only what the scheduler asked for into persistent input
-buffers (`StepBuffers`: staged on the host, one copy to the device), builds the attention
-metadata once (slot mapping, block tables, bidirectional item ranges), runs the model over the
-flat batch, computes logits only for the requests that sample, and samples. With
-`decode_buckets`, a step of decodes only is padded to the next bucket (pad rows are one-token
-requests writing to a sink block of their own) and, once `capture_decode_graphs` has run,
-replayed as that bucket's CUDA graph (`cuda_graphs`). Nothing here is specific to one model:
-positions come from `model.extend_positions`, a fold over the sequence whose cursor the row
-keeps, so input appended to a live request costs O(its tokens): its ids, positions and items
-are added to the row, nothing is recomputed. The caches are allocated from the family's cache
-groups: one paged K/V tensor per attention layer (handed to the model in layer order) and one
-recurrent state per row and recurrent layer (handed to it in the step's `metadata.recurrent`,
-with each request's row and whether its state starts fresh), beside the slots of
-recurrent-state snapshots: a request entering from a snapshot (a prefix-cache hit) has
-its row's states copied from its slot, and the recurrent layers save their states into
-the slots the step's captures name.
+sampling state. A step gathers only what the scheduler asked for into persistent input buffers
+(`StepBuffers`: staged on the host, one copy to the device), builds the attention metadata once
+(slot mapping, block tables, bidirectional item ranges), runs the model over the flat batch,
+computes logits only for the requests that sample, and samples. With `decode_buckets`, a step
+of one-token rows only (decodes, and verify steps: see below) is padded to the next bucket (pad
+rows are one-token requests writing to a sink block of their own) and, once
+`capture_decode_graphs` has run, replayed as that bucket's CUDA graph (`cuda_graphs`). Nothing
+here is specific to one model: positions come from `model.extend_positions`, a fold over the
+sequence whose cursor the row keeps, so input appended to a live request costs O(its tokens):
+its ids, positions and items are added to the row, nothing is recomputed. The caches are
+allocated from the family's cache groups: one paged K/V tensor per attention layer (handed to
+the model in layer order) and one recurrent state per row and recurrent layer (handed to it in
+the step's `metadata.recurrent`, with each request's row and whether its state starts fresh),
+beside the slots of recurrent-state snapshots: a request entering from a snapshot (a
+prefix-cache hit) has its row's states copied from its slot, and the recurrent layers save
+their states into the slots the step's captures name. A request with drafts
+(`SchedulerOutput.spec_token_ids`) runs its last sampled token and its drafts, written into its
+row after its tokens, as that many one-token rows of the attention metadata (so a verify step
+is a step of decodes, which the native CPU step takes), and samples at each of them (see
+`RowSampler.sample`); rejected drafts stay in the row until later tokens overwrite them.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class ModelRunner:
         state_dtype: torch.dtype | None = None,
         decode_buckets: Sequence[int] = (),
         num_state_snapshots: int = 0,
+        max_spec_tokens: int = 0,
     ) -> None:
         self.model = model
         self.device = torch.device(device)
@@ -87,7 +92,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # Padded decode rows write their K/V into one extra block that no request owns.
         self.decode_buckets = tuple(decode_buckets)
-        assert max(self.decode_buckets, default=0) <= min(max_num_reqs, max_num_batched_tokens)
         self.sink_block = num_blocks
         num_cache_blocks = num_blocks + (1 if self.decode_buckets else 0)
         self.kv_caches = _paged_kv_caches(
@@ -105,10 +109,14 @@ class ModelRunner:
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.rows: dict[str, RowState] = {}
-        self.sampling = RowSampler(self.device)
+        # with speculation, seeded draws are keyed by output position (see `RowSampler`)
+        self.sampling = RowSampler(self.device, keyed_draws=max_spec_tokens > 0)
+        # a verifying request is 1 + K rows of the attention metadata
+        max_meta_rows = min(max_num_reqs * (1 + max_spec_tokens), max_num_batched_tokens)
+        assert max(self.decode_buckets, default=0) <= max(max_num_reqs, max_meta_rows)
         self.buffers = StepBuffers(
             max_num_tokens=max_num_batched_tokens,
-            max_num_reqs=max_num_reqs,
+            max_num_reqs=max(max_num_reqs, max_meta_rows),
             max_num_blocks=max_blocks,
             num_position_rows=model.num_position_rows,
             block_size=block_size,
@@ -144,8 +152,8 @@ class ModelRunner:
         batch = self._prepare(output)
         with torch.inference_mode():
             if self.graphs is not None and batch.bucket in self.graphs.logits:
-                logits = self.graphs.replay(batch.bucket)[: len(batch.sample_ids)]
-                return self._sample(batch.sample_ids, logits)
+                logits = self.graphs.replay(batch.bucket)[: batch.num_sampled]
+                return self._sample(batch.sample_ids, logits, output.spec_token_ids)
             hidden = self.model(
                 batch.input_ids,
                 batch.positions,
@@ -159,9 +167,9 @@ class ModelRunner:
             if batch.sample_index is not None:
                 hidden = hidden[batch.sample_index]  # [S, hidden]
             elif batch.bucket is not None:
-                hidden = hidden[: len(batch.sample_ids)]  # [S, hidden]: the pad rows dropped
+                hidden = hidden[: batch.num_sampled]  # [S, hidden]: the pad rows dropped
             logits = self.model.compute_logits(hidden)  # [S, vocab]
-            return self._sample(batch.sample_ids, logits)
+            return self._sample(batch.sample_ids, logits, output.spec_token_ids)
 
     # ---- rows ------------------------------------------------------------------------------
 
@@ -241,6 +249,17 @@ class ModelRunner:
         state.positions[:, state.prompt_len : end] = positions
         state.prompt_len = end
 
+    def rewrite_tokens(self, request_id: str, start: int, token_ids: Sequence[int]) -> None:
+        """Make a row's tokens from `start` on `token_ids` (a draft model's mirror of a target
+        request, rolled back where the target rejected its drafts). Their K/V is computed by
+        the next step that schedules them."""
+        state = self.rows[request_id]
+        assert state.prompt_len <= start + len(token_ids), "a prompt is never rewritten"
+        end = start + len(token_ids)
+        self.token_ids[state.row, start:end] = torch.tensor(token_ids, dtype=torch.long)
+        state.num_tokens = end
+        state.output_ids = self.token_ids[state.row, state.prompt_len : end].tolist()
+
     def _append_blocks(self, state: RowState, block_ids: list[int]) -> None:
         start = len(state.block_ids)
         self.block_table[state.row, start : start + len(block_ids)] = torch.tensor(
@@ -267,11 +286,14 @@ class ModelRunner:
         sample_ids, sample_index = [], []
         decodes: list[tuple[int, int, int, int]] = []  # (row in the batch, id, position, slot)
         size, max_blocks = self.block_size, 0
-        for b, request_id in enumerate(request_ids):
+        for request_id in request_ids:
             state = self.rows[request_id]
             start = computed[request_id]
             end = start + output.num_scheduled_tokens[request_id]
             q0, q1 = query_start[-1], query_start[-1] + end - start
+            drafts = output.spec_token_ids.get(request_id, ())
+            if drafts:  # scored after the last sampled token; overwritten unless accepted
+                self.token_ids[state.row, end - len(drafts) : end] = torch.tensor(drafts)
             if end - start == 1 and start >= state.prompt_len:
                 # one sampled token: its values are Python ints, written for all decodes at once
                 after = start - state.prompt_len
@@ -283,21 +305,30 @@ class ModelRunner:
                 token_index = torch.arange(start, end)
                 blocks = self.block_table[state.row, token_index // size].long()
                 self.slot_mapping[q0:q1] = blocks * size + token_index % size
-                self._gather_items(state, start, end, q0, b, mm_pieces, mm_spans, mm_ranges)
-            query_start.append(q1)
-            seq_lens.append(end)
-            rows.append(state.row)
+                meta_row = len(seq_lens)  # this request's row in the attention metadata
+                self._gather_items(state, start, end, q0, meta_row, mm_pieces, mm_spans, mm_ranges)
+            if drafts:
+                # a verify step is 1 + K one-token rows of the request, each seeing the ones
+                # before it: a step of decodes (the native step takes it), causal inside
+                query_start.extend(range(q0 + 1, q1 + 1))
+                seq_lens.extend(range(start + 1, end + 1))
+                rows.extend([state.row] * (end - start))
+            else:
+                query_start.append(q1)
+                seq_lens.append(end)
+                rows.append(state.row)
             max_blocks = max(max_blocks, len(state.block_ids))
-            if end == state.num_tokens and not state.hold:
+            if end == state.num_tokens + len(drafts) and not state.hold:
                 sample_ids.append(request_id)
-                sample_index.append(q1 - 1)
+                sample_index.extend(range(q1 - 1 - len(drafts), q1))
         if decodes:
             self._write_decodes(decodes)
         recurrent = self._recurrent_metadata(output, request_ids, rows, computed, query_start)
         every_token_samples = len(sample_index) == query_start[-1]  # a step of decodes only
         bucket = None
-        if every_token_samples and len(decodes) == len(request_ids) and recurrent is None:
-            bucket = bucket_for(len(request_ids), self.decode_buckets)
+        if every_token_samples and len(seq_lens) == query_start[-1] and recurrent is None:
+            # one-token rows that all sample (decodes, verify rows): padded to a bucket of rows
+            bucket = bucket_for(len(seq_lens), self.decode_buckets)
         if mm_pieces:
             self.buffers.stage_items(query_start[-1], mm_spans, mm_ranges)
         if bucket is not None:
@@ -321,6 +352,7 @@ class ModelRunner:
             mm_mask=inputs.mm_mask[:num_tokens] if mm_pieces else None,
             sample_ids=sample_ids,
             sample_index=None if every_token_samples else inputs.sample_index[: len(sample_index)],
+            num_sampled=len(sample_index),
             bucket=bucket,
         )
 
@@ -351,6 +383,7 @@ class ModelRunner:
         without recurrent layers."""
         if not self.recurrent_states:
             return None
+        assert not output.spec_token_ids, "recurrent layers cannot roll back drafts"
         # a request resuming after cached tokens had its state restored from a snapshot
         assert all(
             n.num_computed_tokens == 0 or n.restore_slot is not None for n in output.scheduled_new
@@ -397,7 +430,10 @@ class ModelRunner:
 
     # ---- sampling ----------------------------------------------------------------------------
 
-    def _sample(self, request_ids: list[str], logits: torch.Tensor) -> StepResult:
+    def _sample(
+        self, request_ids: list[str], logits: torch.Tensor, spec_token_ids: dict[str, list[int]]
+    ) -> StepResult:
+        """Sample each request's tokens (one, or 1..K+1 after drafts) and append them."""
         states = [self.rows[r] for r in request_ids]
 
         def history(index: int) -> tuple[torch.Tensor, list[int]]:
@@ -405,14 +441,19 @@ class ModelRunner:
             return self.token_ids[state.row, : state.prompt_len], state.output_ids
 
         params = [state.params for state in states]
-        token_ids, result = self.sampling.sample(request_ids, params, history, logits)
-        rows, columns = [], []
-        for state, token_id in zip(states, token_ids, strict=True):
-            rows.append(state.row)
-            columns.append(state.num_tokens)
-            state.num_tokens += 1
-            state.output_ids.append(token_id)
-        self.token_ids[rows, columns] = torch.tensor(token_ids)
+        drafts = [spec_token_ids.get(r, ()) for r in request_ids]
+        num_outputs = [len(state.output_ids) for state in states]
+        tokens, result = self.sampling.sample(
+            request_ids, params, history, logits, drafts, num_outputs
+        )
+        rows, columns, values = [], [], []
+        for state, new_tokens in zip(states, tokens, strict=True):
+            rows += [state.row] * len(new_tokens)
+            columns += range(state.num_tokens, state.num_tokens + len(new_tokens))
+            values += new_tokens
+            state.num_tokens += len(new_tokens)
+            state.output_ids.extend(new_tokens)
+        self.token_ids[rows, columns] = torch.tensor(values)
         return result
 
 
@@ -425,6 +466,7 @@ class _Batch:
     mm_mask: torch.Tensor | None  # [N] bool
     sample_ids: list[str]
     sample_index: torch.Tensor | None  # [S]; None when every token samples
+    num_sampled: int  # S: rows whose hidden state samples (1 + K for a verifying request)
     bucket: int | None = None  # decode rows padded to this many; None: not padded
 
 

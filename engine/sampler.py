@@ -197,20 +197,28 @@ class Sampler:
     modified.
     """
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, draft_ids: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """`draft_ids` [num_reqs] long (-1: none) are tokens proposed for these positions: a
+        greedy row's token is its argmax as ever (the draft is accepted iff they agree), a
+        random row keeps its draft with probability p(draft), else draws from p without it
+        (`rejection_race`), so its token follows p exactly either way."""
         assert logits.dim() == 2 and logits.shape[0] == batch.num_reqs, logits.shape
         logits = logits.float()
         raw_logprobs = None if batch.num_logprobs is None else logits.log_softmax(dim=-1)
         if batch.output_counts is not None:
             logits = apply_penalties(logits, batch)
-        token_ids = self._sample(logits, batch)  # [num_reqs]
+        token_ids = self._sample(logits, batch, draft_ids)  # [num_reqs]
         if raw_logprobs is None:
             return SamplerOutput(token_ids, None)
         return SamplerOutput(
             token_ids, gather_logprobs(raw_logprobs, token_ids, batch.num_logprobs)
         )
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, batch: SamplingBatch, draft_ids: torch.Tensor | None
+    ) -> torch.Tensor:
         greedy_ids = None if batch.all_random else first_argmax(logits)
         if batch.all_greedy:
             return greedy_ids
@@ -219,7 +227,10 @@ class Sampler:
         probs = logits.softmax(dim=-1)  # [num_reqs, vocab]
         if batch.min_p is not None:
             probs = apply_min_p(probs, batch.min_p)
-        random_ids = exponential_race(probs, batch.generators)
+        if draft_ids is None:
+            random_ids = exponential_race(probs, batch.generators)
+        else:
+            random_ids = rejection_race(probs, draft_ids, batch.generators)
         if greedy_ids is None:
             return random_ids
         return torch.where(batch.temperature <= GREEDY_TEMPERATURE, greedy_ids, random_ids)
@@ -326,6 +337,37 @@ def exponential_race(
     # the clamp keeps q finite, so a filtered token (p = 0) can never win.
     q = uniform.clamp_(min=torch.finfo(probs.dtype).tiny).log_().neg_()
     return first_argmax(probs / q)
+
+
+def rejection_race(
+    probs: torch.Tensor, draft_ids: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """One token per row of (unnormalized) `probs` [num_reqs, vocab], given a proposed token
+    per row (`draft_ids` [num_reqs], -1 for none) drawn from a one-hot draft distribution q.
+
+    The standard rejection sampler (Leviathan et al.; vLLM's for drafts without
+    probabilities): keep the draft d with probability min(1, p(d) / q(d)) = p(d), else draw
+    from the normalised max(0, p - q), which is p with d removed. So P(x) = p(x) for every x.
+    Each row draws its acceptance uniform and then its race noise from one generator.
+    """
+    has_draft = draft_ids >= 0  # [num_reqs]
+    drafts = draft_ids.clamp(min=0)[:, None]  # [num_reqs, 1]
+    total = probs.sum(dim=-1)  # [num_reqs]
+    draft_probs = probs.gather(1, drafts).squeeze(1) / total  # [num_reqs]
+    uniform = torch.empty_like(draft_probs)
+    if any(g is None for g in generators):
+        uniform.uniform_()
+    # only a row with a draft draws its uniform: a row without one draws exactly what
+    # `exponential_race` would, whatever its neighbours propose
+    for row in torch.nonzero(has_draft).flatten().tolist():
+        if generators[row] is not None:
+            uniform[row : row + 1].uniform_(generator=generators[row])
+    residual = probs.scatter(1, drafts, torch.zeros_like(probs[:, :1]))
+    residual = torch.where(has_draft[:, None], residual, probs)
+    # p all on the draft: accepted whatever rounding did to p(d) (the residual is empty)
+    accepted = has_draft & ((uniform < draft_probs) | (residual.sum(dim=-1) == 0))
+    recovered = exponential_race(residual, generators)
+    return torch.where(accepted, draft_ids, recovered)
 
 
 def gather_logprobs(

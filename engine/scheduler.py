@@ -206,16 +206,18 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_tokens
-            self.kv_cache.cache_full_blocks(request)
+            if request.num_computed_tokens < request.num_tokens or request.hold:
+                self.kv_cache.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: its sampled token, if any, is meaningless
             if request.hold:
                 self._hold(request)
                 updates.append(RequestUpdate(request_id, [], RequestStatus.HELD))
                 continue
-            assert sampled_token_ids.get(request_id), f"no token sampled for {request_id!r}"
-            new_token_ids, stop_status, stop_reason = self._append_tokens(
-                request, sampled_token_ids[request_id]
+            sampled = sampled_token_ids.get(request_id)
+            assert sampled, f"no token sampled for {request_id!r}"
+            new_token_ids, stop_status, stop_reason = self._accept_tokens(
+                request, output.spec_token_ids.get(request_id, ()), sampled
             )
             segment_end = None
             if stop_status is not None and request.streaming:
@@ -230,6 +232,22 @@ class Scheduler:
             self.kv_cache.commit_state_captures(captures)
         return updates
 
+    def _accept_tokens(
+        self, request: Request, drafts: Sequence[int], sampled: Sequence[int]
+    ) -> tuple[list[int], RequestStatus | None, int | None]:
+        """Append a step's sampled tokens and register the blocks they fill. A verify step
+        computed K/V for every draft; those after the first rejected one are rolled back (their
+        slots are overwritten later), and so are accepted ones past a stop."""
+        num_accepted = min(len(sampled) - 1, len(drafts))
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        request.num_draft_tokens += len(drafts)
+        request.num_accepted_tokens += num_accepted
+        appended = self._append_tokens(request, sampled)
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        # only now are the tokens in the request: a block is hashed once all of it is accepted
+        self.kv_cache.cache_full_blocks(request)
+        return appended
+
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         # decodes first: a long prefill chunk must not take the budget generation needs
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
@@ -240,9 +258,19 @@ class Scheduler:
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             if num_new == 0:
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new, output)
+            drafts = self._drafts(request, num_new, budget)
+            # room for the drafts only where blocks are free: never preempt for a guess
+            new_block_ids = None
+            if drafts:
+                new_block_ids = self.kv_cache.allocate_slots(request, 1 + len(drafts))
+            if new_block_ids is None:
+                drafts = []
+                new_block_ids = self._allocate_or_preempt(request, num_new, output)
             if new_block_ids is None:
                 continue
+            num_new += len(drafts)
+            if drafts:
+                output.spec_token_ids[request.request_id] = drafts
             output.num_scheduled_tokens[request.request_id] = num_new
             appended = tuple(self._appended.pop(request.request_id, ()))
             output.scheduled_cached.append(
@@ -302,6 +330,21 @@ class Scheduler:
         assert num_new >= 0, "computed tokens never end inside a bidirectional item"
         return num_new
 
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts to verify with a decode: as many of the proposed ones as the step budget,
+        `max_tokens` and `max_model_len` leave room for (a verify step yields up to K + 1).
+        None with more than one new token: a prompt chunk, or input appended to a live request
+        (drafts guessed before it came would continue the tokens it follows)."""
+        if num_new != 1 or not request.spec_token_ids or request.hold:
+            return []
+        params = request.sampling_params
+        room = min(
+            budget - 1,
+            params.max_tokens - len(request.output_token_ids) - 1,
+            self.config.max_model_len - request.num_tokens,
+        )
+        return list(request.spec_token_ids[: max(room, 0)])
+
     def _allocate_or_preempt(
         self, request: Request, num_new: int, output: SchedulerOutput
     ) -> list[int] | None:
@@ -329,6 +372,7 @@ class Scheduler:
         self.kv_cache.free(request)
         self._appended.pop(request.request_id, None)  # it re-enters with its whole sequence
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         # to the front: preempted requests resume before new ones, oldest victim first
         self.waiting.appendleft(request)

@@ -92,6 +92,9 @@ class SchedulerOutput:
     scheduled_cached: list[CachedRequestData] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # finished, aborted or now held
+    # drafts to verify: a request here is scheduled for 1 + len(drafts) tokens, its last
+    # sampled one and the drafts after it
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     state_captures: dict[str, list[StateCapture]] = field(default_factory=dict)
 
     @property

@@ -63,6 +63,15 @@ def with_precision(config: EngineConfig, **precision) -> EngineConfig:
     return replace(config, **given)
 
 
+def _draft_model(config: EngineConfig) -> str | None:
+    """The draft checkpoint whose own tower must encode media too, when the engine drafts
+    with one (its drafts for image and video prompts need the draft's embeddings)."""
+    speculative = config.speculative
+    if speculative is None or speculative.method != "draft":
+        return None
+    return speculative.draft_model
+
+
 class VideoLLM:
     """The model loaded once: vision pipeline + engine (+ AsyncEngine for the server)."""
 
@@ -82,7 +91,8 @@ class VideoLLM:
         is the EVS setting of requests that name none (None: off; default: the checkpoint's own
         rate, else rate 0.75). `precision` overrides `engine_config`'s `dtype`,
         `quantization`, `quantization_skip` and `kv_cache_dtype` (see `EngineConfig`); the
-        vision tower stores its weights in the same format."""
+        vision tower stores its weights in the same format. With a draft model
+        (`engine_config.speculative`), the pipeline encodes media with its tower too."""
         from stillcut.engine.factory import demo_checkpoint
 
         engine_config = with_precision(engine_config, **precision)
@@ -95,6 +105,7 @@ class VideoLLM:
             decode_config=decode_config,
             cache_bytes=encoder_cache_bytes,
             enforce_eager=engine_config.enforce_eager,
+            draft_model=_draft_model(engine_config),
         )
         self.vision_weight_bytes = stored_bytes(self.pipeline.tower)
         log.info("vision tower weights: %.1f MiB", self.vision_weight_bytes / 2**20)

@@ -53,6 +53,9 @@ class EngineStats:
     num_blocks_used: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_step: tuple[int, ...] = ()  # verify steps with j drafts accepted, by j
     # recurrent-state snapshots of a hybrid model's prefix cache (0 for other models)
     state_snapshots_saved: int = 0
     state_snapshots_restored: int = 0
@@ -350,10 +353,21 @@ class AsyncEngine:
             num_blocks_used=kv.num_blocks - kv.num_free_blocks,
             prefix_query_tokens=kv.num_query_tokens,
             prefix_hit_tokens=kv.num_hit_tokens,
+            **_speculation_stats(self.engine.speculator),
             state_snapshots_saved=snapshots.num_saved if snapshots else 0,
             state_snapshots_restored=snapshots.num_restored if snapshots else 0,
             state_snapshots_evicted=snapshots.num_evicted if snapshots else 0,
         )
+
+
+def _speculation_stats(speculator) -> dict[str, Any]:
+    if speculator is None:
+        return {}
+    return {
+        "spec_draft_tokens": speculator.num_draft_tokens,
+        "spec_accepted_tokens": speculator.num_accepted_tokens,
+        "spec_accepted_per_step": tuple(speculator.accepted_per_step),
+    }
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

@@ -102,6 +102,43 @@ def add_evs_arguments(parser: argparse.ArgumentParser) -> None:
     evs.add_argument("--no-evs", action="store_true", help="keep every token")
 
 
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding flags that `serve` and `describe` share (off unless a method)."""
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-method", choices=("ngram", "suffix", "draft"), help="off by default"
+    )
+    spec.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="drafts per step, K (default 4)"
+    )
+    spec.add_argument("--speculative-model", help="the draft checkpoint (method 'draft')")
+    spec.add_argument(
+        "--speculative-k-per-batch",
+        default="",
+        help="cap K by batch size, e.g. '1:4,8:2,32:0' (default: K at every size)",
+    )
+    spec.add_argument(
+        "--no-speculative-dynamic",
+        action="store_true",
+        help="pin K to the table instead of lowering it where speculation would not pay",
+    )
+
+
+def speculative_config(args: argparse.Namespace):
+    """The `SpeculativeConfig` the flags ask for, or None."""
+    from stillcut.engine.config import SpeculativeConfig, parse_k_per_batch
+
+    if args.speculative_method is None:
+        return None
+    return SpeculativeConfig(
+        method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.speculative_model,
+        k_per_batch=parse_k_per_batch(args.speculative_k_per_batch),
+        dynamic=not args.no_speculative_dynamic,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -17,7 +17,11 @@ DEFAULT_MAX_TOKENS = 128
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_precision_arguments, add_video_arguments
+    from stillcut.service.cli import (
+        add_precision_arguments,
+        add_speculative_arguments,
+        add_video_arguments,
+    )
 
     parser = commands.add_parser("describe", help="answer a prompt about a video")
     parser.set_defaults(run=run)
@@ -35,19 +39,32 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--seed", type=int, help="seed for sampling with temperature > 0")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_speculative_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from stillcut.service.api import VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config, precision_options
+    from dataclasses import replace
+
+    from stillcut.service.api import DEFAULT_ENGINE_CONFIG, VideoLLM
+    from stillcut.service.cli import (
+        RANDOM_WEIGHTS_NOTICE,
+        evs_config,
+        precision_options,
+        speculative_config,
+    )
     from stillcut.vision.decode import DecodeConfig
 
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
     decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames)
     started = time.perf_counter()
+    engine_config = replace(DEFAULT_ENGINE_CONFIG, speculative=speculative_config(args))
     llm = VideoLLM(
-        args.model, decode_config=decode_config, evs=evs_config(args), **precision_options(args)
+        args.model,
+        engine_config=engine_config,
+        decode_config=decode_config,
+        evs=evs_config(args),
+        **precision_options(args),
     )
     load_s = time.perf_counter() - started
     result = llm.describe(

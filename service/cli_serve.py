@@ -31,7 +31,11 @@ WILDCARD_ADDRESSES = ("0.0.0.0", "::")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_evs_arguments, add_precision_arguments
+    from stillcut.service.cli import (
+        add_evs_arguments,
+        add_precision_arguments,
+        add_speculative_arguments,
+    )
 
     parser = commands.add_parser("serve", help="run the HTTP service")
     parser.set_defaults(run=run)
@@ -117,6 +121,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--max-sessions", type=int, default=4, help="live WebSocket sessions at once (default 4)"
     )
     add_evs_arguments(parser)
+    add_speculative_arguments(parser)
     add_precision_arguments(parser)
     parser.add_argument(
         "--reasoning-parser",
@@ -186,7 +191,7 @@ def server_settings(
 ) -> tuple[ServerConfig, EngineConfig, DecodeConfig]:
     """The flags' `ServerConfig`, `EngineConfig` and `DecodeConfig`."""
     from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from stillcut.service.cli import precision_options
+    from stillcut.service.cli import precision_options, speculative_config
     from stillcut.service.config import MIB, ServerConfig
     from stillcut.vision.decode import DecodeConfig
 
@@ -214,6 +219,7 @@ def server_settings(
             kv_cache_memory=args.kv_cache_memory * MIB,
             mamba_snapshot_interval=args.mamba_snapshot_interval,
         ),
+        speculative=speculative_config(args),
         **precision_options(args),
     )
     return config, engine_config, DecodeConfig(max_image_pixels=args.max_image_pixels)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
@@ -207,7 +206,7 @@ class LiveSession:
     ) -> tuple[MultiModalItem, ThresholdPruner]:
         """The next tubelet's item from 1 or 2 frames, and the pruner after it; the session's
         own pruner is left as it was."""
-        prepared, embeds = await self._run_encode(lambda: self._encode(frames))
+        prepared, embeds, draft_embeds = await self._run_encode(lambda: self._encode(frames))
         _, height, width = prepared.grid_thw
         merge = self._pipeline.media.merge_size
         if self._pruner is None:
@@ -225,6 +224,8 @@ class LiveSession:
         item = MultiModalItem(
             kind="video",
             embeds=embeds[result.kept_index],  # [num_kept, hidden]
+            # the draft model's (when the engine drafts with one) at the tokens EVS kept
+            draft_embeds=None if draft_embeds is None else draft_embeds[result.kept_index],
             coords=result.kept_coords,  # [num_kept, 3], t = index
             grid_thw=(index + 1, height, width),  # the logical video's grid so far
             merge_size=merge,
@@ -238,13 +239,13 @@ class LiveSession:
         return item, pruner
 
     def _encode(self, frames: np.ndarray):
-        """One tubelet's preprocessed input and its embeddings: [h * w / merge**2, hidden]."""
+        """One tubelet's preprocessed input, its embeddings [h * w / merge**2, hidden] and the
+        draft tower's [h * w / merge**2, draft hidden] (None without a draft)."""
         pipeline = self._pipeline
         prepared = pipeline.media.prepare_video(frames, self.options.fps)
         pipeline.work.tower_passes += 1
-        with torch.inference_mode():
-            (embeds,) = pipeline.media.encode(pipeline.tower, [prepared], pipeline.device)
-        return prepared, embeds
+        (embeds,), draft_embeds = pipeline.encode_prepared([prepared])
+        return prepared, embeds, None if draft_embeds is None else draft_embeds[0]
 
     # ---- the held prefix -----------------------------------------------------------------------
 

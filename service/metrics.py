@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from stillcut.service.async_engine import EngineStats
@@ -42,6 +42,7 @@ class _EngineCollector(Collector):
             "stillcut_vision_tower_passes", "calls of the vision tower", work.tower_passes
         )
         stats = self._stats()
+        yield from _speculation_metrics(stats)
         counters = (
             ("saved", "recurrent-state snapshots saved at block boundaries"),
             ("restored", "prefix-cache hits that restored a recurrent-state snapshot"),
@@ -68,6 +69,26 @@ class _EngineCollector(Collector):
         )
         for name, documentation, value in gauges:
             yield GaugeMetricFamily(name, documentation, value=value)
+
+
+def _speculation_metrics(stats: EngineStats) -> Iterator[CounterMetricFamily]:
+    """Draft tokens scored, those accepted, and a histogram of accepted tokens per verify step
+    (bucket `le=j` counts steps that accepted at most j drafts)."""
+    yield CounterMetricFamily(
+        "stillcut_spec_draft_tokens", "speculative draft tokens scored", stats.spec_draft_tokens
+    )
+    yield CounterMetricFamily(
+        "stillcut_spec_accepted_tokens", "speculative draft tokens accepted",
+        stats.spec_accepted_tokens,
+    )  # fmt: skip
+    per_step = stats.spec_accepted_per_step
+    buckets = [(str(j), sum(per_step[: j + 1])) for j in range(len(per_step))]
+    yield HistogramMetricFamily(
+        "stillcut_spec_accepted_tokens_per_step",
+        "draft tokens accepted per verify step",
+        buckets=[*buckets, ("+Inf", sum(per_step))],
+        sum_value=sum(j * n for j, n in enumerate(per_step)),
+    )
 
 
 class ServiceMetrics:

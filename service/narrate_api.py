@@ -35,12 +35,14 @@ _DONE = object()
 @dataclass(frozen=True)
 class Segment:
     """What the model said about one tubelet: its frames' times, the text, the tubelets
-    skipped before it (lag `latest`), the tokens prefilled for it, the seconds from its
-    tubelet's last frame to its first token, and whether the sequence rolled over before it."""
+    skipped before it (lag `latest`), its video tokens EVS kept, the tokens prefilled for it,
+    the seconds from its tubelet's last frame to its first token, and whether the sequence
+    rolled over before it."""
 
     t: tuple[float, float]
     text: str
     skipped: int
+    kept_tokens: int
     prefill_tokens: int
     lag_s: float
     rolled_over: bool = False
@@ -96,8 +98,8 @@ async def _run(engine, pipeline, frames, options, realtime, out, stop) -> None:
             rolled_over = True
         elif message["type"] == "segment":
             t, text, skipped = tuple(message["t"]), message["text"], message["skipped"]
-            prefilled, lag_s = message["prefill_tokens"], message["lag_s"]
-            out.put(Segment(t, text, skipped, prefilled, lag_s, rolled_over))
+            kept, prefilled = message["kept_tokens"], message["prefill_tokens"]
+            out.put(Segment(t, text, skipped, kept, prefilled, message["lag_s"], rolled_over))
             rolled_over = False
         elif message["type"] == "error":
             out.put(NarrationError(message["message"]))

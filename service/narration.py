@@ -5,7 +5,9 @@ Frames arrive, are checked and become tubelets exactly as in a question-answer `
 keeping every token), but each tubelet is its own one-tubelet video (t = 0, grid (1, h, w)).
 A speaker task appends ready tubelets to one streaming request (its timestamp text, then the
 tubelet, `PromptProcessor.narration_input`) and streams the segment the model says about it; each
-`segment` message says how many tokens were prefilled for it (`prefill_tokens`) and how long
+`segment` message says how many of its video tokens EVS kept (`kept_tokens`), how many tokens
+were prefilled for it (`prefill_tokens`: those, their wrapper and the last segment's final
+token) and how long
 after its tubelet's last frame arrived its first token came (`lag_s`).
 Under lag `queue` every tubelet is appended in order; under `latest` the speaker skips to the
 newest and reports how many it skipped. A tubelet EVS emptied is not appended. When the next
@@ -147,6 +149,7 @@ class Narration(LiveSession):
                     "t": [t_first, t_last],
                     "text": text,
                     "skipped": skipped,
+                    "kept_tokens": item.num_tokens,
                     "prefill_tokens": num_prefilled,
                     "lag_s": lag_s,
                 }

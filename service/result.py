@@ -49,6 +49,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    accepted_prediction_tokens: int = 0  # speculative decoding: drafts accepted
+    rejected_prediction_tokens: int = 0  # and drafts scored but rejected
 
     @property
     def total_tokens(self) -> int:
@@ -107,6 +109,8 @@ def usage_of(output: RequestOutput) -> Usage:
         prompt_tokens=metrics.num_prompt_tokens,
         completion_tokens=len(output.token_ids),
         cached_tokens=metrics.num_cached_tokens,
+        accepted_prediction_tokens=metrics.num_accepted_tokens,
+        rejected_prediction_tokens=metrics.num_draft_tokens - metrics.num_accepted_tokens,
     )
 
 

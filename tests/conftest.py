@@ -31,5 +31,18 @@ def tiny_checkpoint() -> Path:
 
 
 @pytest.fixture(scope="session")
+def small_draft_checkpoint() -> Path:
+    """A smaller Qwen2.5-VL checkpoint than `tiny` (one layer of width 24, a one-block tower of
+    its own) with the tiny checkpoints' tokenizer and preprocessing: a draft model for them."""
+    from stillcut.engine.factory import cached_checkpoint
+
+    text = {"hidden_size": 24, "num_hidden_layers": 1, "num_attention_heads": 2}
+    text |= {"num_key_value_heads": 1, "intermediate_size": 32}
+    vision = {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32}
+    vision["fullatt_block_indexes"] = (0,)
+    return cached_checkpoint("tiny", seed=1, text=text, vision=vision)
+
+
+@pytest.fixture(scope="session")
 def samples_dir() -> Path:
     return SAMPLES

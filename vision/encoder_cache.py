@@ -7,9 +7,11 @@ an entry larger than the whole bound is not stored at all.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,10 +27,13 @@ class EncodedMedia:
     info: dict  # decode facts for reporting (codec, sizes, fps, ...)
     source_indices: tuple[int, ...] = ()  # each sampled frame's index in the source video
     source_fps: float | None = None  # the source's frame rate, when known
+    # the draft model's tower's embeddings of the same media: [same rows, draft hidden]
+    draft_embeds: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.embeds.numel() * self.embeds.element_size()
+        tensors = (self.embeds,) if self.draft_embeds is None else (self.embeds, self.draft_embeds)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class EncoderCache:
@@ -81,3 +86,13 @@ class EncoderCache:
         with self._lock:
             self._entries.clear()
             self._nbytes = 0
+
+
+def model_fingerprint(path: Path, weight_format: str = "") -> str:
+    """Identify a checkpoint cheaply: its config plus the names, sizes and mtimes of weights,
+    and the format its weights are stored in (`WeightFormat.describe`)."""
+    digest = hashlib.sha256((path / "config.json").read_bytes() + weight_format.encode())
+    for weights in sorted(path.glob("*.safetensors")):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()

@@ -20,9 +20,13 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
+
+from stillcut.engine.quantization import WeightFormat
+from stillcut.vision.towers import load_vision_tower
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,30 @@ def encoder_graphs_unavailable(
     if device.type != "cuda" or not torch.cuda.is_available():
         return "not on a CUDA device"
     return None
+
+
+def load_encoder(
+    path: Path,
+    weight_format: WeightFormat,
+    device: torch.device,
+    enforce_eager: bool,
+    max_shapes: int = DEFAULT_MAX_SHAPES,
+    role: str = "vision encoder",
+) -> nn.Module:
+    """A checkpoint's vision encoder, replayed from CUDA graphs per input shape where it may
+    be (a `GraphedTower`); the log says which, naming the encoder by its `role`."""
+    tower = load_vision_tower(path, weight_format, device=device)
+    eager_reason = encoder_graphs_unavailable(tower, device, enforce_eager)
+    if eager_reason is not None:
+        log.info("%s runs eagerly (%s); so does EVS", role, eager_reason)
+        return tower
+    log.info(
+        "%s: CUDA graphs per input shape (at most %d kept); "
+        "EVS runs eagerly after it (its kept count depends on the content)",
+        role,
+        max_shapes,
+    )
+    return GraphedTower(tower, max_shapes)
 
 
 class EncoderGraphs:

@@ -6,7 +6,10 @@ EVS settings never re-runs the encoder. The item's `identifier` adds the EVS set
 what the prefix cache hashes. Several videos asked for together are encoded in one tower pass.
 What differs by family is read off its registry entry: the tower, the media class that
 preprocesses frames and encodes batches (tubelet patches merged 2x2, or one square per frame),
-and whether its items attend bidirectionally.
+and whether its items attend bidirectionally. With a `draft_model` (the engine speculates with
+a draft model) the draft's own tower encodes the same preprocessed input in the same pass, and
+each item carries the draft's embeddings of exactly the tokens the target's EVS kept
+(`MultiModalItem.draft_embeds`); the encoder cache then keys and holds both.
 """
 
 from __future__ import annotations
@@ -30,15 +33,11 @@ from stillcut.engine.positions import dense_coords
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode_config import DecodeConfig
-from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
-from stillcut.vision.encoder_graphs import (
-    DEFAULT_MAX_SHAPES,
-    GraphedTower,
-    encoder_graphs_unavailable,
-)
+from stillcut.vision.draft_tower import DraftTower
+from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache, model_fingerprint
+from stillcut.vision.encoder_graphs import DEFAULT_MAX_SHAPES, load_encoder
 from stillcut.vision.errors import VideoTooLarge
 from stillcut.vision.image_file import decode_image
-from stillcut.vision.towers import load_vision_tower
 from stillcut.vision.work import VisionWork
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,10 @@ class VisionPipeline:
 
     On CUDA a tower that allows it is replayed from a CUDA graph per input shape (at most
     `max_graph_shapes` kept, see `encoder_graphs`) unless `enforce_eager`; EVS always runs
-    eagerly. The log says which at construction.
+    eagerly. The log says which at construction. `draft_model` is the checkpoint the engine
+    drafts with (`SpeculativeConfig.draft_model`), or None; its tower loads in the same
+    weight format and is checked against the target as the engine checks the draft
+    (`check_draft`: tokenizer, preprocessing, patch grid and merge).
     """
 
     def __init__(
@@ -93,24 +95,21 @@ class VisionPipeline:
         cache_bytes: int = 1 << 30,
         enforce_eager: bool = False,
         max_graph_shapes: int = DEFAULT_MAX_SHAPES,
+        draft_model: str | os.PathLike | None = None,
     ) -> None:
         self.path = resolve_checkpoint(model)
         self.model_config = load_model_config(self.path)
         self.family = self.model_config.family
         self.weight_format = weight_format.resolved(self.path)
-        self.tower = load_vision_tower(self.path, self.weight_format, device=device)
         self.device = torch.device(device)
-        eager_reason = encoder_graphs_unavailable(self.tower, self.device, enforce_eager)
-        if eager_reason is None:
-            self.tower = GraphedTower(self.tower, max_graph_shapes)
-            log.info(
-                "vision encoder: CUDA graphs per input shape (at most %d kept); "
-                "EVS runs eagerly after it (its kept count depends on the content)",
-                max_graph_shapes,
-            )
-        else:
-            log.info("vision encoder runs eagerly (%s); so does EVS", eager_reason)
+        graphs = (enforce_eager, max_graph_shapes)
+        self.tower = load_encoder(self.path, self.weight_format, self.device, *graphs)
         self.media = self.family.media_class()(self.path, self.model_config)
+        self.draft = None
+        if draft_model is not None:
+            self.draft = DraftTower.load(
+                self.path, self.model_config, draft_model, weight_format, self.device, *graphs
+            )
         self.video_preprocess = self.media.video_preprocess
         self.image_preprocess = self.media.image_preprocess
         self.decode_config = decode_config
@@ -118,6 +117,26 @@ class VisionPipeline:
         # the weights as stored shape the embeddings: a format is part of the model's identity
         self.model_key = model_fingerprint(self.path, self.weight_format.describe())
         self.work = VisionWork()
+
+    def encode_prepared(self, prepared: list) -> tuple[list[torch.Tensor], list | None]:
+        """Encode preprocessed inputs (the media class's), all in one pass of the tower (and
+        one of the draft's): each input's dense embeddings [tokens, hidden], and the draft
+        tower's [tokens, draft hidden] (None without a draft)."""
+        with torch.inference_mode():
+            embeds = self.media.encode(self.tower, prepared, self.device)
+            if self.draft is None:
+                return embeds, None
+            draft_embeds = self.draft.encode(prepared, self.device)
+        for ours, theirs in zip(embeds, draft_embeds, strict=True):
+            assert ours.shape[0] == theirs.shape[0], "check_draft keeps the token grids equal"
+        return embeds, draft_embeds
+
+    def _cache_key(self, media_key: str) -> str:
+        """The encoder cache's key: with a draft, entries hold its embeddings too, so they are
+        told apart from entries of the same media without them."""
+        if self.draft is None:
+            return media_key
+        return hashlib.sha256(f"{media_key}\0draft:{self.draft.key}".encode()).hexdigest()
 
     def video(self, source: VideoSource, evs: EVSConfig | None = None, **options) -> MultiModalItem:
         """Encode one video (see `VideoInput` for the options)."""
@@ -134,15 +153,15 @@ class VisionPipeline:
         if misses:
             started = time.perf_counter()
             self.work.tower_passes += 1
-            with torch.inference_mode():
-                embeds = self.media.encode(
-                    self.tower, [entry.prepared for entry in misses], self.device
-                )
+            embeds, draft_embeds = self.encode_prepared([entry.prepared for entry in misses])
             encode_s = time.perf_counter() - started
-            for entry, item_embeds in zip(misses, embeds, strict=True):
+            for index, entry in enumerate(misses):
                 # Batched outputs are views of one tensor; a cached view would pin the batch.
-                entry.finish(item_embeds.clone() if len(misses) > 1 else item_embeds, encode_s)
-                self.cache.put(entry.media_key, entry.encoded)
+                own = [_own(embeds[index], len(misses))]
+                if draft_embeds is not None:
+                    own.append(_own(draft_embeds[index], len(misses)))
+                entry.finish(*own, encode_s=encode_s)
+                self.cache.put(self._cache_key(entry.media_key), entry.encoded)
         return self._items(loaded, inputs)
 
     def encode_cached(self, inputs: list[VideoInput | ImageInput]) -> list[MultiModalItem] | None:
@@ -152,9 +171,9 @@ class VisionPipeline:
         if any(not isinstance(spec.source, _REREADABLE) for spec in inputs):
             return None
         keys = [self._key(spec)[0] for spec in inputs]
-        if not all(key in self.cache for key in keys):
+        if not all(self._cache_key(key) in self.cache for key in keys):
             return None
-        loaded = [_Loaded(key, self.cache.get(key)) for key in keys]
+        loaded = [_Loaded(key, self.cache.get(self._cache_key(key))) for key in keys]
         if any(entry.encoded is None for entry in loaded):  # evicted since the check
             return None
         return self._items(loaded, inputs)
@@ -169,7 +188,7 @@ class VisionPipeline:
 
     def _load(self, spec: VideoInput | ImageInput) -> _Loaded:
         key, prepare_from = self._key(spec)
-        entry = _Loaded(key, self.cache.get(key))
+        entry = _Loaded(key, self.cache.get(self._cache_key(key)))
         if entry.encoded is None:
             entry.prepare(self, spec, prepare_from)
         return entry
@@ -266,7 +285,13 @@ class _Loaded:
             resized_width=self.prepared.resized_width, resized_height=self.prepared.resized_height
         )
 
-    def finish(self, embeds: torch.Tensor, encode_s: float) -> None:
+    def finish(
+        self,
+        embeds: torch.Tensor,
+        draft_embeds: torch.Tensor | None = None,
+        *,
+        encode_s: float,
+    ) -> None:
         prepared = self.prepared
         self.timings["encode_s"] = encode_s
         source_indices, source_fps = self._source
@@ -278,6 +303,7 @@ class _Loaded:
             self._info,
             source_indices=source_indices,
             source_fps=source_fps,
+            draft_embeds=draft_embeds,
         )
 
     def to_item(
@@ -288,13 +314,17 @@ class _Loaded:
         grid = (t, h // merge, w // merge)
         evs = spec.evs if isinstance(spec, VideoInput) else None
         started = time.perf_counter()
+        embeds, draft_embeds = encoded.embeds, encoded.draft_embeds
         if evs is None or evs.is_off:
-            embeds, coords = encoded.embeds, dense_coords(*grid)
+            coords = dense_coords(*grid)
             kept_per_tubelet = (grid[1] * grid[2],) * grid[0]
             identifier = item_identifier(self.media_key, None)
         else:
-            result = prune(encoded.embeds, grid, evs)
-            embeds, coords = encoded.embeds[result.kept_index], result.kept_coords
+            # the target's EVS decides; the draft keeps the same tokens, in the same order
+            result = prune(embeds, grid, evs)
+            embeds, coords = embeds[result.kept_index], result.kept_coords
+            if draft_embeds is not None:
+                draft_embeds = draft_embeds[result.kept_index]
             kept_per_tubelet = tuple(result.kept_per_tubelet.tolist())
             identifier = item_identifier(self.media_key, evs)
         stats = {
@@ -321,7 +351,13 @@ class _Loaded:
             bidirectional=bidirectional,
             kept_per_tubelet=kept_per_tubelet,
             stats=stats,
+            draft_embeds=draft_embeds,
         )
+
+
+def _own(embeds: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """An input's embeddings as a tensor of their own when they are a view of a batch's."""
+    return embeds.clone() if batch_size > 1 else embeds
 
 
 def media_key(model_key: str, data: bytes | np.ndarray, params: dict) -> str:
@@ -340,16 +376,6 @@ def item_identifier(media_key: str, evs: EVSConfig | None) -> str:
     """The prefix-cache identity of an item: its media plus the pruning applied to it."""
     setting = "evs:off" if evs is None or evs.is_off else evs.key()
     return hashlib.sha256(f"{media_key}\0{setting}".encode()).hexdigest()
-
-
-def model_fingerprint(path: Path, weight_format: str = "") -> str:
-    """Identify a checkpoint cheaply: its config plus the names, sizes and mtimes of weights,
-    and the format its weights are stored in (`WeightFormat.describe`)."""
-    digest = hashlib.sha256((path / "config.json").read_bytes() + weight_format.encode())
-    for weights in sorted(path.glob("*.safetensors")):
-        stat = weights.stat()
-        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()
 
 
 def _video_payload(source: VideoSource, max_bytes: int) -> tuple[bytes, VideoSource]:

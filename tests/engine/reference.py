@@ -1,5 +1,6 @@
-"""What the parity tests compare: transformers' greedy tokens, and our logits at every prompt
-position from one prefill laid out as the runner lays it out."""
+"""What the parity tests compare: transformers' greedy tokens (with a Qwen prompt's media as
+transformers' inputs), and our logits at every prompt position from one prefill laid out as the
+runner lays it out."""
 
 from __future__ import annotations
 
@@ -20,6 +21,41 @@ def hf_greedy(reference, inputs: dict, num_new_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def qwen_hf_inputs(pipeline, prompt, specs, family: str) -> dict:
+    """Inputs for transformers' Qwen-VL models: our patches (equal to its processor's) for each
+    of `specs` (the `VideoInput`s and `ImageInput`s of `prompt`'s items, EVS off)."""
+    image_token_id = pipeline.model_config.image_token_id
+    video_token_id = pipeline.model_config.video_token_id
+    from stillcut.vision.pipeline import VideoInput
+    from stillcut.vision.preprocess import preprocess_image, preprocess_video
+
+    videos, grids, seconds, images, image_grids = [], [], [], [], []
+    for spec in specs:
+        if isinstance(spec, VideoInput):
+            prepared = preprocess_video(spec.source, spec.frames_fps, pipeline.video_preprocess)
+            videos.append(prepared.patches)
+            grids.append(prepared.grid_thw)
+            seconds.append(prepared.second_per_grid_ts)
+        else:
+            prepared = preprocess_image(spec.source, pipeline.image_preprocess)
+            images.append(prepared.patches)
+            image_grids.append(prepared.grid_thw)
+    input_ids = torch.tensor([prompt.token_ids])
+    # transformers computes M-RoPE positions only when told which tokens are media (1: image,
+    # 2: video); without them it places every token as text
+    token_types = torch.zeros_like(input_ids)
+    token_types[input_ids == image_token_id] = 1
+    token_types[input_ids == video_token_id] = 2
+    inputs = {"input_ids": input_ids, "mm_token_type_ids": token_types}
+    if videos:
+        inputs |= {"pixel_values_videos": torch.cat(videos), "video_grid_thw": torch.tensor(grids)}
+        if family == "qwen2_5_vl":  # Qwen2-VL counts tubelets, not seconds
+            inputs["second_per_grid_ts"] = torch.tensor(seconds)
+    if images:
+        inputs |= {"pixel_values": torch.cat(images), "image_grid_thw": torch.tensor(image_grids)}
+    return inputs
 
 
 def prefill_logits(model, prompt) -> torch.Tensor:

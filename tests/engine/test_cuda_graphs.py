@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stillcut.engine import llm_engine
-from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from stillcut.engine.cuda_graphs import (
     bucket_for,
     decode_buckets,
@@ -59,8 +59,8 @@ class _ForwardSpy:
         return self._forward(input_ids, positions, kv_caches, metadata, **kwargs)
 
 
-def _tokens_and_logprobs(engine: LLMEngine) -> tuple[list, torch.Tensor]:
-    outputs = engine.generate(PROMPTS, PARAMS)
+def _tokens_and_logprobs(engine: LLMEngine, params=PARAMS) -> tuple[list, torch.Tensor]:
+    outputs = engine.generate(PROMPTS, params)
     logprobs = [chosen for out in outputs for _, _, chosen in out.logprobs]
     return [out.token_ids for out in outputs], torch.tensor(logprobs)
 
@@ -87,6 +87,29 @@ def test_padding_decodes_to_a_bucket_gives_the_unpadded_tokens(
     decode_rows = [ids.shape[0] for ids, _, md in spy.calls if md.max_query_len == 1]
     assert 4 in decode_rows and 3 not in decode_rows  # three decodes ran as a bucket of four
     assert decode_rows[-1] == 1
+    engine.scheduler.kv_cache.check_consistency()
+
+
+def test_verify_steps_are_padded_to_buckets_of_rows(tiny_checkpoint, monkeypatch):
+    # A request verifying K drafts is 1 + K one-token rows: a verify step takes a bucket (and,
+    # on CUDA, its graph) like a decode step. The tiny model repeats tokens: n-grams propose.
+    # (Seeded draws are keyed by position under speculation: compared with speculation unpadded.)
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, dynamic=False)
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 10, 8)]
+    unpadded = _tokens_and_logprobs(_engine(tiny_checkpoint, speculative=speculative), greedy)
+    monkeypatch.setattr(llm_engine, "graphs_unavailable", lambda *args: None)
+    monkeypatch.setattr(ModelRunner, "capture_decode_graphs", lambda self: None)
+    engine = _engine(tiny_checkpoint, speculative=speculative)
+    assert engine.runner.decode_buckets == (1, 2, 4, 8, 16, 32)  # 8 seqs x (1 + 3) rows
+    spy = _ForwardSpy(engine.model)
+    tokens, logprobs = _tokens_and_logprobs(engine, greedy)
+    assert tokens == unpadded[0]
+    torch.testing.assert_close(logprobs, unpadded[1], rtol=0, atol=1e-5)
+    assert engine.speculator.num_accepted_tokens > 0
+    one_token_steps = [md for _, _, md in spy.calls if md.max_query_len == 1]
+    verify_rows = [len(md.seq_lens_cpu) for md in one_token_steps if len(md.seq_lens_cpu) > 4]
+    assert verify_rows and set(verify_rows) <= {8, 16}  # rows of three verifying requests
+    assert all(len(md.seq_lens_cpu) in engine.runner.decode_buckets for md in one_token_steps)
     engine.scheduler.kv_cache.check_consistency()
 
 

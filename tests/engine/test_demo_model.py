@@ -2,8 +2,8 @@
 
 The demo is trained (never at first use) and ships with the package. Parity is checked on
 held-out task clips, every question type in one batch: with EVS off against transformers'
-`generate` (given the token types its processor returns: without them it falls back to 1-D
-positions for the whole prompt, not M-RoPE), and with describe's default EVS (rate 0.75)
+`generate` (given the token types its processor returns, `reference.qwen_hf_inputs`: without
+them it places the video as text, with 1-D positions), and with describe's default EVS (rate 0.75)
 against a greedy loop over transformers' forward fed our pruned embeddings and positions
 (`generate` would recompute positions for an unpruned video). On these clips no greedy step
 is a near-tie: transformers' top two logits are at least 0.02 apart at every step.
@@ -23,11 +23,11 @@ from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.decode import DecodeConfig, decode_video
-from stillcut.vision.pipeline import VisionPipeline
-from stillcut.vision.preprocess import preprocess_video
+from stillcut.vision.pipeline import VideoInput, VisionPipeline
+
+from .reference import hf_greedy, qwen_hf_inputs
 
 MAX_TOKENS = 40
-VIDEO_TYPE = 2  # transformers' mm_token_type_ids: 0 text, 1 image, 2 video
 CLIP_SEEDS = list(held_out_seeds())[:3]
 
 
@@ -76,19 +76,9 @@ def test_greedy_answers_equal_transformers_generate(demo):
     eos = engine.processor.special.eos_token_ids
     for (prompt, _, data), output in zip(asked, outputs, strict=True):
         decoded = decode_video(data, DecodeConfig())
-        video = preprocess_video(decoded.frames, decoded.sample_fps, pipeline.video_preprocess)
-        input_ids = torch.tensor([prompt.token_ids])
-        inputs = {
-            "input_ids": input_ids,
-            "mm_token_type_ids": (input_ids == engine.processor.special.video_token_id).int()
-            * VIDEO_TYPE,
-            "pixel_values_videos": video.patches,
-            "video_grid_thw": torch.tensor([video.grid_thw]),
-            "second_per_grid_ts": torch.tensor([video.second_per_grid_ts]),
-        }
-        with torch.inference_mode():
-            theirs = reference.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-        theirs = theirs[0, len(prompt.token_ids) :].tolist()
+        video = VideoInput(decoded.frames, frames_fps=decoded.sample_fps)
+        inputs = qwen_hf_inputs(pipeline, prompt, [video], "qwen2_5_vl")
+        theirs = hf_greedy(reference, inputs, MAX_TOKENS)
         assert _answer_ids(output.token_ids, eos) == _answer_ids(theirs, eos)
         assert output.finish_reason == "stop"  # every answer ends well before the cap
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import RequestStatus, SamplingParams
 from stillcut.vision.pipeline import VisionPipeline
@@ -21,12 +21,13 @@ SEGMENT = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=5)
 LOGPROB_ATOL = 1e-5
 
 
-def _engine(path) -> LLMEngine:
+def _engine(path, speculative: SpeculativeConfig | None = None) -> LLMEngine:
     return LLMEngine(
         path,
         EngineConfig(
             scheduler=SchedulerConfig(max_num_batched_tokens=512, max_model_len=2048),
             cache=CacheConfig(num_blocks=256, block_size=16, held_share=0.5),
+            speculative=speculative,
         ),
     )
 
@@ -135,6 +136,41 @@ def test_input_appended_while_decoding_joins_the_running_request(tiny_checkpoint
     assert list(outputs[-1].token_ids) == list(reference.token_ids)
     assert outputs[-1].segment_end == "length"
     engine.abort(request_id)
+
+
+def test_a_speculating_request_proposes_no_drafts_until_its_appended_input_is_in(
+    tiny_checkpoint, tubelets
+):
+    """Drafts guess what follows the tokens so far: with input waiting to be appended they
+    would guess what comes before it, so none are verified until the input is computed and
+    the request samples again; then speculation resumes, and the tokens are exact."""
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, dynamic=False)
+    engine = _engine(tiny_checkpoint, speculative)
+    params = replace(SEGMENT, max_tokens=12, logprobs=None)
+    prompt = engine.processor.build_text("Narrate what you see.")
+    request_id = engine.add_request(prompt, params, streaming=True)
+    schedule, steps = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    while not any(request_id in step.spec_token_ids for step in steps):
+        engine.step()  # the tiny model repeats its last token: n-grams propose
+    request = engine.scheduler.requests[request_id]
+    assert request.status is RequestStatus.RUNNING and request.spec_token_ids
+    sequence = [*request.prompt_token_ids, *request.output_token_ids]
+    new_ids = _appended_input(engine, 0, tubelets[0])
+    engine.append_input(request_id, new_ids, [tubelets[0]])
+    steps.clear()
+    engine.step()
+    assert steps[0].num_scheduled_tokens[request_id] == len(new_ids) + 1
+    assert request_id not in steps[0].spec_token_ids
+    outputs = _run_segment(engine, request_id)
+    assert any(request_id in step.spec_token_ids for step in steps[1:])  # speculating again
+    fresh = _engine(tiny_checkpoint)
+    reference_id = fresh.add_request([*sequence, *new_ids], params, mm_items=[tubelets[0]])
+    (reference,) = [o for o in _run_segment(fresh, reference_id) if o.finished]
+    assert list(outputs[-1].token_ids) == list(reference.token_ids)
+    engine.abort(request_id)
+    engine.step()
+    assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_blocks
 
 
 @pytest.mark.parametrize("ending", ["stop token", "eos"])

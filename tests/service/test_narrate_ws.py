@@ -142,8 +142,8 @@ def test_video_llm_narrate_on_a_file_equals_the_websocket_narration(
     messages, code = _narrate(server, {**START, **options}, len(frames), frames)
     sent = [m for m in messages if m["type"] == "segment"]
     assert code == 1000 and len(segments) == 3 and any(s.text for s in segments)
-    assert [(list(s.t), s.text, s.skipped, s.prefill_tokens) for s in segments] == [
-        (m["t"], m["text"], m["skipped"], m["prefill_tokens"]) for m in sent
+    assert [(list(s.t), s.text, s.skipped, s.kept_tokens, s.prefill_tokens) for s in segments] == [
+        (m["t"], m["text"], m["skipped"], m["kept_tokens"], m["prefill_tokens"]) for m in sent
     ]
     assert settled_pool_state(server) == (True, 0)
 
@@ -161,6 +161,31 @@ def test_a_static_stream_prefills_its_wrappers_and_the_kept_token_per_append(tin
     for segment in segments[1:]:
         wrapper = len(llm.processor.encode(f"<{segment.t[0]:.1f}s>")) + 2
         assert segment.prefill_tokens == wrapper + 1 + 1
+
+
+def test_a_moving_stream_prefills_each_appends_kept_tokens_and_its_wrapper(tiny_checkpoint):
+    """Threshold EVS on a square crossing a still scene: each tubelet keeps the tokens the
+    square touched (more or fewer as it goes), and each append prefills exactly those, its
+    wrapper and the last segment's final token, the 12th as the 2nd (nothing grows with the
+    stream)."""
+    llm = make_llm(tiny_checkpoint)
+    ground = np.random.default_rng(0).integers(0, 256, (112, 168, 3), dtype=np.uint8)
+    frames = []
+    for k in range(24):
+        pixels = ground.copy()
+        x = 20 * k % 150
+        pixels[30:58, x : x + 18] = 255  # an 18 x 28 square moving 20 px a frame
+        frames.append((k / 2, pixels))
+    options = {"threshold": 0.1, "floor": 1, "max_tokens_per_segment": 2}
+    segments = list(llm.narrate(iter(frames), "Say what changes.", **options))
+    assert len(segments) == 12
+    dense = 4 * 6  # tokens of a 112 x 168 tubelet after the 2 x 2 merge
+    assert segments[0].kept_tokens == dense  # the first tubelet has nothing to compare with
+    kept = [segment.kept_tokens for segment in segments[1:]]
+    assert all(0 < n < dense for n in kept) and len(set(kept)) > 1, kept
+    for segment in segments[1:]:
+        wrapper = len(llm.processor.encode(f"<{segment.t[0]:.1f}s>")) + 2
+        assert segment.prefill_tokens == segment.kept_tokens + wrapper + 1
 
 
 def test_latest_skips_to_the_newest_tubelet_when_the_model_falls_behind(tiny_checkpoint):

@@ -26,7 +26,7 @@ def test_which_towers_run_eagerly_and_why(tiny_checkpoint, gemma3_path, caplog):
     assert "does host work" in encoder_graphs_unavailable(qwen, cuda, False)
     assert encoder_graphs_unavailable(gemma, cuda, True) == "enforce_eager is set"
     assert encoder_graphs_unavailable(gemma, cpu, False) == "not on a CUDA device"
-    with caplog.at_level(logging.INFO, logger="stillcut.vision.pipeline"):
+    with caplog.at_level(logging.INFO, logger="stillcut.vision.encoder_graphs"):
         pipeline = VisionPipeline(gemma3_path)
     assert "vision encoder runs eagerly (not on a CUDA device); so does EVS" in caplog.text
     assert not isinstance(pipeline.tower, GraphedTower)

@@ -171,3 +171,32 @@ def test_encoder_cache_is_lru_and_bounded_in_bytes():
     assert "huge" not in cache and cache.nbytes <= cache.max_bytes
     cache.put("e", entry(40))  # evicts two entries to fit
     assert cache.nbytes <= cache.max_bytes and "e" in cache
+
+
+def test_a_draft_tower_encodes_the_same_input_and_keeps_the_tokens_evs_kept(
+    pipeline, tiny_checkpoint, small_draft_checkpoint
+):
+    """The draft's embeddings are its own tower's over the target's preprocessed frames, at
+    the rows the target's EVS kept; one encoder cache holds entries with and without them
+    apart, so an entry without them is never served to a drafting pipeline."""
+    from stillcut.vision.towers import load_vision_tower
+
+    drafting = VisionPipeline(tiny_checkpoint, draft_model=small_draft_checkpoint)
+    drafting.cache = pipeline.cache
+    pipeline.cache.clear()
+    frames = np.random.default_rng(3).integers(0, 256, (4, 56, 84, 3), dtype=np.uint8)
+    spec = VideoInput(frames, evs=EVSConfig(mode="rate", rate=0.5))
+    (plain,) = pipeline.encode([spec])
+    (item,) = drafting.encode([spec])
+    assert plain.draft_embeds is None and not item.stats["cache_hit"]
+    assert torch.equal(item.embeds, plain.embeds) and torch.equal(item.coords, plain.coords)
+    prepared = preprocess_video(frames, 2.0, pipeline.video_preprocess)
+    with torch.inference_mode():
+        tower = load_vision_tower(small_draft_checkpoint)
+        (dense,) = tower.encode([prepared.patches], [prepared.grid_thw])  # [t * h * w, 24]
+    _, height, width = item.llm_grid
+    t, h, w = item.coords.unbind(1)
+    torch.testing.assert_close(item.draft_embeds, dense[(t * height + h) * width + w])
+    (again,) = drafting.encode([spec])
+    assert again.stats["cache_hit"] and torch.equal(again.draft_embeds, item.draft_embeds)
+    assert pipeline.encode([spec])[0].draft_embeds is None

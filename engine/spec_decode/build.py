@@ -1,0 +1,39 @@
+"""Building the speculator an engine's `SpeculativeConfig` asks for, or refusing it."""
+
+from __future__ import annotations
+
+from stillcut.engine.config import SpeculativeConfig
+from stillcut.engine.spec_decode.calibration import StepCosts, measure_step_costs
+from stillcut.engine.spec_decode.ngram import NgramProposer
+from stillcut.engine.spec_decode.policy import SpeculationPolicy
+from stillcut.engine.spec_decode.speculator import Speculator
+from stillcut.engine.spec_decode.suffix import SuffixProposer
+
+
+def check_speculation_allowed(has_recurrent_state: bool) -> None:
+    """Recurrent layers cannot roll back a rejected draft's state change yet."""
+    if has_recurrent_state:
+        raise ValueError(
+            "speculative decoding is not supported for models with recurrent layers: rolling "
+            "back their state past rejected drafts is not implemented yet; allowed: "
+            "speculative=None for this model"
+        )
+
+
+def build_speculator(engine, config: SpeculativeConfig) -> Speculator:
+    """The proposer of `config.method` and the K policy (calibrated when dynamic) of `engine`,
+    whose model, runner and scheduler config are already built."""
+    check_speculation_allowed(engine.has_recurrent_state)
+    if config.method == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    elif config.method == "suffix":
+        proposer = SuffixProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    else:
+        from stillcut.engine.spec_decode.draft import DraftProposer
+
+        proposer = DraftProposer.for_target(engine, config)
+    step_cost = None
+    if config.dynamic:
+        max_batch, max_k = engine.config.scheduler.max_num_seqs, config.num_speculative_tokens
+        step_cost = StepCosts(measure_step_costs(engine.runner, max_batch, max_k), max_k)
+    return Speculator(config, proposer, SpeculationPolicy(config, step_cost))

@@ -1,0 +1,85 @@
+"""Start-up measurement of what a verify step costs on this machine.
+
+At batch sizes 1, 4, 16, ... up to the seats, the model runs one step of that many requests at
+a short context with 1 and with 1 + K_max query tokens each, logits for every query token
+included, on the engine's own (still empty) K/V cache; the median of a few runs is kept. A
+verify step's cost grows about linearly with its tokens between those two (the weights are
+read once either way), so `step_cost(batch, k)` is 1 + (t(b, K_max) / t(b, 0) - 1) k / K_max
+at the largest measured batch size b not above `batch`. Nothing is left behind: the blocks
+written are free and unhashed, and any later request writes its own slots before reading them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import time
+
+import torch
+
+from stillcut.kernels.attention import AttentionMetadata
+
+CONTEXT_TOKENS = 64  # context each calibration request attends to
+NUM_RUNS = 3
+
+
+def measure_step_costs(runner, max_batch: int, max_k: int) -> dict[int, float]:
+    """Batch size -> t(b, max_k) / t(b, 0) (see the module docstring)."""
+    block_size = runner.block_size
+    num_blocks = runner.kv_caches[0].shape[1] if runner.kv_caches else 1
+    blocks_per_request = -(-(CONTEXT_TOKENS + max_k + 1) // block_size)
+    ratios: dict[int, float] = {}
+    batch = 1
+    while batch <= max_batch and batch * blocks_per_request <= num_blocks:
+        if batch * (1 + max_k) > runner.max_num_batched_tokens:
+            break
+        plain = time_verify_step(runner, batch, 1, blocks_per_request)
+        ratios[batch] = time_verify_step(runner, batch, 1 + max_k, blocks_per_request) / plain
+        batch *= 4
+    return ratios or {1: 1.0 + max_k}
+
+
+class StepCosts:
+    """`step_cost(batch, k)` from measured ratios (see the module docstring)."""
+
+    def __init__(self, ratios: dict[int, float], max_k: int) -> None:
+        self.sizes = sorted(ratios)
+        self.ratios = ratios
+        self.max_k = max_k
+
+    def __call__(self, batch: int, k: int) -> float:
+        size = self.sizes[max(bisect.bisect_right(self.sizes, batch) - 1, 0)]
+        return 1.0 + (self.ratios[size] - 1.0) * k / self.max_k
+
+
+def time_verify_step(runner, batch: int, width: int, blocks_per_request: int) -> float:
+    """Median seconds of a model step (forward + logits) of `batch` requests x `width` tokens,
+    laid out as the runner lays out a verify step: one one-token row per token."""
+    device, size = runner.device, runner.block_size
+    num_tokens = batch * width
+    block_tables = torch.arange(batch * blocks_per_request, dtype=torch.int32).view(batch, -1)
+    token_pos = torch.arange(CONTEXT_TOKENS, CONTEXT_TOKENS + width)  # [width]
+    slots = block_tables[:, token_pos // size].long() * size + token_pos % size  # [batch, width]
+    seq_lens = (token_pos + 1).repeat(batch).tolist()  # [num_tokens]
+    starts = list(range(num_tokens + 1))
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.repeat_interleave(width, dim=0).to(device),
+        slot_mapping=slots.flatten().to(device),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    positions = token_pos.repeat(batch).expand(runner.model.num_position_rows, -1).to(device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(NUM_RUNS + 1):  # the first run warms up
+            metadata.plans.clear()
+            start = time.perf_counter()
+            hidden = runner.model(input_ids, positions, runner.kv_caches, metadata)
+            runner.model.compute_logits(hidden)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])

@@ -1,0 +1,64 @@
+"""How many tokens each decoding request proposes this step.
+
+The batch-size table (`SpeculativeConfig.k_per_batch`, like vLLM's
+`num_speculative_tokens_per_batch_size`) caps K. With `dynamic`, K is further chosen per
+request to maximise expected tokens per second: a request whose drafts were accepted with
+per-token rate a yields 1 + a + ... + a^K tokens from a verify step of K drafts, and that step
+costs `step_cost(batch, K)` times a plain decode step (measured at start-up, `calibration`).
+K = 0 wherever no K beats plain decoding, so speculation never slows serving down by choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from stillcut.engine.config import SpeculativeConfig
+from stillcut.engine.request import Request
+
+# Prior acceptance of a request with no verify steps yet, and how fast measurements replace it:
+# worth two decided drafts, so where a verify step of K costs 1 + 0.18 K plain steps (batch 1
+# here) a request whose drafts all fail stops speculating after four verify steps (with a
+# weight of 4 it took seven, and cost 5% of its speed at acceptance 0).
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 2.0
+
+# (batch size, K) -> cost of a verify step of K drafts per request relative to K = 0
+StepCost = Callable[[int, int], float]
+
+
+class SpeculationPolicy:
+    """K per request and step; see the module docstring."""
+
+    def __init__(self, config: SpeculativeConfig, step_cost: StepCost | None = None) -> None:
+        assert not config.dynamic or step_cost is not None, "dynamic K needs measured costs"
+        self.config = config
+        self.step_cost = step_cost
+        self._stats: dict[str, tuple[float, float]] = {}  # request id -> (drafts, accepted)
+
+    def num_tokens(self, request: Request, batch_size: int) -> int:
+        """K for `request` in a step of `batch_size` decoding requests."""
+        k_max = self.config.k_for_batch(batch_size)
+        if not self.config.dynamic or k_max == 0:
+            return k_max
+        rate = self.acceptance(request)
+        gains = [
+            sum(rate**i for i in range(k + 1)) / self.step_cost(batch_size, k)
+            for k in range(k_max + 1)
+        ]
+        return max(range(k_max + 1), key=gains.__getitem__)
+
+    def acceptance(self, request: Request) -> float:
+        """The request's chance that a draft is accepted given the ones before it were, so
+        far (accepted drafts over drafts decided: accepted ones and first rejections)."""
+        decided, accepted = self._stats.get(request.request_id, (0.0, 0.0))
+        return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (decided + PRIOR_WEIGHT)
+
+    def observe(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verify step accepted `num_accepted` of `num_drafts` (drafts after the first
+        rejected one were never decided: they say nothing about the rate)."""
+        decided, accepted = self._stats.get(request.request_id, (0.0, 0.0))
+        decided += num_accepted + (num_accepted < num_drafts)
+        self._stats[request.request_id] = (decided, accepted + num_accepted)
+
+    def forget(self, request: Request) -> None:
+        self._stats.pop(request.request_id, None)

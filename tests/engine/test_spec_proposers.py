@@ -1,0 +1,118 @@
+"""Proposers and the choice of K, without a model: n-gram lookup, the suffix index (shared
+only under one cache salt, bounded), the batch-size table and dynamic K from acceptance and
+step cost, and the configuration's refusals."""
+
+import numpy as np
+import pytest
+
+from stillcut.engine.config import SpeculativeConfig, parse_k_per_batch
+from stillcut.engine.request import Request
+from stillcut.engine.spec_decode.ngram import NgramProposer, lookup
+from stillcut.engine.spec_decode.policy import SpeculationPolicy
+from stillcut.engine.spec_decode.suffix import SuffixIndex, SuffixProposer
+
+
+def _request(request_id, prompt, output=(), salt=None) -> Request:
+    request = Request(request_id, list(prompt), cache_salt=salt)
+    request.output_token_ids.extend(output)
+    return request
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    assert lookup(tokens, 2, 3, 4) == [7, 8, 5, 2]  # "2 3" last seen before 7
+    assert lookup(tokens, 3, 3, 2) == []  # "5 2 3" never occurred before
+    proposer = NgramProposer(1, 2)
+    request = _request("a", [4, 5, 6, 4], output=[5])
+    assert proposer.propose([request, request], [2, 0]) == [[6, 4], []]
+
+
+def test_suffix_proposes_a_phrase_of_an_earlier_answer_under_the_same_salt_only():
+    proposer = SuffixProposer(2, 4)
+    first = _request("a", [10, 11, 12], output=[20, 21, 22, 23, 24], salt="tenant-1")
+    proposer.propose([first], [3])
+    proposer.finish(first)
+    again = _request("b", [30, 11, 12], output=[20, 21], salt="tenant-1")
+    other = _request("c", [30, 11, 12], output=[20, 21], salt="tenant-2")
+    assert proposer.propose([again, other], [3, 3]) == [[22, 23, 24], []]
+    opening = _request("d", [30, 11, 12], salt="tenant-1")  # the answer's start, from the prompt
+    opening.output_token_ids.append(20)
+    assert proposer.propose([opening], [2]) == [[21, 22]]
+
+
+def test_suffix_index_memory_is_bounded():
+    index = SuffixIndex(1, 2, max_stored_tokens=10)
+    for start in range(0, 40, 5):
+        index.add(list(range(start, start + 5)))
+    assert index.num_stored_tokens <= 10 and len(index.sequences) == 2
+    assert index.find([1, 2], 2) is None  # evicted with its sequence
+    assert index.find([36, 37], 2) is not None
+    assert len(index.ends) == 2 * (2 * 5 - 1)  # only the kept sequences' n-grams
+
+
+def test_k_per_batch_table():
+    config = SpeculativeConfig(
+        num_speculative_tokens=4, k_per_batch=parse_k_per_batch("1:4,8:2,32:0")
+    )
+    assert [config.k_for_batch(b) for b in (1, 7, 8, 31, 32, 100)] == [4, 4, 2, 2, 0, 0]
+    with pytest.raises(ValueError, match="BATCH:K"):
+        parse_k_per_batch("1=4")
+    with pytest.raises(ValueError, match="each K must be in"):
+        SpeculativeConfig(num_speculative_tokens=2, k_per_batch=((1, 4),))
+
+
+def test_dynamic_k_follows_acceptance_and_cost():
+    config = SpeculativeConfig(num_speculative_tokens=4)
+    policy = SpeculationPolicy(config, step_cost=lambda batch, k: 1.0 + 0.1 * k * batch)
+    good, bad = _request("good", [1]), _request("bad", [1])
+    for _ in range(30):
+        policy.observe(good, 4, 4)
+        policy.observe(bad, 4, 0)
+    assert policy.num_tokens(good, 1) == 4
+    assert policy.num_tokens(bad, 1) == 0  # speculation would only cost
+    assert policy.num_tokens(good, 64) == 0  # a large batch: verifying is no longer cheap
+    pinned = SpeculationPolicy(SpeculativeConfig(num_speculative_tokens=4, dynamic=False))
+    assert pinned.num_tokens(bad, 64) == 4
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "draft"}, "draft_model"),
+        ({"method": "ngram", "draft_model": "x"}, "draft_model"),
+        ({"method": "eagle"}, "method"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ],
+)
+def test_bad_speculative_config_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**fields)
+
+
+def test_scheduler_rolls_back_rejected_drafts_and_hashes_only_accepted_blocks():
+    from stillcut.engine.config import CacheConfig, SchedulerConfig
+    from stillcut.engine.kv_cache import block_extra_keys, hash_block
+    from stillcut.engine.request import SamplingParams
+    from stillcut.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4), 16)
+    request = Request("r", [1, 2, 3], sampling_params=SamplingParams(max_tokens=20))
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), {"r": [10]})
+    request.spec_token_ids = [11, 12, 13]
+    step = scheduler.schedule()
+    assert step.num_scheduled_tokens == {"r": 4} and step.spec_token_ids == {"r": [11, 12, 13]}
+    (update,) = scheduler.update_from_output(step, {"r": [11, 99]})  # 12 rejected, 99 instead
+    assert update.new_token_ids == [11, 99] and request.num_computed_tokens == 5
+    pool = scheduler.kv_cache.block_pool
+    first = hash_block(None, [1, 2, 3, 10], block_extra_keys(request, 0, 4))
+    # block 1 held the rejected 12 and 13 at positions 5-6: not hashed until they are replaced
+    assert [b.block_hash for b in pool.blocks if b.block_hash] == [first]
+    request.spec_token_ids = [5, 6]
+    scheduler.update_from_output(scheduler.schedule(), {"r": [5, 6, 7]})  # all accepted
+    second = hash_block(first, [11, 99, 5, 6], block_extra_keys(request, 1, 4))
+    assert pool.lookup(second) is not None and request.num_computed_tokens == 8
+    assert (request.num_draft_tokens, request.num_accepted_tokens) == (5, 3)
+    scheduler.abort("r")
+    assert scheduler.kv_cache.num_free_blocks == 16
