@@ -10,6 +10,7 @@ is a near-tie: transformers' top two logits are at least 0.02 apart at every ste
 """
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from stillcut.engine.factory import demo_checkpoint
 from stillcut.engine.factory.demo.clips import clip_bytes, held_out_seeds
 from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES
 from stillcut.engine.factory.demo.scenes import sample_scene
+from stillcut.engine.factory.demo.train import TASK_VERSION, TrainConfig
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
@@ -50,6 +52,14 @@ def test_shipped_checkpoint_is_small_bf16_safetensors():
     assert config["model_type"] == "qwen2_5_vl" and "stillcut_demo" in config
     for name in ("tokenizer.json", "chat_template.jinja", "video_preprocessor_config.json"):
         assert (folder / name).is_file(), name
+
+
+def test_trainer_defaults_are_the_shipped_recipe():
+    config = json.loads((demo_checkpoint() / "config.json").read_text())
+    assert config["stillcut_demo"] == {
+        "task_version": TASK_VERSION,
+        "recipe": asdict(TrainConfig()),
+    }
 
 
 def _ask_everything(engine, pipeline, evs):

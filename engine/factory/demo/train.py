@@ -83,10 +83,12 @@ class TrainConfig:
     seed: int = 0
     num_clips: int = 1200
     vision_steps: int = 800  # first the tower alone learns what each token shows
-    steps: int = 500  # then everything learns the answers
+    # Then everything learns the answers. The defaults are the shipped checkpoint's recipe, an
+    # early stop: 240 steps of a stage laid out over 500 (`steps=500` runs all of it).
+    steps: int = 240
     # The joint stage's learning-rate schedule spans this many steps (None: `steps`), so a
     # run stopped early is the same as a full one up to where it stopped.
-    schedule_steps: int | None = None
+    schedule_steps: int | None = 500
     clips_per_step: int = 12
     questions_per_clip: int = 3
     learning_rate: float = 3e-3
