@@ -35,7 +35,7 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, S
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
-from stillcut.engine.spec_decode.calibration import StepCosts, measure_step_costs, time_verify_step
+from stillcut.engine.spec_decode.calibration import measure_step_costs, time_verify_step
 from stillcut.engine.spec_decode.draft import DraftProposer
 from stillcut.engine.spec_decode.ngram import NgramProposer
 from stillcut.engine.spec_decode.policy import SpeculationPolicy
@@ -251,8 +251,10 @@ def main() -> None:
     num_params = sum(p.numel() for p in engine.model.parameters())
     print(f"target: {num_params / 1e6:.0f}M parameters, fp32, {args.threads} threads; "
           f"{args.rounds} rounds, modes interleaved; a shared machine is noisy")  # fmt: skip
-    step_costs = StepCosts(measure_step_costs(engine.runner, 16, K), K)
-    print("calibrated verify cost at K = 4 (x a plain decode step):", step_costs.ratios)
+    step_costs = measure_step_costs(engine.runner, 16, K)
+    print("calibrated verify cost at K = 0..4 (x a plain decode step), by batch size:")
+    for batch, costs in step_costs.costs.items():
+        print(f"  b={batch}: " + " ".join(f"{cost:.2f}" for cost in costs))
     truth_prompts = [engine.processor.build_text(q) for q in QUESTIONS]
     plain = engine.generate(truth_prompts, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
     truth = {tuple(p.token_ids): o.token_ids for p, o in zip(truth_prompts, plain, strict=True)}

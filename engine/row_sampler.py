@@ -91,8 +91,14 @@ class RowSampler:
             if self.keyed_draws and num_outputs is not None:
                 batch = _keyed(batch, live_params, [num_outputs[r] + i for r in live])
             draft_ids = [drafts[r][i] if i < len(drafts[r]) else -1 for r in live]
+            # without drafts every row samples once, in order: no gather of the logits
+            rows = (
+                logits
+                if len(live) == logits.shape[0]
+                else logits[[first_rows[r] + i for r in live]]
+            )
             output = self.sampler(
-                logits[[first_rows[r] + i for r in live]],
+                rows,
                 batch,
                 None if max(draft_ids) < 0 else torch.tensor(draft_ids, device=self.device),
             )

@@ -12,10 +12,12 @@
  *   per block: x = RMSNorm(hidden) -> y = kind(x) -> hidden += [RMSNorm](y)
  *   final RMSNorm
  *
- *   ATTENTION  qkv = x @ Wqkv (+ b) -> per-head RMSNorm of q, k (optional) -> rotary(q, k),
- *              k/v into the block's paged cache -> attention (optional sliding window and
- *              soft cap) -> y = attn @ Wo
+ *   ATTENTION  qkv = x @ Wqkv (+ b) -> per-head RMSNorm of q, k (optional) -> rotary(q, k)
+ *              (optional), k/v into the block's paged cache -> attention (optional sliding
+ *              window and soft cap) -> y = attn @ Wo
  *   GATED_MLP  gate|up = x @ Wgu -> y = (act(gate) * up) @ Wdown, act SiLU or tanh GELU
+ *   MLP, MOE, MAMBA2  see `cpu_hybrid_kinds.h`: relu² MLP, mixture of experts (only the
+ *              experts a row routes to are read), Mamba2's one-token state update
  *
  * The kernel reads only the description: which kind each block is, its weights and options.
  * A new kind is a struct beside `Attention`, its functions beside `attention`'s (check,
@@ -27,6 +29,7 @@
  * is [2, num_blocks, block_size, num_kv_heads, head_dim] in F32 or BF16 (`Step.kv_format`: new
  * keys and values are rounded to it, read back widened); row r is the single new token of
  * request r, at position seq_lens[r] - 1, and attends to the keys before it (within the window).
+ * Recurrent blocks read and write their state rows in place (`Step.states`).
  * Activations and sums are float32; so are norms, biases and rotary tables.
  */
 
@@ -40,8 +43,8 @@
 #define MAX_BLOCK 256
 #define MAX_TABLES 2
 
-enum kind { ATTENTION = 1, GATED_MLP = 2 };
-enum activation { SILU = 1, GELU_TANH = 2 };
+enum kind { ATTENTION = 1, GATED_MLP = 2, MLP = 3, MOE = 4, MAMBA2 = 5 };
+enum activation { NO_ACTIVATION = 0, SILU = 1, GELU_TANH = 2, RELU2 = 3 };
 
 typedef struct {
     Matrix qkv;                  /* [hidden, (heads + 2 kv_heads) * head_dim]: q, k, v columns */
@@ -50,7 +53,7 @@ typedef struct {
     const float *qk_norm;        /* [heads + kv_heads, head_dim] or NULL */
     int32_t num_heads, num_kv_heads, head_dim;
     int32_t window;              /* keys within this many positions, 0: all */
-    int32_t table;               /* which rotary table */
+    int32_t table;               /* which rotary table; -1: no rotary */
     int32_t cache;               /* which of the step's KV caches */
     float scale;                 /* multiplies scores */
     float soft_cap;              /* scores: cap * tanh(score / cap); 0: none */
@@ -66,7 +69,7 @@ typedef struct {
     int32_t kind;
     const float *norm;           /* [hidden]: the block's input norm */
     const float *out_norm;       /* [hidden] or NULL: the block's output added as is */
-    const void *params;          /* the kind's struct: Attention, GatedMlp */
+    const void *params;          /* the kind's struct: Attention, GatedMlp, ... */
 } Block;
 
 /* The token embedding [vocab, hidden] in `format`, with the strides below (a tied head's view);
@@ -100,6 +103,13 @@ typedef struct {
     void *const *kv_caches;      /* [num_kv_caches], each in `kv_format` */
     int32_t num_kv_caches, cache_blocks, block_size;
     int32_t kv_format;           /* F32 or BF16 */
+    /* recurrent blocks: block state s's tensors are states[2 s] and states[2 s + 1], each
+     * [state_slots, ...] float32; row r reads and writes slot state_rows[r], from zeros
+     * where fresh[r]; prompt[r]: the row's token is a prompt token */
+    float *const *states;
+    int32_t num_states, state_slots;
+    const int32_t *state_rows;
+    const uint8_t *fresh, *prompt;
 } Step;
 
 /* What every block of one step shares: the step, the model and the scratch regions. */
@@ -142,13 +152,14 @@ static inline vec8 exp8(vec8 x) {
     return y * (vec8)bits;
 }
 
-/* hidden += [RMSNorm](x @ w): a block's output projection and its residual add. Without an
- * out norm the add rides along in the product; with one, each thread adds the rows it then
- * also normalises first in the next block (or the final norm), so no barrier is needed. */
+/* hidden += [RMSNorm](x @ w (+ bias)): a block's output projection and its residual add.
+ * Without an out norm or a bias the add rides along in the product; otherwise each thread adds
+ * the rows it then also normalises first in the next block (or the final norm), so no barrier
+ * is needed. */
 static void residual_projection(const Context *c, const float *x, size_t stride,
-                                const Matrix *w, const float *out_norm) {
+                                const Matrix *w, const float *out_norm, const float *bias) {
     int rows = c->step->rows, H = c->model->hidden, begin, end;
-    if (!out_norm) {
+    if (!out_norm && !bias) {
         linear(x, stride, rows, w, c->hidden, c->hidden, c->partials);
         return;
     }
@@ -156,7 +167,9 @@ static void residual_projection(const Context *c, const float *x, size_t stride,
     share(rows, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
     for (int r = begin; r < end; r++) {
         float *branch = c->branch + (size_t)r * H, *hidden = c->hidden + (size_t)r * H;
-        rms_norm(branch, out_norm, branch, H, c->model->eps);
+        if (bias)
+            for (int i = 0; i < H; i++) branch[i] += bias[i];
+        if (out_norm) rms_norm(branch, out_norm, branch, H, c->model->eps);
         for (int i = 0; i < H; i++) hidden[i] += branch[i];
     }
 }
@@ -295,8 +308,9 @@ static void attention_inputs(const Context *c, const Attention *a, float *qkv, v
     const Step *step = c->step;
     int rows = step->rows, D = a->head_dim, Hq = a->num_heads, Hkv = a->num_kv_heads;
     int width = qkv_width(a), begin, end;
-    const float *cos = c->cos + (size_t)a->table * rows * D;
-    const float *sin = c->sin + (size_t)a->table * rows * D;
+    int table = a->table > 0 ? a->table : 0; /* -1: no rotary, no table read */
+    const float *cos = c->cos + (size_t)table * rows * D;
+    const float *sin = c->sin + (size_t)table * rows * D;
     share(rows * (Hq + Hkv), omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
     for (int unit = begin; unit < end; unit++) {
         int r = unit / (Hq + Hkv), head = unit % (Hq + Hkv);
@@ -305,7 +319,7 @@ static void attention_inputs(const Context *c, const Attention *a, float *qkv, v
         if (a->qkv_bias)
             for (int d = 0; d < D; d++) x[d] += a->qkv_bias[(size_t)head * D + d];
         if (a->qk_norm) rms_norm(x, a->qk_norm + (size_t)head * D, x, D, c->model->eps);
-        rotate(x, cos + (size_t)r * D, sin + (size_t)r * D, D);
+        if (a->table >= 0) rotate(x, cos + (size_t)r * D, sin + (size_t)r * D, D);
         if (head >= Hq) {
             int kv_head = head - Hq;
             float *v = row + (size_t)(Hq + Hkv + kv_head) * D;
@@ -317,7 +331,7 @@ static void attention_inputs(const Context *c, const Attention *a, float *qkv, v
             store_kv(step->kv_format, values, at, v, D);
         }
     }
-#pragma omp barrier
+    region_barrier();
 }
 
 static void attention(const Context *c, const void *params, const float *out_norm) {
@@ -348,7 +362,7 @@ static void attention(const Context *c, const void *params, const float *out_nor
                      first + (int)((int64_t)length * (slice + 1) / splits), kv_head, a,
                      step->block_size, parts + (size_t)unit * group * (D + 2));
     }
-#pragma omp barrier
+    region_barrier();
     share(rows * Hq, threads, thread, &begin, &end);
     for (int unit = begin; unit < end; unit++) {
         int r = unit / Hq, head = unit % Hq, kv_head = head / group, g = head % group;
@@ -357,8 +371,8 @@ static void attention(const Context *c, const void *params, const float *out_nor
         merge_parts(first_part, splits, (size_t)group * (D + 2), D,
                     attn + ((size_t)r * Hq + head) * D);
     }
-#pragma omp barrier
-    residual_projection(c, attn, (size_t)Hq * D, &a->o, out_norm);
+    region_barrier();
+    residual_projection(c, attn, (size_t)Hq * D, &a->o, out_norm, NULL);
 }
 
 static float gelu_tanh(float x) {
@@ -366,7 +380,12 @@ static float gelu_tanh(float x) {
 }
 
 static float activate(int activation, float x) {
-    return activation == GELU_TANH ? gelu_tanh(x) : x / (1.0f + expf(-x));
+    switch (activation) {
+    case SILU: return x / (1.0f + expf(-x));
+    case GELU_TANH: return gelu_tanh(x);
+    case RELU2: return x > 0.0f ? x * x : 0.0f;
+    default: return x;
+    }
 }
 
 /* Gated MLP's work: gate|up [rows, 2 * intermediate]. */
@@ -386,8 +405,8 @@ static void gated_mlp(const Context *c, const void *params, const float *out_nor
         int col = unit % I;
         row[col] = activate(m->activation, row[col]) * row[I + col];
     }
-#pragma omp barrier
-    residual_projection(c, gate_up, (size_t)2 * I, &m->down, out_norm);
+    region_barrier();
+    residual_projection(c, gate_up, (size_t)2 * I, &m->down, out_norm, NULL);
 }
 
 static int larger(int a, int b) { return a > b ? a : b; }
@@ -409,7 +428,9 @@ static int attention_check(const Model *model, const void *params) {
     const Attention *a = params;
     int H = model->hidden, D = a->head_dim;
     if (a->num_kv_heads < 1 || a->num_heads % a->num_kv_heads) return 11;
-    if (D != model->rotary_dim || a->table < 0 || a->table >= model->num_tables) return 12;
+    int rotates = a->table >= 0;
+    if (a->table < -1 || (rotates && (D != model->rotary_dim || a->table >= model->num_tables)))
+        return 12;
     if (!check_matrix(&a->qkv, H, qkv_width(a))) return 13;
     if (!check_matrix(&a->o, a->num_heads * D, H)) return 14;
     return a->window < 0 || a->cache < 0 ? 15 : 0;
@@ -432,6 +453,8 @@ static int gated_mlp_fits(const void *params, const Step *step) {
     return 1;
 }
 
+#include "cpu_hybrid_kinds.h"
+
 /* What the kernel does with a block of each kind: every kind is one row here. */
 typedef struct {
     int (*check)(const Model *model, const void *params);
@@ -444,6 +467,9 @@ typedef struct {
 static const KindOps KINDS[] = {
     [ATTENTION] = {attention_check, attention_fits, attention_floats, attention_widest, attention},
     [GATED_MLP] = {gated_mlp_check, gated_mlp_fits, gated_mlp_floats, gated_mlp_widest, gated_mlp},
+    [MLP] = {mlp_check, gated_mlp_fits, mlp_floats, mlp_widest, mlp},
+    [MOE] = {moe_check, gated_mlp_fits, moe_floats, moe_widest, moe},
+    [MAMBA2] = {mamba2_check, mamba2_fits, mamba2_floats, mamba2_widest, mamba2},
 };
 
 static const KindOps *kind_ops(int kind) {
@@ -455,8 +481,8 @@ static const KindOps *kind_ops(int kind) {
  * model's own fields, 9 a kind this kernel does not know, 10 a block's missing norm or params,
  * from 11 on the kind's own `check`. */
 int check_model(const Model *model, const Block *blocks, int num_blocks) {
-    if (model->rotary_dim % 2 || model->rotary_dim < 2) return 1;
-    if (model->num_tables < 1 || model->num_tables > MAX_TABLES) return 2;
+    if (model->rotary_dim % 2 || model->rotary_dim < 0) return 1;
+    if (model->num_tables < 0 || model->num_tables > MAX_TABLES) return 2;
     const Embedding *table = &model->embedding;
     if (table->format < F32 || table->format > I8 || (table->format == I8) != !!table->scales)
         return 3;
@@ -536,8 +562,13 @@ static void embed_rows(const Context *c) {
 int matmul(const Matrix *matrix, const float *x, int64_t stride, int rows, const float *add,
            float *y, float *partials, int threads) {
     if (!check_matrix(matrix, matrix->in, matrix->out) || rows < 1) return 1;
+    Barrier barrier = {0, 0};
 #pragma omp parallel num_threads(threads)
-    linear(x, (size_t)stride, rows, matrix, add, y, partials);
+    {
+        enter_region(&barrier);
+        linear(x, (size_t)stride, rows, matrix, add, y, partials);
+        enter_region(NULL);
+    }
     return 0;
 }
 
@@ -566,23 +597,26 @@ int decode_step(const Model *model, const Block *blocks, int num_blocks, const S
         .partials = work + largest_work(blocks, num_blocks, step),
     };
 
+    Barrier barrier = {0, 0};
 #pragma omp parallel num_threads(step->threads)
     {
         int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
+        enter_region(&barrier);
         embed_rows(&c);
-#pragma omp barrier
+        region_barrier();
         for (int b = 0; b < num_blocks; b++) {
             share(rows, threads, thread, &begin, &end);
             for (int r = begin; r < end; r++)
                 rms_norm(c.hidden + (size_t)r * H, blocks[b].norm, c.normed + (size_t)r * H, H,
                          model->eps);
-#pragma omp barrier
+            region_barrier();
             KINDS[blocks[b].kind].run(&c, blocks[b].params, blocks[b].out_norm);
         }
         share(rows, threads, thread, &begin, &end);
         for (int r = begin; r < end; r++)
             rms_norm(c.hidden + (size_t)r * H, model->final_norm, out + (size_t)r * H, H,
                      model->eps);
+        enter_region(NULL);
     }
     return 0;
 }

@@ -8,6 +8,8 @@ than the layers' own weight reads. The C kernel goes from token ids to the final
 rows, M-RoPE tables, every block) inside one OpenMP parallel region, the threads meeting at
 barriers, reading each weight once in contiguous per-thread bands. A model describes itself as
 a `cpu_decode_stack.Stack` of blocks, each of a kind; `bind` turns that into the C structs.
+Recurrent blocks (Mamba2) advance the runner's state rows in place (`metadata.recurrent`); the
+snapshots a step asks for are copied from those rows after it.
 Weights stay in their stored formats (bfloat16, float16, int8 with per-column scales, float32;
 `cpu_linear.h` widens them in registers), and the KV caches may be bfloat16. `NativeMatrix`
 runs the same products one at a time, for the few-row products outside a decode step (the LM
@@ -27,6 +29,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import operator
 import os
 import platform
 import subprocess
@@ -45,13 +48,16 @@ from stillcut.kernels.cpu_decode_stack import (
     Block,
     GatedMlp,
     Kind,
+    Mamba2,
+    Mlp,
+    Moe,
     Stack,
 )
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
-HEADERS = (SOURCE.with_name("cpu_linear.h"),)  # included by SOURCE
+HEADERS = (SOURCE.with_name("cpu_linear.h"), SOURCE.with_name("cpu_hybrid_kinds.h"))
 KV_FORMATS = (torch.float32, torch.bfloat16)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 16  # past this many rows a step is a gemm, torch's own territory
@@ -84,6 +90,49 @@ class _Attention(ctypes.Structure):
 
 class _GatedMlp(ctypes.Structure):
     _fields_ = [("gate_up", _Matrix), ("down", _Matrix), ("activation", ctypes.c_int32)]
+
+
+class _Mlp(ctypes.Structure):
+    _fields_ = [
+        ("up", _Matrix),
+        ("down", _Matrix),
+        ("up_bias", ctypes.c_void_p),
+        ("down_bias", ctypes.c_void_p),
+        ("activation", ctypes.c_int32),
+    ]
+
+
+class _Moe(ctypes.Structure):
+    _fields_ = [
+        ("router", _Matrix),
+        ("correction_bias", ctypes.c_void_p),
+        ("experts_up", ctypes.c_void_p),
+        ("experts_down", ctypes.c_void_p),
+        ("shared", _Mlp),
+        ("latent_in", _Matrix),
+        ("latent_out", _Matrix),
+        ("latent_in_bias", ctypes.c_void_p),
+        ("latent_out_bias", ctypes.c_void_p),
+        *((name, ctypes.c_int32) for name in (
+            "num_experts", "top_k", "num_groups", "kept_groups", "normalize",
+        )),
+        ("scaling", ctypes.c_float),
+    ]  # fmt: skip
+
+
+class _Mamba2(ctypes.Structure):
+    _fields_ = [
+        ("in_proj", _Matrix),
+        ("out_proj", _Matrix),
+        *((name, ctypes.c_void_p) for name in (
+            "in_proj_bias", "out_proj_bias", "conv_weight", "conv_bias", "dt_bias", "A", "D",
+            "gate_norm",
+        )),
+        *((name, ctypes.c_int32) for name in (
+            "num_heads", "head_dim", "state_size", "num_groups", "kernel", "state",
+        )),
+        ("time_step_min", ctypes.c_float),
+    ]  # fmt: skip
 
 
 class _Block(ctypes.Structure):
@@ -132,6 +181,10 @@ class _Step(ctypes.Structure):
         *((name, ctypes.c_int32) for name in (
             "num_kv_caches", "cache_blocks", "block_size", "kv_format",
         )),
+        ("states", ctypes.c_void_p),
+        ("num_states", ctypes.c_int32),
+        ("state_slots", ctypes.c_int32),
+        *((name, ctypes.c_void_p) for name in ("state_rows", "fresh", "prompt")),
     ]  # fmt: skip
 
 
@@ -190,12 +243,15 @@ def _tensors(stack: Stack) -> Iterator[tuple[torch.Tensor, bool]]:
     yield from ((tensor, False) for tensor in (stack.final_norm, *stack.inv_freqs))
     if stack.embedding_scales is not None:
         yield stack.embedding_scales, False
-    for block in stack.blocks:
-        for part in (block, block.mixer):
-            for field in dataclasses.fields(part):
-                value = getattr(part, field.name)
-                if isinstance(value, torch.Tensor):
-                    yield value, field.name.endswith("_weight")
+    parts = [part for block in stack.blocks for part in (block, block.mixer)]
+    while parts:
+        part = parts.pop()
+        for field in dataclasses.fields(part):
+            value = getattr(part, field.name)
+            if isinstance(value, torch.Tensor):
+                yield value, field.name.endswith("_weight")
+            elif dataclasses.is_dataclass(value):  # a part of the mixer (an MoE's shared MLP)
+                parts.append(value)
 
 
 def _compile(compiler: str, target: Path) -> None:
@@ -254,7 +310,9 @@ class _Kept:
         self.kept.append(alias)
         return alias.data_ptr()
 
-    def _matrix(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> _Matrix:
+    def _matrix(self, weight: torch.Tensor | None, scale: torch.Tensor | None = None) -> _Matrix:
+        if weight is None:
+            return _Matrix()  # none: the kernel reads no data
         return _Matrix(
             self._address(weight),
             self._address(scale),
@@ -329,6 +387,15 @@ class CpuDecoder(_Kept):
         super().__init__()
         self.library = library
         self.hidden = stack.hidden
+        # the recurrent blocks' keys in the step's `recurrent.states`, and their state shapes
+        self.state_shapes = {
+            block.mixer.state: block.mixer.state_shapes
+            for block in stack.blocks
+            if isinstance(block.mixer, Mamba2)
+        }
+        self.state_layers = tuple(self.state_shapes)
+        if len(self.state_layers) != sum(isinstance(b.mixer, Mamba2) for b in stack.blocks):
+            raise ValueError("two recurrent blocks share one state")
         self.blocks = (_Block * len(stack.blocks))(*map(self._block, stack.blocks))
         self.model = self._model(stack)
         status = library.check_model(ctypes.byref(self.model), self.blocks, len(self.blocks))
@@ -340,6 +407,8 @@ class CpuDecoder(_Kept):
         self.scratch_sizes: dict[tuple[int, int], int] = {}
         self.kv_caches: tuple[int, ...] = ()
         self.kv_cache_array = (ctypes.c_void_p * 0)()
+        self.states: tuple[torch.Tensor, ...] = ()  # the recurrent states last seen to fit
+        self.state_array = (ctypes.c_void_p * 0)()
         self.scratch = torch.empty(0)
 
     def __reduce__(self):
@@ -383,7 +452,8 @@ class CpuDecoder(_Kept):
     ) -> bool:
         """Whether this step can run here: on CPU, each row the single new token of its own
         request (a step of decodes only), no more than `MAX_ROWS`, KV caches of the blocks'
-        shapes, all float32 or all bfloat16."""
+        shapes, all float32 or all bfloat16, and (recurrent blocks) float32 states of theirs
+        in `metadata.recurrent`."""
         rows = input_ids.shape[0]
         return (
             input_ids.is_cpu
@@ -394,7 +464,35 @@ class CpuDecoder(_Kept):
             and metadata.block_tables.dtype == metadata.seq_lens.dtype == torch.int32
             and metadata.slot_mapping.dtype == torch.int64
             and self._caches_fit(kv_caches)
+            and self._states_fit(metadata.recurrent, rows)
         )
+
+    def _states_fit(self, recurrent, rows: int) -> bool:
+        """The recurrent blocks' states in `recurrent` (a `kernels.mamba2.RecurrentMetadata`):
+        float32, contiguous, of the blocks' shapes, with one slot count; no recurrent blocks,
+        no states needed."""
+        if not self.state_layers:
+            return True
+        if recurrent is None or len(recurrent.state_rows_cpu) != rows:
+            return False
+        if not recurrent.prompt_token_mask.is_cpu:
+            return False
+        try:
+            states = tuple(t for layer in self.state_layers for t in recurrent.states[layer])
+        except KeyError:
+            return False
+        if len(states) == len(self.states) and all(map(operator.is_, states, self.states)):
+            return True  # the runner's persistent tensors, checked when first seen
+        slots = states[0].shape[0] if states else 0
+        shapes = [shape for layer in self.state_layers for shape in self.state_shapes[layer]]
+        if len(states) != len(shapes) or not all(
+            t.dtype == torch.float32 and t.is_contiguous() and t.is_cpu and t.shape == (slots, *s)
+            for t, s in zip(states, shapes, strict=True)
+        ):
+            return False
+        self.states = states
+        self.state_array = (ctypes.c_void_p * len(states))(*(t.data_ptr() for t in states))
+        return True
 
     def _caches_fit(self, kv_caches: Sequence[torch.Tensor]) -> bool:
         if not self.num_kv_caches:
@@ -445,6 +543,13 @@ class CpuDecoder(_Kept):
             block_tables = block_tables.contiguous()
         seq_lens = metadata.seq_lens.contiguous()
         slot_mapping = metadata.slot_mapping.contiguous()
+        recurrent = metadata.recurrent if self.state_layers else None
+        if self.state_layers and not self._states_fit(recurrent, rows):
+            raise ValueError("the step's recurrent states are not the blocks' (see `supports`)")
+        if recurrent is not None:  # read by the kernel: kept until it returns
+            state_rows = torch.tensor(recurrent.state_rows_cpu, dtype=torch.int32)
+            fresh = torch.tensor(recurrent.fresh, dtype=torch.uint8)
+            prompt = recurrent.prompt_token_mask.to(torch.uint8).contiguous()
         step = _Step(
             rows,
             torch.get_num_threads(),
@@ -460,6 +565,13 @@ class CpuDecoder(_Kept):
             *(kv_caches[0].shape[1:3] if addresses else (0, 0)),  # blocks, block size
             FORMATS[kv_caches[0].dtype] if addresses else FORMATS[torch.float32],
         )
+        if recurrent is not None:
+            step.states = ctypes.addressof(self.state_array)
+            step.num_states = len(self.state_layers)
+            step.state_slots = self.states[0].shape[0]
+            step.state_rows = state_rows.data_ptr()
+            step.fresh = fresh.data_ptr()
+            step.prompt = prompt.data_ptr()
         self._fit_scratch(step)
         out = torch.empty(rows, self.hidden)
         status = self.library.decode_step(
@@ -472,7 +584,19 @@ class CpuDecoder(_Kept):
         )
         if status:
             raise RuntimeError(f"native decode rejected its inputs (status {status})")
+        if recurrent is not None and any(recurrent.captures):
+            self._save_snapshots(recurrent)
         return out
+
+    def _save_snapshots(self, recurrent) -> None:
+        """The states each row's capture asks for (after its one token: what its state row
+        now holds) into their snapshot slots, for every recurrent block."""
+        for row, captures in zip(recurrent.state_rows_cpu, recurrent.captures, strict=True):
+            for _, slot in captures:
+                for layer in self.state_layers:
+                    states = recurrent.states[layer]
+                    for state, snapshot in zip(states, recurrent.snapshots[layer], strict=True):
+                        snapshot[slot] = state[row]
 
     def _fit_scratch(self, step: _Step) -> None:
         """Grow the scratch to what the kernel needs for the step's rows and threads."""
@@ -497,7 +621,7 @@ def _attention_params(decoder: CpuDecoder, mixer: Attention) -> _Attention:
         mixer.num_kv_heads,
         mixer.head_dim,
         mixer.window,
-        mixer.table,
+        -1 if mixer.table is None else mixer.table,
         mixer.cache,
         mixer.scale,
         mixer.soft_cap,
@@ -512,7 +636,72 @@ def _gated_mlp_params(decoder: CpuDecoder, mixer: GatedMlp) -> _GatedMlp:
     )
 
 
-_PARAMS = {Kind.ATTENTION: _attention_params, Kind.GATED_MLP: _gated_mlp_params}
+def _mlp_params(decoder: CpuDecoder, mixer: Mlp) -> _Mlp:
+    return _Mlp(
+        decoder._matrix(mixer.up_weight, mixer.up_scale),
+        decoder._matrix(mixer.down_weight, mixer.down_scale),
+        decoder._address(mixer.up_bias),
+        decoder._address(mixer.down_bias),
+        mixer.activation,
+    )
+
+
+def _experts(decoder: CpuDecoder, weights: torch.Tensor, scales: torch.Tensor | None) -> int:
+    """The address of an array of each expert's matrix (kept alive by `decoder`)."""
+    array = (_Matrix * weights.shape[0])(*(
+        decoder._matrix(weights[e], None if scales is None else scales[e])
+        for e in range(weights.shape[0])
+    ))  # fmt: skip
+    decoder.kept.append(array)
+    return ctypes.addressof(array)
+
+
+def _moe_params(decoder: CpuDecoder, mixer: Moe) -> _Moe:
+    return _Moe(
+        decoder._matrix(mixer.router),
+        decoder._address(mixer.correction_bias),
+        _experts(decoder, mixer.experts_up_weight, mixer.experts_up_scale),
+        _experts(decoder, mixer.experts_down_weight, mixer.experts_down_scale),
+        _mlp_params(decoder, mixer.shared),
+        decoder._matrix(mixer.latent_in_weight, mixer.latent_in_scale),
+        decoder._matrix(mixer.latent_out_weight, mixer.latent_out_scale),
+        decoder._address(mixer.latent_in_bias),
+        decoder._address(mixer.latent_out_bias),
+        mixer.num_experts,
+        mixer.top_k,
+        mixer.num_groups,
+        mixer.kept_groups,
+        mixer.normalize,
+        mixer.scaling,
+    )
+
+
+def _mamba2_params(decoder: CpuDecoder, mixer: Mamba2) -> _Mamba2:
+    vectors = (
+        mixer.in_proj_bias, mixer.out_proj_bias, mixer.conv_weight.contiguous(), mixer.conv_bias,
+        mixer.dt_bias, mixer.A, mixer.D, mixer.gate_norm,
+    )  # fmt: skip
+    return _Mamba2(
+        decoder._matrix(mixer.in_proj_weight, mixer.in_proj_scale),
+        decoder._matrix(mixer.out_proj_weight, mixer.out_proj_scale),
+        *map(decoder._address, vectors),
+        mixer.num_heads,
+        mixer.out_proj_weight.shape[0] // mixer.num_heads,
+        mixer.state_size,
+        mixer.num_groups,
+        mixer.conv_weight.shape[1],
+        decoder.state_layers.index(mixer.state),
+        mixer.time_step_min,
+    )
+
+
+_PARAMS = {
+    Kind.ATTENTION: _attention_params,
+    Kind.GATED_MLP: _gated_mlp_params,
+    Kind.MLP: _mlp_params,
+    Kind.MOE: _moe_params,
+    Kind.MAMBA2: _mamba2_params,
+}
 
 
 def _cache_heads(stack: Stack) -> dict[int, tuple[int, int]]:

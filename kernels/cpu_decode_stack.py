@@ -4,12 +4,13 @@ Every block is `hidden += [out_norm](mixer(norm(hidden)))`: an RMSNorm in, one m
 optional RMSNorm on what it adds (Gemma's sandwich norms). The mixer's type is the block's kind;
 the kernel dispatches on it and never on a model family. A decoder layer of Qwen2 or Gemma 3 is
 two blocks, `Attention` then `GatedMlp`; a hybrid whose layers are one mixer each is one block
-per layer. A new kind is a mixer class here (with its `kind`), its struct and converter in
-`cpu_decode`, and its case in `cpu_decode.c`. Weights are `[in, out]` in shape and in a stored
+per layer (a hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`). A new kind is a
+mixer class here (with its `kind`), its struct and converter in `cpu_decode`, and its case in
+`cpu_decode.c` (or `cpu_hybrid_kinds.h`). Weights are `[in, out]` in shape and in a stored
 format (`FORMATS`): float32 in either memory order (see `engine.models.layers.matmul_layout`),
 bfloat16, float16 or int8 as a contiguous `[in, out]`; an int8 weight `<name>_weight` comes with
 `<name>_scale`, its float32 scale per output column `[out]`. Norms (the scales they multiply
-by), biases and rotary tables are float32.
+by), biases, rotary tables, routers and a Mamba2 block's own vectors are float32.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class Kind(IntEnum):
 
     ATTENTION = 1
     GATED_MLP = 2
+    MLP = 3
+    MOE = 4
+    MAMBA2 = 5
 
 
 class Activation(IntEnum):
@@ -38,6 +42,7 @@ class Activation(IntEnum):
 
     SILU = 1
     GELU_TANH = 2
+    RELU2 = 3  # relu(x)²
 
 
 def _check_shape(name: str, tensor: torch.Tensor | None, *shape: int) -> None:
@@ -46,12 +51,12 @@ def _check_shape(name: str, tensor: torch.Tensor | None, *shape: int) -> None:
 
 
 def _check_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, axis: int) -> None:
-    """A scale per output channel (`weight.shape[axis]`) exactly when the weight is int8. (A
-    weight in a format the kernel does not read is no error here: `cpu_decode.bind` declines
-    it, and the model runs its torch ops.)"""
+    """A scale per output channel (`weight.shape[axis]`; per matrix of stacked `[E, in, out]`
+    experts) exactly when the weight is int8. (A weight in a format the kernel does not read
+    is no error here: `cpu_decode.bind` declines it, and the model runs its torch ops.)"""
     if (weight.dtype == torch.int8) != (scale is not None):
         raise ValueError(f"{name}: an int8 weight needs a scale, and only an int8 weight has one")
-    _check_shape(f"{name} scale", scale, weight.shape[axis])
+    _check_shape(f"{name} scale", scale, *weight.shape[:-2], weight.shape[axis])
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,8 +64,8 @@ class Attention:
     """GQA attention over the paged KV cache `cache`, an index into the step's KV caches (the
     runner's: one per attention layer, in layer order, see `engine.cache_groups`): fused q|k|v
     projection (+ `qkv_bias`), an RMSNorm per q and k head (`qk_norm`, optional),
-    rotary table `table`, scores times `scale` (soft-capped by `soft_cap` when > 0), keys
-    within `window` positions (0: all), output projection."""
+    rotary table `table` (None: no rotary embedding), scores times `scale` (soft-capped by
+    `soft_cap` when > 0), keys within `window` positions (0: all), output projection."""
 
     kind: ClassVar[Kind] = Kind.ATTENTION
     qkv_weight: torch.Tensor  # [hidden, (Hq + 2 Hkv) * D]: q, k, v columns
@@ -72,7 +77,7 @@ class Attention:
     qkv_bias: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D]
     qk_norm: torch.Tensor | None = None  # [Hq + Hkv, D]: per q head, then per k head
     window: int = 0
-    table: int = 0
+    table: int | None = 0
     soft_cap: float = 0.0
     qkv_scale: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D]: an int8 qkv_weight's
     o_scale: torch.Tensor | None = None  # [hidden]: an int8 o_weight's
@@ -84,7 +89,7 @@ class Attention:
                 f"{self.num_kv_heads} >= 1"
             )
         for name in ("cache", "window", "table"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         width = (self.num_qk_heads + self.num_kv_heads) * self.head_dim
         _check_shape("o_weight", self.o_weight, self.num_heads * self.head_dim, self.hidden)
@@ -130,7 +135,174 @@ class GatedMlp:
         return self.down_weight.shape[1]
 
 
-Mixer = Attention | GatedMlp
+@dataclass(frozen=True, eq=False)
+class Mlp:
+    """`act(x @ W_up (+ up_bias)) @ W_down (+ down_bias)`: a plain MLP (relu² in hybrids)."""
+
+    kind: ClassVar[Kind] = Kind.MLP
+    up_weight: torch.Tensor  # [hidden, intermediate]
+    down_weight: torch.Tensor  # [intermediate, out]
+    activation: Activation
+    up_bias: torch.Tensor | None = None  # [intermediate]
+    down_bias: torch.Tensor | None = None  # [out]
+    up_scale: torch.Tensor | None = None  # [intermediate]: an int8 up_weight's
+    down_scale: torch.Tensor | None = None  # [out]: an int8 down_weight's
+
+    def __post_init__(self) -> None:
+        intermediate = self.up_weight.shape[1]
+        _check_shape("down_weight", self.down_weight, intermediate, self.down_weight.shape[1])
+        _check_shape("up_bias", self.up_bias, intermediate)
+        _check_shape("down_bias", self.down_bias, self.down_weight.shape[1])
+        _check_weight("up_weight", self.up_weight, self.up_scale, 1)
+        _check_weight("down_weight", self.down_weight, self.down_scale, 1)
+        Activation(self.activation)
+
+    @property
+    def hidden(self) -> int:
+        return self.up_weight.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class Moe:
+    """A mixture of experts with sigmoid routing (DeepSeek-V3's, NemotronH's): `sigmoid(x @
+    router)` scores; `scores + correction_bias` choose `top_k` experts among the best
+    `kept_groups` of `num_groups` groups (each rated by its two best), the unbiased scores
+    weight them (normalised to sum 1 when `normalize`), times `scaling`. The experts are
+    bias-free MLPs with the `shared` expert's activation, on `x @ latent_in (+ bias)` when
+    there is a latent projection (their weighted sum then projected by `latent_out`), else on
+    x; the shared expert always sees x. Only the experts a row routes to are read."""
+
+    kind: ClassVar[Kind] = Kind.MOE
+    router: torch.Tensor  # [hidden, E] float32
+    correction_bias: torch.Tensor  # [E]
+    experts_up_weight: torch.Tensor  # [E, width, mid] contiguous: each expert's [in, out]
+    experts_down_weight: torch.Tensor  # [E, mid, width] contiguous
+    shared: Mlp
+    top_k: int
+    num_groups: int = 1
+    kept_groups: int = 1
+    normalize: bool = True
+    scaling: float = 1.0
+    experts_up_scale: torch.Tensor | None = None  # [E, mid]: int8 experts' scales
+    experts_down_scale: torch.Tensor | None = None  # [E, width]
+    latent_in_weight: torch.Tensor | None = None  # [hidden, width]
+    latent_out_weight: torch.Tensor | None = None  # [width, hidden]
+    latent_in_bias: torch.Tensor | None = None  # [width]
+    latent_out_bias: torch.Tensor | None = None  # [hidden]
+    latent_in_scale: torch.Tensor | None = None  # [width]: an int8 latent_in_weight's
+    latent_out_scale: torch.Tensor | None = None  # [hidden]
+
+    def __post_init__(self) -> None:
+        num_experts, width, mid = self.experts_up_weight.shape
+        if not 1 <= self.top_k <= self.kept_groups * (num_experts // self.num_groups):
+            raise ValueError(
+                f"top_k={self.top_k} must be >= 1 and at most the experts of the kept groups"
+            )
+        if num_experts % self.num_groups or not 1 <= self.kept_groups <= self.num_groups:
+            raise ValueError(
+                f"num_groups={self.num_groups} must divide {num_experts} experts and be >= "
+                f"kept_groups={self.kept_groups} >= 1"
+            )
+        if not (
+            self.experts_up_weight.is_contiguous() and self.experts_down_weight.is_contiguous()
+        ):
+            raise ValueError("expert weights must be contiguous stacks of [in, out] matrices")
+        if (self.latent_in_weight is None) != (self.latent_out_weight is None):
+            raise ValueError("latent_in_weight and latent_out_weight come together")
+        _check_shape("router", self.router, self.hidden, num_experts)
+        _check_shape("correction_bias", self.correction_bias, num_experts)
+        _check_shape("experts_down_weight", self.experts_down_weight, num_experts, mid, width)
+        if self.shared.hidden != self.hidden or self.shared.down_weight.shape[1] != self.hidden:
+            raise ValueError(f"the shared expert is not {self.hidden} wide")
+        _check_shape("latent_in_weight", self.latent_in_weight, self.hidden, width)
+        _check_shape("latent_out_weight", self.latent_out_weight, width, self.hidden)
+        _check_shape("latent_in_bias", self.latent_in_bias, width)
+        _check_shape("latent_out_bias", self.latent_out_bias, self.hidden)
+        if self.latent_in_weight is None and width != self.hidden:
+            raise ValueError(f"experts {width} wide need latent projections from {self.hidden}")
+        for name in ("experts_up", "experts_down", "latent_in", "latent_out"):
+            weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
+            if weight is not None:
+                _check_weight(f"{name}_weight", weight, scale, weight.dim() - 1)
+
+    @property
+    def hidden(self) -> int:
+        return self.router.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[1]
+
+
+@dataclass(frozen=True, eq=False)
+class Mamba2:
+    """Mamba2's one-token update: `in_proj` gives the gate z `[inner]`, the conv input x|B|C
+    `[conv_dim]` and dt `[heads]`; x|B|C go through the depthwise causal conv (`kernel` taps,
+    SiLU) after the row's stored inputs; `dt = softplus(dt + dt_bias)`, floored at
+    `time_step_min` for prompt tokens; per head the SSM state `[head_dim, state_size]` decays
+    by `exp(dt A)` and takes `dt B x`; `y = state . C + D x` (B, C of the head's group); the
+    RMSNorm of `y * silu(z)` over each group's slice of inner, times `gate_norm`; `out_proj`.
+    Its states are `state`'s in the step's recurrent states (the runner's: by layer id), a
+    conv state `[conv_dim, kernel - 1]` and an SSM state `[heads, head_dim, state_size]` per
+    state row, read and written in place."""
+
+    kind: ClassVar[Kind] = Kind.MAMBA2
+    in_proj_weight: torch.Tensor  # [hidden, inner + conv_dim + heads]
+    out_proj_weight: torch.Tensor  # [inner, hidden]
+    conv_weight: torch.Tensor  # [conv_dim, kernel]
+    dt_bias: torch.Tensor  # [heads]
+    A: torch.Tensor  # [heads], negative
+    D: torch.Tensor  # [heads]
+    gate_norm: torch.Tensor  # [inner]
+    num_heads: int
+    num_groups: int
+    state_size: int
+    state: int
+    time_step_min: float
+    conv_bias: torch.Tensor | None = None  # [conv_dim]
+    in_proj_bias: torch.Tensor | None = None  # [inner + conv_dim + heads]
+    out_proj_bias: torch.Tensor | None = None  # [hidden]
+    in_proj_scale: torch.Tensor | None = None  # an int8 in_proj_weight's
+    out_proj_scale: torch.Tensor | None = None  # an int8 out_proj_weight's
+
+    def __post_init__(self) -> None:
+        if self.num_groups < 1 or self.num_heads % self.num_groups:
+            raise ValueError(f"num_groups={self.num_groups} must divide {self.num_heads} heads")
+        inner = self.out_proj_weight.shape[0]
+        if inner % self.num_heads:
+            raise ValueError(f"inner size {inner} is no multiple of {self.num_heads} heads")
+        width = inner + self.conv_dim + self.num_heads
+        _check_shape("in_proj_weight", self.in_proj_weight, self.hidden, width)
+        _check_shape("in_proj_bias", self.in_proj_bias, width)
+        _check_shape("out_proj_bias", self.out_proj_bias, self.hidden)
+        _check_shape("conv_bias", self.conv_bias, self.conv_dim)
+        if self.conv_weight.shape[0] != self.conv_dim or self.conv_weight.shape[1] < 2:
+            raise ValueError(
+                f"conv_weight {tuple(self.conv_weight.shape)}: [{self.conv_dim}, >= 2]"
+            )
+        for name in ("dt_bias", "A", "D"):
+            _check_shape(name, getattr(self, name), self.num_heads)
+        _check_shape("gate_norm", self.gate_norm, inner)
+        _check_weight("in_proj_weight", self.in_proj_weight, self.in_proj_scale, 1)
+        _check_weight("out_proj_weight", self.out_proj_weight, self.out_proj_scale, 1)
+
+    @property
+    def hidden(self) -> int:
+        return self.out_proj_weight.shape[1]
+
+    @property
+    def conv_dim(self) -> int:
+        return self.out_proj_weight.shape[0] + 2 * self.num_groups * self.state_size
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per state row: the conv state's shape and the SSM state's."""
+        head_dim = self.out_proj_weight.shape[0] // self.num_heads
+        conv = (self.conv_dim, self.conv_weight.shape[1] - 1)
+        return conv, (self.num_heads, head_dim, self.state_size)
+
+
+Mixer = Attention | GatedMlp | Mlp | Moe | Mamba2
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,8 +323,8 @@ class Stack:
     strides: a tied model's is the head's transpose; int8 with `embedding_scales` `[vocab]`, a
     scale per row) times `embedding_scale`, the `blocks`, the final norm. `inv_freqs` are the
     rotary tables' frequencies `[D/2]` and `section` `[D/2]` the position row each frequency
-    turns with (M-RoPE; zeros for 1-D positions). Every RMSNorm divides by
-    sqrt(mean(x^2) + `eps`)."""
+    turns with (M-RoPE; zeros for 1-D positions); no tables (and `section` `[0]`) where no
+    block rotates. Every RMSNorm divides by sqrt(mean(x^2) + `eps`)."""
 
     blocks: Sequence[Block]
     embedding: torch.Tensor
@@ -164,8 +336,8 @@ class Stack:
     embedding_scales: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if not 1 <= len(self.inv_freqs) <= MAX_TABLES:
-            raise ValueError(f"{len(self.inv_freqs)} rotary tables; 1 to {MAX_TABLES} allowed")
+        if len(self.inv_freqs) > MAX_TABLES:
+            raise ValueError(f"{len(self.inv_freqs)} rotary tables; at most {MAX_TABLES} allowed")
         half = self.section.shape[0]
         hidden = self.final_norm.shape[0]
         _check_shape("embedding", self.embedding, self.embedding.shape[0], hidden)
@@ -175,13 +347,16 @@ class Stack:
         for index, block in enumerate(self.blocks):
             mixer = block.mixer
             _check_shape(f"blocks[{index}].norm", block.norm, hidden)
-            if mixer.hidden != hidden:
+            out = mixer.down_weight.shape[1] if isinstance(mixer, Mlp) else hidden
+            if mixer.hidden != hidden or out != hidden:
                 raise ValueError(f"blocks[{index}] is {mixer.hidden} wide, the stack {hidden}")
-            if isinstance(mixer, Attention) and mixer.head_dim != 2 * half:
+            if not isinstance(mixer, Attention) or mixer.table is None:
+                continue
+            if mixer.head_dim != 2 * half:
                 raise ValueError(
                     f"blocks[{index}] head_dim {mixer.head_dim} is not the rotary {2 * half}"
                 )
-            if isinstance(mixer, Attention) and mixer.table >= len(self.inv_freqs):
+            if mixer.table >= len(self.inv_freqs):
                 raise ValueError(
                     f"blocks[{index}] rotary table {mixer.table} of {len(self.inv_freqs)}"
                 )

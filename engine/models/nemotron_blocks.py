@@ -22,10 +22,12 @@ from stillcut.engine.models.layers import (
     StoredMatrix,
     fused_weight,
     linear,
+    scale_of,
     set_weight,
 )
 from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from stillcut.kernels.cpu_decode_stack import Activation, Attention, Mixer, Mlp
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,6 +72,11 @@ class NemotronBlock(ProjectingModule, abc.ABC):
     ) -> torch.Tensor:
         """The residual stream `[N, hidden]` after this block (each block kind's own)."""
 
+    @abc.abstractmethod
+    def native_mixer(self, cache: int) -> Mixer:
+        """The mixer as the native CPU decode step reads it (`cache`: the step's KV cache an
+        attention block uses)."""
+
 
 class AttentionBlock(NemotronBlock):
     """GQA attention, no rotary, no biases; q, k and v fused into one `[in, out]` weight."""
@@ -102,6 +109,19 @@ class AttentionBlock(NemotronBlock):
         attended = attended.reshape(num_tokens, -1)  # [N, Hq D]
         return linear(attended, self.matrix("o_weight"), hidden)
 
+    def native_mixer(self, cache: int) -> Attention:
+        return Attention(
+            self.qkv_weight,
+            self.o_weight,
+            self.num_heads,
+            self.num_kv_heads,
+            cache=cache,
+            scale=self.scale,
+            table=None,  # no rotary embedding
+            qkv_scale=scale_of(self, "qkv_weight"),
+            o_scale=scale_of(self, "o_weight"),
+        )
+
 
 class MLPBlock(NemotronBlock):
     """`down(relu(up(x))²)`, biases when the config has `mlp_bias`."""
@@ -124,6 +144,29 @@ class MLPBlock(NemotronBlock):
             normed, self.matrix("up"), self.matrix("down"), self.up_bias, self.down_bias
         )
         return hidden + out
+
+    def native_mixer(self, cache: int) -> Mlp:
+        return native_relu2_mlp(self, "up", "down", self.up_bias, self.down_bias)
+
+
+def native_relu2_mlp(
+    module: nn.Module,
+    up: str,
+    down: str,
+    up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+) -> Mlp:
+    """`module`'s relu² MLP of projections `up` and `down` (and their int8 scales) as the
+    native decode step reads it."""
+    return Mlp(
+        getattr(module, up),
+        getattr(module, down),
+        Activation.RELU2,
+        up_bias=up_bias,
+        down_bias=down_bias,
+        up_scale=scale_of(module, up),
+        down_scale=scale_of(module, down),
+    )
 
 
 def stored_mlp(in_size: int, mid_size: int, bias: bool) -> nn.Module:

@@ -4,9 +4,11 @@ A stack of Mamba2, attention, MoE and MLP blocks (`nemotron_mamba`, `nemotron_bl
 `nemotron_moe`) between an embedding and a final RMSNorm. Attention layers take the runner's
 paged K/V caches in layer order; Mamba2 layers read and write the runner's recurrent states
 through `metadata.recurrent`. Positions play no part (no rotary anywhere), so the position row
-the runner passes is ignored. Weights load as the checkpoint stores them (release layout:
-`backbone.layers.{i}.mixer.*`, one tensor per expert) and are rearranged once into `[in, out]`
-matrices; multi-token-prediction tensors, if any, are skipped as transformers skips them.
+the runner passes is ignored. On CPU a step of decodes runs as one native call (`native_stack`:
+each block as its kind for `kernels/cpu_decode`). Weights load as the checkpoint stores them
+(release layout: `backbone.layers.{i}.mixer.*`, one tensor per expert) and are rearranged once
+into `[in, out]` matrices; multi-token-prediction tensors, if any, are skipped as transformers
+skips them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from stillcut.engine.models.layers import (
     embedding_rows,
     head_layout,
     load_head,
-    prepare_matrices,
     scale_of,
     set_weight,
     vocab_logits,
@@ -56,6 +57,7 @@ from stillcut.engine.models.nemotron_text_config import (
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode_stack import Block, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
@@ -89,7 +91,7 @@ class NemotronHLanguageModel(PagedLanguageModel):
             set_weight(self, "embeddings", *embeddings)
         self.norm = frozen(final_norm)
         set_weight(self, "lm_head", *lm_head)
-        prepare_matrices(self)
+        self.prepare_weights()
 
     def forward(
         self,
@@ -108,6 +110,9 @@ class NemotronHLanguageModel(PagedLanguageModel):
         """
         if (mm_embeds is None) != (mm_mask is None):
             raise ValueError("mm_embeds and mm_mask must be given together")
+        native = self.native_decode(input_ids, positions, kv_caches, metadata, mm_embeds)
+        if native is not None:
+            return native  # a step of decodes, in one native call
         hidden = self.embed(input_ids)  # [N, hidden]
         if mm_embeds is not None:
             hidden[mm_mask] = mm_embeds.to(hidden.dtype)
@@ -122,6 +127,25 @@ class NemotronHLanguageModel(PagedLanguageModel):
         name = "lm_head" if self.embeddings is None else "embeddings"
         table = self.lm_head.T if self.embeddings is None else self.embeddings
         return embedding_rows(input_ids, table, scale_of(self, name), self.norm.dtype)
+
+    def native_stack(self) -> Stack:
+        """Each layer as one block of its kind for the native CPU decode step (attention
+        without rotary: no tables); the embedding is the tied head's rows when there is no
+        table of its own."""
+        blocks, num_caches = [], 0  # attention blocks take the step's K/V caches in order
+        for block in self.layers:
+            blocks.append(Block(block.norm, block.native_mixer(num_caches)))
+            num_caches += isinstance(block, AttentionBlock)
+        tied = self.embeddings is None
+        return Stack(
+            blocks,
+            embedding=self.lm_head.T if tied else self.embeddings,
+            embedding_scales=scale_of(self, "lm_head" if tied else "embeddings"),
+            final_norm=self.norm,
+            inv_freqs=[],
+            section=torch.zeros(0, dtype=torch.int64),
+            eps=self.config.layer_norm_epsilon,
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.layers import linear
+from stillcut.engine.models.layers import linear, scale_of
 from stillcut.engine.models.nemotron_blocks import (
     NemotronBlock,
     frozen,
@@ -26,6 +26,7 @@ from stillcut.engine.models.nemotron_blocks import (
 )
 from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode_stack import Mamba2
 from stillcut.kernels.mamba2 import (
     causal_conv1d,
     causal_conv1d_step,
@@ -82,6 +83,28 @@ class Mamba2Block(NemotronBlock):
         y = self._gated_norm(scanned.flatten(1), gate).to(hidden.dtype)  # [N, inner]
         out = linear(y, self.matrix("out_proj"), self.out_proj_bias)
         return hidden + out
+
+    def native_mixer(self, cache: int) -> Mamba2:
+        config = self.config
+        return Mamba2(
+            self.in_proj,
+            self.out_proj,
+            self.conv_weight,
+            self.dt_bias,
+            self.A,
+            self.D,
+            self.gate_norm,
+            num_heads=config.mamba_num_heads,
+            num_groups=config.n_groups,
+            state_size=config.ssm_state_size,
+            state=self.layer_id,
+            time_step_min=config.time_step_min,
+            conv_bias=self.conv_bias,
+            in_proj_bias=self.in_proj_bias,
+            out_proj_bias=self.out_proj_bias,
+            in_proj_scale=scale_of(self, "in_proj"),
+            out_proj_scale=scale_of(self, "out_proj"),
+        )
 
     def _split_xbc(self, conv_out: torch.Tensor):
         """conv output `[n, conv_dim]` -> x `[n, heads, head_dim]`, B and C `[n, G, N]`."""

@@ -19,6 +19,7 @@ from stillcut.engine.models.layers import StoredMatrix, linear, scale_of, stored
 from stillcut.engine.models.nemotron_blocks import (
     NemotronBlock,
     frozen,
+    native_relu2_mlp,
     relu2_mlp,
     rms_norm,
     set_projection,
@@ -26,6 +27,7 @@ from stillcut.engine.models.nemotron_blocks import (
 )
 from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode_stack import Moe
 
 
 class MoEBlock(NemotronBlock):
@@ -93,6 +95,31 @@ class MoEBlock(NemotronBlock):
             self.shared_down_bias,
         )
         return hidden + routed + shared
+
+    def native_mixer(self, cache: int) -> Moe:
+        config, latent = self.config, self.latent_in is not None
+        return Moe(
+            self.router.T,  # [hidden, E]
+            self.correction_bias,
+            self.experts_up,
+            self.experts_down,
+            native_relu2_mlp(
+                self, "shared_up", "shared_down", self.shared_up_bias, self.shared_down_bias
+            ),
+            top_k=config.num_experts_per_tok,
+            num_groups=config.n_group,
+            kept_groups=config.topk_group,
+            normalize=config.norm_topk_prob,
+            scaling=config.routed_scaling_factor,
+            experts_up_scale=scale_of(self, "experts_up"),
+            experts_down_scale=scale_of(self, "experts_down"),
+            latent_in_weight=self.latent_in if latent else None,
+            latent_out_weight=self.latent_out if latent else None,
+            latent_in_bias=self.latent_in_bias if latent else None,
+            latent_out_bias=self.latent_out_bias if latent else None,
+            latent_in_scale=scale_of(self, "latent_in") if latent else None,
+            latent_out_scale=scale_of(self, "latent_out") if latent else None,
+        )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids `[N, k]` and their float32 weights `[N, k]` for `x` `[N, hidden]`."""

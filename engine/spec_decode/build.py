@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stillcut.engine.config import SpeculativeConfig
-from stillcut.engine.spec_decode.calibration import StepCosts, measure_step_costs
+from stillcut.engine.spec_decode.calibration import measure_step_costs
 from stillcut.engine.spec_decode.ngram import NgramProposer
 from stillcut.engine.spec_decode.policy import SpeculationPolicy
 from stillcut.engine.spec_decode.speculator import Speculator
@@ -24,6 +24,7 @@ def build_speculator(engine, config: SpeculativeConfig) -> Speculator:
     """The proposer of `config.method` and the K policy (calibrated when dynamic) of `engine`,
     whose model, runner and scheduler config are already built."""
     check_speculation_allowed(engine.has_recurrent_state)
+    draft_runner = None  # a draft model's proposals cost steps of its own
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     elif config.method == "suffix":
@@ -32,8 +33,9 @@ def build_speculator(engine, config: SpeculativeConfig) -> Speculator:
         from stillcut.engine.spec_decode.draft import DraftProposer
 
         proposer = DraftProposer.for_target(engine, config)
+        draft_runner = proposer.runner
     step_cost = None
     if config.dynamic:
         max_batch, max_k = engine.config.scheduler.max_num_seqs, config.num_speculative_tokens
-        step_cost = StepCosts(measure_step_costs(engine.runner, max_batch, max_k), max_k)
+        step_cost = measure_step_costs(engine.runner, max_batch, max_k, draft_runner)
     return Speculator(config, proposer, SpeculationPolicy(config, step_cost))

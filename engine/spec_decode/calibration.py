@@ -1,12 +1,15 @@
 """Start-up measurement of what a verify step costs on this machine.
 
 At batch sizes 1, 4, 16, ... up to the seats, the model runs one step of that many requests at
-a short context with 1 and with 1 + K_max query tokens each, logits for every query token
-included, on the engine's own (still empty) K/V cache; the median of a few runs is kept. A
-verify step's cost grows about linearly with its tokens between those two (the weights are
-read once either way), so `step_cost(batch, k)` is 1 + (t(b, K_max) / t(b, 0) - 1) k / K_max
-at the largest measured batch size b not above `batch`. Nothing is left behind: the blocks
-written are free and unhashed, and any later request writes its own slots before reading them.
+a short context with 1, 2, ..., 1 + K_max query tokens each, logits for every query token
+included, on the engine's own (still empty) K/V cache; the median of a few runs is kept, and
+`step_cost(batch, k)` is the time with k drafts per request over the time with none, at the
+largest measured batch size not above `batch`. Each k is measured, not interpolated: the cost
+is not linear in k (past 16 rows a step leaves the native decode step, and a large vocabulary
+makes every row's logits costly), and a guess that is too low makes speculation slower than
+none. With a draft model, proposing k tokens costs about k of its decode steps at that batch
+size, measured the same way and added. Nothing is left behind: the blocks written are free and
+unhashed, and any later request writes its own slots before reading them.
 """
 
 from __future__ import annotations
@@ -23,33 +26,39 @@ CONTEXT_TOKENS = 64  # context each calibration request attends to
 NUM_RUNS = 3
 
 
-def measure_step_costs(runner, max_batch: int, max_k: int) -> dict[int, float]:
-    """Batch size -> t(b, max_k) / t(b, 0) (see the module docstring)."""
+def measure_step_costs(runner, max_batch: int, max_k: int, draft_runner=None) -> StepCosts:
+    """The measured `StepCosts` of `runner` (and of proposing with `draft_runner`, if any)."""
     block_size = runner.block_size
     num_blocks = runner.kv_caches[0].shape[1] if runner.kv_caches else 1
     blocks_per_request = -(-(CONTEXT_TOKENS + max_k + 1) // block_size)
-    ratios: dict[int, float] = {}
+    costs: dict[int, tuple[float, ...]] = {}
     batch = 1
     while batch <= max_batch and batch * blocks_per_request <= num_blocks:
         if batch * (1 + max_k) > runner.max_num_batched_tokens:
             break
         plain = time_verify_step(runner, batch, 1, blocks_per_request)
-        ratios[batch] = time_verify_step(runner, batch, 1 + max_k, blocks_per_request) / plain
+        draft = 0.0
+        if draft_runner is not None:
+            draft = time_verify_step(draft_runner, batch, 1, blocks_per_request)
+        costs[batch] = (1.0,) + tuple(
+            (time_verify_step(runner, batch, 1 + k, blocks_per_request) + k * draft) / plain
+            for k in range(1, max_k + 1)
+        )
         batch *= 4
-    return ratios or {1: 1.0 + max_k}
+    return StepCosts(costs or {1: tuple(1.0 + k for k in range(max_k + 1))})
 
 
 class StepCosts:
-    """`step_cost(batch, k)` from measured ratios (see the module docstring)."""
+    """`step_cost(batch, k)`: batch size -> the cost with k = 0, 1, ... drafts per request
+    (see the module docstring)."""
 
-    def __init__(self, ratios: dict[int, float], max_k: int) -> None:
-        self.sizes = sorted(ratios)
-        self.ratios = ratios
-        self.max_k = max_k
+    def __init__(self, costs: dict[int, tuple[float, ...]]) -> None:
+        self.sizes = sorted(costs)
+        self.costs = costs
 
     def __call__(self, batch: int, k: int) -> float:
         size = self.sizes[max(bisect.bisect_right(self.sizes, batch) - 1, 0)]
-        return 1.0 + (self.ratios[size] - 1.0) * k / self.max_k
+        return self.costs[size][k]
 
 
 def time_verify_step(runner, batch: int, width: int, blocks_per_request: int) -> float:

@@ -7,9 +7,12 @@ at once under a small token budget, so prefill chunks split the Mamba2 layers' s
 their state across steps. The reference prompts come from transformers' own processor code
 (its video processor, and the tubelet labels its processor writes); with EVS on, transformers
 prunes inside its forward pass with `compute_retention_mask`, and our prompt holds exactly the
-tokens it keeps.
+tokens it keeps. Decode steps run natively (`kernels/cpu_decode`) where the kernel builds; with
+`STILLCUT_REQUIRE_NATIVE_DECODE` set (as CI sets it) a decode step the kernel declines fails the
+parity test instead of quietly running the torch layers.
 """
 
+import os
 import types
 
 import pytest
@@ -19,6 +22,7 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
+from stillcut.kernels import cpu_decode
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
@@ -89,8 +93,22 @@ def _assert_all_free(engine):
     assert not runner.rows and sorted(runner.free_rows) == list(range(len(runner.token_ids)))
 
 
+@pytest.fixture
+def native_steps(monkeypatch):
+    """The rows of each step the native decode step ran (the test's own calls only)."""
+    rows = []
+    decode = cpu_decode.CpuDecoder.__call__
+
+    def counted(decoder, input_ids, *args):
+        rows.append(input_ids.shape[0])
+        return decode(decoder, input_ids, *args)
+
+    monkeypatch.setattr(cpu_decode.CpuDecoder, "__call__", counted)
+    return rows
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_greedy_equals_transformers_generate(setup, name):
+def test_greedy_equals_transformers_generate(setup, name, native_steps):
     parts, items, media, rate = _case(setup, name)
     messages = [{"role": "user", "content": parts}]
     prompt = setup.engine.processor.build(messages, items)
@@ -106,6 +124,8 @@ def test_greedy_equals_transformers_generate(setup, name):
     (ours,) = setup.engine.generate([prompt], GREEDY)
     assert ours.token_ids == setup.reference.greedy(expected_ids, media, rate, NUM_NEW_TOKENS)
     _assert_all_free(setup.engine)
+    if os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):  # every token after the first
+        assert native_steps == [1] * (NUM_NEW_TOKENS - 1), "a decode step ran the torch layers"
 
 
 def test_all_at_once_in_small_chunks_equals_one_at_a_time(setup):

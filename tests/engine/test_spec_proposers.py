@@ -75,6 +75,36 @@ def test_dynamic_k_follows_acceptance_and_cost():
     assert pinned.num_tokens(bad, 64) == 4
 
 
+def test_calibration_measures_every_k_and_a_drafts_proposals(tiny_checkpoint, monkeypatch):
+    """A dynamic engine measures its verify steps at start-up, each K itself (the cost is not
+    linear in K), with a draft model's decode steps added for its proposals; lookups take the
+    largest measured batch size not above the batch."""
+    from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stillcut.engine.llm_engine import LLMEngine
+    from stillcut.engine.spec_decode import calibration
+    from stillcut.engine.spec_decode.calibration import StepCosts, measure_step_costs
+
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=256),
+        cache=CacheConfig(num_blocks=64),
+        speculative=SpeculativeConfig(num_speculative_tokens=3),
+    )
+    engine = LLMEngine(tiny_checkpoint, config)
+    costs = engine.speculator.policy.step_cost
+    assert isinstance(costs, StepCosts) and costs.sizes == [1, 4]
+    assert all(len(row) == 4 and row[0] == 1.0 and min(row) > 0 for row in costs.costs.values())
+    assert costs(7, 2) == costs.costs[4][2] and costs(1, 3) == costs.costs[1][3]
+    # the arithmetic, on made-up step times: a target step of w tokens takes w, a draft step 0.5
+    draft_runner = object()
+    monkeypatch.setattr(
+        calibration,
+        "time_verify_step",
+        lambda runner, batch, width, blocks: 0.5 if runner is draft_runner else float(width),
+    )
+    with_draft = measure_step_costs(engine.runner, 1, 3, draft_runner=draft_runner)
+    assert with_draft.costs == {1: (1.0, 2.5, 4.0, 5.5)}  # (1 + k) + k x 0.5
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

@@ -7,9 +7,10 @@ between the three M-RoPE rows, and Gemma's contexts outgrow its local layers' wi
 Requests sit in scattered blocks, with contexts ending inside and exactly at block boundaries.
 A model whose weights become other tensors (`.to()`, a swapped layer, new parameters,
 `param.data`) or a copy of it decodes with those; and a stack of blocks in no family's order
-matches a torch reading of the same description, with its weights float32, bfloat16, float16
-or int8 (per-column scales; an int8 embedding scaled per row) and float32 or bfloat16 KV
-caches: the kernel widens what is stored exactly as the torch path does. Where CI sets
+matches a torch reading of the same description (a plain biased relu² MLP among them), with
+its weights float32, bfloat16, float16 or int8 (per-column scales; an int8 embedding scaled per
+row) and float32 or bfloat16 KV caches: the kernel widens what is stored exactly as the torch
+path does (the hybrid kinds in a model: `test_cpu_decode_hybrid`). Where CI sets
 `STILLCUT_REQUIRE_NATIVE_DECODE`, a kernel that does not build fails here instead of skipping.
 """
 
@@ -31,7 +32,7 @@ from stillcut.engine.models.layers import embedding_rows, fused_qkv_attention, r
 from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
+from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Mlp, Stack
 
 BLOCK_SIZE = 4
 # 17 short requests, then one long one (request 17) whose keys get split across threads
@@ -363,6 +364,17 @@ def _mixed_stack() -> Stack:
         ),  # fmt: skip
         Block(norm(HIDDEN), attention(1, False)),
         Block(norm(HIDDEN), mlp(Activation.SILU, False), out_norm=norm(HIDDEN)),
+        Block(
+            norm(HIDDEN),
+            Mlp(
+                _weight(generator, HIDDEN, INTERMEDIATE, False),
+                _weight(generator, INTERMEDIATE, HIDDEN, True),
+                Activation.RELU2,
+                up_bias=0.2 * torch.randn(INTERMEDIATE, generator=generator),
+                down_bias=0.2 * torch.randn(HIDDEN, generator=generator),
+            ),
+            out_norm=norm(HIDDEN),
+        ),  # a plain MLP (a hybrid's), biased, its down projection [out, in] in float32
     ]
     exponent = torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM
     return Stack(
@@ -403,6 +415,9 @@ def _torch_reading(stack: Stack, ids, positions, kv_caches, metadata) -> torch.T
                 logits_soft_cap=mixer.soft_cap or None,
             )
             out = attended @ mixer.o_weight
+        elif isinstance(mixer, Mlp):
+            hidden_mlp = (x @ mixer.up_weight + mixer.up_bias).relu().square()
+            out = hidden_mlp @ mixer.down_weight + mixer.down_bias
         else:
             gate, up = (x @ mixer.gate_up_weight).chunk(2, dim=-1)
             tanh = mixer.activation == Activation.GELU_TANH
@@ -430,7 +445,7 @@ def _in_format(stack: Stack, dtype: torch.dtype) -> tuple[Stack, Stack]:
     stored, widened = [], []
     for block in stack.blocks:
         mixer, narrow, wide = block.mixer, {}, {}
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in ("qkv", "o", "gate_up", "up", "down"):
             if hasattr(mixer, f"{name}_weight"):
                 weight, scale = store(getattr(mixer, f"{name}_weight"), 1)
                 narrow[f"{name}_weight"], narrow[f"{name}_scale"] = weight, scale
@@ -448,14 +463,14 @@ def _in_format(stack: Stack, dtype: torch.dtype) -> tuple[Stack, Stack]:
 
 def _mlps_only(stack: Stack) -> Stack:
     return dataclasses.replace(
-        stack, blocks=[b for b in stack.blocks if isinstance(b.mixer, GatedMlp)]
+        stack, blocks=[b for b in stack.blocks if isinstance(b.mixer, GatedMlp | Mlp)]
     )
 
 
 STORED = {  # name: (blocks, weight format, KV cache dtype, threads)
     "mixed, 1 thread": ("mixed", torch.float32, torch.float32, 1),
     "mixed, 3 threads": ("mixed", torch.float32, torch.float32, 3),
-    "gated MLPs only": ("gated MLPs only", torch.float32, torch.float32, 3),
+    "MLPs only": ("MLPs only", torch.float32, torch.float32, 3),
     "bfloat16 weights": ("mixed", torch.bfloat16, torch.float32, 3),
     "float16 weights, bfloat16 KV": ("mixed", torch.float16, torch.bfloat16, 2),
     "int8 weights": ("mixed", torch.int8, torch.float32, 3),
