@@ -14,10 +14,11 @@ Training has two stages over the same clips, each step a batch of randomly mirro
 token shows, through a linear head used only in training (`token_labels`): colour comes in
 tens of steps, motion in a few hundred, shape in about a thousand, and answers cannot be learned
 before the tower sees them (with the answers alone, a tower trained from scratch collapsed to
-one constant embedding). Then everything trains together on the answers of a few random
-question types per clip, each sequence pruned by EVS its own way (`sequences`), the token loss
-kept alongside. The result is saved in bf16 with `save_pretrained`: a Hugging Face checkpoint
-like any other.
+one constant embedding). Then the tower is frozen and every clip is encoded once, as filmed and
+mirrored, so the second stage runs only the language model: it learns the answers of a few
+random question types per clip, each sequence pruned by EVS its own way (`sequences`), at a
+fraction of a tower step's cost, which buys the many steps reading shape takes. The result is
+saved in bf16 with `save_pretrained`: a Hugging Face checkpoint like any other.
 
 Given its seed, training is deterministic on one torch build, thread count and instruction set:
 the data comes from seeded numpy, single-threaded x264 and PIL, and the steps from seeded torch
@@ -49,7 +50,7 @@ from stillcut.engine.factory.demo import architecture
 from stillcut.engine.factory.demo.clips import training_seeds
 from stillcut.engine.factory.demo.patch_init import init_patch_embedding
 from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, answer
-from stillcut.engine.factory.demo.scenes import mirrored
+from stillcut.engine.factory.demo.scenes import Scene, mirrored
 from stillcut.engine.factory.demo.sequences import EVSSchedule, Sequence, build_sequence
 from stillcut.engine.factory.demo.token_labels import (
     COLOUR_CLASSES,
@@ -64,7 +65,7 @@ from stillcut.engine.processor import PromptProcessor
 from stillcut.vision.preprocess import VideoPreprocessConfig, preprocess_video
 from stillcut.vision.qwen2_5_vl import Qwen2_5_VLVisionTower
 
-TASK_VERSION = 2  # bump when the task, its answers or the recipe change
+TASK_VERSION = 2  # bump when the task or its answers change (the recipe is stored beside)
 AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES)
 # Most tokens show only ground, and few the moving object: class weights make up for it.
 AUX_WEIGHTS = (
@@ -83,18 +84,15 @@ class TrainConfig:
     seed: int = 0
     num_clips: int = 1200
     vision_steps: int = 800  # first the tower alone learns what each token shows
-    # Then everything learns the answers. The defaults are the shipped checkpoint's recipe, an
-    # early stop: 240 steps of a stage laid out over 500 (`steps=500` runs all of it).
-    steps: int = 240
-    # The joint stage's learning-rate schedule spans this many steps (None: `steps`), so a
+    steps: int = 1000  # then the language model learns the answers, the tower frozen
+    # The answer stage's learning-rate schedule spans this many steps (None: `steps`), so a
     # run stopped early is the same as a full one up to where it stopped.
-    schedule_steps: int | None = 500
+    schedule_steps: int | None = None
     clips_per_step: int = 12
     questions_per_clip: int = 3
     learning_rate: float = 3e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
-    aux_weight: float = 1.0  # of the per-token loss beside the answers' loss
     threads: int = 2
     evs: EVSSchedule = field(default_factory=EVSSchedule)
     log_every: int = 50
@@ -113,9 +111,21 @@ class TrainConfig:
             )
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate={self.learning_rate}: must be > 0")
-        for name in ("warmup_steps", "weight_decay", "aux_weight"):
+        for name in ("warmup_steps", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class EncodedClip:
+    """A training clip as the answer stage sees it: its scene and the frozen tower's
+    embeddings [t*h*w, hidden] of its frames as filmed and mirrored."""
+
+    scene: Scene
+    embeds: torch.Tensor
+    mirrored_embeds: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    second_per_grid_ts: float
 
 
 class DemoTrainer:
@@ -141,36 +151,61 @@ class DemoTrainer:
         init_patch_embedding(self.tower.patch_embed.proj.weight)
         self.language_model = self.model.model.language_model
         self.aux_head = torch.nn.Linear(model_config.vision.out_hidden_size, sum(AUX_CLASSES))
-        self.optimizer = torch.optim.AdamW(
-            _parameter_groups(
-                [self.tower, self.language_model, self.aux_head], config.weight_decay
-            ),
-            lr=config.learning_rate,
-            betas=(0.9, 0.98),
-            foreach=True,
-        )
 
     def train(self, clips: list[TrainingClip]) -> None:
-        """Both stages over `clips`: the tower alone, then everything together."""
+        """Both stages over `clips`: the tower alone, then the language model on its output."""
         rng = np.random.default_rng([self.config.seed, 2])
-        self._stage("vision", self.config.vision_steps, None, clips, rng, self.vision_step)
+        self.train_tower(clips, rng)
+        self.train_answers(self.encode(clips), rng)
+
+    def train_tower(self, clips: list[TrainingClip], rng: np.random.Generator) -> None:
+        """The tower and the token head learn what each token shows."""
+        optimizer = self._optimizer([self.tower, self.aux_head])
         self._stage(
-            "joint", self.config.steps, self.config.schedule_steps, clips, rng, self.joint_step
+            "vision", self.config.vision_steps, None, clips, rng, optimizer, self.vision_step
         )
 
-    def vision_step(self, clips: list[TrainingClip], rng: np.random.Generator) -> dict:
-        """One step of the tower and the token head on what each token shows."""
-        embeds, _, _, labels = self._encode(clips, rng)
-        token_loss = self._token_loss(embeds, labels)
-        self._update(token_loss)
-        return {"token loss": token_loss.item()}
+    def encode(self, clips: list[TrainingClip]) -> list[EncodedClip]:
+        """Every clip through the frozen tower, as filmed and mirrored."""
+        self.tower.requires_grad_(False)
+        encoded = []
+        with torch.no_grad():
+            for start in range(0, len(clips), self.config.clips_per_step):
+                batch = clips[start : start + self.config.clips_per_step]
+                embeds, prepared = self._encode(batch, np.zeros(len(batch), bool))
+                mirrored_embeds, _ = self._encode(batch, np.ones(len(batch), bool))
+                sizes = [t * h * w // 4 for t, h, w in (p.grid_thw for p in prepared)]
+                for clip, video, plain, flipped in zip(
+                    batch, prepared, embeds.split(sizes), mirrored_embeds.split(sizes), strict=True
+                ):
+                    encoded.append(
+                        EncodedClip(
+                            clip.scene, plain, flipped, video.grid_thw, video.second_per_grid_ts
+                        )
+                    )
+        return encoded
 
-    def joint_step(self, clips: list[TrainingClip], rng: np.random.Generator) -> dict:
-        """One step of everything on the answers (and the tokens) of a few questions a clip."""
-        embeds, prepared, flips, labels = self._encode(clips, rng)
-        per_clip = embeds.split([t * h * w // 4 for t, h, w in (p.grid_thw for p in prepared)])
+    def train_answers(self, clips: list[EncodedClip], rng: np.random.Generator) -> None:
+        """The language model learns the answers about the frozen tower's embeddings."""
+        optimizer = self._optimizer([self.language_model])
+        steps, schedule_steps = self.config.steps, self.config.schedule_steps
+        self._stage("answer", steps, schedule_steps, clips, rng, optimizer, self.answer_step)
+
+    def vision_step(self, clips: list[TrainingClip], rng: np.random.Generator) -> dict:
+        """The token head's loss on a batch of randomly mirrored clips."""
+        flips = rng.random(len(clips)) < 0.5
+        embeds, _ = self._encode(clips, flips)
+        labels = [
+            mirrored_labels(c.labels) if flip else c.labels
+            for c, flip in zip(clips, flips, strict=True)
+        ]
+        return {"token loss": self._token_loss(embeds, torch.from_numpy(np.stack(labels)))}
+
+    def answer_step(self, clips: list[EncodedClip], rng: np.random.Generator) -> dict:
+        """The answers' loss on a few questions about each of a batch of randomly mirrored
+        clips."""
         sequences = []
-        for clip, flip, clip_embeds, video in zip(clips, flips, per_clip, prepared, strict=True):
+        for clip, flip in zip(clips, rng.random(len(clips)) < 0.5, strict=True):
             scene = mirrored(clip.scene) if flip else clip.scene
             kinds = rng.choice(QUESTION_TYPES, self.config.questions_per_clip, replace=False)
             for kind in map(str, kinds):
@@ -179,40 +214,45 @@ class DemoTrainer:
                     build_sequence(
                         self.processor,
                         self.rope_spec,
-                        clip_embeds,
-                        video.grid_thw,
-                        video.second_per_grid_ts,
+                        clip.mirrored_embeds if flip else clip.embeds,
+                        clip.grid_thw,
+                        clip.second_per_grid_ts,
                         prompts[int(rng.integers(len(prompts)))],
                         answer(scene, kind),
                         self.config.evs.draw(rng),
                     )
                 )
-        answer_loss = self._answer_loss(sequences)
-        token_loss = self._token_loss(embeds, labels)
-        self._update(answer_loss + self.config.aux_weight * token_loss)
-        return {"answer loss": answer_loss.item(), "token loss": token_loss.item()}
+        return {"answer loss": self._answer_loss(sequences)}
 
-    def _stage(self, name: str, steps: int, schedule_steps: int | None, clips, rng, step) -> None:
+    def _stage(self, name, steps, schedule_steps, clips, rng, optimizer, step) -> None:
         started, logged = time.perf_counter(), []
         for index in range(steps):
             scale = _schedule(index, schedule_steps or steps, self.config.warmup_steps)
-            for group in self.optimizer.param_groups:
+            for group in optimizer.param_groups:
                 group["lr"] = self.config.learning_rate * scale
             batch = rng.choice(len(clips), self.config.clips_per_step, replace=False)
-            logged.append(step([clips[i] for i in batch], rng))
+            losses = step([clips[i] for i in batch], rng)
+            _update(optimizer, sum(losses.values()))
+            logged.append({k: v.item() for k, v in losses.items()})
             if (index + 1) % self.config.log_every == 0 or index + 1 == steps:
                 means = "  ".join(f"{k} {np.mean([d[k] for d in logged]):.4f}" for k in logged[0])
                 elapsed = time.perf_counter() - started
                 print(f"  {name} step {index + 1}/{steps}  {means}  {elapsed:.0f} s", flush=True)
                 logged = []
 
-    def _encode(self, clips: list[TrainingClip], rng: np.random.Generator):
-        """Mirror some clips at random, encode them all in one tower pass.
+    def _optimizer(self, modules: list[torch.nn.Module]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            _parameter_groups(modules, self.config.weight_decay),
+            lr=self.config.learning_rate,
+            betas=(0.9, 0.98),
+            foreach=True,
+        )
 
-        Returns the embeddings [num_tokens, hidden], each clip's patches, the mirror flags
-        and the token labels [num_tokens, 3].
+    def _encode(self, clips: list[TrainingClip], flips: np.ndarray):
+        """Encode `clips` in one tower pass, those flagged in `flips` mirrored.
+
+        Returns the embeddings [num_tokens, hidden] and each clip's patches.
         """
-        flips = rng.random(len(clips)) < 0.5
         prepared = [
             preprocess_video(
                 np.ascontiguousarray(c.frames[:, :, ::-1] if flip else c.frames),
@@ -222,24 +262,12 @@ class DemoTrainer:
             for c, flip in zip(clips, flips, strict=True)
         ]
         grids = torch.tensor([p.grid_thw for p in prepared])
-        embeds = self.tower(torch.cat([p.patches for p in prepared]), grids)
-        labels = [
-            mirrored_labels(c.labels) if flip else c.labels
-            for c, flip in zip(clips, flips, strict=True)
-        ]
-        return embeds, prepared, flips, torch.from_numpy(np.stack(labels)).view(-1, 3)
-
-    def _update(self, loss: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(
-            [p for group in self.optimizer.param_groups for p in group["params"]], 1.0
-        )
-        self.optimizer.step()
+        return self.tower(torch.cat([p.patches for p in prepared]), grids), prepared
 
     def _token_loss(self, embeds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of the auxiliary head's colour, shape and motion guesses per token;
-        `embeds` [num_tokens, hidden], `labels` [num_tokens, 3]."""
+        `embeds` [num_tokens, hidden], `labels` [..., 3] as many tokens."""
+        labels = labels.view(-1, 3)
         parts = self.aux_head(embeds).split(AUX_CLASSES, dim=-1)
         return sum(
             loss_weight * F.cross_entropy(part, labels[:, k], weight=class_weights)
@@ -317,6 +345,15 @@ def _reproducible(threads: int) -> Iterator[None]:
     finally:
         torch.set_num_threads(previous[0])
         torch.use_deterministic_algorithms(previous[1])
+
+
+def _update(optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(
+        [p for group in optimizer.param_groups for p in group["params"]], 1.0
+    )
+    optimizer.step()
 
 
 def _schedule(step: int, steps: int, warmup_steps: int) -> float:
