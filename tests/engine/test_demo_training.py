@@ -2,8 +2,9 @@
 
 CI never retrains the shipped checkpoint; these tests run the real trainer for a few steps on
 a handful of clips, twice, and check that the same seed gives the same bytes, that what it
-saves is a checkpoint transformers and stillcut both load, and that the frames it trains on
-are the ones the service's preprocessing would make.
+saves is a checkpoint transformers and stillcut both load, that the answer stage trains the
+language model alone on what the tower stage's tower makes of each clip, and that the frames it
+trains on are the ones the service's preprocessing would make.
 """
 
 import json
@@ -14,11 +15,11 @@ import torch
 from tokenizers import Tokenizer
 
 from stillcut.engine.factory.demo import architecture
-from stillcut.engine.factory.demo.clips import clip_bytes
+from stillcut.engine.factory.demo.clips import clip_bytes, training_seeds
 from stillcut.engine.factory.demo.scenes import sample_scene
 from stillcut.engine.factory.demo.sequences import EVSSchedule
-from stillcut.engine.factory.demo.train import TrainConfig, train_checkpoint
-from stillcut.engine.factory.demo.training_data import model_frames
+from stillcut.engine.factory.demo.train import DemoTrainer, TrainConfig, train_checkpoint
+from stillcut.engine.factory.demo.training_data import model_frames, training_clips
 from stillcut.engine.factory.qwen_tokenizer import ADDED_TOKENS
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.processor import PromptProcessor
@@ -66,6 +67,31 @@ def test_checkpoint_loads_in_transformers_and_stillcut(trained):
     prompt = engine.processor.build_text("Describe this video.", [item])
     (output,) = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(output.token_ids) == 4
+
+
+def test_answer_stage_trains_the_language_model_on_the_frozen_towers_embeddings(tmp_path):
+    architecture.write_skeleton(tmp_path, {})
+    trainer = DemoTrainer(tmp_path, FEW_STEPS)
+    clips = training_clips(training_seeds(FEW_STEPS.num_clips), trainer.preprocess)
+    rng = np.random.default_rng(0)
+    trainer.train_tower(clips, rng)
+    tower = {k: v.clone() for k, v in trainer.tower.state_dict().items()}
+    language_model = {k: v.clone() for k, v in trainer.language_model.state_dict().items()}
+    encoded = trainer.encode(clips)
+    with torch.no_grad():
+        mirrored_frames = np.ascontiguousarray(clips[0].frames[:, :, ::-1])
+        video = preprocess_video(mirrored_frames, DecodeConfig().fps, trainer.preprocess)
+        expected = trainer.tower(video.patches, torch.tensor([video.grid_thw]))
+    torch.testing.assert_close(encoded[0].mirrored_embeds, expected)
+    trainer.train_answers(encoded, rng)
+    for name, value in trainer.tower.state_dict().items():
+        assert torch.equal(value, tower[name]), name
+    changed = [
+        k
+        for k, v in trainer.language_model.state_dict().items()
+        if not torch.equal(v, language_model[k])
+    ]
+    assert changed
 
 
 def test_tokenizer_is_small_and_qwen_shaped(trained):
