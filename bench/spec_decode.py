@@ -3,11 +3,12 @@ step against its floor.
 
 Random weights say nothing about real acceptance, so the verify machinery is timed with a
 bench-only `replay` proposer: it proposes the request's true greedy continuation (from a run
-without speculation) with each token replaced by a wrong one with probability 1 - alpha, at no
-proposing cost. Modes run interleaved (every mode once per round, the order rotating), each a
-`generate` of `--tokens` greedy tokens per request at batch 1, 4 and 16; ratios are medians of
-the rounds' ratios to no speculation. Replay runs with K pinned to 4 and with dynamic K (the
-start-up calibration's step costs, per-request acceptance). Then the real proposers on repeated
+of the same prompts without speculation) with each token replaced by a wrong one with
+probability 1 - alpha, at no proposing cost. Modes run interleaved (every mode once per
+round, the order rotating), each a `generate` of `--tokens` greedy tokens per request at
+batch 1, 4 and 16; ratios are medians of the rounds' ratios to no speculation. Replay runs
+with K pinned to 4 and with dynamic K (the start-up calibration's step costs, the step's
+requests' acceptance). Then the real proposers on repeated
 questions about the same sample videos: ngram, suffix (one cache salt, so a repeated question
 finds the earlier answer) and a draft about 10x smaller than the target (same tokenizer and
 preprocessing; its own tower encodes the videos too; a text question is asked beside the video
@@ -111,11 +112,22 @@ def interleaved(modes: dict, rounds: int) -> dict[str, list[tuple]]:
     return results
 
 
-def replay_table(engine, truth, rounds, max_tokens, step_costs) -> None:
+def greedy_truth(engine, prompts, max_tokens) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's greedy continuation, from a run of exactly these prompts together: with
+    random weights near-ties are common, and a product's sums round differently at another row
+    count, so another batch's continuation can part from this one's at the first token (at
+    batch 4, one request of four then had no draft accepted at any alpha)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    outputs = engine.generate(prompts, params)
+    return {tuple(p.token_ids): o.token_ids for p, o in zip(prompts, outputs, strict=True)}
+
+
+def replay_table(engine, rounds, max_tokens, step_costs) -> None:
     vocab = engine.model.lm_head.shape[1]
     modes = {}
     for batch in BATCHES:
         batch_prompts = [engine.processor.build_text(QUESTIONS[i % 3]) for i in range(batch)]
+        truth = greedy_truth(engine, batch_prompts, max_tokens)
 
         def plain(batch_prompts=batch_prompts):
             return run(engine, None, batch_prompts, max_tokens)
@@ -124,10 +136,12 @@ def replay_table(engine, truth, rounds, max_tokens, step_costs) -> None:
         for alpha in ALPHAS:
             for label, config, costs in (("K=4", PINNED, None), ("dyn", DYNAMIC, step_costs)):
 
-                def replay(batch_prompts=batch_prompts, alpha=alpha, config=config, costs=costs):
+                def replay(
+                    prompts=batch_prompts, truth=truth, alpha=alpha, config=config, costs=costs
+                ):
                     proposer = ReplayProposer(truth, alpha, vocab)
                     speculator = Speculator(config, proposer, SpeculationPolicy(config, costs))
-                    return run(engine, speculator, batch_prompts, max_tokens)
+                    return run(engine, speculator, prompts, max_tokens)
 
                 modes[f"replay a={alpha} {label} b={batch}"] = replay
     results = interleaved(modes, rounds)
@@ -221,7 +235,7 @@ def floor_line(engine, rounds: int) -> None:
     blocks = -(-(64 + 5) // engine.block_size)
     verify, reads, matmuls = [], [], []
     for _ in range(rounds * 5):
-        verify.append(time_verify_step(engine.runner, 1, 5, blocks))
+        verify.append(time_verify_step(engine.runner, 1, 5, blocks, sampled=False))
         start = time.perf_counter()
         buffer.sum()
         reads.append(time.perf_counter() - start)
@@ -255,11 +269,8 @@ def main() -> None:
     print("calibrated verify cost at K = 0..4 (x a plain decode step), by batch size:")
     for batch, costs in step_costs.costs.items():
         print(f"  b={batch}: " + " ".join(f"{cost:.2f}" for cost in costs))
-    truth_prompts = [engine.processor.build_text(q) for q in QUESTIONS]
-    plain = engine.generate(truth_prompts, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
-    truth = {tuple(p.token_ids): o.token_ids for p, o in zip(truth_prompts, plain, strict=True)}
     floor_line(engine, args.rounds)
-    replay_table(engine, truth, args.rounds, args.tokens, step_costs)
+    replay_table(engine, args.rounds, args.tokens, step_costs)
     proposer_table(engine, draft_path, args.rounds, args.tokens)
 
 

@@ -17,18 +17,21 @@
  * weight vector serves the whole group from registers; a single row of x takes eight input
  * rows per load and store of its partial sums, in four independent chains, which brought
  * one-row products of the narrow formats near their read floors (int8 1.7x -> 1.1x of it);
- * the partials are then added by column)
+ * the partials are then added by column; a one-row bf16 product widens 32 columns per load,
+ * see `widen_bf16_pair`)
  * or, in F32 only, as a contiguous [out, in] (each thread owns a band of output rows: dot
  * products). Measured on the 2-core CPU (see `bench/matmul_formats.py`): widening in
  * registers keeps a one-row product at its read floor in every format, and grouping rows made
  * eight-row products of the narrow formats 1.5-3x faster than widening once per row.
+ * Vectors are 16 floats where the compiler targets AVX-512 and 8 elsewhere (`LANES`), and rows
+ * are prefetched ahead where the hardware alone fell short (`PREFETCH_BYTES`).
  */
 
 #include <omp.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -102,10 +105,6 @@ static inline vec8 load8(const float *p) {
     return v;
 }
 
-static inline float hsum8(vec8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
 static inline float bits_float(uint32_t bits) {
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -151,6 +150,45 @@ INLINE vec8 widen8(int format, const void *data, size_t at) {
 #endif
 }
 
+/* The products' own vectors: 16 lanes where the CPU has AVX-512, else 8. Measured on a 2-core
+ * AVX-512 CPU, streaming a weight from memory with 512-bit loads reads it at the bandwidth
+ * torch's own reductions reach (about 80 GB/s), 256-bit loads at about 53: with half the
+ * instructions per byte, more of the weight's cache lines are in flight at once. */
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vecw __attribute__((vector_size(LANES * 4)));
+
+static inline vecw loadw(const float *p) {
+    vecw v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float hsumw(vecw v) {
+    float sum = 0.0f;
+    for (int lane = 0; lane < LANES; lane++) sum += v[lane];
+    return sum;
+}
+
+/* Elements [at, at + LANES) of `data` in `format`, as float32 lanes. */
+INLINE vecw widenw(int format, const void *data, size_t at) {
+#if defined(__AVX512F__)
+    const void *p = (const char *)data + at * (format == I8 ? 1 : 2);
+    switch (format) {
+    case BF16:
+        return (vecw)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16);
+    case F16: return (vecw)_mm512_cvtph_ps(_mm256_loadu_si256(p));
+    case I8: return (vecw)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+    default: return loadw((const float *)data + at);
+    }
+#else
+    return widen8(format, data, at);
+#endif
+}
+
 /* float32 -> bfloat16, rounded to nearest even (as torch's conversion; NaN stays NaN). */
 static inline uint16_t bfloat16_bits(float value) {
     uint32_t bits;
@@ -169,21 +207,63 @@ INLINE void widen_row(int format, const void *data, size_t at, int n, float *out
     for (; d < n; d++) out[d] = widen1(format, data, at + d);
 }
 
+/* Software prefetch, where the hardware prefetcher alone left the read short of the bandwidth
+ * (measured on a 2-core AVX-512 CPU beside a plain read of about 73 GB/s):
+ * - a one-row int8 product read its weight at 37 GB/s (each widened vector takes only 16
+ *   bytes, so fewer of its cache lines are in flight); asking for each row's line 2 KiB ahead,
+ *   once per line, brought it to 62. The wider formats gained nothing from it there.
+ * - products of 2-16 rows do 4-16 FMAs per weight vector, so the loads of the next lines
+ *   start late; the same prefetch in every format took a 5-row fp32 verify step (its 150k-row
+ *   head read at 26 GB/s) from 12.0 to 10.5 ms (1 KiB ahead: the same; 4 KiB: 11.6).
+ * - a stream that runs past its row's end goes on in the next group's rows (`prefetch_rows`):
+ *   with that, a 3B int8 decode step went from 1.64x to 1.23x its read floor (66 -> 51 ms
+ *   beside a 75 GB/s read); a bf16 one was the same with or without one-row prefetch. */
+#define PREFETCH_BYTES 2048
+
+INLINE size_t format_bytes(int format) { return format == F32 ? 4 : format == I8 ? 1 : 2; }
+
+/* Ahead of columns [c, c + LANES) of `rows` rows of w `stride` elements apart from `at`: a
+ * prefetch of each row's line once per line, for one-row products only in int8. Each row is a
+ * stream that goes on, past its row's end, at the same row of the next group (`rows` rows
+ * on); a weight narrower than the distance (a 2048-column down projection in int8) would
+ * otherwise only fetch what its neighbouring row's stream had already read. */
+INLINE void prefetch_rows(int format, const void *w, size_t at, size_t stride, int rows, int c,
+                          int single) {
+    size_t bytes = format_bytes(format), ahead = PREFETCH_BYTES / bytes;
+    if ((single && format != I8) || (c * bytes) % 64) return;
+    if (c + ahead >= stride) ahead += (rows - 1) * stride;
+    for (int j = 0; j < rows; j++)
+        __builtin_prefetch((const char *)w + (at + j * stride + ahead) * bytes);
+}
+
+/* Rows of x a `band_group` takes at once: as many as their 4 x group broadcast values and
+ * the widened weight vectors leave registers for (32 with AVX-512, 16 with AVX2); more rows
+ * are split into groups of equal size. Measured with AVX-512: 5 rows through a 150k-column
+ * fp32 head took 6.0 ms in one group against 6.4 in groups of 4 and 1 (a 75 GB/s read),
+ * and a 5-token verify step 2% less. */
+#if LANES == 16
+#define MAX_GROUP 6
+#else
+#define MAX_GROUP 4
+#endif
+
 /* partial[k][c] += sum over j < 4 of x[k][i + j] * w[i + j][c] for the `group` rows k of x
  * and columns c in [c0, c1): each widened vector of w serves the whole group. */
 INLINE void band_group(int format, int group, const float *x, size_t stride, const void *w,
                        int out, int i, int c0, int c1, float *partial) {
-    vec8 xs[4][4];
+    vecw xs[MAX_GROUP][4];
     for (int k = 0; k < group; k++)
-        for (int j = 0; j < 4; j++) xs[k][j] = SPLAT(x[k * stride + i + j]);
+        for (int j = 0; j < 4; j++) xs[k][j] = (vecw){} + x[k * stride + i + j];
     int c = c0;
-    for (; c + 8 <= c1; c += 8) {
+    for (; c + LANES <= c1; c += LANES) {
         size_t at = (size_t)i * out + c;
-        vec8 w0 = widen8(format, w, at), w1 = widen8(format, w, at + out);
-        vec8 w2 = widen8(format, w, at + 2 * (size_t)out), w3 = widen8(format, w, at + 3 * (size_t)out);
+        prefetch_rows(format, w, at, out, 4, c, 0);
+        vecw w0 = widenw(format, w, at), w1 = widenw(format, w, at + out);
+        vecw w2 = widenw(format, w, at + 2 * (size_t)out);
+        vecw w3 = widenw(format, w, at + 3 * (size_t)out);
         for (int k = 0; k < group; k++) {
             float *acc = partial + (size_t)k * out + c;
-            vec8 sum = load8(acc);
+            vecw sum = loadw(acc);
             sum += xs[k][0] * w0 + xs[k][1] * w1 + xs[k][2] * w2 + xs[k][3] * w3;
             memcpy(acc, &sum, sizeof sum);
         }
@@ -198,22 +278,65 @@ INLINE void band_group(int format, int group, const float *x, size_t stride, con
     }
 }
 
+#if LANES == 16
+/* 32 bf16 of one row at `p` in one load, widened as two vectors: the even columns (a shift)
+ * and the odd ones (a mask). Half the loads of `widenw` and no shuffle: measured, a one-row
+ * bf16 product read its weight 1.14x faster than with the in-order widening. */
+INLINE void widen_bf16_pair(const void *p, vecw *even, vecw *odd) {
+    __m512i v = _mm512_loadu_si512(p);
+    *even = (vecw)_mm512_slli_epi32(v, 16);
+    *odd = (vecw)_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+/* partial[c + k] += sums of columns c + k for k < 32, given as the even and odd columns. */
+INLINE void add_pairs(float *partial, vecw even, vecw odd) {
+    const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+    vecw first = loadw(partial) + (vecw)_mm512_permutex2var_ps((__m512)even, low, (__m512)odd);
+    vecw second =
+        loadw(partial + LANES) + (vecw)_mm512_permutex2var_ps((__m512)even, high, (__m512)odd);
+    memcpy(partial, &first, sizeof first);
+    memcpy(partial + LANES, &second, sizeof second);
+}
+
+/* band_single8's columns [c, c + 32) of a bf16 weight, in `widen_bf16_pair`s. */
+INLINE void band_single8_bf16_pairs(const vecw xs[8], const void *w, size_t o, size_t at,
+                                    float *partial) {
+    vecw even[4], odd[4];
+    for (int chain = 0; chain < 4; chain++) {
+        vecw e0, o0, e1, o1;
+        widen_bf16_pair((const uint16_t *)w + at + 2 * chain * o, &e0, &o0);
+        widen_bf16_pair((const uint16_t *)w + at + (2 * chain + 1) * o, &e1, &o1);
+        even[chain] = xs[2 * chain] * e0 + xs[2 * chain + 1] * e1;
+        odd[chain] = xs[2 * chain] * o0 + xs[2 * chain + 1] * o1;
+    }
+    add_pairs(partial, (even[0] + even[1]) + (even[2] + even[3]),
+              (odd[0] + odd[1]) + (odd[2] + odd[3]));
+}
+#endif
+
 /* partial[c] += sum over j < 8 of x[i + j] * w[i + j][c] for one row of x and columns c in
  * [c0, c1): eight input rows per load and store of the partial sums, in four independent
  * chains (a single row has no other rows to share a widened vector with). */
 INLINE void band_single8(int format, const float *x, const void *w, int out, int i, int c0,
                          int c1, float *partial) {
-    vec8 xs[8];
-    for (int j = 0; j < 8; j++) xs[j] = SPLAT(x[i + j]);
+    vecw xs[8];
+    for (int j = 0; j < 8; j++) xs[j] = (vecw){} + x[i + j];
     size_t o = (size_t)out;
     int c = c0;
-    for (; c + 8 <= c1; c += 8) {
+#if LANES == 16
+    if (format == BF16)
+        for (; c + 2 * LANES <= c1; c += 2 * LANES)
+            band_single8_bf16_pairs(xs, w, o, (size_t)i * out + c, partial + c);
+#endif
+    for (; c + LANES <= c1; c += LANES) {
         size_t at = (size_t)i * out + c;
-        vec8 s0 = xs[0] * widen8(format, w, at) + xs[1] * widen8(format, w, at + o);
-        vec8 s1 = xs[2] * widen8(format, w, at + 2 * o) + xs[3] * widen8(format, w, at + 3 * o);
-        vec8 s2 = xs[4] * widen8(format, w, at + 4 * o) + xs[5] * widen8(format, w, at + 5 * o);
-        vec8 s3 = xs[6] * widen8(format, w, at + 6 * o) + xs[7] * widen8(format, w, at + 7 * o);
-        vec8 sum = load8(partial + c) + ((s0 + s1) + (s2 + s3));
+        prefetch_rows(format, w, at, o, 8, c, 1);
+        vecw s0 = xs[0] * widenw(format, w, at) + xs[1] * widenw(format, w, at + o);
+        vecw s1 = xs[2] * widenw(format, w, at + 2 * o) + xs[3] * widenw(format, w, at + 3 * o);
+        vecw s2 = xs[4] * widenw(format, w, at + 4 * o) + xs[5] * widenw(format, w, at + 5 * o);
+        vecw s3 = xs[6] * widenw(format, w, at + 6 * o) + xs[7] * widenw(format, w, at + 7 * o);
+        vecw sum = loadw(partial + c) + ((s0 + s1) + (s2 + s3));
         memcpy(partial + c, &sum, sizeof sum);
     }
     for (; c < c1; c++) {
@@ -228,11 +351,11 @@ INLINE void band_single8(int format, const float *x, const void *w, int out, int
 INLINE void band_row(int format, const float *x, size_t stride, int rows, const void *w, int out,
                      int i, float *partial) {
     for (int r = 0; r < rows; r++) {
-        vec8 x0 = SPLAT(x[r * stride + i]);
+        vecw x0 = (vecw){} + x[r * stride + i];
         float *acc = partial + (size_t)r * out;
         int c = 0;
-        for (; c + 8 <= out; c += 8) {
-            vec8 sum = load8(acc + c) + x0 * widen8(format, w, (size_t)i * out + c);
+        for (; c + LANES <= out; c += LANES) {
+            vecw sum = loadw(acc + c) + x0 * widenw(format, w, (size_t)i * out + c);
             memcpy(acc + c, &sum, sizeof sum);
         }
         for (; c < out; c++) acc[c] += x0[0] * widen1(format, w, (size_t)i * out + c);
@@ -252,13 +375,18 @@ INLINE void band_product_as(int format, const float *x, size_t stride, int rows,
         for (; i + 8 <= i1; i += 8)
             for (int c0 = 0; c0 < out; c0 += TILE)
                 band_single8(format, x, w, out, i, c0, c0 + TILE < out ? c0 + TILE : out, partial);
+    int groups = (rows + MAX_GROUP - 1) / MAX_GROUP, group = (rows + groups - 1) / groups;
     for (; i + 4 <= i1; i += 4)
         for (int c0 = 0; c0 < out; c0 += TILE) {
             int c1 = c0 + TILE < out ? c0 + TILE : out;
-            for (int r0 = 0; r0 < rows; r0 += 4) {
+            for (int r0 = 0; r0 < rows; r0 += group) {
                 const float *xr = x + r0 * stride;
                 float *pr = partial + (size_t)r0 * out;
-                switch (rows - r0 < 4 ? rows - r0 : 4) { /* a constant group: unrolled */
+                switch (rows - r0 < group ? rows - r0 : group) { /* a constant group: unrolled */
+#if MAX_GROUP == 6
+                case 6: band_group(format, 6, xr, stride, w, out, i, c0, c1, pr); break;
+                case 5: band_group(format, 5, xr, stride, w, out, i, c0, c1, pr); break;
+#endif
                 case 4: band_group(format, 4, xr, stride, w, out, i, c0, c1, pr); break;
                 case 3: band_group(format, 3, xr, stride, w, out, i, c0, c1, pr); break;
                 case 2: band_group(format, 2, xr, stride, w, out, i, c0, c1, pr); break;
@@ -280,28 +408,29 @@ static void band_product(int format, const float *x, size_t stride, int rows, co
 }
 
 /* y[r][c] = dot(w[c], x[r]) (+ add[r][c]) for output rows c in [c0, c1), w contiguous [out, in]
- * float32. Whole blocks of 4 rows run 2 output rows x 4 rows of 8-float accumulators along
+ * float32. Whole blocks of 4 rows run 2 output rows x 4 rows of vector accumulators along
  * `in` together, so each loaded vector of w feeds 4 rows and each of x feeds 2 outputs; the
  * rows and the output row left over take plain dot products. */
 static void row_products(const float *x, size_t stride, int rows, int in, const float *w,
                          int out, int c0, int c1, const float *add, float *y) {
-    int blocked_rows = rows - rows % 4, pairs_end = c0 + (c1 - c0) / 2 * 2, whole = in - in % 8;
+    int blocked_rows = rows - rows % 4, pairs_end = c0 + (c1 - c0) / 2 * 2;
+    int whole = in - in % LANES;
     if (blocked_rows)
         for (int c = c0; c < pairs_end; c += 2)
             for (int r0 = 0; r0 < blocked_rows; r0 += 4) {
                 const float *w0 = w + (size_t)c * in, *w1 = w0 + in, *x0 = x + r0 * stride;
-                vec8 acc[2][4] = {{{0}}};
-                for (int i = 0; i < whole; i += 8) {
-                    vec8 u = load8(w0 + i), v = load8(w1 + i);
+                vecw acc[2][4] = {{{0}}};
+                for (int i = 0; i < whole; i += LANES) {
+                    vecw u = loadw(w0 + i), v = loadw(w1 + i);
                     for (int k = 0; k < 4; k++) {
-                        vec8 xv = load8(x0 + k * stride + i);
+                        vecw xv = loadw(x0 + k * stride + i);
                         acc[0][k] += u * xv, acc[1][k] += v * xv;
                     }
                 }
                 for (int k = 0; k < 4; k++)
                     for (int j = 0; j < 2; j++) {
                         const float *wj = j ? w1 : w0, *xk = x0 + k * stride;
-                        float sum = hsum8(acc[j][k]);
+                        float sum = hsumw(acc[j][k]);
                         for (int i = whole; i < in; i++) sum += wj[i] * xk[i];
                         size_t at = (size_t)(r0 + k) * out + c + j;
                         y[at] = add ? add[at] + sum : sum;

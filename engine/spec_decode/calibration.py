@@ -2,7 +2,9 @@
 
 At batch sizes 1, 4, 16, ... up to the seats, the model runs one step of that many requests at
 a short context with 1, 2, ..., 1 + K_max query tokens each, logits for every query token
-included, on the engine's own (still empty) K/V cache; the median of a few runs is kept, and
+included, on the engine's own (still empty) K/V cache, and the step's tokens are sampled as a
+verify step samples them (greedy, every draft accepted: each position in turn, the most a
+verify step samples); the median of a few runs is kept, and
 `step_cost(batch, k)` is the time with k drafts per request over the time with none, at the
 largest measured batch size not above `batch`. Each k is measured, not interpolated: the cost
 is not linear in k (past 16 rows a step leaves the native decode step, and a large vocabulary
@@ -20,6 +22,8 @@ import time
 
 import torch
 
+from stillcut.engine.request import SamplingParams
+from stillcut.engine.row_sampler import RowSampler
 from stillcut.kernels.attention import AttentionMetadata
 
 CONTEXT_TOKENS = 64  # context each calibration request attends to
@@ -61,9 +65,12 @@ class StepCosts:
         return self.costs[size][k]
 
 
-def time_verify_step(runner, batch: int, width: int, blocks_per_request: int) -> float:
-    """Median seconds of a model step (forward + logits) of `batch` requests x `width` tokens,
-    laid out as the runner lays out a verify step: one one-token row per token."""
+def time_verify_step(
+    runner, batch: int, width: int, blocks_per_request: int, sampled: bool = True
+) -> float:
+    """Median seconds of a model step (forward, logits and sampling) of `batch` requests x
+    `width` tokens, laid out as the runner lays out a verify step: one one-token row per
+    token; without `sampled`, forward and logits only."""
     device, size = runner.device, runner.block_size
     num_tokens = batch * width
     block_tables = torch.arange(batch * blocks_per_request, dtype=torch.int32).view(batch, -1)
@@ -83,12 +90,29 @@ def time_verify_step(runner, batch: int, width: int, blocks_per_request: int) ->
     )
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = token_pos.repeat(batch).expand(runner.model.num_position_rows, -1).to(device)
-    times = []
+    request_ids = [f"calibration-{r}" for r in range(batch)]
+    params = [SamplingParams()] * batch
+
+    def forward() -> torch.Tensor:
+        hidden = runner.model(input_ids, positions, runner.kv_caches, metadata)
+        return runner.model.compute_logits(hidden)
+
+    sampler = RowSampler(device, keyed_draws=True)
     with torch.inference_mode():
-        for _ in range(NUM_RUNS + 1):  # the first run warms up
+        metadata.plans.clear()  # a warm-up, and drafts its greedy tokens accept
+        logits = forward()
+        drafts = logits.argmax(dim=-1).view(batch, width)[:, :-1].tolist()
+        sampler.sample(request_ids, params, _no_history, logits, drafts, [0] * batch)
+        times = []
+        for _ in range(NUM_RUNS):
             metadata.plans.clear()
             start = time.perf_counter()
-            hidden = runner.model(input_ids, positions, runner.kv_caches, metadata)
-            runner.model.compute_logits(hidden)
+            logits = forward()
+            if sampled:
+                sampler.sample(request_ids, params, _no_history, logits, drafts, [0] * batch)
             times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return statistics.median(times)
+
+
+def _no_history(index: int):
+    raise AssertionError("greedy rows without penalties read no history")

@@ -1,5 +1,5 @@
 """The engine's side of speculative decoding: after each step, drafts for every decoding
-request, K chosen per request by the policy; counters for metrics.
+request, K chosen for the step by the policy; counters for metrics.
 
 A request proposes only while it decodes: its prompt is complete, its last sampled token is
 all that is left to compute, and it is not a held prefix. The drafts go into
@@ -37,7 +37,7 @@ class Speculator:
             request.spec_token_ids = []
         if not decoding:
             return
-        ks = [self.policy.num_tokens(r, len(decoding)) for r in decoding]
+        ks = self.policy.num_tokens(decoding)
         for request, drafts in zip(decoding, self.proposer.propose(decoding, ks), strict=True):
             request.spec_token_ids = list(drafts)
 

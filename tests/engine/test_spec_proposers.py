@@ -68,11 +68,14 @@ def test_dynamic_k_follows_acceptance_and_cost():
     for _ in range(30):
         policy.observe(good, 4, 4)
         policy.observe(bad, 4, 0)
-    assert policy.num_tokens(good, 1) == 4
-    assert policy.num_tokens(bad, 1) == 0  # speculation would only cost
-    assert policy.num_tokens(good, 64) == 0  # a large batch: verifying is no longer cheap
+    assert policy.num_tokens([good]) == [4]
+    assert policy.num_tokens([bad]) == [0]  # speculation would only cost
+    assert policy.num_tokens([good] * 64) == [0] * 64  # verifying is no longer cheap
+    # one K for the step, by the tokens of all its requests: 5.9 tokens for 2 x 1.8 at K = 4
+    assert policy.num_tokens([good, bad]) == [4, 4]
+    assert policy.num_tokens([good, bad, bad, bad]) == [0] * 4  # 5.1 for 4 x 1.4 at best
     pinned = SpeculationPolicy(SpeculativeConfig(num_speculative_tokens=4, dynamic=False))
-    assert pinned.num_tokens(bad, 64) == 4
+    assert pinned.num_tokens([bad] * 64) == [4] * 64
 
 
 def test_calibration_measures_every_k_and_a_drafts_proposals(tiny_checkpoint, monkeypatch):
@@ -94,6 +97,19 @@ def test_calibration_measures_every_k_and_a_drafts_proposals(tiny_checkpoint, mo
     assert isinstance(costs, StepCosts) and costs.sizes == [1, 4]
     assert all(len(row) == 4 and row[0] == 1.0 and min(row) > 0 for row in costs.costs.values())
     assert costs(7, 2) == costs.costs[4][2] and costs(1, 3) == costs.costs[1][3]
+    # a calibration step samples its tokens as a verify step whose drafts are all accepted
+    from stillcut.engine.row_sampler import RowSampler
+
+    sampled, sample = [], RowSampler.sample
+
+    def recording(*args, **kwargs):
+        result = sample(*args, **kwargs)
+        sampled.append(result[0])
+        return result
+
+    monkeypatch.setattr(RowSampler, "sample", recording)
+    calibration.time_verify_step(engine.runner, 2, 4, 5)
+    assert sampled and all(list(map(len, tokens)) == [4, 4] for tokens in sampled)
     # the arithmetic, on made-up step times: a target step of w tokens takes w, a draft step 0.5
     draft_runner = object()
     monkeypatch.setattr(
