@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from stillcut.engine.factory import demo_checkpoint
+from stillcut.engine.factory import random_demo_checkpoint
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.kernels.attention import AttentionMetadata
 
@@ -46,11 +46,11 @@ def metadata(batch: int, context: int, blocks_per_request: int) -> AttentionMeta
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="checkpoint (default: the demo checkpoint)")
+    parser.add_argument("--model", help="checkpoint (default: the random-demo preset)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()
-    folder = resolve_checkpoint(args.model or demo_checkpoint())
+    folder = resolve_checkpoint(args.model or random_demo_checkpoint())
     model = load_model_config(folder).family.language_model_class().from_checkpoint(folder)
     native = model.cpu_decoder
     if native is None:

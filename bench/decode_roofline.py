@@ -29,8 +29,8 @@ generation counts instead (Python calls and peak bytes the host allocates per st
 neighbour can blur. Last, where the host time goes, per step, from one instrumented pass per
 batch.
 
-The default model is the `lm180m` preset: the demo's shape with an untied 152k vocabulary, 180M
-language-model parameters (random weights; only the shapes matter here).
+The default model is the `lm180m` preset: the `random-demo` shape with an untied 152k
+vocabulary, 180M language-model parameters (random weights; only the shapes matter here).
 
     python bench/decode_roofline.py [--preset lm180m | --model PATH] [--threads N]
         [--rounds 25] [--loop-rounds 7] [--long 2048]

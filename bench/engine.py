@@ -269,7 +269,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="only the stillcut modes")
     args = parser.parse_args()
-    path = cached_checkpoint("demo", seed=0, dtype="float32", text=TEXT, vision=VISION)
+    path = cached_checkpoint("random-demo", seed=0, dtype="float32", text=TEXT, vision=VISION)
     work = jobs(args.requests)
     rows: dict[str, Timings] = {}
 

@@ -1,8 +1,9 @@
 """EVS fidelity on the sample clips: how much is kept, and how much true motion survives.
 
-Runs the demo checkpoint's real vision tower (random weights) over `samples/motion_mask.mp4`
-with no frame cap, then for several EVS settings reports the fraction of tokens kept and the
-recall of tokens whose patches truly changed (from the clip's ground-truth motion mask).
+Runs the random-demo preset's vision tower (random weights; `bench/evs_accuracy.py` scores
+the trained demo by its answers) over `samples/motion_mask.mp4` with no frame cap, then for
+several EVS settings reports the fraction of tokens kept and the recall of tokens whose
+patches truly changed (from the clip's ground-truth motion mask).
 Then, at every tau whose recall is >= 0.9 (the smallest tried and the largest, cheapest one
 included), it counts the tokens threshold mode keeps for the first 60 s and the first 240 s of
 the near-static clip: static footage should cost far less than 4x as much for 4x the time.
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stillcut.engine.factory import demo_checkpoint
+from stillcut.engine.factory import random_demo_checkpoint
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import VisionPipeline
@@ -72,11 +73,11 @@ def fidelity_row(pipeline, clip: Path, evs: EVSConfig, truth: torch.Tensor) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="checkpoint (default: the demo checkpoint)")
+    parser.add_argument("--model", help="checkpoint (default: the random-demo preset)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     decode = DecodeConfig(fps=2.0, max_frames=10_000)
-    pipeline = VisionPipeline(args.model or demo_checkpoint(), decode_config=decode)
+    pipeline = VisionPipeline(args.model or random_demo_checkpoint(), decode_config=decode)
 
     clip = SAMPLES / "motion_mask.mp4"
     ground = np.load(SAMPLES / "motion_mask.npz")

@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0, help="stream length used")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4])
     args = parser.parse_args()
-    llm = VideoLLM(cached_checkpoint("demo", seed=0))
+    llm = VideoLLM(cached_checkpoint("random-demo", seed=0))
     frames = png_frames(args.seconds)
     stream_s = frames[-1][0] + 1 / FPS
     print(f"{CLIP.name}: {len(frames)} frames at {FPS:g} fps ({stream_s:.0f} s), demo preset")

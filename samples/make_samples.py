@@ -1,23 +1,38 @@
 """Render the synthetic sample clips that tests, examples and benchmarks use.
 
-Every frame is drawn from seeded numpy (no wall clock), then encoded with libx264 on one thread
-with bit-exact muxing, so rerunning the script with the same PyAV/FFmpeg build reproduces the
-files byte for byte. ``motion_mask.npz`` is the ground truth for ``motion_mask.mp4``: which
-pixels of the pre-encoding frames changed since the previous frame.
+Two kinds. The task samples are scenes of the demo model's synthetic task (coloured shapes that
+move, appear or stand still; `stillcut.engine.factory.demo`): each is the first held-out
+scene that fits its description, so it is one of the clips the accuracy bench scores and the
+demo never trained on. The others each exercise one EVS behaviour (a pan, a scene cut, a long
+near-static clip, known motion). Every frame is drawn from seeded numpy (no wall clock), then
+encoded with libx264 on one thread with bit-exact muxing, so rerunning the script with the same
+PyAV/FFmpeg build reproduces the files byte for byte. ``motion_mask.npz`` is the ground truth
+for ``motion_mask.mp4``: which pixels of the pre-encoding frames changed since the previous
+frame.
 
-Usage: python samples/make_samples.py [--out samples]
+The web page shows what the demo model answers about each task sample; `sample_answers`
+asks it (describe's default EVS) and main writes the page's copy,
+``service/static/sample_answers.json``. Rerun after retraining the demo.
+
+Usage: python samples/make_samples.py [--out samples] [--answers PATH | --no-answers]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 
-import av
 import numpy as np
+
+from stillcut.engine.factory.demo.clips import clip_bytes, encode_h264, held_out_seeds
+from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, answer, is_correct
+from stillcut.engine.factory.demo.render import value_noise
+from stillcut.engine.factory.demo.scenes import Scene, sample_scene
+
+PAGE_ANSWERS = Path(__file__).resolve().parent.parent / "service" / "static" / "sample_answers.json"
 
 RGB = tuple[float, float, float]
 # A renderer yields the clip's frames, each [H, W, 3] uint8.
@@ -47,24 +62,6 @@ class ClipSpec:
             raise ValueError(f"num_frames={self.num_frames}: must be >= 2")
         if not 0 <= self.crf <= 51:
             raise ValueError(f"crf={self.crf}: allowed range is 0..51")
-
-
-def value_noise(rng: np.random.Generator, height: int, width: int, cell_px: float) -> np.ndarray:
-    """Fractal value noise [height, width] in [0, 1]; coarsest features are `cell_px` wide."""
-    out = np.zeros((height, width))
-    octaves = 6  # down to features of cell_px / 32: fine detail inside every 14 px patch
-    for octave in range(octaves):
-        scale = 2**octave / cell_px
-        grid = rng.random((int(height * scale) + 2, int(width * scale) + 2))
-        y, x = np.arange(height) * scale, np.arange(width) * scale
-        y0, x0 = y.astype(int), x.astype(int)
-        # Smoothstep weights hide the grid's straight seams.
-        fy = (y - y0) ** 2 * (3 - 2 * (y - y0))
-        fx = (x - x0) ** 2 * (3 - 2 * (x - x0))
-        top = grid[y0][:, x0] * (1 - fx) + grid[y0][:, x0 + 1] * fx  # [height, width]
-        bottom = grid[y0 + 1][:, x0] * (1 - fx) + grid[y0 + 1][:, x0 + 1] * fx
-        out += (top * (1 - fy[:, None]) + bottom * fy[:, None]) * 0.5**octave
-    return out / (2 - 0.5 ** (octaves - 1))
 
 
 def backdrop(seed: int, height: int, width: int, low: RGB, high: RGB) -> np.ndarray:
@@ -99,16 +96,6 @@ def compose(background: np.ndarray, objects: list[tuple[np.ndarray, RGB]]) -> np
     for coverage, colour in objects:
         frame[coverage] = colour
     return np.clip(np.rint(frame), 0, 255).astype(np.uint8)
-
-
-def render_moving_object(spec: ClipSpec) -> Iterator[np.ndarray]:
-    """A static textured scene; one red ball crosses it left to right on a wave."""
-    h, w = spec.height, spec.width
-    background = backdrop(1, h, w, (40, 70, 50), (200, 190, 150))
-    for i in range(spec.num_frames):
-        progress = i / (spec.num_frames - 1)
-        ball = disk(h, w, h / 2 + 40 * np.sin(2 * np.pi * progress), -20 + progress * (w + 40), 18)
-        yield compose(background, [(ball, (230, 40, 40))])
 
 
 def render_pan(spec: ClipSpec) -> Iterator[np.ndarray]:
@@ -210,32 +197,63 @@ def motion_masks(spec: ClipSpec) -> np.ndarray:
 
 def encode(path: Path, spec: ClipSpec, frames: Iterator[np.ndarray]) -> None:
     """Write frames to an H.264 .mp4 at constant frame rate (pts = frame index / fps)."""
-    with av.open(str(path), "w", format="mp4", options={"fflags": "+bitexact"}) as container:
-        stream = container.add_stream("libx264", rate=spec.fps)
-        stream.width, stream.height, stream.pix_fmt = spec.width, spec.height, "yuv420p"
-        stream.codec_context.time_base = Fraction(1, spec.fps)
-        # x264's output depends on its thread count, which otherwise follows the machine's cores.
-        stream.options = {
-            "crf": str(spec.crf),
-            "preset": "medium",
-            "g": str(spec.gop),
-            "threads": "1",
-        }
-        for index, rgb in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
-            frame.pts = index
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))
+    encode_h264(path, frames, spec.fps, crf=spec.crf, preset="medium", gop=spec.gop)
 
 
 CLIPS: list[tuple[ClipSpec, Renderer]] = [
-    (ClipSpec("moving_object", 320, 240, 24, 144), render_moving_object),
     (ClipSpec("pan", 320, 240, 24, 144), render_pan),
     (ClipSpec("scene_cut", 320, 240, 24, 144), render_scene_cut),
     (ClipSpec("near_static_long", 160, 120, 4, 1000, gop=240), render_near_static_long),
     (ClipSpec("motion_mask", 224, 224, 24, 192), render_motion_mask),
     (ClipSpec("steady_motion", 320, 240, 4, 480), render_steady_motion),
 ]
+
+
+# Each task sample: what its scene must be like.
+TASK_SAMPLES: dict[str, Callable[[Scene], bool]] = {
+    "moving_object": lambda s: (
+        s.motion in ("left", "right")
+        and s.event == "none"
+        and s.ground == "textured"
+        and len(s.objects) == 2
+    ),
+    "vertical_motion": lambda s: (
+        s.motion in ("up", "down")
+        and s.event == "none"
+        and s.ground == "flat"
+        and len(s.objects) == 3
+    ),
+    "appearing_object": lambda s: s.motion != "none" and s.event == "appears",
+    "still_scene": lambda s: s.subject is None and len(s.objects) == 3,
+}
+
+
+def task_sample_scenes() -> dict[str, Scene]:
+    """Each task sample's scene: the first held-out scene that fits its description."""
+    scenes = [sample_scene(seed) for seed in held_out_seeds()]
+    return {name: next(s for s in scenes if fits(s)) for name, fits in TASK_SAMPLES.items()}
+
+
+def sample_answers(samples_dir: Path) -> dict:
+    """What the shipped demo answers about each task sample, beside the true answers."""
+    from stillcut.service.api import VideoLLM
+
+    llm = VideoLLM()
+    samples = {}
+    for name, scene in task_sample_scenes().items():
+        rows = []
+        for kind in QUESTION_TYPES:
+            text = llm.describe(samples_dir / f"{name}.mp4", PROMPTS[kind][0]).text
+            rows.append(
+                {
+                    "question": PROMPTS[kind][0],
+                    "answer": text,
+                    "truth": answer(scene, kind),
+                    "correct": is_correct(scene, kind, text),
+                }
+            )
+        samples[f"{name}.mp4"] = rows
+    return {"model": llm.name, "evs": llm.evs_default.setting, "samples": samples}
 
 
 def write_motion_mask(path: Path, spec: ClipSpec) -> None:
@@ -251,13 +269,22 @@ def write_motion_mask(path: Path, spec: ClipSpec) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent)
+    answers = parser.add_mutually_exclusive_group()
+    answers.add_argument("--answers", type=Path, default=PAGE_ANSWERS, help="the page's copy")
+    answers.add_argument("--no-answers", action="store_true", help="render the clips only")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    for name, scene in task_sample_scenes().items():
+        (args.out / f"{name}.mp4").write_bytes(clip_bytes(scene))
+        print(f"{name}: scene {scene.seed}, {scene.num_frames} frames, {scene.duration_s:.1f} s")
     for spec, render in CLIPS:
         encode(args.out / f"{spec.name}.mp4", spec, render(spec))
         if render is render_motion_mask:
             write_motion_mask(args.out / "motion_mask.npz", spec)
         print(f"{spec.name}: {spec.num_frames} frames, {spec.num_frames / spec.fps:.1f} s")
+    if not args.no_answers:
+        args.answers.write_text(json.dumps(sample_answers(args.out), indent=2) + "\n")
+        print(f"the demo's answers about the task samples: {args.answers}")
 
 
 if __name__ == "__main__":

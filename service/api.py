@@ -86,9 +86,9 @@ class VideoLLM:
         evs: EVSChoice = UNSET,
         **precision,
     ) -> None:
-        """`model` is a checkpoint folder or hub id; None builds (once) the random-weight demo
-        checkpoint. `name` is the id the server reports (default: the folder name). `evs` is
-        the EVS setting of requests that name none (None: off; default: the checkpoint's own
+        """`model` is a checkpoint folder or hub id; None is the trained demo checkpoint shipped
+        with the package. `name` is the id the server reports (default: the folder name). `evs`
+        is the EVS setting of requests that name none (None: off; default: the checkpoint's own
         rate, else rate 0.75). `precision` overrides `engine_config`'s `dtype`,
         `quantization`, `quantization_skip` and `kv_cache_dtype` (see `EngineConfig`); the
         vision tower stores its weights in the same format. With a draft model

@@ -4,8 +4,8 @@
 runs the HTTP service (`cli_serve`); `stillcut narrate VIDEO` prints running commentary
 (`cli_narrate`); `stillcut inspect VIDEO` runs only the vision half of the
 pipeline — decode, preprocess, encode, EVS — and prints what was decoded, the token grid and
-what EVS kept. All use the built-in demo checkpoint unless given `--model`. Heavy imports
-wait until a command runs, so `stillcut --help` is instant.
+what EVS kept. All use the trained demo checkpoint shipped with the package unless given
+`--model`. Heavy imports wait until a command runs, so `stillcut --help` is instant.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 RANDOM_WEIGHTS_NOTICE = (
-    "note: the demo checkpoint has random weights: decoding, token counts and EVS numbers "
+    "note: this checkpoint has random weights: decoding, token counts and EVS numbers "
     "are real, generated words would not be"
 )
 

@@ -2,8 +2,8 @@
 
 Prints the answer, then what EVS kept, the token counts and where the time went (or, with
 `--json`, the whole `DescribeResult` as one object). Progress bars on stderr follow decoding,
-encoding and generation. With the demo checkpoint a one-line notice says its weights are
-random, so the words mean nothing while the pipeline and the EVS numbers are real.
+encoding and generation. With a random-weight checkpoint (the factory's presets) a one-line
+notice says so: the words mean nothing while the pipeline and the EVS numbers are real.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""The random-checkpoint factory: demo and test checkpoints in Hugging Face layout.
+"""The checkpoint factory: demo and test checkpoints in Hugging Face layout.
 
 Apart from the engine's core: nothing under `stillcut.engine` imports it except through one
-lazy import of the demo checkpoint. `checkpoints` builds and caches a checkpoint per spec;
-each family's presets, configs and offline tokenizer live in their own module here.
+lazy import of the demo checkpoint. `checkpoints` builds and caches a random-weight checkpoint
+per spec; each family's presets, configs and offline tokenizer live in their own module here.
+`demo` holds the trained demo model (shipped with the package), its synthetic video task and
+its trainer.
 """
 
 from stillcut.engine.factory.checkpoints import (
@@ -11,9 +13,10 @@ from stillcut.engine.factory.checkpoints import (
     cache_dir,
     cached_checkpoint,
     checkpoint_spec,
-    demo_checkpoint,
     hf_config,
+    random_demo_checkpoint,
 )
+from stillcut.engine.factory.demo import demo_checkpoint
 
 __all__ = [
     "CheckpointSpec",
@@ -23,4 +26,5 @@ __all__ = [
     "checkpoint_spec",
     "demo_checkpoint",
     "hf_config",
+    "random_demo_checkpoint",
 ]

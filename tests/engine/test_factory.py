@@ -23,6 +23,7 @@ from stillcut.engine.factory import (
     checkpoints,
     demo_checkpoint,
     hf_config,
+    random_demo_checkpoint,
 )
 
 CORE_WITHOUT_FACTORY = """
@@ -352,15 +353,31 @@ def test_existing_folder_is_not_overwritten(tiny):
         build_checkpoint(tiny, "tiny")
 
 
-def test_demo_checkpoint_uses_the_cached_folder(cache, capsys):
-    folder = cache / "checkpoints" / checkpoint_spec("demo", seed=5).folder_name()
+def test_random_demo_checkpoint_uses_the_cached_folder(cache, capsys):
+    folder = cache / "checkpoints" / checkpoint_spec("random-demo", seed=5).folder_name()
     folder.mkdir(parents=True)
-    assert demo_checkpoint(seed=5) == folder
+    assert random_demo_checkpoint(seed=5) == folder
     assert capsys.readouterr().err == ""  # nothing was built
 
 
-def test_demo_spec_shape_without_building():
-    spec = checkpoint_spec("demo")
+def test_demo_checkpoint_is_the_shipped_trained_one_and_builds_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("STILLCUT_CACHE", str(tmp_path))
+    folder = demo_checkpoint()
+    assert folder.parent.name == "demo" and (folder / "model.safetensors").is_file()
+    assert "stillcut_random_weights" not in json.loads((folder / "config.json").read_text())
+    assert list(tmp_path.iterdir()) == []  # nothing built, nothing cached
+
+
+def test_a_missing_shipped_demo_says_so(tmp_path, monkeypatch):
+    from stillcut.engine.factory import demo
+
+    monkeypatch.setattr(demo, "CHECKPOINT_DIR", tmp_path / "checkpoint")
+    with pytest.raises(FileNotFoundError, match="demo checkpoint is missing"):
+        demo_checkpoint()
+
+
+def test_random_demo_spec_shape_without_building():
+    spec = checkpoint_spec("random-demo")
     assert spec.dtype == "bfloat16" and spec.tie_word_embeddings
     config = hf_config(spec)
     assert config.text_config.rope_parameters["mrope_section"] == [8, 12, 12]  # head_dim 64
@@ -374,8 +391,8 @@ def test_demo_spec_shape_without_building():
     assert 100e6 < num_params < 120e6
 
 
-def test_lm180m_is_the_demo_shape_with_its_own_head():
-    demo, spec = checkpoint_spec("demo"), checkpoint_spec("lm180m")
+def test_lm180m_is_the_random_demo_shape_with_its_own_head():
+    demo, spec = checkpoint_spec("random-demo"), checkpoint_spec("lm180m")
     assert spec.text == demo.text and spec.vision == demo.vision
     assert demo.tie_word_embeddings and not spec.tie_word_embeddings
     assert checkpoint_spec("lm180m", tie_word_embeddings=True).tie_word_embeddings
@@ -407,7 +424,7 @@ def test_invalid_specs_name_the_field(overrides, field):
 
 
 def test_unknown_preset_lists_the_allowed_ones():
-    with pytest.raises(ValueError, match="tiny.*demo"):
+    with pytest.raises(ValueError, match="tiny.*random-demo"):
         checkpoint_spec("huge")
 
 
@@ -588,7 +605,7 @@ def test_invalid_gemma3_specs_name_the_field(overrides, field):
 
 
 def test_gemma3_presets_and_qwen_fields_are_kept_apart():
-    with pytest.raises(ValueError, match="preset='demo' for family 'gemma3'"):
-        checkpoint_spec("demo", family="gemma3")
+    with pytest.raises(ValueError, match="preset='random-demo' for family 'gemma3'"):
+        checkpoint_spec("random-demo", family="gemma3")
     with pytest.raises(ValueError, match="mm_tokens_per_image applies to Gemma 3"):
         checkpoint_spec("tiny", mm_tokens_per_image=16)

@@ -1,6 +1,7 @@
 """The web page in a real browser: headless Chromium (Debian's `chromium`) driven by Playwright
 against the shared test server. Describes the tiny clip, checks the filmstrip against the
-result, triggers a 413 and checks its message is shown; screenshots go to bench/out/.
+result, triggers a 413 and checks its message is shown, shows the demo model's answers when a
+task sample is picked; screenshots go to bench/out/.
 
 Skips when Chromium or Playwright is missing, unless STILLCUT_REQUIRE_BROWSER=1 (CI).
 """
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from stillcut.service.config import ServerConfig
+from stillcut.service.page_routes import STATIC_DIR
 
 from .conftest import MAX_UPLOAD_BYTES, running_server
 
@@ -124,6 +126,25 @@ def test_oversized_upload_shows_the_server_message(browser, main_server, tmp_pat
     assert page.locator("#filmstrip .frame").count() == 0
     # the browser itself logs the failed request (413); nothing else may go wrong
     assert [e for e in errors if "413" not in e] == []
+    page.close()
+
+
+def test_picking_a_task_sample_shows_the_demo_answers(browser, main_server):
+    stored = json.loads((STATIC_DIR / "sample_answers.json").read_text())
+    name, rows = next(iter(stored["samples"].items()))
+    page, errors = _open_page(browser, main_server.url + "/", (1280, 800))
+    page.wait_for_function("document.querySelector('#sample').options.length > 1")
+    assert page.locator("#sample-answers").is_hidden()
+    page.select_option("#sample", value=name)
+    page.wait_for_selector("#sample-answers:not([hidden])", timeout=TIMEOUT_MS)
+    shown = page.locator("#sample-answers-table tr.sample-answer")
+    assert shown.count() == len(rows)
+    for k, row in enumerate(rows):
+        text = shown.nth(k).inner_text()
+        assert row["question"] in text and row["answer"] in text and row["truth"] in text
+    page.select_option("#sample", value="pan.mp4")  # not a task sample: nothing to show
+    assert page.locator("#sample-answers").is_hidden()
+    assert errors == []
     page.close()
 
 

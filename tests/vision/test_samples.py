@@ -2,7 +2,8 @@
 
 Other tests and benchmarks rely on these files' frame counts, timing and sizes, and EVS recall
 is measured against motion_mask.npz, so the mask must line up frame by frame with its clip and
-with the generator that made it.
+with the generator that made it. The task samples are held-out scenes of the demo's task, and
+must be exactly the clips their scenes encode to.
 """
 
 from __future__ import annotations
@@ -14,11 +15,17 @@ import av
 import numpy as np
 import pytest
 
+from stillcut.engine.factory.demo.clips import clip_bytes, held_out_seeds
+
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "samples"
 
 # name: (width, height, fps, num_frames), as documented in samples/README.md
+TASK_CLIPS = {
+    name: (320, 240, 8, 48)
+    for name in ("moving_object", "vertical_motion", "appearing_object", "still_scene")
+}
 CLIPS = {
-    "moving_object": (320, 240, 24, 144),
+    **TASK_CLIPS,
     "pan": (320, 240, 24, 144),
     "scene_cut": (320, 240, 24, 144),
     "near_static_long": (160, 120, 4, 1000),
@@ -91,6 +98,16 @@ def test_motion_mask_lines_up_with_its_clip() -> None:
 def test_generator_matches_committed_specs_and_mask() -> None:
     script = runpy.run_path(str(SAMPLES_DIR / "make_samples.py"))
     specs = {spec.name: spec for spec, _ in script["CLIPS"]}
+    specs |= script["task_sample_scenes"]()
     assert {name: (s.width, s.height, s.fps, s.num_frames) for name, s in specs.items()} == CLIPS
     with np.load(SAMPLES_DIR / "motion_mask.npz") as data:
         np.testing.assert_array_equal(script["motion_masks"](specs["motion_mask"]), data["mask"])
+
+
+def test_task_samples_are_held_out_scenes_encoded_byte_for_byte() -> None:
+    script = runpy.run_path(str(SAMPLES_DIR / "make_samples.py"))
+    scenes = script["task_sample_scenes"]()
+    assert set(scenes) == set(TASK_CLIPS)
+    for name, scene in scenes.items():
+        assert scene.seed in held_out_seeds()
+        assert clip_bytes(scene) == (SAMPLES_DIR / f"{name}.mp4").read_bytes(), name

@@ -1,0 +1,131 @@
+"""EVS accuracy: how much pruning the trained demo's answers survive, per question type.
+
+Renders the held-out scenes of the demo task (seeds never used in training; the clips are kept
+in `bench/out/` for the next run), encodes each clip once (the encoder cache serves every EVS
+setting), and asks each question type's canonical prompt with EVS off, rate q = 0.5 / 0.75 /
+0.8 / 0.9 and threshold tau at several values. Each answer is scored by its keywords
+(`stillcut.engine.factory.demo.questions.is_correct`); the table shows accuracy per type and
+the fraction of video tokens kept. Then, for the long near-static sample clip, it counts the
+tokens kept for growing lengths: a threshold's cost should grow far slower than the clip, a
+rate's grows with it.
+
+    python bench/evs_accuracy.py [--model PATH] [--clips 500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.factory import demo_checkpoint
+from stillcut.engine.factory.demo.clips import clip_bytes, held_out_seeds
+from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, is_correct
+from stillcut.engine.factory.demo.scenes import Scene, sample_scene
+from stillcut.engine.factory.demo.train import TASK_VERSION
+from stillcut.kernels.evs import EVSConfig, prune
+from stillcut.service.api import DEFAULT_KV_CACHE_BYTES, VideoLLM
+from stillcut.vision.decode import DecodeConfig
+
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+# Rendered clips are kept between runs (rendering 500 takes minutes); a new task version
+# renders afresh.
+CLIP_DIR = Path(__file__).resolve().parent / "out" / f"evs_accuracy_clips_task{TASK_VERSION}"
+# 0.8 keeps about what the largest tau keeps, for rate against threshold at equal kept fractions
+RATES = (0.5, 0.75, 0.8, 0.9)
+TAUS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.4)
+CHUNK = 100  # clips asked about together: every question reuses its clip's cached prefix
+# The demo is tiny: a step can carry many more prompts than the service's defaults allow.
+ENGINE_CONFIG = EngineConfig(
+    scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=256),
+    cache=CacheConfig(kv_cache_memory=DEFAULT_KV_CACHE_BYTES),
+)
+MAX_TOKENS = 48
+LONG_CLIP_ENDS_S = (30.0, 60.0, 120.0, 240.0)
+LONG_CLIP_TAU = 0.1
+
+
+def held_out_set(count: int) -> list[tuple[Scene, bytes]]:
+    """The first `count` held-out scenes and their clips, rendered once into `CLIP_DIR`."""
+    CLIP_DIR.mkdir(parents=True, exist_ok=True)
+    clips = []
+    for seed in held_out_seeds(count):
+        scene, path = sample_scene(seed), CLIP_DIR / f"{seed}.mp4"
+        if not path.is_file():
+            path.write_bytes(clip_bytes(scene))
+        clips.append((scene, path.read_bytes()))
+    return clips
+
+
+def settings() -> list[tuple[str, EVSConfig | None]]:
+    rates = [(f"rate q={q:g}", EVSConfig(mode="rate", rate=q)) for q in RATES]
+    taus = [(f"threshold tau={t:g}", EVSConfig(mode="threshold", threshold=t)) for t in TAUS]
+    return [("off", None), *rates, *taus]
+
+
+def accuracy_row(llm: VideoLLM, clips: list, evs: EVSConfig | None) -> tuple[float, dict]:
+    """Kept-token fraction and accuracy per question type under one EVS setting."""
+    right = dict.fromkeys(QUESTION_TYPES, 0)
+    kept = total = 0
+    for start in range(0, len(clips), CHUNK):
+        chunk = clips[start : start + CHUNK]
+        for kind in QUESTION_TYPES:
+            results = llm.describe_many(
+                [data for _, data in chunk], PROMPTS[kind][0], evs=evs, max_tokens=MAX_TOKENS
+            )
+            for (scene, _), result in zip(chunk, results, strict=True):
+                right[kind] += is_correct(scene, kind, result.text)
+            kept += sum(r.evs.tokens_after for r in results)
+            total += sum(r.evs.tokens_before for r in results)
+    return kept / total, {kind: right[kind] / len(clips) for kind in QUESTION_TYPES}
+
+
+def long_clip_rows(llm: VideoLLM) -> None:
+    """Tokens kept for growing prefixes of the near-static clip: encoded once, pruned per
+    prefix (threshold mode is causal, so a prefix keeps what the shorter clip would)."""
+    clip = SAMPLES / "near_static_long.mp4"
+    print(f"\n{clip.name}: video tokens kept for the first N seconds (2 fps, no frame cap)")
+    dense = llm.pipeline.video(clip, evs=None, end=max(LONG_CLIP_ENDS_S))
+    t, h, w = dense.llm_grid
+    columns = [("dense", None), ("rate q=0.75", EVSConfig(mode="rate", rate=0.75))]
+    columns.append((f"tau={LONG_CLIP_TAU:g}", EVSConfig(mode="threshold", threshold=LONG_CLIP_TAU)))
+    print(f"{'seconds':>8}" + "".join(f"{name:>14}" for name, _ in columns))
+    for end in LONG_CLIP_ENDS_S:
+        num_tubelets = min(t, round(end * DecodeConfig().fps / 2))  # 2 frames a tubelet
+        embeds = dense.embeds[: num_tubelets * h * w]
+        counts = [
+            len(embeds) if evs is None else prune(embeds, (num_tubelets, h, w), evs).num_kept_tokens
+            for _, evs in columns
+        ]
+        print(f"{end:>8g}" + "".join(f"{count:>14}" for count in counts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="checkpoint (default: the trained demo)")
+    parser.add_argument("--clips", type=int, default=500, help="held-out clips (default 500)")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    clips = held_out_set(args.clips)
+    print(f"{len(clips)} held-out clips rendered in {time.perf_counter() - started:.0f} s")
+    llm = VideoLLM(
+        args.model or demo_checkpoint(),
+        engine_config=ENGINE_CONFIG,
+        decode_config=DecodeConfig(max_frames=10_000),
+    )
+    header = f"{'EVS':<22}{'kept':>6}" + "".join(f"{kind:>10}" for kind in QUESTION_TYPES)
+    print(header)
+    for name, evs in settings():
+        kept, accuracy = accuracy_row(llm, clips, evs)
+        cells = "".join(f"{accuracy[kind]:>10.1%}" for kind in QUESTION_TYPES)
+        print(f"{name:<22}{kept:>6.1%}{cells}", flush=True)
+    long_clip_rows(llm)
+    print(f"\n{time.perf_counter() - started:.0f} s in all")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The trained demo's shape: a Qwen2.5-VL small enough to train from scratch on two CPU cores.
+
+The preprocessor configs pin the pixel budget to one size, 224x168, so every 4:3 input is
+resized to exactly what training saw (a 12x16-patch, 6x8-token grid per tubelet: a task shape
+spans two to three patches); other aspect ratios get about as many pixels. All vision blocks
+attend over the whole frame: it is only 192 patches. The language model's rotary base is
+10^4 rather than Qwen's 10^6: its prompts are a few hundred tokens long, and at 10^4 the
+fastest pairs still tell neighbouring tokens apart while the slowest stay nearly still across
+the whole prompt, for attention by content from an answer back to the video.
+`write_skeleton` writes everything but the weights: config, tokenizer, preprocessor and
+generation configs, so the trainer can read them back through stillcut's own loaders.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from stillcut.engine.factory.demo import tokenizer
+from stillcut.engine.factory.qwen_presets import (
+    ProcessorSpec,
+    family_vision,
+    mrope_section,
+    preprocessor_configs,
+)
+
+FAMILY = "qwen2_5_vl"
+INPUT_WIDTH, INPUT_HEIGHT = 224, 168
+INPUT_PIXELS = INPUT_WIDTH * INPUT_HEIGHT
+VOCAB_MULTIPLE = 64  # embedding rows are padded to a multiple of this
+TEXT: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 384,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+}
+ROPE_THETA = 1e4
+VISION: dict[str, Any] = {
+    "depth": 4,
+    "hidden_size": 64,
+    "num_heads": 2,
+    "intermediate_size": 160,
+    "fullatt_block_indexes": (0, 1, 2, 3),
+}
+PROCESSOR = ProcessorSpec(
+    image_min_pixels=INPUT_PIXELS,
+    image_max_pixels=INPUT_PIXELS,
+    video_min_pixels=INPUT_PIXELS,
+    video_max_pixels=INPUT_PIXELS,
+)
+
+
+def hf_config(special_ids: dict[str, int], metadata: dict[str, Any]) -> Any:
+    """The transformers `Qwen2_5_VLConfig`, token ids from the demo tokenizer, `metadata`
+    stored as `stillcut_demo` (what trained it)."""
+    from transformers import Qwen2_5_VLConfig
+
+    num_tokens = max(special_ids.values()) + 1
+    vocab_size = -(-num_tokens // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
+    text = {
+        **TEXT,
+        "vocab_size": vocab_size,
+        "bos_token_id": special_ids["<|endoftext|>"],
+        "eos_token_id": special_ids["<|im_end|>"],
+        "max_window_layers": TEXT["num_hidden_layers"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": ROPE_THETA,
+            "mrope_section": mrope_section(head_dim),
+        },
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=family_vision(FAMILY, VISION, TEXT["hidden_size"]),
+        tie_word_embeddings=True,
+        image_token_id=special_ids["<|image_pad|>"],
+        video_token_id=special_ids["<|video_pad|>"],
+        vision_start_token_id=special_ids["<|vision_start|>"],
+        vision_end_token_id=special_ids["<|vision_end|>"],
+        stillcut_demo=metadata,
+    )
+
+
+def generation_ids(special_ids: dict[str, int]) -> dict[str, Any]:
+    """generation_config.json's ids: stop at `<|im_end|>` or `<|endoftext|>`, as Qwen does."""
+    end, eos = special_ids["<|endoftext|>"], special_ids["<|im_end|>"]
+    return {"bos_token_id": end, "eos_token_id": [eos, end], "pad_token_id": end}
+
+
+def write_skeleton(folder: Path, metadata: dict[str, Any]) -> Any:
+    """Write all files but the weights into `folder`; return the transformers config."""
+    from transformers import GenerationConfig
+
+    special_ids = tokenizer.write_tokenizer_files(folder)
+    config = hf_config(special_ids, metadata)
+    config.save_pretrained(folder)
+    GenerationConfig(**generation_ids(special_ids)).save_pretrained(folder)
+    vision = family_vision(FAMILY, VISION, TEXT["hidden_size"])
+    for name, contents in preprocessor_configs(FAMILY, vision, PROCESSOR).items():
+        (folder / name).write_text(json.dumps(contents, indent=2, sort_keys=True) + "\n")
+    return config

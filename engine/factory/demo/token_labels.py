@@ -1,0 +1,78 @@
+"""What each video token of a training clip shows: the targets of the trainer's auxiliary loss.
+
+Besides the answers, the trainer asks the vision tower's output, through a linear head used
+only in training, what each merged token covers in its tubelet: the colour and the shape of the
+object that covers most of it (or none), and how that object moves (left, right, up, down,
+still, or no object there). The answers alone are a few words per clip, and from scratch they
+teach the tower slowly; this dense signal teaches it colour, shape and motion features within a
+few hundred steps. The head is dropped afterwards: the checkpoint is a plain Qwen2.5-VL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from stillcut.engine.factory.demo.render import coverage
+from stillcut.engine.factory.demo.scenes import COLOURS, MOTIONS, SHAPES, Scene
+
+COLOUR_CLASSES = len(COLOURS) + 1  # the last class: no object
+SHAPE_CLASSES = len(SHAPES) + 1
+MOTION_CLASSES = len(MOTIONS) + 1  # left, right, up, down, still, no object
+STILL, NO_MOTION = MOTIONS.index("none"), len(MOTIONS)
+MIN_COVER = 0.3  # share of a token's footprint (over its tubelet) an object must cover
+_COLOUR_INDEX = {name: index for index, name in enumerate(COLOURS)}
+
+
+def token_labels(scene: Scene, times: Sequence[float], grid_hw: tuple[int, int]) -> np.ndarray:
+    """[t, h, w, 3] int64 (colour, shape, motion) class of every merged token, for frames
+    sampled at `times` in 2-frame tubelets (the last frame repeated to fill the last one)."""
+    times = list(times) + list(times[-1:]) * (len(times) % 2)
+    rows = np.linspace(0, scene.height, grid_hw[0] + 1).round().astype(int)
+    cols = np.linspace(0, scene.width, grid_hw[1] + 1).round().astype(int)
+    tubelets = []
+    for first in range(0, len(times), 2):
+        owner = [_owner_map(scene, t) for t in times[first : first + 2]]  # 2 x [H, W]
+        tubelets.append(_block_labels(scene, np.stack(owner), rows, cols))
+    return np.stack(tubelets)
+
+
+def mirrored_labels(labels: np.ndarray) -> np.ndarray:
+    """The labels of the mirrored clip: columns reversed, left and right swapped."""
+    flipped = labels[:, :, ::-1].copy()
+    motion = flipped[..., 2]
+    left, right = MOTIONS.index("left"), MOTIONS.index("right")
+    flipped[..., 2] = np.where(motion == left, right, np.where(motion == right, left, motion))
+    return flipped
+
+
+def _owner_map(scene: Scene, t: float) -> np.ndarray:
+    """[H, W] int8: the index of the object covering each pixel at `t`, -1 for none."""
+    owner = np.full((scene.height, scene.width), -1, np.int8)
+    for index, obj in enumerate(scene.objects):
+        if obj.shown(t):
+            rows, cols, mask = coverage(obj, t, scene.height, scene.width)
+            owner[rows, cols][mask] = index
+    return owner
+
+
+def _block_labels(scene: Scene, owner: np.ndarray, rows: np.ndarray, cols: np.ndarray):
+    """[h, w, 3] labels of one tubelet from its frames' owner maps [2, H, W]."""
+    labels = np.empty((len(rows) - 1, len(cols) - 1, 3), np.int64)
+    for h in range(len(rows) - 1):
+        for w in range(len(cols) - 1):
+            block = owner[:, rows[h] : rows[h + 1], cols[w] : cols[w + 1]]
+            shares = np.bincount(block.ravel() + 1, minlength=len(scene.objects) + 1)[1:]
+            labels[h, w] = _object_labels(scene, shares / block.size)
+    return labels
+
+
+def _object_labels(scene: Scene, shares: np.ndarray) -> tuple[int, int, int]:
+    if shares.size == 0 or shares.max() < MIN_COVER:
+        return len(COLOURS), len(SHAPES), NO_MOTION
+    index = int(shares.argmax())
+    obj = scene.objects[index]
+    moves = index == scene.subject and scene.motion != "none"
+    motion = MOTIONS.index(scene.motion) if moves else STILL
+    return _COLOUR_INDEX[obj.colour], SHAPES.index(obj.shape), motion

@@ -1,0 +1,390 @@
+"""Train the demo checkpoint from scratch on the synthetic task, on the CPU.
+
+    python -m stillcut.engine.factory.demo.train --out DIR [--seed 0] [--vision-steps N]
+        [--steps N] [--schedule-steps N] [--clips N] [--clips-per-step N] [--threads 2]
+
+The model is a transformers `Qwen2_5_VLForConditionalGeneration` (`architecture`); the vision
+tower runs as stillcut's own `Qwen2_5_VLVisionTower` (the same parameters under the same names,
+but it batches equal-sized frames into one attention call, tens of times faster on a CPU than
+transformers' per-frame loop), the language model as transformers' own. The tower's patch
+embedding starts from designed filters (`patch_init`).
+
+Training has two stages over the same clips, each step a batch of randomly mirrored clips
+(mirroring swaps left and right in the answers). First the tower alone learns what each video
+token shows, through a linear head used only in training (`token_labels`): colour comes in
+tens of steps, motion in a few hundred, shape in about a thousand, and answers cannot be learned
+before the tower sees them (with the answers alone, a tower trained from scratch collapsed to
+one constant embedding). Then the tower is frozen and every clip is encoded once, as filmed and
+mirrored, so the second stage runs only the language model: it learns the answers of a few
+random question types per clip, each sequence pruned by EVS its own way (`sequences`), at a
+fraction of a tower step's cost, which buys the many steps reading shape takes. The result is
+saved in bf16 with `save_pretrained`: a Hugging Face checkpoint like any other.
+
+Given its seed, training is deterministic on one torch build, thread count and instruction set:
+the data comes from seeded numpy, single-threaded x264 and PIL, and the steps from seeded torch
+with deterministic algorithms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# Waiting threads sleep instead of spinning: on a shared machine a spinning thread takes the
+# core its partner needs (steps ran 2-3x slower here). It must be set before torch loads
+# OpenMP, and changes no result.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stillcut.engine.disk_cache import atomic_folder
+from stillcut.engine.factory.demo import architecture
+from stillcut.engine.factory.demo.clips import training_seeds
+from stillcut.engine.factory.demo.patch_init import init_patch_embedding
+from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, answer
+from stillcut.engine.factory.demo.scenes import Scene, mirrored
+from stillcut.engine.factory.demo.sequences import EVSSchedule, Sequence, build_sequence
+from stillcut.engine.factory.demo.token_labels import (
+    COLOUR_CLASSES,
+    MOTION_CLASSES,
+    SHAPE_CLASSES,
+    mirrored_labels,
+)
+from stillcut.engine.factory.demo.training_data import SAMPLE_FPS, TrainingClip, training_clips
+from stillcut.engine.model_config import load_model_config
+from stillcut.engine.positions import MRopeSpec
+from stillcut.engine.processor import PromptProcessor
+from stillcut.vision.preprocess import VideoPreprocessConfig, preprocess_video
+from stillcut.vision.qwen2_5_vl import Qwen2_5_VLVisionTower
+
+TASK_VERSION = 2  # bump when the task or its answers change (the recipe is stored beside)
+AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES)
+# Most tokens show only ground, and few the moving object: class weights make up for it.
+AUX_WEIGHTS = (
+    torch.tensor([1.0] * (COLOUR_CLASSES - 1) + [0.25]),
+    torch.tensor([1.0] * (SHAPE_CLASSES - 1) + [0.25]),
+    torch.tensor([4.0, 4.0, 4.0, 4.0, 1.0, 0.25]),  # left, right, up, down, still, none
+)
+# Colour is learned in tens of steps and motion in hundreds, shape last: its loss counts double.
+AUX_LOSS_WEIGHTS = (1.0, 2.0, 1.0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole training recipe; with the seed it determines the checkpoint."""
+
+    seed: int = 0
+    num_clips: int = 1200
+    vision_steps: int = 800  # first the tower alone learns what each token shows
+    steps: int = 1000  # then the language model learns the answers, the tower frozen
+    # The answer stage's learning-rate schedule spans this many steps (None: `steps`), so a
+    # run stopped early is the same as a full one up to where it stopped.
+    schedule_steps: int | None = None
+    clips_per_step: int = 12
+    questions_per_clip: int = 3
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    threads: int = 2
+    evs: EVSSchedule = field(default_factory=EVSSchedule)
+    log_every: int = 50
+
+    def __post_init__(self) -> None:
+        for name in ("num_clips", "steps", "clips_per_step", "threads", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        if self.schedule_steps is not None and self.schedule_steps < self.steps:
+            raise ValueError(f"schedule_steps={self.schedule_steps}: must be >= steps={self.steps}")
+        if self.vision_steps < 0:
+            raise ValueError(f"vision_steps={self.vision_steps}: must be >= 0")
+        if not 1 <= self.questions_per_clip <= len(QUESTION_TYPES):
+            raise ValueError(
+                f"questions_per_clip={self.questions_per_clip}: allowed 1..{len(QUESTION_TYPES)}"
+            )
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate}: must be > 0")
+        for name in ("warmup_steps", "weight_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class EncodedClip:
+    """A training clip as the answer stage sees it: its scene and the frozen tower's
+    embeddings [t*h*w, hidden] of its frames as filmed and mirrored."""
+
+    scene: Scene
+    embeds: torch.Tensor
+    mirrored_embeds: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    second_per_grid_ts: float
+
+
+class DemoTrainer:
+    """The model being trained and the stillcut pieces that feed it, for one checkpoint
+    folder that holds everything but the weights (`architecture.write_skeleton`)."""
+
+    def __init__(self, folder: Path, config: TrainConfig) -> None:
+        from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+        self.config = config
+        self.processor = PromptProcessor.from_checkpoint(folder)
+        self.preprocess = VideoPreprocessConfig.from_checkpoint(folder)
+        model_config = load_model_config(folder)
+        self.rope_spec = MRopeSpec(
+            model_config.image_token_id,
+            model_config.video_token_id,
+            tokens_per_second=model_config.vision.tokens_per_second,
+        )
+        torch.manual_seed(config.seed)
+        self.model = Qwen2_5_VLForConditionalGeneration(AutoConfig.from_pretrained(folder))
+        self.tower = Qwen2_5_VLVisionTower(model_config.vision)
+        self.tower.load_state_dict(self.model.model.visual.state_dict())  # transformers' init
+        init_patch_embedding(self.tower.patch_embed.proj.weight)
+        self.language_model = self.model.model.language_model
+        self.aux_head = torch.nn.Linear(model_config.vision.out_hidden_size, sum(AUX_CLASSES))
+
+    def train(self, clips: list[TrainingClip]) -> None:
+        """Both stages over `clips`: the tower alone, then the language model on its output."""
+        rng = np.random.default_rng([self.config.seed, 2])
+        self.train_tower(clips, rng)
+        self.train_answers(self.encode(clips), rng)
+
+    def train_tower(self, clips: list[TrainingClip], rng: np.random.Generator) -> None:
+        """The tower and the token head learn what each token shows."""
+        optimizer = self._optimizer([self.tower, self.aux_head])
+        self._stage(
+            "vision", self.config.vision_steps, None, clips, rng, optimizer, self.vision_step
+        )
+
+    def encode(self, clips: list[TrainingClip]) -> list[EncodedClip]:
+        """Every clip through the frozen tower, as filmed and mirrored."""
+        self.tower.requires_grad_(False)
+        encoded = []
+        with torch.no_grad():
+            for start in range(0, len(clips), self.config.clips_per_step):
+                batch = clips[start : start + self.config.clips_per_step]
+                embeds, prepared = self._encode(batch, np.zeros(len(batch), bool))
+                mirrored_embeds, _ = self._encode(batch, np.ones(len(batch), bool))
+                sizes = [t * h * w // 4 for t, h, w in (p.grid_thw for p in prepared)]
+                for clip, video, plain, flipped in zip(
+                    batch, prepared, embeds.split(sizes), mirrored_embeds.split(sizes), strict=True
+                ):
+                    encoded.append(
+                        EncodedClip(
+                            clip.scene, plain, flipped, video.grid_thw, video.second_per_grid_ts
+                        )
+                    )
+        return encoded
+
+    def train_answers(self, clips: list[EncodedClip], rng: np.random.Generator) -> None:
+        """The language model learns the answers about the frozen tower's embeddings."""
+        optimizer = self._optimizer([self.language_model])
+        steps, schedule_steps = self.config.steps, self.config.schedule_steps
+        self._stage("answer", steps, schedule_steps, clips, rng, optimizer, self.answer_step)
+
+    def vision_step(self, clips: list[TrainingClip], rng: np.random.Generator) -> dict:
+        """The token head's loss on a batch of randomly mirrored clips."""
+        flips = rng.random(len(clips)) < 0.5
+        embeds, _ = self._encode(clips, flips)
+        labels = [
+            mirrored_labels(c.labels) if flip else c.labels
+            for c, flip in zip(clips, flips, strict=True)
+        ]
+        return {"token loss": self._token_loss(embeds, torch.from_numpy(np.stack(labels)))}
+
+    def answer_step(self, clips: list[EncodedClip], rng: np.random.Generator) -> dict:
+        """The answers' loss on a few questions about each of a batch of randomly mirrored
+        clips."""
+        sequences = []
+        for clip, flip in zip(clips, rng.random(len(clips)) < 0.5, strict=True):
+            scene = mirrored(clip.scene) if flip else clip.scene
+            kinds = rng.choice(QUESTION_TYPES, self.config.questions_per_clip, replace=False)
+            for kind in map(str, kinds):
+                prompts = PROMPTS[kind]
+                sequences.append(
+                    build_sequence(
+                        self.processor,
+                        self.rope_spec,
+                        clip.mirrored_embeds if flip else clip.embeds,
+                        clip.grid_thw,
+                        clip.second_per_grid_ts,
+                        prompts[int(rng.integers(len(prompts)))],
+                        answer(scene, kind),
+                        self.config.evs.draw(rng),
+                    )
+                )
+        return {"answer loss": self._answer_loss(sequences)}
+
+    def _stage(self, name, steps, schedule_steps, clips, rng, optimizer, step) -> None:
+        started, logged = time.perf_counter(), []
+        for index in range(steps):
+            scale = _schedule(index, schedule_steps or steps, self.config.warmup_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = self.config.learning_rate * scale
+            batch = rng.choice(len(clips), self.config.clips_per_step, replace=False)
+            losses = step([clips[i] for i in batch], rng)
+            _update(optimizer, sum(losses.values()))
+            logged.append({k: v.item() for k, v in losses.items()})
+            if (index + 1) % self.config.log_every == 0 or index + 1 == steps:
+                means = "  ".join(f"{k} {np.mean([d[k] for d in logged]):.4f}" for k in logged[0])
+                elapsed = time.perf_counter() - started
+                print(f"  {name} step {index + 1}/{steps}  {means}  {elapsed:.0f} s", flush=True)
+                logged = []
+
+    def _optimizer(self, modules: list[torch.nn.Module]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            _parameter_groups(modules, self.config.weight_decay),
+            lr=self.config.learning_rate,
+            betas=(0.9, 0.98),
+            foreach=True,
+        )
+
+    def _encode(self, clips: list[TrainingClip], flips: np.ndarray):
+        """Encode `clips` in one tower pass, those flagged in `flips` mirrored.
+
+        Returns the embeddings [num_tokens, hidden] and each clip's patches.
+        """
+        prepared = [
+            preprocess_video(
+                np.ascontiguousarray(c.frames[:, :, ::-1] if flip else c.frames),
+                SAMPLE_FPS,
+                self.preprocess,
+            )
+            for c, flip in zip(clips, flips, strict=True)
+        ]
+        grids = torch.tensor([p.grid_thw for p in prepared])
+        return self.tower(torch.cat([p.patches for p in prepared]), grids), prepared
+
+    def _token_loss(self, embeds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of the auxiliary head's colour, shape and motion guesses per token;
+        `embeds` [num_tokens, hidden], `labels` [..., 3] as many tokens."""
+        labels = labels.view(-1, 3)
+        parts = self.aux_head(embeds).split(AUX_CLASSES, dim=-1)
+        return sum(
+            loss_weight * F.cross_entropy(part, labels[:, k], weight=class_weights)
+            for k, (part, class_weights, loss_weight) in enumerate(
+                zip(parts, AUX_WEIGHTS, AUX_LOSS_WEIGHTS, strict=True)
+            )
+        )
+
+    def _answer_loss(self, sequences: list[Sequence]) -> torch.Tensor:
+        """Mean cross-entropy of every answer token, the batch padded on the right."""
+        length = max(len(s.input_ids) for s in sequences)
+        batch = len(sequences)
+        input_ids = torch.zeros(batch, length, dtype=torch.long)
+        positions = torch.zeros(3, batch, length, dtype=torch.long)
+        attention = torch.zeros(batch, length, dtype=torch.long)
+        target_ids = torch.full((batch, length), -100, dtype=torch.long)
+        for row, s in enumerate(sequences):
+            n = len(s.input_ids)
+            input_ids[row, :n] = torch.tensor(s.input_ids)
+            positions[:, row, :n] = s.positions
+            attention[row, :n] = 1
+            first = s.num_prompt_tokens - 1  # the last prompt token predicts the first answer
+            target_ids[row, first : first + len(s.targets)] = torch.tensor(s.targets)
+        text = self.language_model.embed_tokens(input_ids)  # [batch, length, hidden]
+        is_video = (input_ids == self.rope_spec.video_token_id)[..., None]
+        video = torch.cat([s.video_embeds for s in sequences])  # [num_video_tokens, hidden]
+        inputs = text.masked_scatter(is_video, video)
+        hidden = self.language_model(
+            inputs_embeds=inputs, attention_mask=attention, position_ids=positions
+        ).last_hidden_state
+        scored = target_ids != -100
+        logits = self.model.lm_head(hidden[scored])  # [num_answer_tokens, vocab]
+        return F.cross_entropy(logits, target_ids[scored])
+
+    def save(self, folder: Path) -> None:
+        """Write the weights (bf16) and the configs into `folder`."""
+        self.model.model.visual.load_state_dict(self.tower.state_dict())
+        self.model.to(torch.bfloat16).save_pretrained(folder)
+
+
+def train_checkpoint(out: str | Path, config: TrainConfig = TrainConfig()) -> dict[str, float]:
+    """Train a demo checkpoint into `out` (a new or empty folder); returns the timings.
+    The caller's torch threads, determinism flag and random state are left as they were."""
+    folder = Path(out)
+    metadata = {"task_version": TASK_VERSION, "recipe": asdict(config)}
+    wall, cpu = time.perf_counter(), time.process_time()
+    with _reproducible(config.threads), atomic_folder(folder, exist_ok=False) as partial:
+        architecture.write_skeleton(partial, metadata)
+        trainer = DemoTrainer(partial, config)
+        print(f"rendering {config.num_clips} training clips", flush=True)
+        clips = training_clips(training_seeds(config.num_clips), trainer.preprocess)
+        data_wall, data_cpu = time.perf_counter() - wall, time.process_time() - cpu
+        print(f"training {config.vision_steps} + {config.steps} steps", flush=True)
+        trainer.train(clips)
+        trainer.save(partial)
+    timings = {
+        "data_wall_s": data_wall,
+        "data_cpu_s": data_cpu,
+        "total_wall_s": time.perf_counter() - wall,
+        "total_cpu_s": time.process_time() - cpu,
+    }
+    print(", ".join(f"{name} {value:.0f}" for name, value in timings.items()))
+    return timings
+
+
+@contextlib.contextmanager
+def _reproducible(threads: int) -> Iterator[None]:
+    """Run with `threads` torch threads, deterministic algorithms and a forked random state."""
+    previous = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_num_threads(previous[0])
+        torch.use_deterministic_algorithms(previous[1])
+
+
+def _update(optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(
+        [p for group in optimizer.param_groups for p in group["params"]], 1.0
+    )
+    optimizer.step()
+
+
+def _schedule(step: int, steps: int, warmup_steps: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _parameter_groups(modules: list[torch.nn.Module], weight_decay: float) -> list[dict]:
+    """Matrices decay; norms, biases and other vectors do not."""
+    params = [p for module in modules for p in module.parameters()]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="a new or empty folder")
+    defaults = TrainConfig()
+    names = ("seed", "vision_steps", "steps", "schedule_steps", "num_clips", "clips_per_step")
+    for name in (*names, "threads"):
+        flag = "--clips" if name == "num_clips" else f"--{name.replace('_', '-')}"
+        parser.add_argument(flag, dest=name, type=int, default=getattr(defaults, name))
+    args = parser.parse_args()
+    overrides = {k: v for k, v in vars(args).items() if k != "out"}
+    train_checkpoint(args.out, TrainConfig(**overrides))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Training clips for the demo: each scene rendered, compressed, decoded and resized as served.
+
+A training scene is filmed at the model's sampling rate (2 fps), so every frame of its clip is
+a sampled frame and rendering, encoding and decoding cost a quarter of an 8 fps clip; the
+motion, timing and compression settings are the scene's own. The clip goes through stillcut's
+own decoder, then each frame is resized with PIL's bicubic filter to the size the checkpoint's
+preprocessor config picks, which is what `preprocess_video` does first; the resized frames are
+kept as uint8 (a 12-frame clip at 112x84 is 0.3 MB), so training patchifies them through
+`preprocess_video` again for free (a frame already at the target size is not resized).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from stillcut.engine.factory.demo.clips import clip_bytes
+from stillcut.engine.factory.demo.scenes import Scene, sample_scene
+from stillcut.engine.factory.demo.token_labels import token_labels
+from stillcut.vision.decode import DecodeConfig, decode_video
+from stillcut.vision.preprocess import VideoPreprocessConfig, smart_resize
+
+SAMPLE_FPS = DecodeConfig().fps  # what describe samples at
+
+
+@dataclass(frozen=True)
+class TrainingClip:
+    """One scene, its sampled frames [T, H, W, 3] uint8 at the model's input size, and what
+    each of its merged video tokens shows ([t, h, w, 3], `token_labels`)."""
+
+    scene: Scene
+    frames: np.ndarray
+    labels: np.ndarray
+
+
+def model_frames(data: bytes, config: VideoPreprocessConfig) -> np.ndarray:
+    """Decode a clip at the service's sampling rate; resize its frames as the preprocessor
+    does. Returns [T, H, W, 3] uint8 at the size `config` picks."""
+    decoded = decode_video(data, DecodeConfig())
+    height, width = smart_resize(
+        decoded.height, decoded.width, config.factor, config.min_pixels, config.max_pixels
+    )
+    resized = [
+        Image.fromarray(frame).resize((width, height), resample=Image.Resampling.BICUBIC)
+        for frame in decoded.frames
+    ]
+    return np.stack([np.asarray(image) for image in resized])
+
+
+def training_clips(
+    seeds: Sequence[int], config: VideoPreprocessConfig, *, log_every: int = 500
+) -> list[TrainingClip]:
+    """The training scenes of `seeds`, filmed at the sampling rate and prepared for the model."""
+    clips, started = [], time.perf_counter()
+    for index, seed in enumerate(seeds):
+        scene = sample_scene(seed, fps=round(SAMPLE_FPS))
+        frames = model_frames(clip_bytes(scene), config)
+        times = [k / SAMPLE_FPS for k in range(len(frames))]  # every frame is a sampled one
+        grid = (frames.shape[1] // config.factor, frames.shape[2] // config.factor)
+        clips.append(TrainingClip(scene, frames, token_labels(scene, times, grid)))
+        if log_every and (index + 1) % log_every == 0:
+            print(f"  {index + 1} clips, {time.perf_counter() - started:.0f} s", flush=True)
+    return clips

@@ -1,0 +1,153 @@
+"""The demo trainer: its tokenizer, its inputs, and a few steps that must be reproducible.
+
+CI never retrains the shipped checkpoint; these tests run the real trainer for a few steps on
+a handful of clips, twice, and check that the same seed gives the same bytes, that what it
+saves is a checkpoint transformers and stillcut both load, that the answer stage trains the
+language model alone on what the tower stage's tower makes of each clip, and that the frames it
+trains on are the ones the service's preprocessing would make.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from stillcut.engine.factory.demo import architecture
+from stillcut.engine.factory.demo.clips import clip_bytes, training_seeds
+from stillcut.engine.factory.demo.scenes import sample_scene
+from stillcut.engine.factory.demo.sequences import EVSSchedule
+from stillcut.engine.factory.demo.train import DemoTrainer, TrainConfig, train_checkpoint
+from stillcut.engine.factory.demo.training_data import model_frames, training_clips
+from stillcut.engine.factory.qwen_tokenizer import ADDED_TOKENS
+from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.processor import PromptProcessor
+from stillcut.engine.request import SamplingParams
+from stillcut.vision.decode import DecodeConfig, decode_video
+from stillcut.vision.pipeline import VisionPipeline
+from stillcut.vision.preprocess import VideoPreprocessConfig, preprocess_video
+
+FEW_STEPS = TrainConfig(
+    num_clips=6, vision_steps=2, steps=3, clips_per_step=2, questions_per_clip=2, log_every=1
+)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    folders = [tmp_path_factory.mktemp("demo") / "checkpoint" for _ in range(2)]
+    for folder in folders:
+        train_checkpoint(folder, FEW_STEPS)
+    return folders
+
+
+def test_same_seed_same_checkpoint(trained, tmp_path):
+    first, second = trained
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    other = tmp_path / "other-seed"
+    train_checkpoint(other, TrainConfig(**{**FEW_STEPS.__dict__, "seed": 1}))
+    assert (other / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
+
+
+def test_checkpoint_loads_in_transformers_and_stillcut(trained):
+    from transformers import AutoModelForImageTextToText
+
+    folder = trained[0]
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert model.dtype == torch.bfloat16
+    config = json.loads((folder / "config.json").read_text())
+    assert config["stillcut_demo"]["recipe"]["steps"] == FEW_STEPS.steps
+    assert "stillcut_random_weights" not in config
+    engine = LLMEngine(folder)
+    pipeline = VisionPipeline(folder)
+    item = pipeline.video(clip_bytes(sample_scene(0)))
+    assert item.llm_grid == (6, 6, 8)  # every 4:3 clip is resized to 224x168
+    prompt = engine.processor.build_text("Describe this video.", [item])
+    (output,) = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(output.token_ids) == 4
+
+
+def test_answer_stage_trains_the_language_model_on_the_frozen_towers_embeddings(tmp_path):
+    architecture.write_skeleton(tmp_path, {})
+    trainer = DemoTrainer(tmp_path, FEW_STEPS)
+    clips = training_clips(training_seeds(FEW_STEPS.num_clips), trainer.preprocess)
+    rng = np.random.default_rng(0)
+    trainer.train_tower(clips, rng)
+    tower = {k: v.clone() for k, v in trainer.tower.state_dict().items()}
+    language_model = {k: v.clone() for k, v in trainer.language_model.state_dict().items()}
+    encoded = trainer.encode(clips)
+    with torch.no_grad():
+        mirrored_frames = np.ascontiguousarray(clips[0].frames[:, :, ::-1])
+        video = preprocess_video(mirrored_frames, DecodeConfig().fps, trainer.preprocess)
+        expected = trainer.tower(video.patches, torch.tensor([video.grid_thw]))
+    torch.testing.assert_close(encoded[0].mirrored_embeds, expected)
+    trainer.train_answers(encoded, rng)
+    for name, value in trainer.tower.state_dict().items():
+        assert torch.equal(value, tower[name]), name
+    changed = [
+        k
+        for k, v in trainer.language_model.state_dict().items()
+        if not torch.equal(v, language_model[k])
+    ]
+    assert changed
+
+
+def test_tokenizer_is_small_and_qwen_shaped(trained):
+    folder = trained[0]
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert (folder / "tokenizer.json").stat().st_size < 100_000
+    first_added = tokenizer.token_to_id(ADDED_TOKENS[0][0])
+    for offset, (text, _) in enumerate(ADDED_TOKENS):
+        assert tokenizer.token_to_id(text) == first_added + offset
+    config = json.loads((folder / "config.json").read_text())
+    assert config["video_token_id"] == tokenizer.token_to_id("<|video_pad|>")
+    assert config["text_config"]["vocab_size"] >= tokenizer.get_vocab_size()
+    for text in ("A red circle moves up.", "héllo wörld 日本 😀\r\n\ttabs", "<|im_start|>x"):
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    sentence = tokenizer.encode(" an orange triangle appears", add_special_tokens=False)
+    assert len(sentence.ids) == 4  # the task's words are whole tokens
+
+
+def test_prompt_is_qwen_chat_format_and_transformers_tokenizes_it_alike(trained):
+    from transformers import AutoTokenizer
+
+    folder = trained[0]
+    processor = PromptProcessor.from_checkpoint(folder)
+    text = processor.chat_template.render(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]}]
+    )
+    assert text == (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+        "<|vision_start|><|video_pad|><|vision_end|>What moves?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    theirs = AutoTokenizer.from_pretrained(folder)
+    assert theirs(text, add_special_tokens=False).input_ids == processor.encode(text)
+    assert theirs.eos_token_id in processor.special.eos_token_ids
+
+
+def test_training_frames_patchify_like_the_service_preprocessing(trained):
+    config = VideoPreprocessConfig.from_checkpoint(trained[0])
+    assert config.min_pixels == config.max_pixels == architecture.INPUT_PIXELS
+    data = clip_bytes(sample_scene(5, fps=2))
+    frames = model_frames(data, config)
+    assert frames.shape == (12, architecture.INPUT_HEIGHT, architecture.INPUT_WIDTH, 3)
+    decoded = decode_video(data, DecodeConfig())
+    ours = preprocess_video(frames, decoded.sample_fps, config)
+    service = preprocess_video(decoded.frames, decoded.sample_fps, config)
+    assert torch.equal(ours.patches, service.patches)
+
+
+def test_evs_schedule_mixes_unpruned_and_rate_pruned_sequences():
+    rng = np.random.default_rng(0)
+    draws = [EVSSchedule(unpruned_share=0.3, max_rate=0.95).draw(rng) for _ in range(2000)]
+    unpruned = sum(d is None for d in draws) / len(draws)
+    rates = [d.rate for d in draws if d is not None]
+    assert 0.25 < unpruned < 0.35
+    assert all(d.mode == "rate" for d in draws if d is not None)
+    assert min(rates) < 0.05 and 0.9 < max(rates) < 0.95
+    with pytest.raises(ValueError, match="max_rate"):
+        EVSSchedule(max_rate=1.0)
