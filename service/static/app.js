@@ -336,8 +336,10 @@ async function sendFrames(video) {
     const jpeg = await new Promise((resolve) => canvas.toBlob(resolve, "image/jpeg", 0.85));
     const stamp = new DataView(new ArrayBuffer(8));
     stamp.setFloat64(0, t, true);
+    const frame = await new Blob([stamp.buffer, jpeg]).arrayBuffer();
+    // checked after the last await: the socket may have closed while the frame was packed
     if (live.socket.readyState !== WebSocket.OPEN) break;
-    live.socket.send(await new Blob([stamp.buffer, jpeg]).arrayBuffer());
+    live.socket.send(frame);
   }
   if (webcam) {
     for (const track of video.srcObject.getTracks()) track.stop();
