@@ -221,5 +221,5 @@ def test_slow_bodies_and_keyless_sockets_beside_normal_clients(tiny_checkpoint, 
         0,
     )
     assert files_after == files and set(spool.rglob("*")) == spooled
-    assert threads_after == threads
+    assert threads_after <= threads  # none left behind (one the process had before may end)
     assert _pool_workers() <= POOL_LIMIT
