@@ -2,16 +2,17 @@
 
 K/V live in blocks `[2, num_blocks, block_size, num_kv_heads, head_dim]` addressed by block
 tables. A step mixes prefill chunks and decodes; query token k of request b sits at sequence
-position `seq_len_b - q_len_b + k`. Query i sees key j iff `i - j < window` and (`j <= i` or
-i and j lie in the same bidirectional multimodal item): Gemma 3's mask as transformers composes
-it, window AND (causal OR same image), so an image longer than the window does not see its own
-tokens beyond it. Only the key span some query can see is gathered (by slot, so unwritten slots
-are never read): a window bounds it from below. Decodes run as one padded batch with the grouped
-query heads folded into SDPA's query axis. A prefill chunk is one `is_causal` SDPA call when it
-starts at position 0 with a plain causal mask, else query tiles with explicit masks, each over
-only the keys it can see. What to gather and mask, for decodes and chunks alike, is worked out
-once per step (kept in the metadata's `plans`) and reused by every layer. `auto` picks the
-Triton kernel on CUDA (`paged_attention_triton`) and this torch backend elsewhere.
+position `seq_len_b - q_len_b + k`. Query i sees key j iff `i - j < window` and (`j <= i` or i
+and j lie in the same bidirectional multimodal item): the mask transformers composes for
+sliding-window models with bidirectional images, window AND (causal OR same image), so an image
+longer than the window does not see its own tokens beyond it. Only the key span some query can
+see is gathered (by slot, so unwritten slots are never read): a window bounds it from below.
+Decodes run as one padded batch with the grouped query heads folded into SDPA's query axis. A
+prefill chunk is one `is_causal` SDPA call when it starts at position 0 with a plain causal
+mask, else query tiles with explicit masks, each over only the keys it can see. What to gather
+and mask, for decodes and chunks alike, is worked out once per step (kept in the metadata's
+`plans`) and reused by every layer. `auto` picks the Triton kernel on CUDA
+(`paged_attention_triton`) and this torch backend elsewhere.
 """
 
 from __future__ import annotations

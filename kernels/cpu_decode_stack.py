@@ -1,16 +1,16 @@
 """What the native CPU decode step reads: a model as a stack of residual blocks, each of a kind.
 
 Every block is `hidden += [out_norm](mixer(norm(hidden)))`: an RMSNorm in, one mixer, and an
-optional RMSNorm on what it adds (Gemma's sandwich norms). The mixer's type is the block's kind;
-the kernel dispatches on it and never on a model family. A decoder layer of Qwen2 or Gemma 3 is
-two blocks, `Attention` then `GatedMlp`; a hybrid whose layers are one mixer each is one block
-per layer (a hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`). A new kind is a
-mixer class here (with its `kind`), its struct and converter in `cpu_decode`, and its case in
-`cpu_decode.c` (or `cpu_hybrid_kinds.h`). Weights are `[in, out]` in shape and in a stored
-format (`FORMATS`): float32 in either memory order (see `engine.models.layers.matmul_layout`),
-bfloat16, float16 or int8 as a contiguous `[in, out]`; an int8 weight `<name>_weight` comes with
-`<name>_scale`, its float32 scale per output column `[out]`. Norms (the scales they multiply
-by), biases, rotary tables, routers and a Mamba2 block's own vectors are float32.
+optional RMSNorm on what it adds (sandwich norms). The mixer's type is the block's kind; the
+kernel dispatches on it and never on a model family. A dense decoder layer is two blocks,
+`Attention` then `GatedMlp`; a hybrid whose layers are one mixer each is one block per layer (a
+hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`). A new kind is a mixer class here
+(with its `kind`), its struct and converter in `cpu_decode`, and its case in `cpu_decode.c` (or
+`cpu_hybrid_kinds.h`). Weights are `[in, out]` in shape and in a stored format (`FORMATS`):
+float32 in either memory order (see `engine.models.layers.matmul_layout`), bfloat16, float16 or
+int8 as a contiguous `[in, out]`; an int8 weight `<name>_weight` comes with `<name>_scale`, its
+float32 scale per output column `[out]`. Norms (the scales they multiply by), biases, rotary
+tables, routers and a Mamba2 block's own vectors are float32.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-MAX_TABLES = 2  # rotary tables per model (Gemma 3: local and global), `MAX_TABLES` in C
+MAX_TABLES = 2  # rotary tables per model (local and global layers may differ), `MAX_TABLES` in C
 # The stored formats of weights: dtype -> `enum format` in the C files.
 FORMATS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int8: 4}
 
@@ -164,7 +164,7 @@ class Mlp:
 
 @dataclass(frozen=True, eq=False)
 class Moe:
-    """A mixture of experts with sigmoid routing (DeepSeek-V3's, NemotronH's): `sigmoid(x @
+    """A mixture of experts with sigmoid routing and grouped top-k choice: `sigmoid(x @
     router)` scores; `scores + correction_bias` choose `top_k` experts among the best
     `kept_groups` of `num_groups` groups (each rated by its two best), the unbiased scores
     weight them (normalised to sum 1 when `normalize`), times `scaling`. The experts are

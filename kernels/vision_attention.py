@@ -6,7 +6,7 @@ within their own segment, with no mask and no padding. `varlen_attention` is the
 point all towers call, so a fused GPU kernel can take over here without touching the towers.
 
 On CPU the work goes to torch's `scaled_dot_product_attention`, one batched call per distinct
-segment length. Frames of one video share a length, and so do the full windows of Qwen2.5-VL,
+segment length. Frames of one video share a length, and so do the full windows of a windowed tower,
 so a typical layer is one to four calls instead of one call per segment (a Python loop pays
 ~20 us per call and leaves the second core idle on small windows), and without the
 block-diagonal mask of a single call (quadratic in the total token count).
