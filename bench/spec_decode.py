@@ -259,8 +259,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = cached_checkpoint("demo", dtype="float32")
-    draft_path = cached_checkpoint("demo", dtype="float32", text=DRAFT_TEXT)
+    path = cached_checkpoint("random-demo", dtype="float32")
+    draft_path = cached_checkpoint("random-demo", dtype="float32", text=DRAFT_TEXT)
     engine = make_engine(path)
     num_params = sum(p.numel() for p in engine.model.parameters())
     print(f"target: {num_params / 1e6:.0f}M parameters, fp32, {args.threads} threads; "

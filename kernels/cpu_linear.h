@@ -167,12 +167,6 @@ static inline vecw loadw(const float *p) {
     return v;
 }
 
-static inline float hsumw(vecw v) {
-    float sum = 0.0f;
-    for (int lane = 0; lane < LANES; lane++) sum += v[lane];
-    return sum;
-}
-
 /* Elements [at, at + LANES) of `data` in `format`, as float32 lanes. */
 INLINE vecw widenw(int format, const void *data, size_t at) {
 #if defined(__AVX512F__)
@@ -407,38 +401,66 @@ static void band_product(int format, const float *x, size_t stride, int rows, co
     }
 }
 
+/* The sum of v's lanes, halves added to halves (a sum lane by lane would be LANES dependent
+ * adds, the latency that bounded few-row dot products). */
+INLINE float tree_sum(vecw v) {
+    float lanes[LANES];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int width = LANES / 2; width; width /= 2)
+        for (int lane = 0; lane < width; lane++) lanes[lane] += lanes[lane + width];
+    return lanes[0];
+}
+
+/* y[r][c] = dot(w[c], x[r]) for the `group` rows of x at `x` (`stride` apart) and output rows
+ * c and c + 1 of w: 2 x group vector accumulators along `in`, so each loaded vector of w feeds
+ * the whole group and each of x both outputs. */
+INLINE void row_pair_group(int group, const float *x, size_t stride, int in, const float *w,
+                           int out, int r0, int c, const float *add, float *y) {
+    int whole = in - in % LANES;
+    const float *w0 = w + (size_t)c * in, *w1 = w0 + in;
+    vecw acc[2][MAX_GROUP] = {{{0}}};
+    for (int i = 0; i < whole; i += LANES) {
+        vecw u = loadw(w0 + i), v = loadw(w1 + i);
+        for (int k = 0; k < group; k++) {
+            vecw xv = loadw(x + k * stride + i);
+            acc[0][k] += u * xv, acc[1][k] += v * xv;
+        }
+    }
+    for (int k = 0; k < group; k++)
+        for (int j = 0; j < 2; j++) {
+            const float *wj = j ? w1 : w0, *xk = x + k * stride;
+            float sum = tree_sum(acc[j][k]);
+            for (int i = whole; i < in; i++) sum += wj[i] * xk[i];
+            size_t at = (size_t)(r0 + k) * out + c + j;
+            y[at] = add ? add[at] + sum : sum;
+        }
+}
+
 /* y[r][c] = dot(w[c], x[r]) (+ add[r][c]) for output rows c in [c0, c1), w contiguous [out, in]
- * float32. Whole blocks of 4 rows run 2 output rows x 4 rows of vector accumulators along
- * `in` together, so each loaded vector of w feeds 4 rows and each of x feeds 2 outputs; the
- * rows and the output row left over take plain dot products. */
+ * float32: pairs of output rows with the rows of x in groups of equal size (up to MAX_GROUP,
+ * as `band_product_as`), each `row_pair_group`; an odd output row left over takes plain dot
+ * products. */
 static void row_products(const float *x, size_t stride, int rows, int in, const float *w,
                          int out, int c0, int c1, const float *add, float *y) {
-    int blocked_rows = rows - rows % 4, pairs_end = c0 + (c1 - c0) / 2 * 2;
-    int whole = in - in % LANES;
-    if (blocked_rows)
-        for (int c = c0; c < pairs_end; c += 2)
-            for (int r0 = 0; r0 < blocked_rows; r0 += 4) {
-                const float *w0 = w + (size_t)c * in, *w1 = w0 + in, *x0 = x + r0 * stride;
-                vecw acc[2][4] = {{{0}}};
-                for (int i = 0; i < whole; i += LANES) {
-                    vecw u = loadw(w0 + i), v = loadw(w1 + i);
-                    for (int k = 0; k < 4; k++) {
-                        vecw xv = loadw(x0 + k * stride + i);
-                        acc[0][k] += u * xv, acc[1][k] += v * xv;
-                    }
-                }
-                for (int k = 0; k < 4; k++)
-                    for (int j = 0; j < 2; j++) {
-                        const float *wj = j ? w1 : w0, *xk = x0 + k * stride;
-                        float sum = hsumw(acc[j][k]);
-                        for (int i = whole; i < in; i++) sum += wj[i] * xk[i];
-                        size_t at = (size_t)(r0 + k) * out + c + j;
-                        y[at] = add ? add[at] + sum : sum;
-                    }
+    int pairs_end = c0 + (c1 - c0) / 2 * 2;
+    int groups = (rows + MAX_GROUP - 1) / MAX_GROUP, group = (rows + groups - 1) / groups;
+    for (int c = c0; c < pairs_end; c += 2)
+        for (int r0 = 0; r0 < rows; r0 += group) {
+            const float *xr = x + r0 * stride;
+            switch (rows - r0 < group ? rows - r0 : group) { /* a constant group: unrolled */
+#if MAX_GROUP == 6
+            case 6: row_pair_group(6, xr, stride, in, w, out, r0, c, add, y); break;
+            case 5: row_pair_group(5, xr, stride, in, w, out, r0, c, add, y); break;
+#endif
+            case 4: row_pair_group(4, xr, stride, in, w, out, r0, c, add, y); break;
+            case 3: row_pair_group(3, xr, stride, in, w, out, r0, c, add, y); break;
+            case 2: row_pair_group(2, xr, stride, in, w, out, r0, c, add, y); break;
+            default: row_pair_group(1, xr, stride, in, w, out, r0, c, add, y);
             }
-    for (int c = c0; c < c1; c++) {
+        }
+    for (int c = pairs_end; c < c1; c++) {
         const float *wc = w + (size_t)c * in;
-        for (int r = c < pairs_end ? blocked_rows : 0; r < rows; r++) {
+        for (int r = 0; r < rows; r++) {
             const float *xr = x + r * stride;
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
