@@ -6,7 +6,8 @@ bench-only `replay` proposer: it proposes the request's true greedy continuation
 of the same prompts without speculation) with each token replaced by a wrong one with
 probability 1 - alpha, at no proposing cost. Modes run interleaved (every mode once per
 round, the order rotating), each a `generate` of `--tokens` greedy tokens per request at
-batch 1, 4 and 16; ratios are medians of the rounds' ratios to no speculation. Replay runs
+batch 1, 4 and 16 beside a run without speculation at the same batch size (before it in even
+rounds, after it in odd ones); ratios are medians of those pairs' ratios. Replay runs
 with K pinned to 4 and with dynamic K (the start-up calibration's step costs, the step's
 requests' acceptance). Then the real proposers on repeated
 questions about the same sample videos: ngram, suffix (one cache salt, so a repeated question
@@ -102,14 +103,27 @@ def run(engine, speculator, prompts, max_tokens) -> tuple[float, float, int]:
 
 
 def interleaved(modes: dict, rounds: int) -> dict[str, list[tuple]]:
-    """Every mode once per round, the order rotating; mode -> [(tokens/s, acceptance), ...]."""
+    """Every mode once per round, the order rotating, each run beside a run without
+    speculation at its batch size (`none b=N`: before it in even rounds, after it in odd ones),
+    so that a ratio compares two runs seconds apart rather than a round apart (the read
+    bandwidth of a shared machine can move by half within a minute). mode -> [(tokens/s,
+    acceptance, tokens/s of the run beside it), ...]; a `none` mode collects all its runs."""
     results: dict[str, list[tuple]] = {name: [] for name in modes}
-    names = list(modes)
+    names = [name for name in modes if not name.startswith("none ")]
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            results[name].append(modes[name]())
+            base = "none " + name.rsplit(" ", 1)[1]
+            order = (base, name) if round_index % 2 == 0 else (name, base)
+            runs = {mode: modes[mode]() for mode in order}
+            results[base].append(runs[base])
+            results[name].append((*runs[name][:2], runs[base][0]))
     return results
+
+
+def ratio_to_none(row: str, runs: list[tuple]) -> float:
+    """Median of a mode's runs' ratios to the runs without speculation beside them."""
+    return 1.0 if row == "none" else statistics.median(m[0] / m[2] for m in runs)
 
 
 def greedy_truth(engine, prompts, max_tokens) -> dict[tuple[int, ...], list[int]]:
@@ -152,8 +166,8 @@ def replay_table(engine, rounds, max_tokens, step_costs) -> None:
     for row in ["none"] + [f"replay a={a} {m}" for a in ALPHAS for m in ("K=4", "dyn")]:
         line = f"{row:<22}"
         for batch in BATCHES:
-            mine, none = results[f"{row} b={batch}"], results[f"none b={batch}"]
-            ratio = statistics.median(m[0] / n[0] for m, n in zip(mine, none, strict=True))
+            mine = results[f"{row} b={batch}"]
+            ratio = ratio_to_none(row, mine)
             accept = statistics.median(m[1] for m in mine) if row != "none" else float("nan")
             line += f"{statistics.median(m[0] for m in mine):>13.1f}{ratio:>8.2f}{accept:>6.2f}"
         print(line)
@@ -207,8 +221,8 @@ def proposer_table(engine, draft_path, rounds, max_tokens) -> None:
     for row in ("none", *proposers):
         line = f"{row:<10}"
         for batch in (1, 4):
-            mine, none = results[f"{row} b={batch}"], results[f"none b={batch}"]
-            ratio = statistics.median(m[0] / n[0] for m, n in zip(mine, none, strict=True))
+            mine = results[f"{row} b={batch}"]
+            ratio = ratio_to_none(row, mine)
             accept = statistics.median(m[1] for m in mine) if row != "none" else float("nan")
             line += f"{statistics.median(m[0] for m in mine):>13.1f}{ratio:>8.2f}{accept:>6.2f}"
         print(line)
