@@ -85,6 +85,30 @@ def test_linear_of_a_stored_weight_equals_the_product_with_it_widened(dtype, thr
     assert weight.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_vocabulary_wide_product_equals_the_product_with_it_widened(dtype):
+    """A weight as wide as a vocabulary is shared between threads by columns, not by input
+    rows (ranges of 32 columns, the last one short)."""
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler: the native product is not built")
+    torch.manual_seed(11)
+    num_out = 32768 + 45
+    weight, scale = _stored(torch.randn(13, num_out), dtype)
+    widened = dense(weight, scale, 1, torch.float32)
+    matrix = stored_matrix(weight, scale)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            for num_rows in (1, 5, 16):
+                x = torch.randn(num_rows, 13)
+                for add in (None, torch.randn(num_out), torch.randn(num_rows, num_out)):
+                    expected = x @ widened if add is None else torch.addmm(add, x, widened)
+                    torch.testing.assert_close(matrix.native(x, add), expected)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("vocab", [151936, 4096, 1000, 7])
 @pytest.mark.parametrize("num_rows", [1, 5])
 def test_first_argmax_equals_argmax_with_ties(vocab, num_rows):
