@@ -12,7 +12,10 @@ timed back to back with a read of a large buffer, so the batch-1 step's ratio to
 weights and the LM head, int8 scales included, not the vision tower nor an untied embedding
 table, divided by the read bandwidth just measured) is the median of the pairs' ratios.
 Targets: batch-1 step <= 1.3x its floor for bf16 and <= 1.5x for int8; bf16 >= 1.7x and int8
->= 2.5x the fp32 tokens/s (batch 1).
+>= 2.5x the fp32 tokens/s (batch 1). Beside that ratio, "same read" gives it as had every mode
+run with the same read bandwidth (tokens/s per GB/s of the read measured beside its steps):
+on a machine whose read moves between levels, one child process can draw another level than
+the next.
 
 The model is a random checkpoint with Qwen2.5-VL-3B's shapes (7.5 GB in bf16, written tensor by
 tensor), or `--size 7b` (16.6 GB; fp32 skipped: it does not fit in 24 GB), where `--describe
@@ -123,6 +126,7 @@ def print_table(by_mode: dict[str, list[dict]]) -> None:
     print(
         f"{'mode':<10}{'weights MiB':>12}{'KV MiB':>8}{'peak MiB':>10}{'peak/wts':>9}{'load s':>8}"
         f"{'b1 tok/s':>10}{'b8 tok/s':>10}{'b1/floor':>10}{'read GB/s':>10}{'vs fp32':>9}"
+        f"{'same read':>10}"
     )
     base = by_mode.get("float32")
     for mode, reports in by_mode.items():
@@ -130,13 +134,26 @@ def print_table(by_mode: dict[str, list[dict]]) -> None:
         peak = statistics.median(r["peak"] - r["baseline"] for r in reports)
         speed = 1 / median_of(reports, "step_1")
         versus = f"{speed * median_of(base, 'step_1'):.2f}x" if base else "-"
+        same_read = f"{equal_read_speedup(base, reports):.2f}x" if base else "-"
         print(
             f"{mode:<10}{weights / 2**20:>12.0f}{median_of(reports, 'kv_bytes') / 2**20:>8.0f}"
             f"{peak / 2**20:>10.0f}{peak / weights:>9.2f}"
             f"{median_of(reports, 'load_s'):>8.1f}{speed:>10.1f}"
             f"{8 / median_of(reports, 'step_8'):>10.1f}{median_of(reports, 'ratio_1'):>10.2f}"
-            f"{median_of(reports, 'bandwidth_1') / 1e9:>10.1f}{versus:>9}"
+            f"{median_of(reports, 'bandwidth_1') / 1e9:>10.1f}{versus:>9}{same_read:>10}"
         )
+
+
+def equal_read_speedup(base: list[dict], reports: list[dict]) -> float:
+    """The batch-1 speed-up over fp32 had both run with the same read bandwidth: each mode's
+    tokens/s per GB/s of the read measured beside its steps. The machine's read moves between
+    levels from one child process to the next, and a bound step moves with it; the targets
+    stay on the raw ratio, this says how much of a miss or a margin is that draw."""
+
+    def per_read(rs: list[dict]) -> float:
+        return 1 / (median_of(rs, "step_1") * median_of(rs, "bandwidth_1"))
+
+    return per_read(reports) / per_read(base)
 
 
 def print_verdicts(by_mode: dict[str, list[dict]]) -> None:
@@ -151,7 +168,9 @@ def print_verdicts(by_mode: dict[str, list[dict]]) -> None:
         if mode in by_mode:
             speedup = median_of(by_mode["float32"], "step_1") / median_of(by_mode[mode], "step_1")
             verdict = "met" if speedup >= target else "MISSED"
-            print(f"{mode}: {speedup:.2f}x the fp32 tokens/s (target >= {target}: {verdict})")
+            same = equal_read_speedup(by_mode["float32"], by_mode[mode])
+            print(f"{mode}: {speedup:.2f}x the fp32 tokens/s (target >= {target}: {verdict}); "
+                  f"{same:.2f}x at the same read bandwidth")  # fmt: skip
 
 
 def describe_peak(model: str, sample: str) -> None:
