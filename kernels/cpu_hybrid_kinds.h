@@ -19,7 +19,7 @@
  * A Mamba2 block's conv state [conv_dim, K - 1] and SSM state [heads, head_dim, state_size] of
  * row r are slot `state_rows[r]` of the step's state tensors, read and written in place; a
  * fresh row starts from zeros whatever its slot held. Every sum is float32, in the order
- * the torch path sums (`engine.models.nemotron_*`).
+ * the torch path of these block kinds sums.
  *
  * Barriers are few: on a shared 2-core machine a barrier waits for a thread the OS may have
  * set aside, and these kinds are many small products. A thread that wrote columns [b, e) of a

@@ -5,8 +5,8 @@ The item does not keep its frames, so the thumbnails come from decoding the uplo
 the same sampling (on the encode worker, so it counts against its bound); the decode is
 deterministic, so frame k here is frame k the model saw, and it holds the frames at thumbnail
 size. There are as many as the sampling took, so the server's frame ceiling caps them too.
-Frame k belongs to grid step k // frames_per_tubelet, read off the item: Qwen's tubelets cover
-two frames (the last one padded), Gemma 3's grid has one step per frame.
+Frame k belongs to grid step k // frames_per_tubelet, read off the item: a tubelet may cover
+two frames (the last one padded) or one step may be one frame.
 """
 
 from __future__ import annotations
