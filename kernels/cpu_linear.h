@@ -17,8 +17,8 @@
  * weight vector serves the whole group from registers; a single row of x takes eight input
  * rows per load and store of its partial sums, in four independent chains, which brought
  * one-row products of the narrow formats near their read floors (int8 1.7x -> 1.1x of it);
- * the partials are then added by column; a one-row bf16 product widens 32 columns per load,
- * see `widen_bf16_pair`)
+ * the partials are then added by column; a one-row bf16 product widens 32 columns per load
+ * and keeps its sums in the order that gives them, see `band_bf16_deinterleaved`)
  * or, in F32 only, as a contiguous [out, in] (each thread owns a band of output rows: dot
  * products). Measured on the 2-core CPU (see `bench/matmul_formats.py`): widening in
  * registers keeps a one-row product at its read floor in every format, and grouping rows made
@@ -249,6 +249,27 @@ INLINE void prefetch_rows(int format, const void *w, size_t at, size_t stride, i
 #define MAX_GROUP 4
 #endif
 
+/* The size of the equal groups (at most MAX_GROUP rows each) that `rows` rows of x split into. */
+INLINE int group_size(int rows) {
+    int groups = (rows + MAX_GROUP - 1) / MAX_GROUP;
+    return (rows + groups - 1) / groups;
+}
+
+/* `CALL(n)` with n the constant `size` (1 to MAX_GROUP): each group size's loops unrolled. */
+#if MAX_GROUP == 6
+#define WIDE_GROUP_CASES(CALL) case 6: CALL(6); break; case 5: CALL(5); break;
+#else
+#define WIDE_GROUP_CASES(CALL)
+#endif
+#define WITH_GROUP_SIZE(size, CALL)                                                          \
+    switch (size) {                                                                         \
+    WIDE_GROUP_CASES(CALL)                                                                  \
+    case 4: CALL(4); break;                                                                 \
+    case 3: CALL(3); break;                                                                 \
+    case 2: CALL(2); break;                                                                 \
+    default: CALL(1);                                                                       \
+    }
+
 /* partial[k][c] += sum over j < 4 of x[k][i + j] * w[i + j][c] for the `group` rows k of x
  * and columns c in [c0, c1): each widened vector of w serves the whole group. */
 INLINE void band_group(int format, int group, const float *x, size_t stride, const void *w,
@@ -393,23 +414,16 @@ INLINE void band_product_as(int format, const float *x, size_t stride, int rows,
         for (; i + 8 <= i1; i += 8)
             for (int c0 = cb; c0 < ce; c0 += TILE)
                 band_single8(format, x, w, out, i, c0, c0 + TILE < ce ? c0 + TILE : ce, partial);
-    int groups = (rows + MAX_GROUP - 1) / MAX_GROUP, group = (rows + groups - 1) / groups;
+    int group = group_size(rows);
     for (; i + 4 <= i1; i += 4)
         for (int c0 = cb; c0 < ce; c0 += TILE) {
             int c1 = c0 + TILE < ce ? c0 + TILE : ce;
             for (int r0 = 0; r0 < rows; r0 += group) {
                 const float *xr = x + r0 * stride;
                 float *pr = partial + (size_t)r0 * out;
-                switch (rows - r0 < group ? rows - r0 : group) { /* a constant group: unrolled */
-#if MAX_GROUP == 6
-                case 6: band_group(format, 6, xr, stride, w, out, i, c0, c1, pr); break;
-                case 5: band_group(format, 5, xr, stride, w, out, i, c0, c1, pr); break;
-#endif
-                case 4: band_group(format, 4, xr, stride, w, out, i, c0, c1, pr); break;
-                case 3: band_group(format, 3, xr, stride, w, out, i, c0, c1, pr); break;
-                case 2: band_group(format, 2, xr, stride, w, out, i, c0, c1, pr); break;
-                default: band_group(format, 1, xr, stride, w, out, i, c0, c1, pr);
-                }
+#define BAND_GROUP(n) band_group(format, n, xr, stride, w, out, i, c0, c1, pr)
+                WITH_GROUP_SIZE(rows - r0 < group ? rows - r0 : group, BAND_GROUP)
+#undef BAND_GROUP
             }
         }
     for (; i < i1; i++) band_row(format, x, stride, rows, w, out, i, cb, ce, partial);
@@ -461,26 +475,18 @@ INLINE void row_pair_group(int group, const float *x, size_t stride, int in, con
 }
 
 /* y[r][c] = dot(w[c], x[r]) (+ add[r][c]) for output rows c in [c0, c1), w contiguous [out, in]
- * float32: pairs of output rows with the rows of x in groups of equal size (up to MAX_GROUP,
- * as `band_product_as`), each `row_pair_group`; an odd output row left over takes plain dot
+ * float32: pairs of output rows with the rows of x in `group_size` groups (as
+ * `band_product_as`), each `row_pair_group`; an odd output row left over takes plain dot
  * products. */
 static void row_products(const float *x, size_t stride, int rows, int in, const float *w,
                          int out, int c0, int c1, const float *add, float *y) {
-    int pairs_end = c0 + (c1 - c0) / 2 * 2;
-    int groups = (rows + MAX_GROUP - 1) / MAX_GROUP, group = (rows + groups - 1) / groups;
+    int pairs_end = c0 + (c1 - c0) / 2 * 2, group = group_size(rows);
     for (int c = c0; c < pairs_end; c += 2)
         for (int r0 = 0; r0 < rows; r0 += group) {
             const float *xr = x + r0 * stride;
-            switch (rows - r0 < group ? rows - r0 : group) { /* a constant group: unrolled */
-#if MAX_GROUP == 6
-            case 6: row_pair_group(6, xr, stride, in, w, out, r0, c, add, y); break;
-            case 5: row_pair_group(5, xr, stride, in, w, out, r0, c, add, y); break;
-#endif
-            case 4: row_pair_group(4, xr, stride, in, w, out, r0, c, add, y); break;
-            case 3: row_pair_group(3, xr, stride, in, w, out, r0, c, add, y); break;
-            case 2: row_pair_group(2, xr, stride, in, w, out, r0, c, add, y); break;
-            default: row_pair_group(1, xr, stride, in, w, out, r0, c, add, y);
-            }
+#define ROW_PAIR_GROUP(n) row_pair_group(n, xr, stride, in, w, out, r0, c, add, y)
+            WITH_GROUP_SIZE(rows - r0 < group ? rows - r0 : group, ROW_PAIR_GROUP)
+#undef ROW_PAIR_GROUP
         }
     for (int c = pairs_end; c < c1; c++) {
         const float *wc = w + (size_t)c * in;
