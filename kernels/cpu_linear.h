@@ -13,8 +13,9 @@
  * `linear` is what every kind of block multiplies by (inside the decode step's parallel region)
  * and `matmul` in `cpu_decode.c` the same product on its own (the LM head, products of the
  * torch path). A weight is read either as a contiguous [in, out] (each thread streams its own
- * band of input rows into a private partial sum, rows of x in groups of 4 so that each widened
- * weight vector serves the whole group from registers; a single row of x takes eight input
+ * band of input rows into a private partial sum, rows of x in groups of up to 8 so that each
+ * widened weight vector serves the whole group, whose sums stay in registers through eight input
+ * rows (`band_group`); a single row of x takes eight input
  * rows per load and store of its partial sums, in four independent chains, which brought
  * one-row products of the narrow formats near their read floors (int8 1.7x -> 1.1x of it);
  * the partials are then added by column; a one-row bf16 product widens 32 columns per load
@@ -238,13 +239,14 @@ INLINE void prefetch_rows(int format, const void *w, size_t at, size_t stride, i
         __builtin_prefetch((const char *)w + (at + j * stride + ahead) * bytes);
 }
 
-/* Rows of x a `band_group` takes at once: as many as their 4 x group broadcast values and
- * the widened weight vectors leave registers for (32 with AVX-512, 16 with AVX2); more rows
- * are split into groups of equal size. Measured with AVX-512: 5 rows through a 150k-column
- * fp32 head took 6.0 ms in one group against 6.4 in groups of 4 and 1 (a 75 GB/s read),
- * and a 5-token verify step 2% less. */
+/* Rows of x a `band_group` takes at once: their sums stay in registers beside a weight vector
+ * (16 rows would leave too few of AVX-512's 32 registers: 5 rows through a 150k-column head
+ * were the same as with 8, 16 rows 14% slower); more rows are split into groups of equal size.
+ * Measured with AVX-512 (Zen 4), 8 rows through a 150k-column fp32 head took 12.7-12.9 ms in
+ * one group against 14.5 in two of 4, and 8 rows through a bf16 2048 x 2560 0.76 ms against
+ * 0.94 with groups of up to 6 (a 43 GB/s read). */
 #if LANES == 16
-#define MAX_GROUP 6
+#define MAX_GROUP 8
 #else
 #define MAX_GROUP 4
 #endif
@@ -256,8 +258,9 @@ INLINE int group_size(int rows) {
 }
 
 /* `CALL(n)` with n the constant `size` (1 to MAX_GROUP): each group size's loops unrolled. */
-#if MAX_GROUP == 6
-#define WIDE_GROUP_CASES(CALL) case 6: CALL(6); break; case 5: CALL(5); break;
+#if MAX_GROUP == 8
+#define WIDE_GROUP_CASES(CALL)                                                              \
+    case 8: CALL(8); break; case 7: CALL(7); break; case 6: CALL(6); break; case 5: CALL(5); break;
 #else
 #define WIDE_GROUP_CASES(CALL)
 #endif
@@ -270,35 +273,36 @@ INLINE int group_size(int rows) {
     default: CALL(1);                                                                       \
     }
 
-/* partial[k][c] += sum over j < 4 of x[k][i + j] * w[i + j][c] for the `group` rows k of x
- * and columns c in [c0, c1): each widened vector of w serves the whole group. */
+/* Input rows a `band_group` takes per load and store of its partial sums. */
+#define GROUP_DEPTH 8
+
+/* partial[k][c] += sum over j < GROUP_DEPTH of x[k][i + j] * w[i + j][c] for the `group` rows k
+ * of x and columns c in [c0, c1): each widened vector of w serves the whole group, and each
+ * row's sums stay in a register through the GROUP_DEPTH input rows (x's values broadcast from
+ * memory inside the FMAs). Measured on a 2-core AVX-512 CPU (Zen 4) beside a 44 GB/s read:
+ * 5 rows through a 150k-column fp32 head took 11.3-12.0 ms against 15.1-15.6 with four input
+ * rows per load and store of the sums (each pass moved the group's partial sums, larger than
+ * L2 there, twice for every four weight rows read), 8 rows 14.0-15.5 against 16.7-17.4. */
 INLINE void band_group(int format, int group, const float *x, size_t stride, const void *w,
                        int out, int i, int c0, int c1, float *partial) {
-    vecw xs[MAX_GROUP][4];
-    for (int k = 0; k < group; k++)
-        for (int j = 0; j < 4; j++) xs[k][j] = (vecw){} + x[k * stride + i + j];
+    size_t o = (size_t)out;
     int c = c0;
     for (; c + LANES <= c1; c += LANES) {
         size_t at = (size_t)i * out + c;
-        prefetch_rows(format, w, at, out, 4, c, 0);
-        vecw w0 = widenw(format, w, at), w1 = widenw(format, w, at + out);
-        vecw w2 = widenw(format, w, at + 2 * (size_t)out);
-        vecw w3 = widenw(format, w, at + 3 * (size_t)out);
-        for (int k = 0; k < group; k++) {
-            float *acc = partial + (size_t)k * out + c;
-            vecw sum = loadw(acc);
-            sum += xs[k][0] * w0 + xs[k][1] * w1 + xs[k][2] * w2 + xs[k][3] * w3;
-            memcpy(acc, &sum, sizeof sum);
+        prefetch_rows(format, w, at, o, GROUP_DEPTH, c, 0);
+        vecw sums[MAX_GROUP];
+        for (int k = 0; k < group; k++) sums[k] = loadw(partial + (size_t)k * out + c);
+        for (int j = 0; j < GROUP_DEPTH; j++) {
+            vecw wj = widenw(format, w, at + j * o);
+            for (int k = 0; k < group; k++) sums[k] += x[k * stride + i + j] * wj;
         }
+        for (int k = 0; k < group; k++) memcpy(partial + (size_t)k * out + c, sums + k, sizeof *sums);
     }
-    for (; c < c1; c++) {
-        size_t at = (size_t)i * out + c;
-        float w0 = widen1(format, w, at), w1 = widen1(format, w, at + out);
-        float w2 = widen1(format, w, at + 2 * (size_t)out), w3 = widen1(format, w, at + 3 * (size_t)out);
-        for (int k = 0; k < group; k++)
-            partial[(size_t)k * out + c] +=
-                xs[k][0][0] * w0 + xs[k][1][0] * w1 + xs[k][2][0] * w2 + xs[k][3][0] * w3;
-    }
+    for (; c < c1; c++)
+        for (int j = 0; j < GROUP_DEPTH; j++) {
+            float wj = widen1(format, w, (size_t)(i + j) * out + c);
+            for (int k = 0; k < group; k++) partial[(size_t)k * out + c] += x[k * stride + i + j] * wj;
+        }
 }
 
 #if LANES == 16
@@ -393,8 +397,8 @@ INLINE void band_row(int format, const float *x, size_t stride, int rows, const 
 
 /* partial[r][c] = sum over input rows i in [i0, i1) of x[r][i] * w[i][c] for columns c in
  * [cb, ce), w contiguous [in, out] in `format` (unscaled), partial's rows `out` apart: the
- * thread streams its band of w once for all rows, four input rows at a time, in column tiles
- * small enough that a group's tile of partial sums stays in L1 while the group uses it. */
+ * thread streams its band of w once for all rows, GROUP_DEPTH input rows at a time, in column
+ * tiles small enough that a tile of w stays in L1 while each group of rows reads it. */
 #define TILE 512
 INLINE void band_product_as(int format, const float *x, size_t stride, int rows, const void *w,
                             int out, int i0, int i1, int cb, int ce, float *partial) {
@@ -415,7 +419,7 @@ INLINE void band_product_as(int format, const float *x, size_t stride, int rows,
             for (int c0 = cb; c0 < ce; c0 += TILE)
                 band_single8(format, x, w, out, i, c0, c0 + TILE < ce ? c0 + TILE : ce, partial);
     int group = group_size(rows);
-    for (; i + 4 <= i1; i += 4)
+    for (; i + GROUP_DEPTH <= i1; i += GROUP_DEPTH)
         for (int c0 = cb; c0 < ce; c0 += TILE) {
             int c1 = c0 + TILE < ce ? c0 + TILE : ce;
             for (int r0 = 0; r0 < rows; r0 += group) {

@@ -62,8 +62,8 @@ def _stored(weight: torch.Tensor, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_linear_of_a_stored_weight_equals_the_product_with_it_widened(dtype, threads):
-    """The native product (few rows: every group size of its 4-row groups, widths that leave
-    vector and 4-row tails) and the sliced widening (more rows) compute x @ the widened
+    """The native product (few rows: every size of its groups of up to 8 rows, widths that
+    leave vector tails and input rows past the last 8) and the sliced widening (more rows) compute x @ the widened
     weight; the stored weight is never widened whole in place."""
     if cpu_decode.load() is None:
         pytest.skip("no C compiler: the native product is not built")
@@ -75,7 +75,7 @@ def test_linear_of_a_stored_weight_equals_the_product_with_it_widened(dtype, thr
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for num_rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 40):
+        for num_rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
             x = torch.randn(num_rows, 2 * 37)[:, :37]  # strided rows
             for add in (None, torch.randn(45), torch.randn(num_rows, 45)):
                 expected = x @ widened if add is None else torch.addmm(add, x, widened)
