@@ -10,13 +10,20 @@ largest measured batch size not above `batch`. Each k is measured, not interpola
 is not linear in k (past 16 rows a step leaves the native decode step, and a large vocabulary
 makes every row's logits costly), and a guess that is too low makes speculation slower than
 none. With a draft model, proposing k tokens costs about k of its decode steps at that batch
-size, measured the same way and added. Nothing is left behind: the blocks written are free and
-unhashed, and any later request writes its own slots before reading them.
+size, measured the same way and added. The widths are measured in interleaved rounds (plain,
+k = 1, ..., K, then again), each k's cost the median of its rounds' ratios to the round's plain
+step, so that a machine whose speed drifts during start-up skews no k against another; and a
+cost is never below the one of fewer drafts (a verify step of k drafts does all the work of
+one of k - 1, so a lower reading is noise: measured on a shared 2-core CPU, single readings put
+k = 1 at 0.90 of a plain step, and a request whose drafts were never accepted then went on
+speculating at 0.89x the tokens/s of none). Nothing is left behind: the blocks written are free
+and unhashed, and any later request writes its own slots before reading them.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
 import time
 
@@ -27,7 +34,8 @@ from stillcut.engine.row_sampler import RowSampler
 from stillcut.kernels.attention import AttentionMetadata
 
 CONTEXT_TOKENS = 64  # context each calibration request attends to
-NUM_RUNS = 3
+NUM_RUNS = 3  # timed runs of a step, after one to warm up: the median counts
+NUM_ROUNDS = 3  # interleaved rounds of the calibration, one timed run per width each
 
 
 def measure_step_costs(runner, max_batch: int, max_k: int, draft_runner=None) -> StepCosts:
@@ -40,14 +48,16 @@ def measure_step_costs(runner, max_batch: int, max_k: int, draft_runner=None) ->
     while batch <= max_batch and batch * blocks_per_request <= num_blocks:
         if batch * (1 + max_k) > runner.max_num_batched_tokens:
             break
-        plain = time_verify_step(runner, batch, 1, blocks_per_request)
-        draft = 0.0
-        if draft_runner is not None:
-            draft = time_verify_step(draft_runner, batch, 1, blocks_per_request)
-        costs[batch] = (1.0,) + tuple(
-            (time_verify_step(runner, batch, 1 + k, blocks_per_request) + k * draft) / plain
-            for k in range(1, max_k + 1)
-        )
+        ratios: list[list[float]] = [[] for _ in range(max_k)]
+        for _ in range(NUM_ROUNDS):
+            plain = time_verify_step(runner, batch, 1, blocks_per_request, runs=1)
+            draft = 0.0
+            if draft_runner is not None:
+                draft = time_verify_step(draft_runner, batch, 1, blocks_per_request, runs=1)
+            for k in range(1, max_k + 1):
+                step = time_verify_step(runner, batch, 1 + k, blocks_per_request, runs=1)
+                ratios[k - 1].append((step + k * draft) / plain)
+        costs[batch] = tuple(itertools.accumulate([1.0, *map(statistics.median, ratios)], max))
         batch *= 4
     return StepCosts(costs or {1: tuple(1.0 + k for k in range(max_k + 1))})
 
@@ -66,10 +76,15 @@ class StepCosts:
 
 
 def time_verify_step(
-    runner, batch: int, width: int, blocks_per_request: int, sampled: bool = True
+    runner,
+    batch: int,
+    width: int,
+    blocks_per_request: int,
+    sampled: bool = True,
+    runs: int = NUM_RUNS,
 ) -> float:
-    """Median seconds of a model step (forward, logits and sampling) of `batch` requests x
-    `width` tokens, laid out as the runner lays out a verify step: one one-token row per
+    """Median seconds of `runs` model steps (forward, logits and sampling) of `batch` requests
+    x `width` tokens, laid out as the runner lays out a verify step: one one-token row per
     token; without `sampled`, forward and logits only."""
     device, size = runner.device, runner.block_size
     num_tokens = batch * width
@@ -104,7 +119,7 @@ def time_verify_step(
         drafts = logits.argmax(dim=-1).view(batch, width)[:, :-1].tolist()
         sampler.sample(request_ids, params, _no_history, logits, drafts, [0] * batch)
         times = []
-        for _ in range(NUM_RUNS):
+        for _ in range(runs):
             metadata.plans.clear()
             start = time.perf_counter()
             logits = forward()

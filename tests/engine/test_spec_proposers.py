@@ -115,10 +115,50 @@ def test_calibration_measures_every_k_and_a_drafts_proposals(tiny_checkpoint, mo
     monkeypatch.setattr(
         calibration,
         "time_verify_step",
-        lambda runner, batch, width, blocks: 0.5 if runner is draft_runner else float(width),
+        lambda runner, batch, width, blocks, runs: 0.5 if runner is draft_runner else float(width),
     )
     with_draft = measure_step_costs(engine.runner, 1, 3, draft_runner=draft_runner)
     assert with_draft.costs == {1: (1.0, 2.5, 4.0, 5.5)}  # (1 + k) + k x 0.5
+
+
+def test_calibration_takes_each_k_from_interleaved_rounds_never_below_fewer_drafts(
+    tiny_checkpoint, monkeypatch
+):
+    """Each width is timed once per round, the rounds interleaved; a k's cost is the median of
+    its rounds' ratios to their plain step (a round slowed down whole changes no ratio, one
+    slow reading is outvoted), and never below the cost of fewer drafts: a reading that makes
+    more drafts cheaper (noise) would otherwise keep a request that is never accepted
+    speculating."""
+    from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from stillcut.engine.llm_engine import LLMEngine
+    from stillcut.engine.spec_decode import calibration
+    from stillcut.engine.spec_decode.calibration import measure_step_costs
+
+    config = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=256),
+        cache=CacheConfig(num_blocks=64),
+    )
+    engine = LLMEngine(tiny_checkpoint, config)
+    readings = iter(
+        [
+            # round 1: plain, k = 1, 2, 3
+            1.0, 1.2, 1.1, 1.5,
+            # round 2, the machine twice as slow: the same ratios
+            2.0, 2.4, 2.2, 3.0,
+            # round 3: one slow reading of k = 1
+            1.0, 9.0, 1.1, 1.5,
+        ]
+    )  # fmt: skip
+    widths = []
+
+    def reading(runner, batch, width, blocks, runs):
+        widths.append(width)
+        return next(readings)
+
+    monkeypatch.setattr(calibration, "time_verify_step", reading)
+    costs = measure_step_costs(engine.runner, 1, 3)
+    assert widths == [1, 2, 3, 4] * calibration.NUM_ROUNDS
+    assert costs.costs == {1: (1.0, 1.2, 1.2, 1.5)}  # k = 2 read 1.1: not below k = 1
 
 
 @pytest.mark.parametrize(
