@@ -63,26 +63,28 @@ def _stored(weight: torch.Tensor, dtype: torch.dtype):
 @pytest.mark.parametrize("threads", [1, 3])
 def test_linear_of_a_stored_weight_equals_the_product_with_it_widened(dtype, threads):
     """The native product (few rows: every size of its groups of up to 8 rows, widths that
-    leave vector tails and input rows past the last 8) and the sliced widening (more rows) compute x @ the widened
-    weight; the stored weight is never widened whole in place."""
+    leave vector tails and input rows past the last 8; one row of a narrow weight, read an
+    input row at a time, and of a wider one) and the sliced widening (more rows) compute
+    x @ the widened weight; the stored weight is never widened whole in place."""
     if cpu_decode.load() is None:
         pytest.skip("no C compiler: the native product is not built")
     torch.manual_seed(7)
-    weight, scale = _stored(torch.randn(37, 45), dtype)
-    widened = dense(weight, scale, 1, torch.float32)
-    matrix = stored_matrix(weight, scale)
-    assert matrix.native is not None and matrix.weight is weight
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for num_rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
-            x = torch.randn(num_rows, 2 * 37)[:, :37]  # strided rows
-            for add in (None, torch.randn(45), torch.randn(num_rows, 45)):
-                expected = x @ widened if add is None else torch.addmm(add, x, widened)
-                torch.testing.assert_close(linear(x, matrix, add), expected)
+        for num_out in (45, 1100):
+            weight, scale = _stored(torch.randn(37, num_out), dtype)
+            widened = dense(weight, scale, 1, torch.float32)
+            matrix = stored_matrix(weight, scale)
+            assert matrix.native is not None and matrix.weight is weight
+            for num_rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
+                x = torch.randn(num_rows, 2 * 37)[:, :37]  # strided rows
+                for add in (None, torch.randn(num_out), torch.randn(num_rows, num_out)):
+                    expected = x @ widened if add is None else torch.addmm(add, x, widened)
+                    torch.testing.assert_close(linear(x, matrix, add), expected)
+            assert weight.dtype == dtype
     finally:
         torch.set_num_threads(before)
-    assert weight.dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
