@@ -17,7 +17,8 @@
  * widened weight vector serves the whole group, whose sums stay in registers through eight input
  * rows (`band_group`); a single row of x takes eight input
  * rows per load and store of its partial sums, in four independent chains, which brought
- * one-row products of the narrow formats near their read floors (int8 1.7x -> 1.1x of it);
+ * one-row products of the narrow formats near their read floors (int8 1.7x -> 1.1x of it),
+ * or, through outputs at most `NARROW_COLUMNS` wide, one input row at a time (one stream);
  * the partials are then added by column; a one-row bf16 product widens 32 columns per load
  * and keeps its sums in the order that gives them, see `band_bf16_deinterleaved`)
  * or, in F32 only, as a contiguous [out, in] (each thread owns a band of output rows: dot
