@@ -15,10 +15,10 @@
  * torch path). A weight is read either as a contiguous [in, out] (each thread streams its own
  * band of input rows into a private partial sum, rows of x in groups of up to 8 so that each
  * widened weight vector serves the whole group, whose sums stay in registers through eight input
- * rows (`band_group`); a single row of x takes eight input
- * rows per load and store of its partial sums, in four independent chains, which brought
- * one-row products of the narrow formats near their read floors (int8 1.7x -> 1.1x of it),
- * or, through outputs at most `NARROW_COLUMNS` wide, one input row at a time (one stream);
+ * rows (`band_group`); a single row of x takes eight input rows per load and store of its
+ * partial sums, in four independent chains, which brought one-row products of the narrow
+ * formats near their read floors (int8 1.7x -> 1.1x of it), or, through outputs at most
+ * `NARROW_COLUMNS` wide, one input row at a time (one stream);
  * the partials are then added by column; a one-row bf16 product widens 32 columns per load
  * and keeps its sums in the order that gives them, see `band_bf16_deinterleaved`)
  * or, in F32 only, as a contiguous [out, in] (each thread owns a band of output rows: dot
@@ -410,7 +410,7 @@ INLINE void band_row(int format, const float *x, size_t stride, int rows, const 
  * 114-119 us against 130-144 with eight rows per pass (bf16), 82 against 112 (int8), through
  * 512 x 768 float32 73-76 against 83-85, and the MoE and Mamba2 blocks of a 136M-parameter bf16
  * hybrid's decode step 20-25% less (paired runs); at 2,048 columns and more, eight rows per
- * pass stayed ahead (2048 x 2048 bf16: 0.47 against 0.44 ms). */
+ * pass stayed ahead (2048 x 2048 bf16: 0.44 ms with eight rows per pass, 0.47 with one). */
 #define NARROW_COLUMNS 1024
 INLINE void band_product_as(int format, const float *x, size_t stride, int rows, const void *w,
                             int out, int i0, int i1, int cb, int ce, float *partial) {
