@@ -52,6 +52,8 @@ from stillcut.kernels.cpu_decode_stack import (
     Mlp,
     Moe,
     Stack,
+    is_packed,
+    matrix_shape,
 )
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class _Matrix(ctypes.Structure):
     _fields_ = [
         ("data", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in ("format", "out_in", "num_in", "num_out")),
+        *((name, ctypes.c_int32) for name in ("format", "out_in", "num_in", "num_out", "packed")),
     ]
 
 
@@ -286,7 +288,7 @@ def _cpu() -> str:
 
 def _out_in(weight: torch.Tensor) -> int:
     """1 when `weight` `[in, out]` is the view of a contiguous `[out, in]` (float32 only), 0
-    when it is a contiguous `[in, out]` itself."""
+    when it is a contiguous `[in, out]` itself or packed (`cpu_decode_stack.pack_matrix`)."""
     if weight.is_contiguous():
         return 0
     if weight.T.is_contiguous() and weight.dtype == torch.float32:
@@ -318,7 +320,8 @@ class _Kept:
             self._address(scale),
             FORMATS[weight.dtype],
             _out_in(weight),
-            *weight.shape,
+            *matrix_shape(weight),
+            is_packed(weight),
         )
 
 
@@ -330,7 +333,7 @@ class NativeMatrix(_Kept):
     def __init__(self, library: ctypes.CDLL, weight: torch.Tensor, scale: torch.Tensor | None):
         super().__init__()
         self.library = library
-        self.num_out = weight.shape[1]
+        self.num_out = matrix_shape(weight)[1]
         self.matrix = self._matrix(weight, scale)
         self.partials = torch.empty(0)
 
@@ -686,7 +689,7 @@ def _mamba2_params(decoder: CpuDecoder, mixer: Mamba2) -> _Mamba2:
         decoder._matrix(mixer.out_proj_weight, mixer.out_proj_scale),
         *map(decoder._address, vectors),
         mixer.num_heads,
-        mixer.out_proj_weight.shape[0] // mixer.num_heads,
+        matrix_shape(mixer.out_proj_weight)[0] // mixer.num_heads,
         mixer.state_size,
         mixer.num_groups,
         mixer.conv_weight.shape[1],

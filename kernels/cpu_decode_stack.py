@@ -6,10 +6,12 @@ kernel dispatches on it and never on a model family. A dense decoder layer is tw
 `Attention` then `GatedMlp`; a hybrid whose layers are one mixer each is one block per layer (a
 hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`). A new kind is a mixer class here
 (with its `kind`), its struct and converter in `cpu_decode`, and its case in `cpu_decode.c` (or
-`cpu_hybrid_kinds.h`). Weights are `[in, out]` in shape and in a stored format (`FORMATS`):
+`cpu_hybrid_kinds.h`). Weights are `[in, out]` matrices in a stored format (`FORMATS`):
 float32 in either memory order (see `engine.models.layers.matmul_layout`), bfloat16, float16 or
-int8 as a contiguous `[in, out]`; an int8 weight `<name>_weight` comes with `<name>_scale`, its
-float32 scale per output column `[out]`. Norms (the scales they multiply by), biases, rotary
+int8 as a contiguous `[in, out]` or packed (`pack_matrix`, a 4-D tensor: `matrix_shape` gives
+its `[in, out]`, `unpacked` its columns); stacked experts `[E, in, out]` stay contiguous. An
+int8 weight `<name>_weight` comes with `<name>_scale`, its float32 scale per output column
+`[out]`. Norms (the scales they multiply by), biases, rotary
 tables, routers and a Mamba2 block's own vectors are float32.
 """
 
@@ -25,6 +27,7 @@ import torch
 MAX_TABLES = 2  # rotary tables per model (local and global layers may differ), `MAX_TABLES` in C
 # The stored formats of weights: dtype -> `enum format` in the C files.
 FORMATS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int8: 4}
+PACK_ROWS, PACK_COLUMNS = 8, 32  # a packed weight's row groups and column tiles, as in C
 
 
 class Kind(IntEnum):
@@ -45,9 +48,63 @@ class Activation(IntEnum):
     RELU2 = 3  # relu(x)²
 
 
+def pack_matrix(parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """A weight `[in, out]` (or its column blocks `[in, out_i]` side by side) packed, in one
+    copy: `[in / PACK_ROWS, out / PACK_COLUMNS, PACK_ROWS, PACK_COLUMNS]`, each group of input
+    rows as tiles of columns one after another, each tile its rows of contiguous columns
+    (`cpu_linear.h`: a group of rows is one stream to read)."""
+    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
+    if any(part.shape[1] % PACK_COLUMNS for part in parts):
+        parts = [torch.cat(parts, dim=1)]
+    num_in, num_out = parts[0].shape[0], sum(part.shape[1] for part in parts)
+    packed = parts[0].new_empty(
+        num_in // PACK_ROWS, num_out // PACK_COLUMNS, PACK_ROWS, PACK_COLUMNS
+    )
+    tile = 0
+    for part in parts:
+        tiles = part.shape[1] // PACK_COLUMNS
+        grouped = part.reshape(num_in // PACK_ROWS, PACK_ROWS, tiles, PACK_COLUMNS)
+        packed[:, tile : tile + tiles] = grouped.transpose(1, 2)
+        tile += tiles
+    return packed
+
+
+def packs(dtype: torch.dtype, device: torch.device, num_in: int, num_out: int) -> bool:
+    """Whether a weight `[in, out]` of `dtype` on `device` is stored packed: in a narrow format
+    (float32 keeps the layouts of `engine.models.layers.matmul_layout`), on CPU, in whole row
+    groups and column tiles."""
+    narrow = dtype in FORMATS and dtype != torch.float32
+    whole = num_in % PACK_ROWS == 0 and num_out % PACK_COLUMNS == 0
+    return narrow and torch.device(device).type == "cpu" and whole
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    return weight.dim() == 4
+
+
+def matrix_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """The shape of a weight as a matrix: `[in, out]` of a packed one, else its own."""
+    if is_packed(weight):
+        groups, tiles, rows, columns = weight.shape
+        return (groups * rows, tiles * columns)
+    return tuple(weight.shape)
+
+
+def unpacked(weight: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor:
+    """Columns `columns` (a packed weight's: whole tiles) of a weight as an `[in, out]` tensor:
+    a copy of a packed one, a view of any other."""
+    if not is_packed(weight):
+        return weight[:, columns]
+    start, stop, _ = columns.indices(matrix_shape(weight)[1])
+    if start % PACK_COLUMNS or (stop % PACK_COLUMNS and stop != matrix_shape(weight)[1]):
+        raise ValueError(f"columns [{start}, {stop}) of a packed weight are not whole tiles")
+    tiles = weight[:, start // PACK_COLUMNS : -(-stop // PACK_COLUMNS)]
+    return tiles.transpose(1, 2).reshape(matrix_shape(weight)[0], stop - start)
+
+
 def _check_shape(name: str, tensor: torch.Tensor | None, *shape: int) -> None:
-    if tensor is not None and tuple(tensor.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape}")
+    if tensor is not None and matrix_shape(tensor) != shape:
+        raise ValueError(f"{name} has shape {matrix_shape(tensor)}, expected {shape}")
 
 
 def _check_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, axis: int) -> None:
@@ -56,7 +113,8 @@ def _check_weight(name: str, weight: torch.Tensor, scale: torch.Tensor | None, a
     is no error here: `cpu_decode.bind` declines it, and the model runs its torch ops.)"""
     if (weight.dtype == torch.int8) != (scale is not None):
         raise ValueError(f"{name}: an int8 weight needs a scale, and only an int8 weight has one")
-    _check_shape(f"{name} scale", scale, *weight.shape[:-2], weight.shape[axis])
+    shape = matrix_shape(weight)
+    _check_shape(f"{name} scale", scale, *shape[:-2], shape[axis])
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,11 +159,11 @@ class Attention:
 
     @property
     def hidden(self) -> int:
-        return self.qkv_weight.shape[0]
+        return matrix_shape(self.qkv_weight)[0]
 
     @property
     def head_dim(self) -> int:
-        return self.o_weight.shape[0] // self.num_heads
+        return matrix_shape(self.o_weight)[0] // self.num_heads
 
     @property
     def num_qk_heads(self) -> int:
@@ -124,7 +182,7 @@ class GatedMlp:
     down_scale: torch.Tensor | None = None  # [hidden]: an int8 down_weight's
 
     def __post_init__(self) -> None:
-        intermediate = self.down_weight.shape[0]
+        intermediate = matrix_shape(self.down_weight)[0]
         _check_shape("gate_up_weight", self.gate_up_weight, self.hidden, 2 * intermediate)
         _check_weight("gate_up_weight", self.gate_up_weight, self.gate_up_scale, 1)
         _check_weight("down_weight", self.down_weight, self.down_scale, 1)
@@ -132,7 +190,7 @@ class GatedMlp:
 
     @property
     def hidden(self) -> int:
-        return self.down_weight.shape[1]
+        return matrix_shape(self.down_weight)[1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -149,17 +207,17 @@ class Mlp:
     down_scale: torch.Tensor | None = None  # [out]: an int8 down_weight's
 
     def __post_init__(self) -> None:
-        intermediate = self.up_weight.shape[1]
-        _check_shape("down_weight", self.down_weight, intermediate, self.down_weight.shape[1])
+        intermediate, out = matrix_shape(self.up_weight)[1], matrix_shape(self.down_weight)[1]
+        _check_shape("down_weight", self.down_weight, intermediate, out)
         _check_shape("up_bias", self.up_bias, intermediate)
-        _check_shape("down_bias", self.down_bias, self.down_weight.shape[1])
+        _check_shape("down_bias", self.down_bias, out)
         _check_weight("up_weight", self.up_weight, self.up_scale, 1)
         _check_weight("down_weight", self.down_weight, self.down_scale, 1)
         Activation(self.activation)
 
     @property
     def hidden(self) -> int:
-        return self.up_weight.shape[0]
+        return matrix_shape(self.up_weight)[0]
 
 
 @dataclass(frozen=True, eq=False)
@@ -212,7 +270,8 @@ class Moe:
         _check_shape("router", self.router, self.hidden, num_experts)
         _check_shape("correction_bias", self.correction_bias, num_experts)
         _check_shape("experts_down_weight", self.experts_down_weight, num_experts, mid, width)
-        if self.shared.hidden != self.hidden or self.shared.down_weight.shape[1] != self.hidden:
+        shared_out = matrix_shape(self.shared.down_weight)[1]
+        if self.shared.hidden != self.hidden or shared_out != self.hidden:
             raise ValueError(f"the shared expert is not {self.hidden} wide")
         _check_shape("latent_in_weight", self.latent_in_weight, self.hidden, width)
         _check_shape("latent_out_weight", self.latent_out_weight, width, self.hidden)
@@ -268,7 +327,7 @@ class Mamba2:
     def __post_init__(self) -> None:
         if self.num_groups < 1 or self.num_heads % self.num_groups:
             raise ValueError(f"num_groups={self.num_groups} must divide {self.num_heads} heads")
-        inner = self.out_proj_weight.shape[0]
+        inner = matrix_shape(self.out_proj_weight)[0]
         if inner % self.num_heads:
             raise ValueError(f"inner size {inner} is no multiple of {self.num_heads} heads")
         width = inner + self.conv_dim + self.num_heads
@@ -288,16 +347,16 @@ class Mamba2:
 
     @property
     def hidden(self) -> int:
-        return self.out_proj_weight.shape[1]
+        return matrix_shape(self.out_proj_weight)[1]
 
     @property
     def conv_dim(self) -> int:
-        return self.out_proj_weight.shape[0] + 2 * self.num_groups * self.state_size
+        return matrix_shape(self.out_proj_weight)[0] + 2 * self.num_groups * self.state_size
 
     @property
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per state row: the conv state's shape and the SSM state's."""
-        head_dim = self.out_proj_weight.shape[0] // self.num_heads
+        head_dim = matrix_shape(self.out_proj_weight)[0] // self.num_heads
         conv = (self.conv_dim, self.conv_weight.shape[1] - 1)
         return conv, (self.num_heads, head_dim, self.state_size)
 
@@ -347,7 +406,7 @@ class Stack:
         for index, block in enumerate(self.blocks):
             mixer = block.mixer
             _check_shape(f"blocks[{index}].norm", block.norm, hidden)
-            out = mixer.down_weight.shape[1] if isinstance(mixer, Mlp) else hidden
+            out = matrix_shape(mixer.down_weight)[1] if isinstance(mixer, Mlp) else hidden
             if mixer.hidden != hidden or out != hidden:
                 raise ValueError(f"blocks[{index}] is {mixer.hidden} wide, the stack {hidden}")
             if not isinstance(mixer, Attention) or mixer.table is None:

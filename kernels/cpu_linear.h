@@ -20,7 +20,9 @@
  * formats near their read floors (int8 1.7x -> 1.1x of it), or, through outputs at most
  * `NARROW_COLUMNS` wide, one input row at a time (one stream);
  * the partials are then added by column; a one-row bf16 product widens 32 columns per load
- * and keeps its sums in the order that gives them, see `band_bf16_deinterleaved`)
+ * and keeps its sums in the order that gives them, see `band_bf16_deinterleaved`),
+ * as the same [in, out] packed by groups of eight input rows (`PACK_ROWS`, the narrow formats'
+ * layout wherever the shape allows: the same passes, each group of rows one stream),
  * or, in F32 only, as a contiguous [out, in] (each thread owns a band of output rows: dot
  * products). Measured on the 2-core CPU (see `bench/matmul_formats.py`): widening in
  * registers keeps a one-row product at its read floor in every format, and grouping rows made
@@ -90,12 +92,32 @@ static void share(int count, int parts, int index, int *begin, int *end) {
 enum format { F32 = 1, BF16 = 2, F16 = 3, I8 = 4 };
 
 typedef struct {
-    const void *data;            /* [in, out] or (F32 only) its [out, in] transpose */
+    const void *data;            /* [in, out], packed, or (F32 only) its [out, in] transpose */
     const float *scales;         /* [out]: I8's scale of each output column; NULL otherwise */
     int32_t format;
     int32_t out_in;              /* 1: stored [out, in] */
     int32_t in, out;
+    int32_t packed;              /* 1: stored as [in / 8][out / 32][8][32], see `weight_at` */
 } Matrix;
+
+/* A packed matrix holds each group of PACK_ROWS input rows as PACK_COLUMNS-column tiles, one
+ * after another, each tile its PACK_ROWS rows of PACK_COLUMNS contiguous elements: the pass of
+ * a group of rows over all columns reads one contiguous stream (the [in, out] layout reads one
+ * stream per row). Measured on a 2-core AVX-512 CPU (Zen 4), one row through a 3B model's
+ * four bf16 projections, cycled from memory, took 0.84 of the [in, out] layout's time (a
+ * plain read of the same bytes 0.69), through a hybrid's 768-3712 wide ones 0.80-0.86. */
+#define PACK_ROWS 8
+#define PACK_COLUMNS 32
+
+/* The element offset of w[i][c] (in a packed matrix, i a multiple of PACK_ROWS), and the step
+ * from there to w[i + 1][c] (for i + 1 in the same group of rows). */
+INLINE size_t weight_at(int packed, int out, int i, int c) {
+    if (!packed) return (size_t)i * out + c;
+    return (size_t)i * out + (size_t)(c & ~(PACK_COLUMNS - 1)) * PACK_ROWS +
+           (c & (PACK_COLUMNS - 1));
+}
+
+INLINE size_t row_step(int packed, int out) { return packed ? PACK_COLUMNS : (size_t)out; }
 
 typedef float vec8 __attribute__((vector_size(32)));
 typedef int32_t ivec8 __attribute__((vector_size(32)));
@@ -285,13 +307,13 @@ INLINE int group_size(int rows) {
  * 5 rows through a 150k-column fp32 head took 11.3-12.0 ms against 15.1-15.6 with four input
  * rows per load and store of the sums (each pass moved the group's partial sums, larger than
  * L2 there, twice for every four weight rows read), 8 rows 14.0-15.5 against 16.7-17.4. */
-INLINE void band_group(int format, int group, const float *x, size_t stride, const void *w,
-                       int out, int i, int c0, int c1, float *partial) {
-    size_t o = (size_t)out;
+INLINE void band_group(int format, int packed, int group, const float *x, size_t stride,
+                       const void *w, int out, int i, int c0, int c1, float *partial) {
+    size_t o = row_step(packed, out);
     int c = c0;
     for (; c + LANES <= c1; c += LANES) {
-        size_t at = (size_t)i * out + c;
-        prefetch_rows(format, w, at, o, GROUP_DEPTH, c, 0);
+        size_t at = weight_at(packed, out, i, c);
+        if (!packed) prefetch_rows(format, w, at, o, GROUP_DEPTH, c, 0);
         vecw sums[MAX_GROUP];
         for (int k = 0; k < group; k++) sums[k] = loadw(partial + (size_t)k * out + c);
         for (int j = 0; j < GROUP_DEPTH; j++) {
@@ -303,7 +325,7 @@ INLINE void band_group(int format, int group, const float *x, size_t stride, con
     }
     for (; c < c1; c++)
         for (int j = 0; j < GROUP_DEPTH; j++) {
-            float wj = widen1(format, w, (size_t)(i + j) * out + c);
+            float wj = widen1(format, w, weight_at(packed, out, i, c) + j * o);
             for (int k = 0; k < group; k++)
                 partial[(size_t)k * out + c] += x[k * stride + i + j] * wj;
         }
@@ -326,15 +348,15 @@ INLINE void widen_bf16_pair(const void *p, vecw *even, vecw *odd) {
  * took 110.9 ms against 122.9 when each 8 rows' sums were interleaved back as they were made
  * (1.29x -> 1.45x its read floor; the same at 42-45 GB/s), the 136M hybrid's step 3.45
  * against 3.58 ms at 46 GB/s; the product alone, warm in cache: 138 against 107 GB/s. */
-INLINE void band_bf16_deinterleaved(const float *x, const void *w, int out, int i, int i1,
-                                    int cb, int ce, float *partial) {
-    size_t o = (size_t)out;
+INLINE void band_bf16_deinterleaved(int packed, const float *x, const void *w, int out, int i,
+                                    int i1, int cb, int ce, float *partial) {
+    size_t o = row_step(packed, out);
     for (; i + 8 <= i1; i += 8) {
         vecw xs[8];
         for (int j = 0; j < 8; j++) xs[j] = (vecw){} + x[i + j];
         for (int c = cb; c + 2 * LANES <= ce; c += 2 * LANES) {
-            size_t at = (size_t)i * out + c;
-            prefetch_rows(BF16, w, at, o, 8, c, 1);
+            size_t at = weight_at(packed, out, i, c);
+            if (!packed) prefetch_rows(BF16, w, at, o, 8, c, 1);
             vecw even = loadw(partial + c), odd = loadw(partial + c + LANES);
             for (int j = 0; j < 8; j++) {
                 vecw e, d;
@@ -360,15 +382,15 @@ INLINE void band_bf16_deinterleaved(const float *x, const void *w, int out, int 
 /* partial[c] += sum over j < 8 of x[i + j] * w[i + j][c] for one row of x and columns c in
  * [c0, c1): eight input rows per load and store of the partial sums, in four independent
  * chains (a single row has no other rows to share a widened vector with). */
-INLINE void band_single8(int format, const float *x, const void *w, int out, int i, int c0,
-                         int c1, float *partial) {
+INLINE void band_single8(int format, int packed, const float *x, const void *w, int out, int i,
+                         int c0, int c1, float *partial) {
     vecw xs[8];
     for (int j = 0; j < 8; j++) xs[j] = (vecw){} + x[i + j];
-    size_t o = (size_t)out;
+    size_t o = row_step(packed, out);
     int c = c0;
     for (; c + LANES <= c1; c += LANES) {
-        size_t at = (size_t)i * out + c;
-        prefetch_rows(format, w, at, o, 8, c, 1);
+        size_t at = weight_at(packed, out, i, c);
+        if (!packed) prefetch_rows(format, w, at, o, 8, c, 1);
         vecw s0 = xs[0] * widenw(format, w, at) + xs[1] * widenw(format, w, at + o);
         vecw s1 = xs[2] * widenw(format, w, at + 2 * o) + xs[3] * widenw(format, w, at + 3 * o);
         vecw s2 = xs[4] * widenw(format, w, at + 4 * o) + xs[5] * widenw(format, w, at + 5 * o);
@@ -377,7 +399,7 @@ INLINE void band_single8(int format, const float *x, const void *w, int out, int
         memcpy(partial + c, &sum, sizeof sum);
     }
     for (; c < c1; c++) {
-        size_t at = (size_t)i * out + c;
+        size_t at = weight_at(packed, out, i, c);
         float sum = 0.0f;
         for (int j = 0; j < 8; j++) sum += xs[j][0] * widen1(format, w, at + j * o);
         partial[c] += sum;
@@ -412,28 +434,31 @@ INLINE void band_row(int format, const float *x, size_t stride, int rows, const 
  * hybrid's decode step 20-25% less (paired runs); at 2,048 columns and more, eight rows per
  * pass stayed ahead (2048 x 2048 bf16: 0.44 ms with eight rows per pass, 0.47 with one). */
 #define NARROW_COLUMNS 1024
-INLINE void band_product_as(int format, const float *x, size_t stride, int rows, const void *w,
-                            int out, int i0, int i1, int cb, int ce, float *partial) {
+INLINE void band_product_as(int format, int packed, const float *x, size_t stride, int rows,
+                            const void *w, int out, int i0, int i1, int cb, int ce,
+                            float *partial) {
     for (int r = 0; r < rows; r++)
         memset(partial + (size_t)r * out + cb, 0, sizeof(float) * (ce - cb));
     int i = i0;
-    if (rows == 1 && out <= NARROW_COLUMNS) {
+    if (rows == 1 && out <= NARROW_COLUMNS && !packed) {
         for (; i < i1; i++) band_row(format, x, stride, 1, w, out, i, cb, ce, partial);
         return;
     }
 #if LANES == 16
     if (rows == 1 && format == BF16) { /* whole 32-column pairs deinterleaved, then the rest */
         int i8 = i + (i1 - i) / 8 * 8, c32 = cb + (ce - cb) / (2 * LANES) * (2 * LANES);
-        band_bf16_deinterleaved(x, w, out, i, i8, cb, c32, partial);
+        band_bf16_deinterleaved(packed, x, w, out, i, i8, cb, c32, partial);
         if (c32 < ce)
-            for (int j = i; j < i8; j += 8) band_single8(BF16, x, w, out, j, c32, ce, partial);
+            for (int j = i; j < i8; j += 8)
+                band_single8(BF16, packed, x, w, out, j, c32, ce, partial);
         i = i8;
     }
 #endif
     if (rows == 1)
         for (; i + 8 <= i1; i += 8)
             for (int c0 = cb; c0 < ce; c0 += TILE)
-                band_single8(format, x, w, out, i, c0, c0 + TILE < ce ? c0 + TILE : ce, partial);
+                band_single8(format, packed, x, w, out, i, c0, c0 + TILE < ce ? c0 + TILE : ce,
+                             partial);
     int group = group_size(rows);
     for (; i + GROUP_DEPTH <= i1; i += GROUP_DEPTH)
         for (int c0 = cb; c0 < ce; c0 += TILE) {
@@ -441,7 +466,7 @@ INLINE void band_product_as(int format, const float *x, size_t stride, int rows,
             for (int r0 = 0; r0 < rows; r0 += group) {
                 const float *xr = x + r0 * stride;
                 float *pr = partial + (size_t)r0 * out;
-#define BAND_GROUP(n) band_group(format, n, xr, stride, w, out, i, c0, c1, pr)
+#define BAND_GROUP(n) band_group(format, packed, n, xr, stride, w, out, i, c0, c1, pr)
                 WITH_GROUP_SIZE(rows - r0 < group ? rows - r0 : group, BAND_GROUP)
 #undef BAND_GROUP
             }
@@ -449,14 +474,21 @@ INLINE void band_product_as(int format, const float *x, size_t stride, int rows,
     for (; i < i1; i++) band_row(format, x, stride, rows, w, out, i, cb, ce, partial);
 }
 
-static void band_product(int format, const float *x, size_t stride, int rows, const void *w,
-                         int out, int i0, int i1, int cb, int ce, float *partial) {
-    switch (format) { /* one copy of the loops per format, its widening inlined */
-    case BF16: band_product_as(BF16, x, stride, rows, w, out, i0, i1, cb, ce, partial); break;
-    case F16: band_product_as(F16, x, stride, rows, w, out, i0, i1, cb, ce, partial); break;
-    case I8: band_product_as(I8, x, stride, rows, w, out, i0, i1, cb, ce, partial); break;
-    default: band_product_as(F32, x, stride, rows, w, out, i0, i1, cb, ce, partial);
+/* One copy of the loops per format and layout, its widening and addressing inlined. */
+#define BAND_PRODUCT_AS(format, packed)                                                      \
+    band_product_as(format, packed, x, stride, rows, w->data, w->out, i0, i1, cb, ce, partial)
+#define BAND_PRODUCT_IN(packed)                                                              \
+    switch (w->format) {                                                                    \
+    case BF16: BAND_PRODUCT_AS(BF16, packed); break;                                        \
+    case F16: BAND_PRODUCT_AS(F16, packed); break;                                          \
+    case I8: BAND_PRODUCT_AS(I8, packed); break;                                            \
+    default: BAND_PRODUCT_AS(F32, packed);                                                  \
     }
+
+/* `band_product_as` of the [in, out] (or packed) matrix `w`. */
+static void band_product(const Matrix *w, const float *x, size_t stride, int rows, int i0,
+                         int i1, int cb, int ce, float *partial) {
+    if (w->packed) BAND_PRODUCT_IN(1) else BAND_PRODUCT_IN(0)
 }
 
 /* The sum of v's lanes, halves added to halves (a sum lane by lane would be LANES dependent
@@ -521,11 +553,21 @@ static void row_products(const float *x, size_t stride, int rows, int in, const 
 }
 
 /* Whether `w` is a matrix `linear` reads: `in` x `out`, a known format, [out, in] only in F32,
- * scales exactly for I8. */
+ * packed only [in, out] in whole groups of rows and tiles, scales exactly for I8. */
 static int check_matrix(const Matrix *w, int in, int out) {
     int known = w->format >= F32 && w->format <= I8;
-    return w->data && known && w->in == in && w->out == out &&
+    int packs = !w->packed || (!w->out_in && in % PACK_ROWS == 0 && out % PACK_COLUMNS == 0);
+    return w->data && known && w->in == in && w->out == out && packs && (w->packed & ~1) == 0 &&
            (!w->out_in || w->format == F32) && (w->format == I8) == (w->scales != NULL);
+}
+
+/* The output columns [begin, end) of y this thread writes in `linear_columns` (and the input
+ * columns of x it reads in a `linear_band` of a weight with as many inputs), whole groups of
+ * PACK_ROWS where `columns` is a multiple of it: a packed weight's band is whole groups. */
+static void linear_share(int columns, int *begin, int *end) {
+    int unit = columns % PACK_ROWS ? 1 : PACK_ROWS;
+    share(columns / unit, omp_get_num_threads(), omp_get_thread_num(), begin, end);
+    *begin *= unit, *end *= unit;
 }
 
 /* The first half of `linear` on this thread: its band of input rows of w into its partial sums
@@ -534,16 +576,10 @@ static int check_matrix(const Matrix *w, int in, int out) {
 static void linear_band(const float *x, size_t stride, int rows, const Matrix *matrix,
                         float *partials) {
     if (matrix->out_in) return;
-    int thread = omp_get_thread_num(), begin, end;
-    share(matrix->in, omp_get_num_threads(), thread, &begin, &end);
-    band_product(matrix->format, x, stride, rows, matrix->data, matrix->out, begin, end, 0,
-                 matrix->out, partials + (size_t)thread * rows * matrix->out);
-}
-
-/* The output columns [begin, end) of y this thread writes in `linear_columns` (and the input
- * columns of x it reads in a `linear_band` of a weight with as many inputs). */
-static void linear_share(int columns, int *begin, int *end) {
-    share(columns, omp_get_num_threads(), omp_get_thread_num(), begin, end);
+    int begin, end;
+    linear_share(matrix->in, &begin, &end);
+    band_product(matrix, x, stride, rows, begin, end, 0, matrix->out,
+                 partials + (size_t)omp_get_thread_num() * rows * matrix->out);
 }
 
 /* The second half of `linear` on this thread: its `linear_share` of y's columns, the partial
@@ -593,8 +629,7 @@ static void linear_by_columns(const float *x, size_t stride, int rows, const Mat
     share((out + 31) / 32, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
     begin *= 32, end = end * 32 < out ? end * 32 : out;
     if (begin < end) {
-        band_product(matrix->format, x, stride, rows, matrix->data, out, 0, matrix->in, begin,
-                     end, y);
+        band_product(matrix, x, stride, rows, 0, matrix->in, begin, end, y);
         for (int r = 0; r < rows; r++)
             for (int c = begin; c < end; c++) {
                 size_t at = (size_t)r * out + c;

@@ -28,7 +28,15 @@ from stillcut.engine.positions import LinearCursor
 from stillcut.engine.quantization import WeightFormat, dense, plan_formats
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
 from stillcut.kernels.cpu_decode import CpuDecoder, NativeMatrix, bind, native_matrix
-from stillcut.kernels.cpu_decode_stack import Stack
+from stillcut.kernels.cpu_decode_stack import (
+    PACK_COLUMNS,
+    Stack,
+    is_packed,
+    matrix_shape,
+    pack_matrix,
+    packs,
+    unpacked,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +44,15 @@ LM_HEAD_PREFIX = "lm_head."
 
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` [in, out] stored for `linear`: a contiguous `[in, out]` when out >= in (qkv,
-    gate/up) or in any format but float32, else the `[in, out]` view of a contiguous
-    `[out, in]` (a float32 down projection). Measured on the 2-core CPU, these are the orders
-    `linear`'s banded matvecs read fastest; the native kernel reads narrow formats as
-    `[in, out]` only; on GPU both are plain GEMM layouts.
+    """`weight` [in, out] stored for `linear`: in a narrow format on CPU, packed in groups of
+    rows and tiles of columns where its shape allows (`cpu_decode_stack.pack_matrix`: the
+    native kernel reads a group of rows as one stream), else a contiguous `[in, out]`; in
+    float32 a contiguous `[in, out]` when out >= in (qkv, gate/up), else the `[in, out]` view
+    of a contiguous `[out, in]` (a float32 down projection). Measured on the 2-core CPU, these
+    are the orders `linear`'s products read fastest; on GPU both are plain GEMM layouts.
     """
+    if packs(weight.dtype, weight.device, *weight.shape):
+        return pack_matrix(weight)
     if weight.shape[1] >= weight.shape[0] or weight.dtype != torch.float32:
         return weight.contiguous()
     return weight.T.contiguous().T
@@ -175,8 +186,8 @@ def linear(
     if isinstance(matrix, torch.Tensor):
         matrix = StoredMatrix(matrix)
     weight = matrix.weight
-    if x.is_cpu and (weight.dtype != x.dtype or matrix.scale is not None):
-        if matrix.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+    if is_packed(weight) or (x.is_cpu and (weight.dtype != x.dtype or matrix.scale is not None)):
+        if x.is_cpu and matrix.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
             return matrix.native(x, add)
         return _widened_product(x, matrix, add)
     if (
@@ -216,19 +227,22 @@ NATIVE_MAX_ROWS = 32
 def _widened_product(
     x: torch.Tensor, matrix: StoredMatrix, add: torch.Tensor | None
 ) -> torch.Tensor:
-    """`linear` of a narrow weight: widened to `x`'s dtype `WIDEN_BYTES` at a time, so no
-    full-precision copy of a large weight (an LM head) ever exists."""
+    """`linear` of a narrow (or packed) weight: widened to `x`'s dtype `WIDEN_BYTES` at a time
+    (a packed one's in whole tiles), so no full-precision copy of a large weight (an LM head)
+    ever exists."""
     weight, scale = matrix.weight, matrix.scale
-    num_in, num_out = weight.shape
+    num_in, num_out = matrix_shape(weight)
     width = max(1, WIDEN_BYTES // (4 * num_in))
+    if is_packed(weight):
+        width = max(PACK_COLUMNS, width // PACK_COLUMNS * PACK_COLUMNS)
     if width >= num_out:
-        widened = dense(weight, scale, 1, x.dtype)
+        widened = dense(unpacked(weight), scale, 1, x.dtype)
         return x @ widened if add is None else torch.addmm(add, x, widened)
     out = torch.empty(x.shape[0], num_out, dtype=x.dtype, device=x.device)
     for start in range(0, num_out, width):
-        columns = slice(start, start + width)
+        columns = slice(start, min(start + width, num_out))
         part = None if scale is None else scale[columns]
-        out[:, columns] = x @ dense(weight[:, columns], part, 1, x.dtype)
+        out[:, columns] = x @ dense(unpacked(weight, columns), part, 1, x.dtype)
     return out if add is None else out.add_(add)
 
 
@@ -449,7 +463,12 @@ def fused_weight(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
     """The `[in, out]` weight (`matmul_layout`) of checkpoint-named `nn.Linear`s side by side
     (their outputs one after another), and their int8 scales likewise (None unless int8)."""
     transposed = [p.weight.T for p in linears]  # [in, out_i] views
-    weight = matmul_layout(transposed[0] if len(linears) == 1 else torch.cat(transposed, dim=1))
+    num_out = sum(part.shape[1] for part in transposed)
+    first = transposed[0]
+    if packs(first.dtype, first.device, first.shape[0], num_out):
+        weight = pack_matrix(transposed)  # side by side as it packs: one copy
+    else:
+        weight = matmul_layout(first if len(linears) == 1 else torch.cat(transposed, dim=1))
     scales = [scale_of(p, "weight") for p in linears]
     return weight, None if scales[0] is None else torch.cat(scales)
 

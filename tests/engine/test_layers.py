@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from stillcut.engine.models.layers import (
+    StoredMatrix,
     head_layout,
     linear,
     matmul_layout,
@@ -16,6 +17,7 @@ from stillcut.engine.models.layers import (
 from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.engine.sampler import first_argmax
 from stillcut.kernels import cpu_decode
+from stillcut.kernels.cpu_decode_stack import is_packed, matrix_shape, pack_matrix, unpacked
 
 
 @pytest.mark.parametrize(("num_in", "num_out"), [(64, 96), (96, 64), (48, 64), (7, 5), (5, 7)])
@@ -83,6 +85,41 @@ def test_linear_of_a_stored_weight_equals_the_product_with_it_widened(dtype, thr
                     expected = x @ widened if add is None else torch.addmm(add, x, widened)
                     torch.testing.assert_close(linear(x, matrix, add), expected)
             assert weight.dtype == dtype
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_linear_of_a_packed_weight_equals_the_product_with_it_widened(dtype, threads):
+    """A narrow weight on CPU whose shape allows is stored packed (groups of 8 input rows as
+    tiles of 32 columns); the native product (one row and groups of rows, bands of whole row
+    groups, narrow and wide outputs, a vocabulary-wide one split by columns) and the sliced
+    widening of more rows read it as the [in, out] weight it packs; columns unpack by tiles."""
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler: the native product is not built")
+    torch.manual_seed(3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for num_in, num_out in ((40, 96), (24, 1120), (16, 32768 + 64)):
+            weight, scale = _stored(torch.randn(num_in, num_out), dtype)
+            packed = matmul_layout(weight)
+            assert is_packed(packed) and matrix_shape(packed) == (num_in, num_out)
+            assert torch.equal(unpacked(packed), weight)
+            assert torch.equal(unpacked(packed, slice(64, 96)), weight[:, 64:96])
+            assert torch.equal(pack_matrix([weight[:, :32], weight[:, 32:]]), packed)
+            widened = dense(weight, scale, 1, torch.float32)
+            matrix = stored_matrix(packed, scale)
+            for num_rows in (1, 2, 5, 8, 9, 17, 40):
+                x = torch.randn(num_rows, 2 * num_in)[:, :num_in]  # strided rows
+                for add in (None, torch.randn(num_rows, num_out)):
+                    expected = x @ widened if add is None else torch.addmm(add, x, widened)
+                    torch.testing.assert_close(linear(x, matrix, add), expected)
+            x = torch.randn(40, num_in)  # no native product: widened by whole tiles
+            torch.testing.assert_close(linear(x, StoredMatrix(packed, scale)), x @ widened)
+        assert not is_packed(matmul_layout(torch.randn(40, 100).to(dtype)))  # no whole tiles
+        assert not is_packed(matmul_layout(torch.randn(40, 96)))  # float32 keeps its layouts
     finally:
         torch.set_num_threads(before)
 
