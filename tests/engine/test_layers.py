@@ -3,6 +3,8 @@ stored formats, and the blocked greedy argmax."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -61,6 +63,32 @@ def _stored(weight: torch.Tensor, dtype: torch.dtype):
     return weight.to(dtype), None
 
 
+@contextlib.contextmanager
+def _native_products(threads: int, seed: int):
+    """Torch (and the native product) on `threads` threads, seeded; skipped without a C
+    compiler."""
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler: the native product is not built")
+    torch.manual_seed(seed)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _assert_products(matrix, widened: torch.Tensor, row_counts: tuple[int, ...]) -> None:
+    """`linear` through `matrix` equals x @ `widened` (+ a bias, + a residual) for x of each
+    row count, its rows strided."""
+    num_in, num_out = widened.shape
+    for num_rows in row_counts:
+        x = torch.randn(num_rows, 2 * num_in)[:, :num_in]
+        for add in (None, torch.randn(num_out), torch.randn(num_rows, num_out)):
+            expected = x @ widened if add is None else torch.addmm(add, x, widened)
+            torch.testing.assert_close(linear(x, matrix, add), expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_linear_of_a_stored_weight_equals_the_product_with_it_widened(dtype, threads):
@@ -68,25 +96,14 @@ def test_linear_of_a_stored_weight_equals_the_product_with_it_widened(dtype, thr
     leave vector tails and input rows past the last 8; one row of a narrow weight, read an
     input row at a time, and of a wider one) and the sliced widening (more rows) compute
     x @ the widened weight; the stored weight is never widened whole in place."""
-    if cpu_decode.load() is None:
-        pytest.skip("no C compiler: the native product is not built")
-    torch.manual_seed(7)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _native_products(threads, seed=7):
         for num_out in (45, 1100):
             weight, scale = _stored(torch.randn(37, num_out), dtype)
             widened = dense(weight, scale, 1, torch.float32)
             matrix = stored_matrix(weight, scale)
             assert matrix.native is not None and matrix.weight is weight
-            for num_rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
-                x = torch.randn(num_rows, 2 * 37)[:, :37]  # strided rows
-                for add in (None, torch.randn(num_out), torch.randn(num_rows, num_out)):
-                    expected = x @ widened if add is None else torch.addmm(add, x, widened)
-                    torch.testing.assert_close(linear(x, matrix, add), expected)
+            _assert_products(matrix, widened, (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40))
             assert weight.dtype == dtype
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
@@ -96,12 +113,7 @@ def test_linear_of_a_packed_weight_equals_the_product_with_it_widened(dtype, thr
     tiles of 32 columns); the native product (one row and groups of rows, bands of whole row
     groups, narrow and wide outputs, a vocabulary-wide one split by columns) and the sliced
     widening of more rows read it as the [in, out] weight it packs; columns unpack by tiles."""
-    if cpu_decode.load() is None:
-        pytest.skip("no C compiler: the native product is not built")
-    torch.manual_seed(3)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _native_products(threads, seed=3):
         for num_in, num_out in ((40, 96), (24, 1120), (16, 32768 + 64)):
             weight, scale = _stored(torch.randn(num_in, num_out), dtype)
             packed = matmul_layout(weight)
@@ -110,18 +122,11 @@ def test_linear_of_a_packed_weight_equals_the_product_with_it_widened(dtype, thr
             assert torch.equal(unpacked(packed, slice(64, 96)), weight[:, 64:96])
             assert torch.equal(pack_matrix([weight[:, :32], weight[:, 32:]]), packed)
             widened = dense(weight, scale, 1, torch.float32)
-            matrix = stored_matrix(packed, scale)
-            for num_rows in (1, 2, 5, 8, 9, 17, 40):
-                x = torch.randn(num_rows, 2 * num_in)[:, :num_in]  # strided rows
-                for add in (None, torch.randn(num_rows, num_out)):
-                    expected = x @ widened if add is None else torch.addmm(add, x, widened)
-                    torch.testing.assert_close(linear(x, matrix, add), expected)
+            _assert_products(stored_matrix(packed, scale), widened, (1, 2, 5, 8, 9, 17, 40))
             x = torch.randn(40, num_in)  # no native product: widened by whole tiles
             torch.testing.assert_close(linear(x, StoredMatrix(packed, scale)), x @ widened)
         assert not is_packed(matmul_layout(torch.randn(40, 100).to(dtype)))  # no whole tiles
         assert not is_packed(matmul_layout(torch.randn(40, 96)))  # float32 keeps its layouts
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
