@@ -69,6 +69,24 @@ def pack_matrix(parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     return packed
 
 
+def pack_matrices(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Matrices `[in, out]` of one shape (experts) stacked `[E, ...]`: packed (`pack_matrix`)
+    where they pack, else contiguous; one copy (and one matrix's while packing)."""
+    first = matrices[0]
+    if not packs(first.dtype, first.device, *first.shape):
+        return torch.stack(list(matrices))
+    stacked = first.new_empty(
+        len(matrices),
+        first.shape[0] // PACK_ROWS,
+        first.shape[1] // PACK_COLUMNS,
+        PACK_ROWS,
+        PACK_COLUMNS,
+    )
+    for index, matrix in enumerate(matrices):
+        stacked[index] = pack_matrix(matrix)
+    return stacked
+
+
 def packs(dtype: torch.dtype, device: torch.device, num_in: int, num_out: int) -> bool:
     """Whether a weight `[in, out]` of `dtype` on `device` is stored packed: in a narrow format
     (float32 keeps the layouts of `engine.models.layers.matmul_layout`), on CPU, in whole row
@@ -79,14 +97,15 @@ def packs(dtype: torch.dtype, device: torch.device, num_in: int, num_out: int) -
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    return weight.dim() == 4
+    """Whether `weight` is packed: a matrix as 4 dims, stacked matrices (experts) as 5."""
+    return weight.dim() >= 4
 
 
 def matrix_shape(weight: torch.Tensor) -> tuple[int, ...]:
-    """The shape of a weight as a matrix: `[in, out]` of a packed one, else its own."""
+    """The shape of a weight as matrices: `[..., in, out]` of a packed one, else its own."""
     if is_packed(weight):
-        groups, tiles, rows, columns = weight.shape
-        return (groups * rows, tiles * columns)
+        *stack, groups, tiles, rows, columns = weight.shape
+        return (*stack, groups * rows, tiles * columns)
     return tuple(weight.shape)
 
 
@@ -251,7 +270,7 @@ class Moe:
     latent_out_scale: torch.Tensor | None = None  # [hidden]
 
     def __post_init__(self) -> None:
-        num_experts, width, mid = self.experts_up_weight.shape
+        num_experts, width, mid = matrix_shape(self.experts_up_weight)
         if not 1 <= self.top_k <= self.kept_groups * (num_experts // self.num_groups):
             raise ValueError(
                 f"top_k={self.top_k} must be >= 1 and at most the experts of the kept groups"
@@ -282,7 +301,7 @@ class Moe:
         for name in ("experts_up", "experts_down", "latent_in", "latent_out"):
             weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
             if weight is not None:
-                _check_weight(f"{name}_weight", weight, scale, weight.dim() - 1)
+                _check_weight(f"{name}_weight", weight, scale, len(matrix_shape(weight)) - 1)
 
     @property
     def hidden(self) -> int:

@@ -27,7 +27,7 @@ from stillcut.engine.models.nemotron_blocks import (
 )
 from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Moe
+from stillcut.kernels.cpu_decode_stack import Moe, pack_matrices
 
 
 class MoEBlock(NemotronBlock):
@@ -44,7 +44,8 @@ class MoEBlock(NemotronBlock):
         self.correction_bias = frozen(mixer.gate.e_score_correction_bias.float())  # [E]
         for name in ("up", "down"):
             linears = [getattr(expert, f"{name}_proj") for expert in mixer.experts]
-            setattr(self, f"experts_{name}", frozen(torch.stack([p.weight.T for p in linears])))
+            stacked = pack_matrices([p.weight.T for p in linears])  # packed where they pack
+            setattr(self, f"experts_{name}", frozen(stacked))
             scales = [scale_of(p, "weight") for p in linears]
             if scales[0] is not None:
                 setattr(self, f"experts_{name}_scale", frozen(torch.stack(scales)))

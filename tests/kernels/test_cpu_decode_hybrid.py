@@ -25,6 +25,7 @@ from stillcut.engine.models.nemotron_h import NemotronHLanguageModel
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode_stack import is_packed, pack_matrix, unpacked
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
 BLOCK_SIZE = 4
@@ -95,8 +96,12 @@ def _redraw(model: NemotronHLanguageModel, generator: torch.Generator) -> None:
     heads = model.config.mamba_num_heads
     for layer in model.config.layer_ids("mamba"):
         block = model.layers[layer]
-        dt_columns = block.in_proj_scale if block.in_proj.dtype == torch.int8 else block.in_proj
-        dt_columns[..., -heads:].mul_(0.05)
+        if block.in_proj.dtype == torch.int8:
+            block.in_proj_scale[-heads:].mul_(0.05)
+        else:  # in place, in the layout it is stored in
+            shrunk = unpacked(block.in_proj)
+            shrunk[:, -heads:].mul_(0.05)
+            block.in_proj.copy_(pack_matrix(shrunk) if is_packed(block.in_proj) else shrunk)
 
 
 @dataclass
