@@ -562,7 +562,7 @@ static void embed_rows(const Context *c) {
 int matmul(const Matrix *matrix, const float *x, int64_t stride, int rows, const float *add,
            float *y, float *partials, int threads) {
     if (!check_matrix(matrix, matrix->in, matrix->out) || rows < 1) return 1;
-    Barrier barrier = {0, 0};
+    Barrier barrier = {0};
 #pragma omp parallel num_threads(threads)
     {
         enter_region(&barrier);
@@ -600,7 +600,7 @@ int decode_step(const Model *model, const Block *blocks, int num_blocks, const S
         .partials = work + largest_work(blocks, num_blocks, step),
     };
 
-    Barrier barrier = {0, 0};
+    Barrier barrier = {0};
 #pragma omp parallel num_threads(step->threads)
     {
         int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;

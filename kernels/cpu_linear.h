@@ -13,7 +13,8 @@
  * `linear` is what every kind of block multiplies by (inside the decode step's parallel region)
  * and `matmul` in `cpu_decode.c` the same product on its own (the LM head, products of the
  * torch path). A weight is read either as a contiguous [in, out] (each thread streams its own
- * band of input rows into a private partial sum, rows of x in groups of up to 8 so that each
+ * band of input rows into a private partial sum, taking the rest of a slower thread's band at
+ * the end, see `linear_band_shared`, rows of x in groups of up to 8 so that each
  * widened weight vector serves the whole group, whose sums stay in registers through eight input
  * rows (`band_group`); a single row of x takes eight input rows per load and store of its
  * partial sums, in four independent chains, which brought one-row products of the narrow
@@ -46,8 +47,13 @@
  * (under OMP_WAIT_POLICY=active a two-thread decode step took 412 ms at the median, 4.3 ms at
  * best): a thread spinning for one the OS set aside keeps the core from whoever runs next. A
  * parallel region's threads share one `Barrier` (`enter_region`); outside one, OpenMP's. */
+#define MAX_SHARING 64 /* threads of a region that deal out their products' chunks */
+
 typedef struct {
     int arrived, generation;
+    /* each thread's chunks of the running product not yet taken: the first (high half) and
+     * one past the last (low half), see `linear_band_shared` */
+    uint64_t chunks[MAX_SHARING];
 } Barrier;
 
 #define SPINS 64 /* pause-spins before yielding: a quiet step's threads arrive within them */
@@ -344,7 +350,7 @@ INLINE void widen_bf16_pair(const void *p, vecw *even, vecw *odd) {
 /* One row of x through input rows [i, i1) (eight at a time) of a bf16 w, columns [cb, ce)
  * (32 at a time): the partial sums of each 32 columns are kept as [16 even][16 odd], the order
  * `widen_bf16_pair` gives them, so that each widened vector is one FMA into them, and are put
- * in column order once at the end. Measured beside a 72-74 GB/s read, a 3B bf16 decode step
+ * in column order once at the end (`bf16_sums_in_order`, after the product's last band). Measured beside a 72-74 GB/s read, a 3B bf16 decode step
  * took 110.9 ms against 122.9 when each 8 rows' sums were interleaved back as they were made
  * (1.29x -> 1.45x its read floor; the same at 42-45 GB/s), the 136M hybrid's step 3.45
  * against 3.58 ms at 46 GB/s; the product alone, warm in cache: 138 against 107 GB/s. */
@@ -367,6 +373,11 @@ INLINE void band_bf16_deinterleaved(int packed, const float *x, const void *w, i
             memcpy(partial + c + LANES, &odd, sizeof odd);
         }
     }
+}
+
+/* Partial sums of columns [cb, ce) (whole 32-column pairs) from `band_bf16_deinterleaved`'s
+ * order into column order. */
+INLINE void bf16_sums_in_order(int cb, int ce, float *partial) {
     const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
     const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
     for (int c = cb; c + 2 * LANES <= ce; c += 2 * LANES) {
@@ -436,9 +447,7 @@ INLINE void band_row(int format, const float *x, size_t stride, int rows, const 
 #define NARROW_COLUMNS 1024
 INLINE void band_product_as(int format, int packed, const float *x, size_t stride, int rows,
                             const void *w, int out, int i0, int i1, int cb, int ce,
-                            float *partial) {
-    for (int r = 0; r < rows; r++)
-        memset(partial + (size_t)r * out + cb, 0, sizeof(float) * (ce - cb));
+                            float *partial, int in_order) {
     int i = i0;
     if (rows == 1 && out <= NARROW_COLUMNS && !packed) {
         for (; i < i1; i++) band_row(format, x, stride, 1, w, out, i, cb, ce, partial);
@@ -448,6 +457,7 @@ INLINE void band_product_as(int format, int packed, const float *x, size_t strid
     if (rows == 1 && format == BF16) { /* whole 32-column pairs deinterleaved, then the rest */
         int i8 = i + (i1 - i) / 8 * 8, c32 = cb + (ce - cb) / (2 * LANES) * (2 * LANES);
         band_bf16_deinterleaved(packed, x, w, out, i, i8, cb, c32, partial);
+        if (in_order) bf16_sums_in_order(cb, c32, partial);
         if (c32 < ce)
             for (int j = i; j < i8; j += 8)
                 band_single8(BF16, packed, x, w, out, j, c32, ce, partial);
@@ -476,7 +486,8 @@ INLINE void band_product_as(int format, int packed, const float *x, size_t strid
 
 /* One copy of the loops per format and layout, its widening and addressing inlined. */
 #define BAND_PRODUCT_AS(format, packed)                                                      \
-    band_product_as(format, packed, x, stride, rows, w->data, w->out, i0, i1, cb, ce, partial)
+    band_product_as(format, packed, x, stride, rows, w->data, w->out, i0, i1, cb, ce, partial,   \
+                    in_order)
 #define BAND_PRODUCT_IN(packed)                                                              \
     switch (w->format) {                                                                    \
     case BF16: BAND_PRODUCT_AS(BF16, packed); break;                                        \
@@ -485,9 +496,21 @@ INLINE void band_product_as(int format, int packed, const float *x, size_t strid
     default: BAND_PRODUCT_AS(F32, packed);                                                  \
     }
 
-/* `band_product_as` of the [in, out] (or packed) matrix `w`. */
+/* Whether `band_product_as` keeps the partial sums of one row of w's columns [cb, c32) (the
+ * whole 32-column pairs) in `band_bf16_deinterleaved`'s order until `bf16_sums_in_order`. */
+INLINE int sums_deinterleaved(const Matrix *w, int rows) {
+    return LANES == 16 && rows == 1 && w->format == BF16 && (w->packed || w->out > NARROW_COLUMNS);
+}
+
+/* `band_product_as` of the [in, out] (or packed) matrix `w` into `partial`: zeroed first and
+ * left in column order for a whole band (`whole`), else added to as one of a product's
+ * chunks, in the order `sums_deinterleaved` says (see `linear_band_shared`). */
 static void band_product(const Matrix *w, const float *x, size_t stride, int rows, int i0,
-                         int i1, int cb, int ce, float *partial) {
+                         int i1, int cb, int ce, float *partial, int whole) {
+    int in_order = whole;
+    if (whole)
+        for (int r = 0; r < rows; r++)
+            memset(partial + (size_t)r * w->out + cb, 0, sizeof(float) * (ce - cb));
     if (w->packed) BAND_PRODUCT_IN(1) else BAND_PRODUCT_IN(0)
 }
 
@@ -579,7 +602,70 @@ static void linear_band(const float *x, size_t stride, int rows, const Matrix *m
     int begin, end;
     linear_share(matrix->in, &begin, &end);
     band_product(matrix, x, stride, rows, begin, end, 0, matrix->out,
-                 partials + (size_t)omp_get_thread_num() * rows * matrix->out);
+                 partials + (size_t)omp_get_thread_num() * rows * matrix->out, 1);
+}
+
+/* Input rows per chunk of `linear_band_shared`: whole groups of PACK_ROWS, at least about
+ * `CHUNK_BYTES` of the weight. */
+#define CHUNK_BYTES 65536
+INLINE int chunk_rows(const Matrix *matrix) {
+    size_t group = (size_t)PACK_ROWS * matrix->out * format_bytes(matrix->format);
+    return PACK_ROWS * (int)(group >= CHUNK_BYTES ? 1 : CHUNK_BYTES / group);
+}
+
+/* A chunk taken from `range` (first chunk in the high half, one past the last in the low
+ * half): its first (`from_front`) or its last; -1 when none is left. */
+static int take_chunk(uint64_t *range, int from_front) {
+    uint64_t seen = __atomic_load_n(range, __ATOMIC_ACQUIRE);
+    for (;;) {
+        uint32_t first = (uint32_t)(seen >> 32), last = (uint32_t)seen;
+        if (first >= last) return -1;
+        uint64_t left = from_front ? seen + ((uint64_t)1 << 32) : seen - 1;
+        if (__atomic_compare_exchange_n(range, &seen, left, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return (int)(from_front ? first : last - 1);
+    }
+}
+
+/* `linear_band` where a thread that finished its band takes the chunks other threads have not
+ * reached yet, from the far end of theirs: a thread another process slowed leaves less for
+ * the barrier to wait for, and each thread still streams its own band in order. The chunks
+ * left to each thread are one word in the region's `Barrier`, which its owner sets as its
+ * band starts: a thread that looks earlier sees the last product's, all taken. Reads x
+ * whole: x must be written before (a barrier). Measured on a 2-core AVX-512 CPU (Zen 4),
+ * steps alternating with equal bands in one process: a 3B bf16 decode step 0.957-0.966x the
+ * time (its threads' waits at barriers 20 against 57-79 ms over two steps), batch 8 0.968x,
+ * int8 0.967x; a 136M hybrid's the same (its experts' products keep equal bands). Dealing
+ * every chunk out from one counter instead (threads taking turns through the weight) left
+ * the waits as low but the bands about 1.2x slower (separate processes): each thread's stream
+ * broke at every chunk. */
+static void linear_band_shared(const float *x, size_t stride, int rows, const Matrix *matrix,
+                               float *partials) {
+    Barrier *b = region_barrier_of_thread;
+    int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    if (matrix->out_in) return;
+    /* (the input rows past the last 8, one at a time, add in column order) */
+    int tail = matrix->in % 8 && sums_deinterleaved(matrix, rows);
+    if (!b || threads == 1 || threads > MAX_SHARING || tail) {
+        linear_band(x, stride, rows, matrix, partials);
+        return;
+    }
+    int in = matrix->in, unit = chunk_rows(matrix), first, last;
+    share((in + unit - 1) / unit, threads, thread, &first, &last);
+    float *partial = partials + (size_t)thread * rows * matrix->out;
+    memset(partial, 0, sizeof(float) * rows * matrix->out);
+    __atomic_store_n(b->chunks + thread, (uint64_t)first << 32 | (uint32_t)last, __ATOMIC_RELEASE);
+    for (int k = 0; k < threads; k++) { /* its own chunks in order, then the others' */
+        uint64_t *range = b->chunks + (thread + k) % threads;
+        for (int chunk; (chunk = take_chunk(range, k == 0)) >= 0;) {
+            int begin = chunk * unit, end = begin + unit < in ? begin + unit : in;
+            band_product(matrix, x, stride, rows, begin, end, 0, matrix->out, partial, 0);
+        }
+    }
+#if LANES == 16
+    if (sums_deinterleaved(matrix, rows))
+        bf16_sums_in_order(0, matrix->out / (2 * LANES) * (2 * LANES), partial);
+#endif
 }
 
 /* The second half of `linear` on this thread: its `linear_share` of y's columns, the partial
@@ -606,10 +692,11 @@ static void linear_columns(const float *x, size_t stride, int rows, const Matrix
 }
 
 /* y = x @ w (+ add), x [rows, w.in] with rows `stride` apart, y [rows, w.out]. Every thread of
- * the region calls it; it ends with a barrier. `partials` holds threads * rows * w.out floats. */
+ * the region calls it, x whole by then (its rows are dealt out, `linear_band_shared`); it ends
+ * with a barrier. `partials` holds threads * rows * w.out floats. */
 static void linear(const float *x, size_t stride, int rows, const Matrix *matrix,
                    const float *add, float *y, float *partials) {
-    linear_band(x, stride, rows, matrix, partials);
+    linear_band_shared(x, stride, rows, matrix, partials);
     if (!matrix->out_in) region_barrier();
     linear_columns(x, stride, rows, matrix, add, y, partials);
     region_barrier();
@@ -629,7 +716,7 @@ static void linear_by_columns(const float *x, size_t stride, int rows, const Mat
     share((out + 31) / 32, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
     begin *= 32, end = end * 32 < out ? end * 32 : out;
     if (begin < end) {
-        band_product(matrix, x, stride, rows, 0, matrix->in, begin, end, y);
+        band_product(matrix, x, stride, rows, 0, matrix->in, begin, end, y, 1);
         for (int r = 0; r < rows; r++)
             for (int c = begin; c < end; c++) {
                 size_t at = (size_t)r * out + c;
