@@ -9,10 +9,10 @@ hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`). A new kind is a mi
 `cpu_hybrid_kinds.h`). Weights are `[in, out]` matrices in a stored format (`FORMATS`):
 float32 in either memory order (see `engine.models.layers.matmul_layout`), bfloat16, float16 or
 int8 as a contiguous `[in, out]` or packed (`pack_matrix`, a 4-D tensor: `matrix_shape` gives
-its `[in, out]`, `unpacked` its columns); stacked experts `[E, in, out]` stay contiguous. An
-int8 weight `<name>_weight` comes with `<name>_scale`, its float32 scale per output column
-`[out]`. Norms (the scales they multiply by), biases, rotary
-tables, routers and a Mamba2 block's own vectors are float32.
+its `[in, out]`, `unpacked` its columns); stacked experts `[E, in, out]` likewise, packed as
+`[E, ...]` of packed ones (`pack_matrices`). An int8 weight `<name>_weight` comes with
+`<name>_scale`, its float32 scale per output column `[out]`. Norms (the scales they multiply
+by), biases, rotary tables, routers and a Mamba2 block's own vectors are float32.
 """
 
 from __future__ import annotations

@@ -350,7 +350,8 @@ INLINE void widen_bf16_pair(const void *p, vecw *even, vecw *odd) {
 /* One row of x through input rows [i, i1) (eight at a time) of a bf16 w, columns [cb, ce)
  * (32 at a time): the partial sums of each 32 columns are kept as [16 even][16 odd], the order
  * `widen_bf16_pair` gives them, so that each widened vector is one FMA into them, and are put
- * in column order once at the end (`bf16_sums_in_order`, after the product's last band). Measured beside a 72-74 GB/s read, a 3B bf16 decode step
+ * in column order once at the end (`bf16_sums_in_order`, after the product's last chunk).
+ * Measured beside a 72-74 GB/s read, a 3B bf16 decode step
  * took 110.9 ms against 122.9 when each 8 rows' sums were interleaved back as they were made
  * (1.29x -> 1.45x its read floor; the same at 42-45 GB/s), the 136M hybrid's step 3.45
  * against 3.58 ms at 46 GB/s; the product alone, warm in cache: 138 against 107 GB/s. */
