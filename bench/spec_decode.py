@@ -36,6 +36,7 @@ import torch
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.models.layers import head_shape
 from stillcut.engine.request import SamplingParams
 from stillcut.engine.spec_decode.calibration import measure_step_costs, time_verify_step
 from stillcut.engine.spec_decode.draft import DraftProposer
@@ -137,7 +138,7 @@ def greedy_truth(engine, prompts, max_tokens) -> dict[tuple[int, ...], list[int]
 
 
 def replay_table(engine, rounds, max_tokens, step_costs) -> None:
-    vocab = engine.model.lm_head.shape[1]
+    vocab = head_shape(engine.model.lm_head)[1]
     modes = {}
     for batch in BATCHES:
         batch_prompts = [engine.processor.build_text(QUESTIONS[i % 3]) for i in range(batch)]

@@ -34,6 +34,7 @@ from torch import nn
 from stillcut.engine.anon_memory import release_freed_memory
 from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
 from stillcut.engine.quantization import Conversion, quantize_int8, row_blocks
+from stillcut.kernels.cpu_decode_stack import PANEL_COLUMNS, panels_fit, to_panels
 
 log = logging.getLogger(__name__)
 
@@ -216,33 +217,43 @@ def _converted(
     if len(shape) < 2 or (quantized and conversion.axis != 0):
         tensor, scales = quantize_int8(whole(), conversion.axis) if quantized else (whole(), None)
         tensor = tensor.to(conversion.dtype)
-        return (tensor.T.contiguous().T if conversion.transposed else tensor), scales
-    if stored == conversion.dtype and not conversion.transposed:
+        return (tensor.T.contiguous().T if conversion.head else tensor), scales
+    if stored == conversion.dtype and not conversion.head:
         return whole(), None
     return _by_rows(sliced, file, name, shape, conversion, device)
 
 
 def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conversion, device):
-    """A matrix converted (quantized along its rows, transposed in memory) a block of rows at a
-    time: only the result and one block ever exist."""
+    """A matrix converted (quantized along its rows; an LM head laid out as panels or
+    transposed in memory, see `Conversion.head`) a block of rows at a time: only the result and
+    one block ever exist."""
     quantized = conversion.dtype == torch.int8
-    layout = [shape[1], shape[0], *shape[2:]] if conversion.transposed else shape
+    panels = conversion.head and panels_fit(device, shape[0])
+    if panels:  # [vocab / 32, hidden, 32]: each block of rows is whole panels
+        layout = [shape[0] // PANEL_COLUMNS, shape[1], PANEL_COLUMNS]
+    else:
+        layout = [shape[1], shape[0], *shape[2:]] if conversion.head else shape
     converted = torch.empty(layout, dtype=conversion.dtype, device=device)
     scales = torch.empty(shape[0], dtype=torch.float32) if quantized else None
-    for rows in row_blocks(shape[0], _elements(shape[1:])):
+    unit = PANEL_COLUMNS if panels else 1
+    for rows in row_blocks(shape[0], _elements(shape[1:]), unit):
         try:
             block = sliced[rows]
         except (SafetensorError, OSError) as error:
             raise CheckpointError(f"cannot read tensor {name!r} from {file}: {error}") from error
         if quantized:
             block, scales[rows] = quantize_int8(block, 0)
-        if conversion.transposed:
+        if panels:
+            converted[rows.start // unit : rows.stop // unit] = to_panels(block)
+        elif conversion.head:
             converted[:, rows] = block.T
         else:
             converted[rows] = block
         del block
         release_freed_memory()  # the block's temporaries, before the next one is read
-    return (converted.T if conversion.transposed else converted), scales
+    if conversion.head and not panels:
+        return converted.T, scales
+    return converted, scales
 
 
 def _elements(shape: list[int]) -> int:

@@ -102,13 +102,14 @@ class WeightFormat:
 class Conversion(NamedTuple):
     """What one checkpoint tensor becomes at load: `dtype` (int8: quantized per channel along
     `axis`), rounded through `through` first when set (a vector rounded to the stored dtype,
-    kept in the compute dtype); `transposed`: a matrix held as the `[rows, cols]` view of a
-    contiguous `[cols, rows]` (an LM head table, see `layers.head_layout`), made so at load."""
+    kept in the compute dtype); `head`: an LM head table `[vocab, hidden]`, laid out at load as
+    `layers.head_layout` keeps it (panels on CPU where the vocabulary is whole panels, else
+    the `[rows, cols]` view of a contiguous `[cols, rows]`)."""
 
     dtype: torch.dtype
     axis: int | None = None
     through: torch.dtype | None = None
-    transposed: bool = False
+    head: bool = False
 
 
 def checkpoint_dtype(folder: str | Path) -> torch.dtype:
@@ -142,12 +143,12 @@ def plan_formats(
     weight_format: WeightFormat,
     matmuls: Mapping[str, int],
     unquantized: Collection[str] = (),
-    transposed: Collection[str] = (),
+    heads: Collection[str] = (),
 ) -> dict[str, Conversion]:
     """A `Conversion` for every state tensor of `module` (a checkpoint-named layout): the
     `matmuls` (name -> output axis, see `matmul_weights`) in the stored dtype or int8 (but for
-    `unquantized`), the `transposed` ones laid out as their transpose; everything else rounded
-    to the stored dtype and kept in the compute dtype."""
+    `unquantized`), the `heads` laid out as LM heads; everything else rounded to the stored
+    dtype and kept in the compute dtype."""
     stored, compute = weight_format.stored_dtype, weight_format.compute_dtype
     assert compute is not None, "resolve the format against its checkpoint first"
     plan = {}
@@ -159,7 +160,7 @@ def plan_formats(
         plan[name] = Conversion(
             torch.int8 if quantized else stored,
             matmuls[name] if quantized else None,
-            transposed=name in transposed,
+            head=name in heads,
         )
     return plan
 
@@ -178,9 +179,10 @@ def quantize_int8(weight: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.
     return ratio.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-def row_blocks(num_rows: int, row_elements: int) -> Iterator[slice]:
-    """Slices of rows that hold at most `BLOCK_BYTES` of float32 each (at least one row)."""
-    step = max(1, BLOCK_BYTES // (4 * max(row_elements, 1)))
+def row_blocks(num_rows: int, row_elements: int, unit: int = 1) -> Iterator[slice]:
+    """Slices of rows that hold at most `BLOCK_BYTES` of float32 each (at least `unit` rows;
+    whole multiples of `unit` but the last)."""
+    step = max(1, BLOCK_BYTES // (4 * max(row_elements, 1) * unit)) * unit
     for start in range(0, num_rows, step):
         yield slice(start, min(start + step, num_rows))
 

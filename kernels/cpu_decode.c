@@ -80,6 +80,8 @@ typedef struct {
     int64_t row_stride, column_stride;
     int32_t format;
     float scale;                 /* every row times this */
+    int32_t panels;              /* 1: a tied head's panels [vocab / 32][hidden][32], rows of
+                                  * 32 ids `row_stride` apart, id % 32 the element in a row */
 } Embedding;
 
 typedef struct {
@@ -535,10 +537,11 @@ static void embed_rows(const Context *c) {
     for (int r = begin; r < end; r++) {
         int64_t id = step->ids[r];
         float scale = table->scale * (table->scales ? table->scales[id] : 1.0f);
+        int64_t start = table->panels ? id / PANEL_COLUMNS * table->row_stride + id % PANEL_COLUMNS
+                                      : id * table->row_stride;
         for (int i = 0; i < H; i++)
             c->hidden[(size_t)r * H + i] =
-                widen1(table->format, table->data, id * table->row_stride + i * table->column_stride) *
-                scale;
+                widen1(table->format, table->data, start + i * table->column_stride) * scale;
         for (int t = 0; t < model->num_tables; t++) {
             float *c_row = c->cos + ((size_t)t * rows + r) * D;
             float *s_row = c->sin + ((size_t)t * rows + r) * D;
@@ -566,7 +569,7 @@ int matmul(const Matrix *matrix, const float *x, int64_t stride, int rows, const
 #pragma omp parallel num_threads(threads)
     {
         enter_region(&barrier);
-        if (!matrix->out_in && matrix->out >= SPLIT_COLUMNS_FROM)
+        if (!matrix->out_in && matrix->out >= SPLIT_COLUMNS_FROM && matrix->packed != PANELS)
             linear_by_columns(x, (size_t)stride, rows, matrix, add, y);
         else
             linear(x, (size_t)stride, rows, matrix, add, y, partials);

@@ -54,6 +54,7 @@ from stillcut.kernels.cpu_decode_stack import (
     Stack,
     is_packed,
     matrix_shape,
+    panels_shape,
 )
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ KV_FORMATS = (torch.float32, torch.bfloat16)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 16  # past this many rows a step is a gemm, torch's own territory
 MAX_BLOCK_SIZE = 256  # `MAX_BLOCK` in the C file
+PANELS = 2  # `Matrix.packed` of a matrix stored as panels, `PANELS` in the C file
 ENABLE_VARIABLE = "STILLCUT_NATIVE_DECODE"
 COMPILE_TIMEOUT_S = 120
 
@@ -154,6 +156,7 @@ class _Embedding(ctypes.Structure):
         ("column_stride", ctypes.c_int64),
         ("format", ctypes.c_int32),
         ("scale", ctypes.c_float),
+        ("panels", ctypes.c_int32),
     ]
 
 
@@ -326,15 +329,27 @@ class _Kept:
 
 
 class NativeMatrix(_Kept):
-    """One weight `[in, out]` (any stored format; int8 with its per-column `scale`) bound to
-    the kernel's product, for few-row products outside a decode step. It keeps the weight's
-    storage alive; rebuilding it for new weights is its owner's job."""
+    """One weight `[in, out]` (any stored format and layout, an LM head's panels `[out / 32,
+    in, 32]` too; int8 with its per-column `scale`) bound to the kernel's product, for few-row
+    products outside a decode step. It keeps the weight's storage alive; rebuilding it for new
+    weights is its owner's job."""
 
     def __init__(self, library: ctypes.CDLL, weight: torch.Tensor, scale: torch.Tensor | None):
         super().__init__()
         self.library = library
-        self.num_out = matrix_shape(weight)[1]
-        self.matrix = self._matrix(weight, scale)
+        if weight.dim() == 3:  # panels (`cpu_decode_stack.panels_shape`)
+            self.num_out = panels_shape(weight)[1]
+            self.matrix = _Matrix(
+                self._address(weight),
+                self._address(scale),
+                FORMATS[weight.dtype],
+                0,
+                *panels_shape(weight),
+                PANELS,
+            )
+        else:
+            self.num_out = matrix_shape(weight)[1]
+            self.matrix = self._matrix(weight, scale)
         self.partials = torch.empty(0)
 
     def __reduce__(self):
@@ -431,6 +446,7 @@ class CpuDecoder(_Kept):
 
     def _model(self, stack: Stack) -> _Model:
         embedding = stack.embedding
+        panels = embedding.dim() == 3  # a tied head's panels: a row of 32 ids, then its rows
         table = _Embedding(
             self._address(embedding),
             self._address(stack.embedding_scales),
@@ -438,6 +454,7 @@ class CpuDecoder(_Kept):
             embedding.stride(1),
             FORMATS[embedding.dtype],
             stack.embedding_scale,
+            panels,
         )
         return _Model(
             table,

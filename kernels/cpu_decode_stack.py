@@ -28,6 +28,7 @@ MAX_TABLES = 2  # rotary tables per model (local and global layers may differ), 
 # The stored formats of weights: dtype -> `enum format` in the C files.
 FORMATS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int8: 4}
 PACK_ROWS, PACK_COLUMNS = 8, 32  # a packed weight's row groups and column tiles, as in C
+PANEL_COLUMNS = 32  # an LM head's panels, as in C
 
 
 class Kind(IntEnum):
@@ -119,6 +120,30 @@ def unpacked(weight: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor
         raise ValueError(f"columns [{start}, {stop}) of a packed weight are not whole tiles")
     tiles = weight[:, start // PACK_COLUMNS : -(-stop // PACK_COLUMNS)]
     return tiles.transpose(1, 2).reshape(matrix_shape(weight)[0], stop - start)
+
+
+def panels_shape(head: torch.Tensor) -> tuple[int, int]:
+    """The `[in, out]` (hidden, vocab) of a head stored as panels `[vocab / PANEL_COLUMNS,
+    hidden, PANEL_COLUMNS]` (`engine.models.layers.head_layout`): each panel its 32 columns'
+    input rows one after another, read as one stream by the kernel's `panel_product`."""
+    panels, hidden, columns = head.shape
+    return hidden, panels * columns
+
+
+def panels_fit(device: torch.device | str, vocab: int) -> bool:
+    """Whether an LM head of `vocab` outputs on `device` is stored as panels: on CPU, whole."""
+    return torch.device(device).type == "cpu" and vocab % PANEL_COLUMNS == 0
+
+
+def to_panels(table: torch.Tensor) -> torch.Tensor:
+    """A table `[vocab, hidden]` (rows `[start, stop)` of one, whole panels) as panels (a copy)."""
+    vocab, hidden = table.shape
+    return table.reshape(vocab // PANEL_COLUMNS, PANEL_COLUMNS, hidden).transpose(1, 2).contiguous()
+
+
+def panel_rows(head: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the table `[vocab, hidden]` whose head is stored as panels: `[N, hidden]`."""
+    return head[ids // PANEL_COLUMNS, :, ids % PANEL_COLUMNS]
 
 
 def _check_shape(name: str, tensor: torch.Tensor | None, *shape: int) -> None:
@@ -398,7 +423,8 @@ class Block:
 @dataclass(frozen=True, eq=False)
 class Stack:
     """A decoder from token ids to its final norm: the embedding `[vocab, hidden]` (any
-    strides: a tied model's is the head's transpose; int8 with `embedding_scales` `[vocab]`, a
+    strides: a tied model's is the head's transpose, or the head itself where it is stored as
+    panels, see `panels_shape`; int8 with `embedding_scales` `[vocab]`, a
     scale per row) times `embedding_scale`, the `blocks`, the final norm. `inv_freqs` are the
     rotary tables' frequencies `[D/2]` and `section` `[D/2]` the position row each frequency
     turns with (M-RoPE; zeros for 1-D positions); no tables (and `section` `[0]`) where no
@@ -418,8 +444,15 @@ class Stack:
             raise ValueError(f"{len(self.inv_freqs)} rotary tables; at most {MAX_TABLES} allowed")
         half = self.section.shape[0]
         hidden = self.final_norm.shape[0]
-        _check_shape("embedding", self.embedding, self.embedding.shape[0], hidden)
-        _check_weight("embedding", self.embedding, self.embedding_scales, 0)
+        if self.embedding.dim() == 3:  # a tied head's panels
+            vocab = panels_shape(self.embedding)[1]
+            _check_shape("embedding", self.embedding, vocab // PANEL_COLUMNS, hidden, PANEL_COLUMNS)
+            if (self.embedding.dtype == torch.int8) != (self.embedding_scales is not None):
+                raise ValueError("embedding: an int8 table needs scales, and only an int8 one")
+            _check_shape("embedding scale", self.embedding_scales, vocab)
+        else:
+            _check_shape("embedding", self.embedding, self.embedding.shape[0], hidden)
+            _check_weight("embedding", self.embedding, self.embedding_scales, 0)
         for table, inv_freq in enumerate(self.inv_freqs):
             _check_shape(f"inv_freqs[{table}]", inv_freq, half)
         for index, block in enumerate(self.blocks):

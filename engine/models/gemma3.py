@@ -40,6 +40,7 @@ from stillcut.engine.models.layers import (
     fuse_projections,
     fused_qkv_attention,
     head_layout,
+    head_table,
     linear,
     rotary_tables,
     scale_of,
@@ -231,7 +232,7 @@ class Gemma3LanguageModel(PagedLanguageModel):
         """Unscaled token embeddings in the compute dtype: [N] ids -> [N, hidden], gathered
         from the head's columns (its rows, see `head_layout`)."""
         return embedding_rows(
-            input_ids, self.lm_head.T, scale_of(self, "lm_head"), self.embed_scale.dtype
+            input_ids, head_table(self.lm_head), scale_of(self, "lm_head"), self.embed_scale.dtype
         )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -284,7 +285,7 @@ class Gemma3LanguageModel(PagedLanguageModel):
             weight_format,
             matmul_weights(stored, {table: 0}),
             unquantized=() if weight_format.quantizes("lm_head") else (table,),
-            transposed=(table,),
+            heads=(table,),
         )
         load_weights(stored, folder, LANGUAGE_MODEL_PREFIX, device=device, formats=formats)
         model = cls(
@@ -338,7 +339,7 @@ class Gemma3LanguageModel(PagedLanguageModel):
             ]
         return Stack(
             blocks,
-            embedding=self.lm_head.T,
+            embedding=head_table(self.lm_head),
             embedding_scales=scale_of(self, "lm_head"),
             final_norm=self.norm,
             inv_freqs=[getattr(self.rotary, f"{kind}_inv_freq") for kind in LAYER_TYPES],

@@ -30,11 +30,15 @@ from stillcut.kernels.attention import AttentionMetadata, paged_attention, write
 from stillcut.kernels.cpu_decode import CpuDecoder, NativeMatrix, bind, native_matrix
 from stillcut.kernels.cpu_decode_stack import (
     PACK_COLUMNS,
+    PANEL_COLUMNS,
     Stack,
-    is_packed,
     matrix_shape,
     pack_matrix,
     packs,
+    panel_rows,
+    panels_fit,
+    panels_shape,
+    to_panels,
     unpacked,
 )
 
@@ -59,10 +63,35 @@ def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
 
 
 def head_layout(weight: torch.Tensor) -> torch.Tensor:
-    """An LM head `[vocab, hidden]` (or a tied embedding) stored for `vocab_logits`: a contiguous
-    `[hidden, vocab]` tensor, read in column bands by one matvec per thread. Its transpose is
-    the embedding table of a tied model (a strided gather, a few rows per step)."""
+    """An LM head `[vocab, hidden]` (or a tied embedding) stored for `vocab_logits`: on CPU,
+    where the vocabulary is whole panels, as panels `[vocab / 32, hidden, 32]`
+    (`cpu_decode_stack.panels_shape`: the native product reads each thread's panels as one
+    stream, its sums in registers), else a contiguous `[hidden, vocab]`, read in column bands
+    by one matvec per thread. The loader makes either as it reads the table (`Conversion.head`),
+    so here it is only kept; a table in any other layout is copied. The head is the embedding
+    table of a tied model (`head_table`: a strided gather, a few rows per step)."""
+    if weight.dim() == 3:
+        return weight
+    if panels_fit(weight.device, weight.shape[0]):
+        return to_panels(weight)
     return weight.T.contiguous()
+
+
+def head_matrix(head: torch.Tensor) -> torch.Tensor:
+    """A `head_layout` head as the `[hidden, vocab]` matrix it multiplies by (a copy of
+    panels)."""
+    return _columns(head, slice(0, head_shape(head)[1]))
+
+
+def head_shape(head: torch.Tensor) -> tuple[int, int]:
+    """`[hidden, vocab]` of a `head_layout` head."""
+    return panels_shape(head) if head.dim() == 3 else tuple(head.shape)
+
+
+def head_table(head: torch.Tensor) -> torch.Tensor:
+    """The embedding table `[vocab, hidden]` a tied `head_layout` head is: its transpose, or the
+    panels themselves (`embedding_rows` and the native step read those as such)."""
+    return head if head.dim() == 3 else head.T
 
 
 def vocab_logits(
@@ -120,7 +149,7 @@ def stored_matrix(
     """`weight` (with its int8 `scale`) prepared for `linear`: the native product on CPU and,
     for a float32 weight, `band_count` bands of it (see `bands`) too."""
     native = native_matrix(weight, scale) if weight.is_cpu else None
-    if weight.dtype == torch.float32 and scale is None:
+    if weight.dtype == torch.float32 and scale is None and weight.dim() == 2:
         return StoredMatrix(weight, bands=bands(weight, band_count), native=native)
     return StoredMatrix(weight, scale, native=native)
 
@@ -186,7 +215,7 @@ def linear(
     if isinstance(matrix, torch.Tensor):
         matrix = StoredMatrix(matrix)
     weight = matrix.weight
-    if is_packed(weight) or (x.is_cpu and (weight.dtype != x.dtype or matrix.scale is not None)):
+    if weight.dim() != 2 or (x.is_cpu and (weight.dtype != x.dtype or matrix.scale is not None)):
         if x.is_cpu and matrix.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
             return matrix.native(x, add)
         return _widened_product(x, matrix, add)
@@ -231,19 +260,28 @@ def _widened_product(
     (a packed one's in whole tiles), so no full-precision copy of a large weight (an LM head)
     ever exists."""
     weight, scale = matrix.weight, matrix.scale
-    num_in, num_out = matrix_shape(weight)
+    num_in, num_out = head_shape(weight) if weight.dim() == 3 else matrix_shape(weight)
     width = max(1, WIDEN_BYTES // (4 * num_in))
-    if is_packed(weight):
+    if weight.dim() != 2:  # whole tiles or panels
         width = max(PACK_COLUMNS, width // PACK_COLUMNS * PACK_COLUMNS)
     if width >= num_out:
-        widened = dense(unpacked(weight), scale, 1, x.dtype)
+        widened = dense(_columns(weight, slice(0, num_out)), scale, 1, x.dtype)
         return x @ widened if add is None else torch.addmm(add, x, widened)
     out = torch.empty(x.shape[0], num_out, dtype=x.dtype, device=x.device)
     for start in range(0, num_out, width):
         columns = slice(start, min(start + width, num_out))
         part = None if scale is None else scale[columns]
-        out[:, columns] = x @ dense(unpacked(weight, columns), part, 1, x.dtype)
+        out[:, columns] = x @ dense(_columns(weight, columns), part, 1, x.dtype)
     return out if add is None else out.add_(add)
+
+
+def _columns(weight: torch.Tensor, columns: slice) -> torch.Tensor:
+    """Columns `columns` of a weight (`matmul_layout`, packed, or a head's panels: whole
+    ones) as an `[in, out]` tensor: a view, or a copy of packed ones."""
+    if weight.dim() != 3:
+        return unpacked(weight, columns)
+    panels = weight[columns.start // PANEL_COLUMNS : -(-columns.stop // PANEL_COLUMNS)]
+    return panels.transpose(0, 1).reshape(weight.shape[1], -1)
 
 
 def _band_count(num_out: int, wanted: int) -> int:
@@ -348,9 +386,13 @@ def set_weight(
 def embedding_rows(
     input_ids: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Rows `[N, hidden]` of an embedding `table` `[vocab, hidden]` (any strides; int8 times
-    its per-row `scale`) for `input_ids` `[N]`, in `dtype`."""
-    rows = F.embedding(input_ids, table).to(dtype)
+    """Rows `[N, hidden]` of an embedding `table` `[vocab, hidden]` (any strides, or a tied
+    head's panels, see `head_table`; int8 times its per-row `scale`) for `input_ids` `[N]`, in
+    `dtype`."""
+    if table.dim() == 3:
+        rows = panel_rows(table, input_ids).to(dtype)
+    else:
+        rows = F.embedding(input_ids, table).to(dtype)
     return rows if scale is None else rows.mul_(scale[input_ids, None].to(dtype))
 
 
@@ -413,9 +455,7 @@ def load_head(
     with torch.device("meta"):
         head = nn.Linear(hidden_size, vocab_size, bias=False)
     kept = () if weight_format.quantizes("lm_head") else ("weight",)
-    formats = plan_formats(
-        head, weight_format, {"weight": 0}, unquantized=kept, transposed=("weight",)
-    )
+    formats = plan_formats(head, weight_format, {"weight": 0}, unquantized=kept, heads=("weight",))
     load_weights(head, folder, LM_HEAD_PREFIX, device=device, formats=formats)
     return head
 

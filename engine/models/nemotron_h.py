@@ -30,6 +30,7 @@ from stillcut.engine.models.layers import (
     PagedLanguageModel,
     embedding_rows,
     head_layout,
+    head_table,
     load_head,
     scale_of,
     set_weight,
@@ -125,7 +126,7 @@ class NemotronHLanguageModel(PagedLanguageModel):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings in the compute dtype: [N] ids -> [N, hidden]."""
         name = "lm_head" if self.embeddings is None else "embeddings"
-        table = self.lm_head.T if self.embeddings is None else self.embeddings
+        table = head_table(self.lm_head) if self.embeddings is None else self.embeddings
         return embedding_rows(input_ids, table, scale_of(self, name), self.norm.dtype)
 
     def native_stack(self) -> Stack:
@@ -139,7 +140,7 @@ class NemotronHLanguageModel(PagedLanguageModel):
         tied = self.embeddings is None
         return Stack(
             blocks,
-            embedding=self.lm_head.T if tied else self.embeddings,
+            embedding=head_table(self.lm_head) if tied else self.embeddings,
             embedding_scales=scale_of(self, "lm_head" if tied else "embeddings"),
             final_norm=self.norm,
             inv_freqs=[],
@@ -190,7 +191,7 @@ class NemotronHLanguageModel(PagedLanguageModel):
             unquantized=(table,)
             if head_is_table and not weight_format.quantizes("lm_head")
             else (),
-            transposed=(table,) if head_is_table else (),
+            heads=(table,) if head_is_table else (),
         )
         load_weights(
             stored,

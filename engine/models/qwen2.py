@@ -33,6 +33,7 @@ from stillcut.engine.models.layers import (
     fuse_projections,
     fused_qkv_attention,
     head_layout,
+    head_table,
     linear,
     load_head,
     rotary_tables,
@@ -194,7 +195,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
         """Token embeddings in the compute dtype: [N] ids -> [N, hidden]."""
         if self.embed_tokens is None:
             # the tied head's rows are the embedding table (see `head_layout`)
-            table, scale = self.lm_head.T, scale_of(self, "lm_head")
+            table, scale = head_table(self.lm_head), scale_of(self, "lm_head")
         else:
             table, scale = self.embed_tokens, scale_of(self, "embed_tokens")
         return embedding_rows(input_ids, table, scale, self.norm.dtype)
@@ -299,7 +300,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
         tied = self.embed_tokens is None
         return Stack(
             blocks,
-            embedding=self.lm_head.T if tied else self.embed_tokens,
+            embedding=head_table(self.lm_head) if tied else self.embed_tokens,
             embedding_scales=scale_of(self, "lm_head" if tied else "embed_tokens"),
             final_norm=self.norm,
             inv_freqs=[self.rotary.inv_freq],
@@ -320,7 +321,7 @@ def _stored_formats(
         weight_format,
         matmul_weights(stored, {table: 0}),
         unquantized=(table,) if head_kept else (),
-        transposed=(table,) if tied else (),
+        heads=(table,) if tied else (),
     )
 
 

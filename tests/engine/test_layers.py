@@ -8,9 +8,14 @@ import contextlib
 import pytest
 import torch
 
+from stillcut.engine.models import layers
 from stillcut.engine.models.layers import (
     StoredMatrix,
+    embedding_rows,
     head_layout,
+    head_matrix,
+    head_shape,
+    head_table,
     linear,
     matmul_layout,
     stored_matrix,
@@ -130,6 +135,30 @@ def test_linear_of_a_packed_weight_equals_the_product_with_it_widened(dtype, thr
             torch.testing.assert_close(linear(x, StoredMatrix(packed, scale)), x @ widened)
         assert not is_packed(matmul_layout(torch.randn(40, 100).to(dtype)))  # no whole tiles
         assert not is_packed(matmul_layout(torch.randn(40, 96)))  # float32 keeps its layouts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_head_in_panels_equals_the_product_with_it_widened(dtype, threads, monkeypatch):
+    """On CPU a head whose vocabulary is whole 32-column panels is stored as panels `[vocab /
+    32, hidden, 32]`: the native product (rows in groups of up to 8, one row in two chains, an
+    odd hidden size, a vocabulary wider than the column split's threshold), the widening of
+    more rows (whole panels at a time) and the gather of a tied table's rows read it as the
+    `[hidden, vocab]` head."""
+    with _native_products(threads, seed=5):
+        for hidden, vocab in ((33, 96), (64, 32768 + 64)):
+            weight, scale = _stored(torch.randn(hidden, vocab), dtype)  # scales per vocab id
+            head = head_layout(weight.T)  # from the [vocab, hidden] table, as a checkpoint's
+            assert head.shape == (vocab // 32, hidden, 32) and head_shape(head) == (hidden, vocab)
+            assert torch.equal(head_matrix(head), weight)
+            widened = dense(weight, scale, 1, torch.float32)
+            _assert_products(stored_matrix(head, scale), widened, (1, 2, 5, 8, 9, 17, 40))
+            ids = torch.tensor([0, 31, 32, vocab - 1])
+            rows = embedding_rows(ids, head_table(head), scale, torch.float32)
+            torch.testing.assert_close(rows, widened.T[ids])
+        monkeypatch.setattr(layers, "WIDEN_BYTES", 4 * hidden * 40)  # 40 columns: 2 panels
+        x = torch.randn(40, hidden)
+        torch.testing.assert_close(linear(x, StoredMatrix(head, scale)), x @ widened)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])

@@ -277,19 +277,23 @@ def test_two_requests_in_one_batch_equal_each_alone(checkpoints):
 
 
 def test_weights_are_fused_in_the_fast_matvec_layout(checkpoints):
-    """What CPU decode speed depends on: [in, out] shapes, contiguous along out when out >= in
-    (qkv, gate/up, and the head, whose columns are the embedding table) and along in otherwise
-    (down); a tied model keeps one vocab copy."""
+    """What CPU decode speed depends on: float32 [in, out] shapes, contiguous along out when
+    out >= in (qkv, gate/up) and along in otherwise (down); the head as 32-column panels
+    [vocab / 32, hidden, 32] (each panel its columns' input rows; the panels of a tied model
+    are its embedding table too: one vocab copy, its rows gathered from them)."""
     for tied in (True, False):
         model = Qwen2LanguageModel.from_checkpoint(checkpoints["qwen2_5_vl", tied][1])
         layer = model.layers[0]
         assert layer.qkv_weight.shape == (64, (4 + 2 * 2) * 16)
         assert layer.gate_up_weight.shape == (64, 2 * 96) and layer.down_weight.shape == (96, 64)
-        assert model.lm_head.shape == (64, VOCAB)
+        assert model.lm_head.shape == (VOCAB // 32, 64, 32)
         for weight in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, model.lm_head):
             assert weight.is_contiguous()
         assert layer.down_weight.T.is_contiguous()
         assert (model.embed_tokens is None) == tied
+        ids = torch.tensor([0, 31, 32, VOCAB - 1])
+        columns = torch.stack([model.lm_head[i // 32, :, i % 32] for i in ids.tolist()])
+        torch.testing.assert_close(model.embed(ids), columns) if tied else None
 
 
 def _edit_checkpoint(source, target, edit) -> None:
