@@ -488,17 +488,22 @@ INLINE void band_product_as(int format, int packed, const float *x, size_t strid
     for (; i < i1; i++) band_row(format, x, stride, rows, w, out, i, cb, ce, partial);
 }
 
+/* `CALL(f)` with f the constant `format`: one copy of a product's loops per format, its
+ * widening inlined. */
+#define WITH_FORMAT(format, CALL)                                                            \
+    switch (format) {                                                                       \
+    case BF16: CALL(BF16); break;                                                           \
+    case F16: CALL(F16); break;                                                             \
+    case I8: CALL(I8); break;                                                               \
+    default: CALL(F32);                                                                     \
+    }
+
 /* One copy of the loops per format and layout, its widening and addressing inlined. */
 #define BAND_PRODUCT_AS(format, packed)                                                      \
     band_product_as(format, packed, x, stride, rows, w->data, w->out, i0, i1, cb, ce, partial,   \
                     in_order)
-#define BAND_PRODUCT_IN(packed)                                                              \
-    switch (w->format) {                                                                    \
-    case BF16: BAND_PRODUCT_AS(BF16, packed); break;                                        \
-    case F16: BAND_PRODUCT_AS(F16, packed); break;                                          \
-    case I8: BAND_PRODUCT_AS(I8, packed); break;                                            \
-    default: BAND_PRODUCT_AS(F32, packed);                                                  \
-    }
+#define BAND_PACKED(format) BAND_PRODUCT_AS(format, 1)
+#define BAND_ROW_MAJOR(format) BAND_PRODUCT_AS(format, 0)
 
 /* Whether `band_product_as` keeps the partial sums of one row of w's columns [cb, c32) (the
  * whole 32-column pairs) in `band_bf16_deinterleaved`'s order until `bf16_sums_in_order`. */
@@ -515,7 +520,11 @@ static void band_product(const Matrix *w, const float *x, size_t stride, int row
     if (whole)
         for (int r = 0; r < rows; r++)
             memset(partial + (size_t)r * w->out + cb, 0, sizeof(float) * (ce - cb));
-    if (w->packed) BAND_PRODUCT_IN(1) else BAND_PRODUCT_IN(0)
+    if (w->packed) {
+        WITH_FORMAT(w->format, BAND_PACKED)
+    } else {
+        WITH_FORMAT(w->format, BAND_ROW_MAJOR)
+    }
 }
 
 /* The sum of v's lanes, halves added to halves (a sum lane by lane would be LANES dependent
@@ -792,19 +801,18 @@ static void panel_product(const float *x, size_t stride, int rows, const Matrix 
             const float *xr = x + r0 * stride;
             const float *ar = add ? add + (size_t)r0 * matrix->out : NULL;
             float *yr = y + (size_t)r0 * matrix->out;
-#define PANEL_GROUP_AS(format, n)                                                            \
-    if (n == 1) panel_row(format, xr, matrix, p, ar, yr);                                    \
-    else panel_group(format, n, xr, stride, matrix, p, ar, yr)
-#define PANEL_GROUP(n)                                                                       \
-    switch (matrix->format) {                                                               \
-    case BF16: PANEL_GROUP_AS(BF16, n); break;                                              \
-    case F16: PANEL_GROUP_AS(F16, n); break;                                                \
-    case I8: PANEL_GROUP_AS(I8, n); break;                                                  \
-    default: PANEL_GROUP_AS(F32, n);                                                        \
+#define PANEL_ROW(format) panel_row(format, xr, matrix, p, ar, yr)
+#define PANEL_GROUP_AS(format) panel_group(format, n, xr, stride, matrix, p, ar, yr)
+#define PANEL_GROUP(size)                                                                    \
+    {                                                                                       \
+        const int n = size;                                                                 \
+        if (n == 1) WITH_FORMAT(matrix->format, PANEL_ROW)                                  \
+        else WITH_FORMAT(matrix->format, PANEL_GROUP_AS)                                    \
     }
             WITH_GROUP_SIZE(rows - r0 < group ? rows - r0 : group, PANEL_GROUP)
 #undef PANEL_GROUP
 #undef PANEL_GROUP_AS
+#undef PANEL_ROW
         }
     region_barrier();
 }
