@@ -147,7 +147,8 @@ def stored_matrix(
     weight: torch.Tensor, scale: torch.Tensor | None = None, band_count: int | None = None
 ) -> StoredMatrix:
     """`weight` (with its int8 `scale`) prepared for `linear`: the native product on CPU and,
-    for a float32 weight, `band_count` bands of it (see `bands`) too."""
+    for a float32 `[in, out]` weight (not packed, not panels), `band_count` bands of it (see
+    `bands`) too."""
     native = native_matrix(weight, scale) if weight.is_cpu else None
     if weight.dtype == torch.float32 and scale is None and weight.dim() == 2:
         return StoredMatrix(weight, bands=bands(weight, band_count), native=native)
@@ -184,14 +185,14 @@ class ProjectingModule(nn.Module):
 
 def prepare_matrices(model: nn.Module) -> None:
     """Prepare each decoder layer's projections and the model's `head_matrices` (for one row,
-    and for several: a gemm over many narrow bands packs less of the head at once)."""
+    and for several: a gemm over many narrow bands packs less of the head at once; a head in
+    panels has no bands, and one prepared matrix serves both)."""
     for layer in model.layers:
         layer.prepare_projections()
     head, scale = model.lm_head, scale_of(model, "lm_head")
-    model.head_matrices = (
-        stored_matrix(head, scale),
-        stored_matrix(head, scale, HEAD_BANDS_FOR_ROWS),
-    )
+    one_row = stored_matrix(head, scale)
+    several = one_row if head.dim() == 3 else stored_matrix(head, scale, HEAD_BANDS_FOR_ROWS)
+    model.head_matrices = (one_row, several)
 
 
 def linear(
