@@ -569,7 +569,7 @@ int matmul(const Matrix *matrix, const float *x, int64_t stride, int rows, const
 #pragma omp parallel num_threads(threads)
     {
         enter_region(&barrier);
-        if (!matrix->out_in && matrix->out >= SPLIT_COLUMNS_FROM && matrix->packed != PANELS)
+        if (!matrix->out_in && matrix->out >= SPLIT_COLUMNS_FROM && matrix->packed < PANELS)
             linear_by_columns(x, (size_t)stride, rows, matrix, add, y);
         else
             linear(x, (size_t)stride, rows, matrix, add, y, partials);

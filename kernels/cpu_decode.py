@@ -53,6 +53,7 @@ from stillcut.kernels.cpu_decode_stack import (
     Moe,
     Stack,
     is_packed,
+    is_quads,
     matrix_shape,
     panels_shape,
 )
@@ -66,6 +67,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 16  # past this many rows a step is a gemm, torch's own territory
 MAX_BLOCK_SIZE = 256  # `MAX_BLOCK` in the C file
 PANELS = 2  # `Matrix.packed` of a matrix stored as panels, `PANELS` in the C file
+QUADS = 3  # `Matrix.packed` of an int8 matrix as quad panels, `QUADS` in the C file
 ENABLE_VARIABLE = "STILLCUT_NATIVE_DECODE"
 COMPILE_TIMEOUT_S = 120
 
@@ -324,7 +326,7 @@ class _Kept:
             FORMATS[weight.dtype],
             _out_in(weight),
             *matrix_shape(weight),
-            is_packed(weight),
+            QUADS if is_quads(weight) else int(is_packed(weight)),
         )
 
 

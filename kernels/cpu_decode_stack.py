@@ -9,7 +9,8 @@ hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`). A new kind is a mi
 `cpu_hybrid_kinds.h`). Weights are `[in, out]` matrices in a stored format (`FORMATS`):
 float32 in either memory order (see `engine.models.layers.matmul_layout`), bfloat16, float16 or
 int8 as a contiguous `[in, out]` or packed (`pack_matrix`, a 4-D tensor: `matrix_shape` gives
-its `[in, out]`, `unpacked` its columns); stacked experts `[E, in, out]` likewise, packed as
+its `[in, out]`, `unpacked` its columns), int8 also as quad panels where the CPU has integer
+dot products (`pack_quads`, 4-D too); stacked experts `[E, in, out]` likewise, packed as
 `[E, ...]` of packed ones (`pack_matrices`). An int8 weight `<name>_weight` comes with
 `<name>_scale`, its float32 scale per output column `[out]`. Norms (the scales they multiply
 by), biases, rotary tables, routers and a Mamba2 block's own vectors are float32.
@@ -17,9 +18,11 @@ by), biases, rotary tables, routers and a Mamba2 block's own vectors are float32
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -29,6 +32,7 @@ MAX_TABLES = 2  # rotary tables per model (local and global layers may differ), 
 FORMATS = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.int8: 4}
 PACK_ROWS, PACK_COLUMNS = 8, 32  # a packed weight's row groups and column tiles, as in C
 PANEL_COLUMNS = 32  # an LM head's panels, as in C
+QUAD_ROWS, QUAD_MAX_IN = 4, 65536  # an int8 quad panel's rows side by side, its most inputs
 
 
 class Kind(IntEnum):
@@ -98,12 +102,21 @@ def packs(dtype: torch.dtype, device: torch.device, num_in: int, num_out: int) -
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether `weight` is packed: a matrix as 4 dims, stacked matrices (experts) as 5."""
+    """Whether `weight` is packed (or quad panels): a matrix as 4 dims, stacked matrices
+    (experts) as 5."""
     return weight.dim() >= 4
+
+
+def is_quads(weight: torch.Tensor) -> bool:
+    """Whether `weight` is an int8 matrix as quad panels (`pack_quads`)."""
+    return weight.dim() == 4 and weight.shape[-1] == QUAD_ROWS
 
 
 def matrix_shape(weight: torch.Tensor) -> tuple[int, ...]:
     """The shape of a weight as matrices: `[..., in, out]` of a packed one, else its own."""
+    if is_quads(weight):
+        panels, quads, columns, rows = weight.shape
+        return (quads * rows, panels * columns)
     if is_packed(weight):
         *stack, groups, tiles, rows, columns = weight.shape
         return (*stack, groups * rows, tiles * columns)
@@ -111,15 +124,64 @@ def matrix_shape(weight: torch.Tensor) -> tuple[int, ...]:
 
 
 def unpacked(weight: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor:
-    """Columns `columns` (a packed weight's: whole tiles) of a weight as an `[in, out]` tensor:
-    a copy of a packed one, a view of any other."""
+    """Columns `columns` (a packed weight's: whole tiles or panels) of a weight as an
+    `[in, out]` tensor: a copy of a packed one, a view of any other."""
     if not is_packed(weight):
         return weight[:, columns]
-    start, stop, _ = columns.indices(matrix_shape(weight)[1])
-    if start % PACK_COLUMNS or (stop % PACK_COLUMNS and stop != matrix_shape(weight)[1]):
+    num_in, num_out = matrix_shape(weight)
+    start, stop, _ = columns.indices(num_out)
+    if start % PACK_COLUMNS or (stop % PACK_COLUMNS and stop != num_out):
         raise ValueError(f"columns [{start}, {stop}) of a packed weight are not whole tiles")
-    tiles = weight[:, start // PACK_COLUMNS : -(-stop // PACK_COLUMNS)]
-    return tiles.transpose(1, 2).reshape(matrix_shape(weight)[0], stop - start)
+    tiles = (
+        weight[start // PACK_COLUMNS : -(-stop // PACK_COLUMNS)]
+        if is_quads(weight)
+        else (weight[:, start // PACK_COLUMNS : -(-stop // PACK_COLUMNS)])
+    )
+    if is_quads(weight):  # [panels, in / 4, 32, 4] -> [in / 4, 4, panels, 32]
+        return tiles.permute(1, 3, 0, 2).reshape(num_in, stop - start)
+    return tiles.transpose(1, 2).reshape(num_in, stop - start)
+
+
+@functools.cache
+def integer_dots() -> bool:
+    """Whether this CPU has AVX-512 VNNI, whose integer dot products read an int8 weight
+    faster than widening it does (`quad_product` in `cpu_linear.h`)."""
+    try:
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return False
+    return "avx512_vnni" in flags.split()
+
+
+def quads_fit(dtype: torch.dtype, device: torch.device | str, num_in: int, num_out: int) -> bool:
+    """Whether an `[in, out]` weight of `dtype` on `device` is stored as quad panels: int8 on
+    a CPU with integer dot products, in whole quads and panels, its sums within 32 bits."""
+    whole = num_in % QUAD_ROWS == 0 and num_out % PANEL_COLUMNS == 0 and num_in <= QUAD_MAX_IN
+    return dtype == torch.int8 and torch.device(device).type == "cpu" and whole and integer_dots()
+
+
+def pack_quads(parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """An int8 weight `[in, out]` (or its column blocks side by side) as quad panels, in one
+    copy: `[out / 32, in / 4, 32, 4]`, each panel its 32 columns' input rows four at a time,
+    the four rows of each column side by side (what one integer dot product takes)."""
+    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
+    if any(part.shape[1] % PANEL_COLUMNS for part in parts):
+        parts = [torch.cat(parts, dim=1)]
+    num_in, num_out = parts[0].shape[0], sum(part.shape[1] for part in parts)
+    quads = parts[0].new_empty(
+        num_out // PANEL_COLUMNS, num_in // QUAD_ROWS, PANEL_COLUMNS, QUAD_ROWS
+    )
+    panel = 0
+    for part in parts:
+        panels = part.shape[1] // PANEL_COLUMNS
+        grouped = part.reshape(num_in // QUAD_ROWS, QUAD_ROWS, panels, PANEL_COLUMNS)
+        quads[panel : panel + panels] = grouped.permute(2, 0, 3, 1)
+        panel += panels
+    return quads
 
 
 def panels_shape(head: torch.Tensor) -> tuple[int, int]:

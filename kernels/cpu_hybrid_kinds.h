@@ -75,18 +75,31 @@ typedef struct {
     float *partials;             /* threads * rows * w.out floats of its own */
 } Product;
 
-/* The first half of every product (see `linear_band`), then a barrier. */
+/* The first half of every product (see `linear_band`), then a barrier. A product of quad
+ * panels (`quad_product`) is made whole here, after a barrier of its own (it reads x whole,
+ * and each thread may have written only its share of it). */
 static void products_band(const Product *jobs, int count) {
-    for (int j = 0; j < count; j++)
-        linear_band(jobs[j].x, jobs[j].stride, jobs[j].rows, jobs[j].w, jobs[j].partials);
+    int quads = 0;
+    for (int j = 0; j < count; j++) {
+        if (jobs[j].w->packed == QUADS) quads = 1;
+        else linear_band(jobs[j].x, jobs[j].stride, jobs[j].rows, jobs[j].w, jobs[j].partials);
+    }
+    if (quads) {
+        region_barrier();
+        for (int j = 0; j < count; j++)
+            if (jobs[j].w->packed == QUADS)
+                quad_product(jobs[j].x, jobs[j].stride, jobs[j].rows, jobs[j].w, NULL, jobs[j].y,
+                             0);
+    }
     region_barrier();
 }
 
 /* The second half of every product (see `linear_columns`): no barrier. */
 static void products_columns(const Product *jobs, int count) {
     for (int j = 0; j < count; j++)
-        linear_columns(jobs[j].x, jobs[j].stride, jobs[j].rows, jobs[j].w, NULL, jobs[j].y,
-                       jobs[j].partials);
+        if (jobs[j].w->packed != QUADS)
+            linear_columns(jobs[j].x, jobs[j].stride, jobs[j].rows, jobs[j].w, NULL, jobs[j].y,
+                           jobs[j].partials);
 }
 
 /* act(y + bias) over this thread's `linear_share` of y's columns [rows, width]. */

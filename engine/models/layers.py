@@ -34,10 +34,12 @@ from stillcut.kernels.cpu_decode_stack import (
     Stack,
     matrix_shape,
     pack_matrix,
+    pack_quads,
     packs,
     panel_rows,
     panels_fit,
     panels_shape,
+    quads_fit,
     to_panels,
     unpacked,
 )
@@ -55,6 +57,8 @@ def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
     of a contiguous `[out, in]` (a float32 down projection). Measured on the 2-core CPU, these
     are the orders `linear`'s products read fastest; on GPU both are plain GEMM layouts.
     """
+    if quads_fit(weight.dtype, weight.device, *weight.shape):
+        return pack_quads(weight)
     if packs(weight.dtype, weight.device, *weight.shape):
         return pack_matrix(weight)
     if weight.shape[1] >= weight.shape[0] or weight.dtype != torch.float32:
@@ -506,8 +510,10 @@ def fused_weight(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
     transposed = [p.weight.T for p in linears]  # [in, out_i] views
     num_out = sum(part.shape[1] for part in transposed)
     first = transposed[0]
-    if packs(first.dtype, first.device, first.shape[0], num_out):
-        weight = pack_matrix(transposed)  # side by side as it packs: one copy
+    if quads_fit(first.dtype, first.device, first.shape[0], num_out):
+        weight = pack_quads(transposed)  # side by side as it packs: one copy
+    elif packs(first.dtype, first.device, first.shape[0], num_out):
+        weight = pack_matrix(transposed)
     else:
         weight = matmul_layout(first if len(linears) == 1 else torch.cat(transposed, dim=1))
     scales = [scale_of(p, "weight") for p in linears]

@@ -24,7 +24,15 @@ from stillcut.engine.models.layers import (
 from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.engine.sampler import first_argmax
 from stillcut.kernels import cpu_decode
-from stillcut.kernels.cpu_decode_stack import is_packed, matrix_shape, pack_matrix, unpacked
+from stillcut.kernels.cpu_decode_stack import (
+    integer_dots,
+    is_packed,
+    is_quads,
+    matrix_shape,
+    pack_matrix,
+    pack_quads,
+    unpacked,
+)
 
 
 @pytest.mark.parametrize(("num_in", "num_out"), [(64, 96), (96, 64), (48, 64), (7, 5), (5, 7)])
@@ -124,7 +132,9 @@ def test_linear_of_a_packed_weight_equals_the_product_with_it_widened(dtype, thr
     with _native_products(threads, seed=3):
         for num_in, num_out in ((40, 96), (24, 1120), (256, 1088), (16, 32768 + 64)):
             weight, scale = _stored(torch.randn(num_in, num_out), dtype)
-            packed = matmul_layout(weight)
+            packed = pack_matrix(weight)
+            if dtype != torch.int8 or not integer_dots():  # (else int8 is stored as quads)
+                assert torch.equal(matmul_layout(weight), packed)
             assert is_packed(packed) and matrix_shape(packed) == (num_in, num_out)
             assert torch.equal(unpacked(packed), weight)
             assert torch.equal(unpacked(packed, slice(64, 96)), weight[:, 64:96])
@@ -135,6 +145,44 @@ def test_linear_of_a_packed_weight_equals_the_product_with_it_widened(dtype, thr
             torch.testing.assert_close(linear(x, StoredMatrix(packed, scale)), x @ widened)
         assert not is_packed(matmul_layout(torch.randn(40, 100).to(dtype)))  # no whole tiles
         assert not is_packed(matmul_layout(torch.randn(40, 96)))  # float32 keeps its layouts
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_linear_of_int8_quad_panels_equals_the_product_with_it_widened(threads):
+    """An int8 weight on a CPU with integer dot products is stored as quad panels (`[out / 32,
+    in / 4, 32, 4]`); the native product (integer sums of x in fixed point, groups of up to 3
+    rows, whole panels per thread; widened where x is not finite or the CPU lacks them) and
+    the sliced widening of more rows read it as the [in, out] weight; columns unpack by
+    panels. Its error is no larger than float32 sums': x is exact within 2^7 of its largest."""
+    with _native_products(threads, seed=13):
+        for num_in, num_out in ((4, 32), (36, 96), (260, 1120), (2048, 64)):
+            weight, scale = _stored(torch.randn(num_in, num_out), torch.int8)
+            quads = pack_quads(weight)
+            assert quads.shape == (num_out // 32, num_in // 4, 32, 4)
+            assert is_quads(quads) and matrix_shape(quads) == (num_in, num_out)
+            assert torch.equal(unpacked(quads), weight)
+            assert torch.equal(unpacked(quads, slice(32, 64)), weight[:, 32:64])
+            assert torch.equal(pack_quads([weight[:, :32], weight[:, 32:]]), quads)
+            if integer_dots():
+                assert torch.equal(matmul_layout(weight), quads)
+            widened = dense(weight, scale, 1, torch.float32)
+            _assert_products(stored_matrix(quads, scale), widened, (1, 2, 3, 4, 5, 8, 17, 32))
+            x = torch.randn(40, num_in)  # no native product: widened by whole panels
+            torch.testing.assert_close(linear(x, StoredMatrix(quads, scale)), x @ widened)
+        matrix = stored_matrix(quads, scale)
+        x = torch.randn(3, num_in, dtype=torch.float64)
+        x[1] *= 1e-30  # tiny values keep their precision (the fixed point is per row)
+        x[2, ::3] *= 1e-3  # values far below the row's largest
+        exact = x @ dense(weight, scale, 1, torch.float64)
+        error = (linear(x.float(), matrix).double() - exact).abs()
+        float_error = (x.float() @ widened - exact).abs()
+        assert (error <= 4 * float_error.amax(dim=1, keepdim=True) + 1e-45).all()
+        x = torch.randn(2, num_in)
+        x[0, 5] = float("inf")  # not finite: widened, as float32 sums give it
+        got, expected = linear(x, matrix), x @ widened
+        assert torch.equal(got[0].isinf(), expected[0].isinf())
+        assert torch.equal(got[0].isnan(), expected[0].isnan())
+        torch.testing.assert_close(got[1], expected[1], atol=1e-5 * num_in / 32, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])

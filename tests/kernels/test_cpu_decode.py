@@ -32,7 +32,18 @@ from stillcut.engine.models.layers import embedding_rows, fused_qkv_attention, r
 from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Mlp, Stack
+from stillcut.kernels.cpu_decode_stack import (
+    Activation,
+    Attention,
+    Block,
+    GatedMlp,
+    Kind,
+    Mlp,
+    Stack,
+    is_quads,
+    pack_quads,
+    unpacked,
+)
 
 BLOCK_SIZE = 4
 # 17 short requests, then one long one (request 17) whose keys get split across threads
@@ -429,16 +440,18 @@ def _torch_reading(stack: Stack, ids, positions, kv_caches, metadata) -> torch.T
     return F.rms_norm(hidden, (HIDDEN,), stack.final_norm, EPS)
 
 
-def _in_format(stack: Stack, dtype: torch.dtype) -> tuple[Stack, Stack]:
+def _in_format(stack: Stack, dtype: torch.dtype, quads: bool = False) -> tuple[Stack, Stack]:
     """`stack` with its weights stored as `dtype` (int8: quantized per output channel, narrow
-    formats as contiguous `[in, out]`), and the same stack with those weights widened back to
-    float32: what the stored one means."""
+    formats as contiguous `[in, out]`; with `quads`, int8 projections as quad panels), and the
+    same stack with those weights widened back to float32: what the stored one means."""
     if dtype == torch.float32:
         return stack, stack
 
     def store(weight: torch.Tensor, axis: int):
         if dtype == torch.int8:
             quantized, scale = quantize_int8(weight, axis)
+            if quads and axis == 1:
+                return pack_quads(quantized), scale
             return quantized.contiguous(), scale
         return weight.to(dtype).contiguous(), None
 
@@ -449,7 +462,7 @@ def _in_format(stack: Stack, dtype: torch.dtype) -> tuple[Stack, Stack]:
             if hasattr(mixer, f"{name}_weight"):
                 weight, scale = store(getattr(mixer, f"{name}_weight"), 1)
                 narrow[f"{name}_weight"], narrow[f"{name}_scale"] = weight, scale
-                wide[f"{name}_weight"] = dense(weight, scale, 1, torch.float32)
+                wide[f"{name}_weight"] = dense(unpacked(weight), scale, 1, torch.float32)
         stored.append(dataclasses.replace(block, mixer=dataclasses.replace(mixer, **narrow)))
         widened.append(dataclasses.replace(block, mixer=dataclasses.replace(mixer, **wide)))
     table, scales = store(stack.embedding, 0)
@@ -475,6 +488,8 @@ STORED = {  # name: (blocks, weight format, KV cache dtype, threads)
     "float16 weights, bfloat16 KV": ("mixed", torch.float16, torch.bfloat16, 2),
     "int8 weights": ("mixed", torch.int8, torch.float32, 3),
     "int8 weights, bfloat16 KV": ("mixed", torch.int8, torch.bfloat16, 1),
+    "int8 quad panels": ("mixed", "quads", torch.float32, 3),
+    "int8 quad panels, 1 thread": ("mixed", "quads", torch.float32, 1),
 }
 
 
@@ -487,7 +502,12 @@ def test_a_stack_of_any_blocks_matches_its_torch_reading(case):
         pytest.skip("no C compiler: the native CPU decode kernel is not built")
     blocks, weight_dtype, kv_dtype, threads = STORED[case]
     stack = _mixed_stack() if blocks == "mixed" else _mlps_only(_mixed_stack())
-    stack, meaning = _in_format(stack, weight_dtype)
+    quads = weight_dtype == "quads"
+    stack, meaning = _in_format(stack, torch.int8 if quads else weight_dtype, quads)
+    if quads:
+        assert all(
+            is_quads(b.mixer.o_weight) for b in stack.blocks if b.mixer.kind == Kind.ATTENTION
+        )
     tolerance = TOLERANCE if kv_dtype == torch.float32 else BFLOAT16_KV_TOLERANCE
     decoder = cpu_decode.bind(stack)
     assert decoder is not None
