@@ -34,7 +34,14 @@ from torch import nn
 from stillcut.engine.anon_memory import release_freed_memory
 from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
 from stillcut.engine.quantization import Conversion, quantize_int8, row_blocks
-from stillcut.kernels.cpu_decode_stack import PANEL_COLUMNS, panels_fit, to_panels
+from stillcut.kernels.cpu_decode_stack import (
+    PANEL_COLUMNS,
+    QUAD_ROWS,
+    pack_quads,
+    panels_fit,
+    quads_fit,
+    to_panels,
+)
 
 log = logging.getLogger(__name__)
 
@@ -224,12 +231,15 @@ def _converted(
 
 
 def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conversion, device):
-    """A matrix converted (quantized along its rows; an LM head laid out as panels or
-    transposed in memory, see `Conversion.head`) a block of rows at a time: only the result and
-    one block ever exist."""
+    """A matrix converted (quantized along its rows; an LM head laid out as panels, an int8 one
+    as quad panels where they fit, or transposed in memory, see `Conversion.head`) a block of
+    rows at a time: only the result and one block ever exist."""
     quantized = conversion.dtype == torch.int8
     panels = conversion.head and panels_fit(device, shape[0])
-    if panels:  # [vocab / 32, hidden, 32]: each block of rows is whole panels
+    quads = panels and quantized and quads_fit(torch.int8, device, shape[1], shape[0])
+    if quads:  # int8 [vocab / 32, hidden / 4, 32, 4]: each block of rows is whole panels
+        layout = [shape[0] // PANEL_COLUMNS, shape[1] // QUAD_ROWS, PANEL_COLUMNS, QUAD_ROWS]
+    elif panels:  # [vocab / 32, hidden, 32]: each block of rows is whole panels
         layout = [shape[0] // PANEL_COLUMNS, shape[1], PANEL_COLUMNS]
     else:
         layout = [shape[1], shape[0], *shape[2:]] if conversion.head else shape
@@ -243,7 +253,9 @@ def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conver
             raise CheckpointError(f"cannot read tensor {name!r} from {file}: {error}") from error
         if quantized:
             block, scales[rows] = quantize_int8(block, 0)
-        if panels:
+        if quads:
+            converted[rows.start // unit : rows.stop // unit] = pack_quads(block.T)
+        elif panels:
             converted[rows.start // unit : rows.stop // unit] = to_panels(block)
         elif conversion.head:
             converted[:, rows] = block.T

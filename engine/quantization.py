@@ -103,8 +103,8 @@ class Conversion(NamedTuple):
     """What one checkpoint tensor becomes at load: `dtype` (int8: quantized per channel along
     `axis`), rounded through `through` first when set (a vector rounded to the stored dtype,
     kept in the compute dtype); `head`: an LM head table `[vocab, hidden]`, laid out at load as
-    `layers.head_layout` keeps it (panels on CPU where the vocabulary is whole panels, else
-    the `[rows, cols]` view of a contiguous `[cols, rows]`)."""
+    `layers.head_layout` keeps it (panels on CPU where the vocabulary is whole panels, int8
+    quad panels where they fit, else the `[rows, cols]` view of a contiguous `[cols, rows]`)."""
 
     dtype: torch.dtype
     axis: int | None = None

@@ -81,7 +81,8 @@ typedef struct {
     int32_t format;
     float scale;                 /* every row times this */
     int32_t panels;              /* 1: a tied head's panels [vocab / 32][hidden][32], rows of
-                                  * 32 ids `row_stride` apart, id % 32 the element in a row */
+                                  * 32 ids `row_stride` apart, id % 32 the element in a row;
+                                  * 2: int8 quad panels [vocab / 32][hidden / 4][32][4] */
 } Embedding;
 
 typedef struct {
@@ -537,11 +538,16 @@ static void embed_rows(const Context *c) {
     for (int r = begin; r < end; r++) {
         int64_t id = step->ids[r];
         float scale = table->scale * (table->scales ? table->scales[id] : 1.0f);
-        int64_t start = table->panels ? id / PANEL_COLUMNS * table->row_stride + id % PANEL_COLUMNS
-                                      : id * table->row_stride;
-        for (int i = 0; i < H; i++)
-            c->hidden[(size_t)r * H + i] =
-                widen1(table->format, table->data, start + i * table->column_stride) * scale;
+        int64_t start = id * table->row_stride;
+        if (table->panels) /* id's column of its panel (four bytes per quad row in quads) */
+            start = id / PANEL_COLUMNS * table->row_stride +
+                    id % PANEL_COLUMNS * (table->panels == 2 ? QUAD_ROWS : 1);
+        for (int i = 0; i < H; i++) {
+            int64_t at = table->panels == 2
+                             ? start + i / QUAD_ROWS * table->column_stride + i % QUAD_ROWS
+                             : start + i * table->column_stride;
+            c->hidden[(size_t)r * H + i] = widen1(table->format, table->data, at) * scale;
+        }
         for (int t = 0; t < model->num_tables; t++) {
             float *c_row = c->cos + ((size_t)t * rows + r) * D;
             float *s_row = c->sin + ((size_t)t * rows + r) * D;

@@ -448,7 +448,8 @@ class CpuDecoder(_Kept):
 
     def _model(self, stack: Stack) -> _Model:
         embedding = stack.embedding
-        panels = embedding.dim() == 3  # a tied head's panels: a row of 32 ids, then its rows
+        # a tied head's panels (1; int8 quad panels: 2): a row of 32 ids, then its rows
+        panels = 2 if is_quads(embedding) else int(embedding.dim() == 3)
         table = _Embedding(
             self._address(embedding),
             self._address(stack.embedding_scales),

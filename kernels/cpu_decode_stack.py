@@ -204,7 +204,10 @@ def to_panels(table: torch.Tensor) -> torch.Tensor:
 
 
 def panel_rows(head: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` of the table `[vocab, hidden]` whose head is stored as panels: `[N, hidden]`."""
+    """Rows `ids` of the table `[vocab, hidden]` whose head is stored as panels (or as int8
+    quad panels): `[N, hidden]`."""
+    if is_quads(head):
+        return head[ids // PANEL_COLUMNS, :, ids % PANEL_COLUMNS, :].reshape(ids.numel(), -1)
     return head[ids // PANEL_COLUMNS, :, ids % PANEL_COLUMNS]
 
 
@@ -486,11 +489,12 @@ class Block:
 class Stack:
     """A decoder from token ids to its final norm: the embedding `[vocab, hidden]` (any
     strides: a tied model's is the head's transpose, or the head itself where it is stored as
-    panels, see `panels_shape`; int8 with `embedding_scales` `[vocab]`, a
-    scale per row) times `embedding_scale`, the `blocks`, the final norm. `inv_freqs` are the
-    rotary tables' frequencies `[D/2]` and `section` `[D/2]` the position row each frequency
-    turns with (M-RoPE; zeros for 1-D positions); no tables (and `section` `[0]`) where no
-    block rotates. Every RMSNorm divides by sqrt(mean(x^2) + `eps`)."""
+    panels, see `panels_shape`, or as int8 quad panels, `pack_quads`; int8 with
+    `embedding_scales` `[vocab]`, a scale per row) times `embedding_scale`, the `blocks`, the
+    final norm. `inv_freqs` are the rotary tables' frequencies `[D/2]` and `section` `[D/2]`
+    the position row each frequency turns with (M-RoPE; zeros for 1-D positions); no tables
+    (and `section` `[0]`) where no block rotates. Every RMSNorm divides by sqrt(mean(x^2) +
+    `eps`)."""
 
     blocks: Sequence[Block]
     embedding: torch.Tensor
@@ -506,9 +510,14 @@ class Stack:
             raise ValueError(f"{len(self.inv_freqs)} rotary tables; at most {MAX_TABLES} allowed")
         half = self.section.shape[0]
         hidden = self.final_norm.shape[0]
-        if self.embedding.dim() == 3:  # a tied head's panels
-            vocab = panels_shape(self.embedding)[1]
-            _check_shape("embedding", self.embedding, vocab // PANEL_COLUMNS, hidden, PANEL_COLUMNS)
+        if self.embedding.dim() != 2:  # a tied head's panels (or int8 quad panels)
+            quads = is_quads(self.embedding)
+            vocab = (matrix_shape if quads else panels_shape)(self.embedding)[1]
+            if quads:
+                _check_shape("embedding", self.embedding, hidden, vocab)
+            else:
+                shape = (vocab // PANEL_COLUMNS, hidden, PANEL_COLUMNS)
+                _check_shape("embedding", self.embedding, *shape)
             if (self.embedding.dtype == torch.int8) != (self.embedding_scales is not None):
                 raise ValueError("embedding: an int8 table needs scales, and only an int8 one")
             _check_shape("embedding scale", self.embedding_scales, vocab)

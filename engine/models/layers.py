@@ -32,6 +32,7 @@ from stillcut.kernels.cpu_decode_stack import (
     PACK_COLUMNS,
     PANEL_COLUMNS,
     Stack,
+    is_quads,
     matrix_shape,
     pack_matrix,
     pack_quads,
@@ -70,12 +71,15 @@ def head_layout(weight: torch.Tensor) -> torch.Tensor:
     """An LM head `[vocab, hidden]` (or a tied embedding) stored for `vocab_logits`: on CPU,
     where the vocabulary is whole panels, as panels `[vocab / 32, hidden, 32]`
     (`cpu_decode_stack.panels_shape`: the native product reads each thread's panels as one
-    stream, its sums in registers), else a contiguous `[hidden, vocab]`, read in column bands
+    stream, its sums in registers; an int8 one as quad panels `[vocab / 32, hidden / 4, 32, 4]`
+    where `quads_fit`), else a contiguous `[hidden, vocab]`, read in column bands
     by one matvec per thread. The loader makes either as it reads the table (`Conversion.head`),
     so here it is only kept; a table in any other layout is copied. The head is the embedding
     table of a tied model (`head_table`: a strided gather, a few rows per step)."""
-    if weight.dim() == 3:
+    if weight.dim() == 3 or is_quads(weight):
         return weight
+    if quads_fit(weight.dtype, weight.device, weight.shape[1], weight.shape[0]):
+        return pack_quads(weight.T)
     if panels_fit(weight.device, weight.shape[0]):
         return to_panels(weight)
     return weight.T.contiguous()
@@ -89,13 +93,13 @@ def head_matrix(head: torch.Tensor) -> torch.Tensor:
 
 def head_shape(head: torch.Tensor) -> tuple[int, int]:
     """`[hidden, vocab]` of a `head_layout` head."""
-    return panels_shape(head) if head.dim() == 3 else tuple(head.shape)
+    return panels_shape(head) if head.dim() == 3 else matrix_shape(head)
 
 
 def head_table(head: torch.Tensor) -> torch.Tensor:
     """The embedding table `[vocab, hidden]` a tied `head_layout` head is: its transpose, or the
     panels themselves (`embedding_rows` and the native step read those as such)."""
-    return head if head.dim() == 3 else head.T
+    return head if head.dim() != 2 else head.T
 
 
 def vocab_logits(
@@ -195,7 +199,7 @@ def prepare_matrices(model: nn.Module) -> None:
         layer.prepare_projections()
     head, scale = model.lm_head, scale_of(model, "lm_head")
     one_row = stored_matrix(head, scale)
-    several = one_row if head.dim() == 3 else stored_matrix(head, scale, HEAD_BANDS_FOR_ROWS)
+    several = one_row if head.dim() != 2 else stored_matrix(head, scale, HEAD_BANDS_FOR_ROWS)
     model.head_matrices = (one_row, several)
 
 
@@ -394,7 +398,7 @@ def embedding_rows(
     """Rows `[N, hidden]` of an embedding `table` `[vocab, hidden]` (any strides, or a tied
     head's panels, see `head_table`; int8 times its per-row `scale`) for `input_ids` `[N]`, in
     `dtype`."""
-    if table.dim() == 3:
+    if table.dim() != 2:
         rows = panel_rows(table, input_ids).to(dtype)
     else:
         rows = F.embedding(input_ids, table).to(dtype)

@@ -189,15 +189,18 @@ def test_linear_of_int8_quad_panels_equals_the_product_with_it_widened(threads):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_a_head_in_panels_equals_the_product_with_it_widened(dtype, threads, monkeypatch):
     """On CPU a head whose vocabulary is whole 32-column panels is stored as panels `[vocab /
-    32, hidden, 32]`: the native product (rows in groups of up to 8, one row in two chains, an
-    odd hidden size, a vocabulary wider than the column split's threshold), the widening of
-    more rows (whole panels at a time) and the gather of a tied table's rows read it as the
-    `[hidden, vocab]` head."""
+    32, hidden, 32]` (int8 on a CPU with integer dot products: quad panels, where hidden % 4 ==
+    0): the native product (rows in groups of up to 8, one row in two chains, an odd hidden
+    size, a vocabulary wider than the column split's threshold), the widening of more rows
+    (whole panels at a time) and the gather of a tied table's rows read it as the `[hidden,
+    vocab]` head."""
     with _native_products(threads, seed=5):
         for hidden, vocab in ((33, 96), (64, 32768 + 64)):
             weight, scale = _stored(torch.randn(hidden, vocab), dtype)  # scales per vocab id
             head = head_layout(weight.T)  # from the [vocab, hidden] table, as a checkpoint's
-            assert head.shape == (vocab // 32, hidden, 32) and head_shape(head) == (hidden, vocab)
+            quads = dtype == torch.int8 and integer_dots() and hidden % 4 == 0  # int8: quads
+            layout = (vocab // 32, hidden // 4, 32, 4) if quads else (vocab // 32, hidden, 32)
+            assert head.shape == layout and head_shape(head) == (hidden, vocab)
             assert torch.equal(head_matrix(head), weight)
             widened = dense(weight, scale, 1, torch.float32)
             _assert_products(stored_matrix(head, scale), widened, (1, 2, 5, 8, 9, 17, 40))
