@@ -8,7 +8,8 @@
  *   BF16  the top half of a float32: widened by a 16-bit shift
  *   F16   IEEE half: widened by F16C's conversion
  *   I8    symmetric int8 with one float32 scale per output column (`scales`): the product
- *         sums x * q in float32 and multiplies each output once by its scale
+ *         sums x * q in float32 and multiplies each output once by its scale (stored as quad
+ *         panels on a CPU with AVX-512 VNNI: exact integer sums, see `quad_product`)
  *
  * `linear` is what every kind of block multiplies by (inside the decode step's parallel region)
  * and `matmul` in `cpu_decode.c` the same product on its own (the LM head, products of the
@@ -24,6 +25,8 @@
  * and keeps its sums in the order that gives them, see `band_bf16_deinterleaved`),
  * as the same [in, out] packed by groups of eight input rows (`PACK_ROWS`, the narrow formats'
  * layout wherever the shape allows: the same passes, each group of rows one stream),
+ * as panels of 32 columns (an LM head, `panel_product`) or, in I8, quad panels
+ * (`quad_product`): each thread whole panels, sums in registers over every input row,
  * or, in F32 only, as a contiguous [out, in] (each thread owns a band of output rows: dot
  * products). Measured on the 2-core CPU (see `bench/matmul_formats.py`): widening in
  * registers keeps a one-row product at its read floor in every format, and grouping rows made
@@ -847,7 +850,10 @@ static void panel_product(const float *x, size_t stride, int rows, const Matrix 
  * of `in` additions instead). Measured on a 2-core AVX-512 CPU (Zen 4), one row through an
  * int8 panel warm in cache: 58 GB/s per core against 25 widening each vector to float32
  * (`vpmovsxbd` and `vcvtdq2ps` for every 16 weights: one row's product was bound by them, not
- * by the read). Without VNNI, or where x is not finite, the panel's weights are widened. */
+ * by the read); a 3B int8 decode step, in processes alternating with the packed layout while
+ * the read was at 45-49 GB/s, 107-115 ms against 136-146 (0.78x; at a 30 GB/s read the two
+ * were within 3%: the read bounds both). Without VNNI, or where x is not finite, the panel's
+ * weights are widened. */
 #define QUAD_GROUP 3 /* rows of x through a panel at once: 8 integer sums of 32 lanes each */
 
 /* Each thread's digits of x, kept for its next product (rows * in int32). */
