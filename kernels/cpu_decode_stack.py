@@ -58,18 +58,29 @@ def pack_matrix(parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     copy: `[in / PACK_ROWS, out / PACK_COLUMNS, PACK_ROWS, PACK_COLUMNS]`, each group of input
     rows as tiles of columns one after another, each tile its rows of contiguous columns
     (`cpu_linear.h`: a group of rows is one stream to read)."""
+    return _side_by_side(
+        parts,
+        PACK_ROWS,
+        lambda rows, tiles: (rows, tiles, PACK_ROWS, PACK_COLUMNS),
+        lambda grouped: grouped.transpose(1, 2),
+        tile_dim=1,
+    )
+
+
+def _side_by_side(parts, rows: int, shape, arrange, tile_dim: int) -> torch.Tensor:
+    """`parts` `[in, out_i]` side by side in one new tensor of `shape(in / rows, out / 32)`:
+    each part grouped `[in / rows, rows, out_i / 32, 32]` and `arrange`d into its tiles along
+    `tile_dim` (parts whose columns are not whole tiles are joined first)."""
     parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
     if any(part.shape[1] % PACK_COLUMNS for part in parts):
         parts = [torch.cat(parts, dim=1)]
     num_in, num_out = parts[0].shape[0], sum(part.shape[1] for part in parts)
-    packed = parts[0].new_empty(
-        num_in // PACK_ROWS, num_out // PACK_COLUMNS, PACK_ROWS, PACK_COLUMNS
-    )
+    packed = parts[0].new_empty(shape(num_in // rows, num_out // PACK_COLUMNS))
     tile = 0
-    for part in parts:
+    for part in parts:  # one part's grouping at a time
         tiles = part.shape[1] // PACK_COLUMNS
-        grouped = part.reshape(num_in // PACK_ROWS, PACK_ROWS, tiles, PACK_COLUMNS)
-        packed[:, tile : tile + tiles] = grouped.transpose(1, 2)
+        grouped = part.reshape(num_in // rows, rows, tiles, PACK_COLUMNS)
+        packed.narrow(tile_dim, tile, tiles).copy_(arrange(grouped))
         tile += tiles
     return packed
 
@@ -168,20 +179,13 @@ def pack_quads(parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
     """An int8 weight `[in, out]` (or its column blocks side by side) as quad panels, in one
     copy: `[out / 32, in / 4, 32, 4]`, each panel its 32 columns' input rows four at a time,
     the four rows of each column side by side (what one integer dot product takes)."""
-    parts = [parts] if isinstance(parts, torch.Tensor) else list(parts)
-    if any(part.shape[1] % PANEL_COLUMNS for part in parts):
-        parts = [torch.cat(parts, dim=1)]
-    num_in, num_out = parts[0].shape[0], sum(part.shape[1] for part in parts)
-    quads = parts[0].new_empty(
-        num_out // PANEL_COLUMNS, num_in // QUAD_ROWS, PANEL_COLUMNS, QUAD_ROWS
+    return _side_by_side(
+        parts,
+        QUAD_ROWS,
+        lambda quads, panels: (panels, quads, PANEL_COLUMNS, QUAD_ROWS),
+        lambda grouped: grouped.permute(2, 0, 3, 1),
+        tile_dim=0,
     )
-    panel = 0
-    for part in parts:
-        panels = part.shape[1] // PANEL_COLUMNS
-        grouped = part.reshape(num_in // QUAD_ROWS, QUAD_ROWS, panels, PANEL_COLUMNS)
-        quads[panel : panel + panels] = grouped.permute(2, 0, 3, 1)
-        panel += panels
-    return quads
 
 
 def panels_shape(head: torch.Tensor) -> tuple[int, int]:
