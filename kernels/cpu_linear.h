@@ -937,8 +937,10 @@ static int quad_row(const float *x, int in, int32_t *digits, QuadRow *row) {
             }
             plane[3] = _mm512_cvtepi32_epi8(v);
             /* [plane][quad] -> [quad][plane]: a 4 x 4 transpose of int32 */
-            __m128i a = _mm_unpacklo_epi32(plane[0], plane[1]), b = _mm_unpacklo_epi32(plane[2], plane[3]);
-            __m128i c = _mm_unpackhi_epi32(plane[0], plane[1]), d = _mm_unpackhi_epi32(plane[2], plane[3]);
+            __m128i a = _mm_unpacklo_epi32(plane[0], plane[1]);
+            __m128i b = _mm_unpacklo_epi32(plane[2], plane[3]);
+            __m128i c = _mm_unpackhi_epi32(plane[0], plane[1]);
+            __m128i d = _mm_unpackhi_epi32(plane[2], plane[3]);
             __m128i *out = (__m128i *)(digits + (size_t)i);
             _mm_storeu_si128(out, _mm_unpacklo_epi64(a, b));
             _mm_storeu_si128(out + 1, _mm_unpackhi_epi64(a, b));
