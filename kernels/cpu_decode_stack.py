@@ -143,14 +143,10 @@ def unpacked(weight: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor
     start, stop, _ = columns.indices(num_out)
     if start % PACK_COLUMNS or (stop % PACK_COLUMNS and stop != num_out):
         raise ValueError(f"columns [{start}, {stop}) of a packed weight are not whole tiles")
-    tiles = (
-        weight[start // PACK_COLUMNS : -(-stop // PACK_COLUMNS)]
-        if is_quads(weight)
-        else (weight[:, start // PACK_COLUMNS : -(-stop // PACK_COLUMNS)])
-    )
+    first, end = start // PACK_COLUMNS, -(-stop // PACK_COLUMNS)
     if is_quads(weight):  # [panels, in / 4, 32, 4] -> [in / 4, 4, panels, 32]
-        return tiles.permute(1, 3, 0, 2).reshape(num_in, stop - start)
-    return tiles.transpose(1, 2).reshape(num_in, stop - start)
+        return weight[first:end].permute(1, 3, 0, 2).reshape(num_in, stop - start)
+    return weight[:, first:end].transpose(1, 2).reshape(num_in, stop - start)
 
 
 @functools.cache

@@ -53,18 +53,26 @@ LM_HEAD_PREFIX = "lm_head."
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [in, out] stored for `linear`: in a narrow format on CPU, packed in groups of
     rows and tiles of columns where its shape allows (`cpu_decode_stack.pack_matrix`: the
-    native kernel reads a group of rows as one stream), else a contiguous `[in, out]`; in
+    native kernel reads a group of rows as one stream; int8 on a CPU with integer dot products
+    as quad panels, `pack_quads`), else a contiguous `[in, out]`; in
     float32 a contiguous `[in, out]` when out >= in (qkv, gate/up), else the `[in, out]` view
     of a contiguous `[out, in]` (a float32 down projection). Measured on the 2-core CPU, these
     are the orders `linear`'s products read fastest; on GPU both are plain GEMM layouts.
     """
-    if quads_fit(weight.dtype, weight.device, *weight.shape):
-        return pack_quads(weight)
-    if packs(weight.dtype, weight.device, *weight.shape):
-        return pack_matrix(weight)
+    pack = packing(weight.dtype, weight.device, *weight.shape)
+    if pack is not None:
+        return pack(weight)
     if weight.shape[1] >= weight.shape[0] or weight.dtype != torch.float32:
         return weight.contiguous()
     return weight.T.contiguous().T
+
+
+def packing(dtype: torch.dtype, device: torch.device, num_in: int, num_out: int):
+    """How `matmul_layout` packs an `[in, out]` weight of `dtype` on `device` (a function of
+    the weight or its column blocks side by side, `pack_quads` or `pack_matrix`), or None."""
+    if quads_fit(dtype, device, num_in, num_out):
+        return pack_quads
+    return pack_matrix if packs(dtype, device, num_in, num_out) else None
 
 
 def head_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -514,10 +522,9 @@ def fused_weight(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
     transposed = [p.weight.T for p in linears]  # [in, out_i] views
     num_out = sum(part.shape[1] for part in transposed)
     first = transposed[0]
-    if quads_fit(first.dtype, first.device, first.shape[0], num_out):
-        weight = pack_quads(transposed)  # side by side as it packs: one copy
-    elif packs(first.dtype, first.device, first.shape[0], num_out):
-        weight = pack_matrix(transposed)
+    pack = packing(first.dtype, first.device, first.shape[0], num_out)
+    if pack is not None:
+        weight = pack(transposed)  # side by side as it packs: one copy
     else:
         weight = matmul_layout(first if len(linears) == 1 else torch.cat(transposed, dim=1))
     scales = [scale_of(p, "weight") for p in linears]
