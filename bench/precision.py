@@ -10,7 +10,12 @@ In the child: load time (engine and vision tower), then decode at batch 1 and 8,
 timed back to back with a read of a large buffer, so the batch-1 step's ratio to its floor
 (the bytes a decode step reads, as `bench/decode_roofline.py` counts them: language-model
 weights and the LM head, int8 scales included, not the vision tower nor an untied embedding
-table, divided by the read bandwidth just measured) is the median of the pairs' ratios.
+table, divided by the read bandwidth just measured) is the median of the pairs' ratios. The
+read is of a fresh 1 GB buffer; "b1/own" gives the batch-1 step against the read of the
+model's own large weight tensors instead (each summed as float32 bytes, beside the same steps):
+on a shared VM those read slower than a fresh buffer at times (25-37 GB/s against 28-51 in the
+same minutes, measured on the 3B shape), so the buffer's floor can be out of reach of any
+product of those weights. The targets are judged on the buffer's floor.
 Targets: batch-1 step <= 1.3x its floor for bf16 and <= 1.5x for int8; bf16 >= 1.7x and int8
 >= 2.5x the fp32 tokens/s (batch 1). Beside that ratio, "same read" gives it as had every mode
 run with the same read bandwidth (tokens/s per GB/s of the read measured beside its steps):
@@ -37,6 +42,7 @@ import time
 
 import torch
 from decode_roofline import (
+    GATHERED,
     read_seconds,
     start_decoding,
     stop_decoding,
@@ -56,6 +62,7 @@ MODES = {
 FLOOR_TARGETS = {"bfloat16": 1.3, "int8": 1.5}
 SPEEDUP_TARGETS = {"bfloat16": 1.7, "int8": 2.5}
 READ_BUFFER_BYTES = 1 << 30  # larger than any cache; a step's floor is scaled from it
+OWN_READ_MIN_BYTES = 32 << 20  # weights at least this large give the floor of their own read
 STEPS_PER_PAIR = 3
 KV_CACHE_BYTES = 256 << 20
 
@@ -83,6 +90,8 @@ def child(model: str, mode: str, threads: int, pairs: int) -> None:
     loaded |= {"kv_bytes": engine.memory.kv_cache_bytes}
     print("loaded", json.dumps(loaded), flush=True)
     buffer = torch.ones(min(read_bytes, READ_BUFFER_BYTES) // 4)
+    own = large_weights(engine.model)
+    own_bytes = sum(view.numel() * 4 for view in own)
     result = {}
     for batch in (1, 8):
         ids = start_decoding(engine, batch, max_tokens=STEPS_PER_PAIR * pairs + 16)
@@ -90,12 +99,37 @@ def child(model: str, mode: str, threads: int, pairs: int) -> None:
         for _ in range(pairs):
             step = statistics.median(timed(engine.step) for _ in range(STEPS_PER_PAIR))
             floor = read_seconds(buffer) * read_bytes / (buffer.numel() * 4)
-            measured.append((step, floor))
+            own_floor = read_own(own) * read_bytes / own_bytes if batch == 1 and own else floor
+            measured.append((step, floor, own_floor))
         stop_decoding(engine, ids)
-        result[f"step_{batch}"] = statistics.median(s for s, _ in measured)
-        result[f"ratio_{batch}"] = statistics.median(s / f for s, f in measured)
-        result[f"bandwidth_{batch}"] = read_bytes / statistics.median(f for _, f in measured)
+        result[f"step_{batch}"] = statistics.median(m[0] for m in measured)
+        result[f"ratio_{batch}"] = statistics.median(m[0] / m[1] for m in measured)
+        result[f"bandwidth_{batch}"] = read_bytes / statistics.median(m[1] for m in measured)
+        result[f"own_ratio_{batch}"] = statistics.median(m[0] / m[2] for m in measured)
+        result[f"own_bandwidth_{batch}"] = read_bytes / statistics.median(m[2] for m in measured)
     print("result", json.dumps(result), flush=True)
+
+
+def large_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The bytes of the weights a decode step reads, the large ones (at least
+    `OWN_READ_MIN_BYTES`: a sum's own cost is nothing beside them), as float32 views."""
+    views = []
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        read = name.rsplit(".", 1)[-1] not in GATHERED and param.is_contiguous()
+        if read and size >= OWN_READ_MIN_BYTES and size % 4 == 0:
+            views.append(param.detach().view(-1).view(torch.float32))
+    return views
+
+
+def read_own(views: list[torch.Tensor]) -> float:
+    """Seconds to read `views` once (a sum each; their bytes as float32 may be denormal, so
+    flushed to zero for the read)."""
+    torch.set_flush_denormal(True)
+    try:
+        return sum(read_seconds(view) for view in views)
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def run_child(model: str, mode: str, threads: int, pairs: int) -> dict:
@@ -125,8 +159,8 @@ def median_of(reports: list[dict], key: str) -> float:
 def print_table(by_mode: dict[str, list[dict]]) -> None:
     print(
         f"{'mode':<10}{'weights MiB':>12}{'KV MiB':>8}{'peak MiB':>10}{'peak/wts':>9}{'load s':>8}"
-        f"{'b1 tok/s':>10}{'b8 tok/s':>10}{'b1/floor':>10}{'read GB/s':>10}{'vs fp32':>9}"
-        f"{'same read':>10}"
+        f"{'b1 tok/s':>10}{'b8 tok/s':>10}{'b1/floor':>10}{'read GB/s':>10}{'b1/own':>8}"
+        f"{'own GB/s':>9}{'vs fp32':>9}{'same read':>10}"
     )
     base = by_mode.get("float32")
     for mode, reports in by_mode.items():
@@ -140,7 +174,10 @@ def print_table(by_mode: dict[str, list[dict]]) -> None:
             f"{peak / 2**20:>10.0f}{peak / weights:>9.2f}"
             f"{median_of(reports, 'load_s'):>8.1f}{speed:>10.1f}"
             f"{8 / median_of(reports, 'step_8'):>10.1f}{median_of(reports, 'ratio_1'):>10.2f}"
-            f"{median_of(reports, 'bandwidth_1') / 1e9:>10.1f}{versus:>9}{same_read:>10}"
+            f"{median_of(reports, 'bandwidth_1') / 1e9:>10.1f}"
+            f"{median_of(reports, 'own_ratio_1'):>8.2f}"
+            f"{median_of(reports, 'own_bandwidth_1') / 1e9:>9.1f}"
+            f"{versus:>9}{same_read:>10}"
         )
 
 
@@ -161,7 +198,9 @@ def print_verdicts(by_mode: dict[str, list[dict]]) -> None:
         if mode in by_mode:
             ratio = median_of(by_mode[mode], "ratio_1")
             verdict = "met" if ratio <= limit else "MISSED"
-            print(f"{mode}: batch-1 step {ratio:.2f}x its floor (target <= {limit}: {verdict})")
+            own = median_of(by_mode[mode], "own_ratio_1")
+            print(f"{mode}: batch-1 step {ratio:.2f}x its floor (target <= {limit}: {verdict}); "
+                  f"{own:.2f}x the read of its own large weights")  # fmt: skip
     if "float32" not in by_mode:
         return
     for mode, target in SPEEDUP_TARGETS.items():
