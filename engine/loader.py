@@ -34,14 +34,7 @@ from torch import nn
 from stillcut.engine.anon_memory import release_freed_memory
 from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
 from stillcut.engine.quantization import Conversion, quantize_int8, row_blocks
-from stillcut.kernels.cpu_decode_stack import (
-    PANEL_COLUMNS,
-    QUAD_ROWS,
-    pack_quads,
-    panels_fit,
-    quads_fit,
-    to_panels,
-)
+from stillcut.kernels.cpu_decode_stack import PANEL_COLUMNS, head_panels_shape, to_head_panels
 
 log = logging.getLogger(__name__)
 
@@ -235,13 +228,11 @@ def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conver
     as quad panels where they fit, or transposed in memory, see `Conversion.head`) a block of
     rows at a time: only the result and one block ever exist."""
     quantized = conversion.dtype == torch.int8
-    panels = conversion.head and panels_fit(device, shape[0])
-    quads = panels and quantized and quads_fit(torch.int8, device, shape[1], shape[0])
-    if quads:  # int8 [vocab / 32, hidden / 4, 32, 4]: each block of rows is whole panels
-        layout = [shape[0] // PANEL_COLUMNS, shape[1] // QUAD_ROWS, PANEL_COLUMNS, QUAD_ROWS]
-    elif panels:  # [vocab / 32, hidden, 32]: each block of rows is whole panels
-        layout = [shape[0] // PANEL_COLUMNS, shape[1], PANEL_COLUMNS]
-    else:
+    layout = None
+    if conversion.head:  # panels: each block of rows is whole ones
+        layout = head_panels_shape(conversion.dtype, device, *shape)
+    panels = layout is not None
+    if not panels:
         layout = [shape[1], shape[0], *shape[2:]] if conversion.head else shape
     converted = torch.empty(layout, dtype=conversion.dtype, device=device)
     scales = torch.empty(shape[0], dtype=torch.float32) if quantized else None
@@ -253,10 +244,8 @@ def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conver
             raise CheckpointError(f"cannot read tensor {name!r} from {file}: {error}") from error
         if quantized:
             block, scales[rows] = quantize_int8(block, 0)
-        if quads:
-            converted[rows.start // unit : rows.stop // unit] = pack_quads(block.T)
-        elif panels:
-            converted[rows.start // unit : rows.stop // unit] = to_panels(block)
+        if panels:
+            converted[rows.start // unit : rows.stop // unit] = to_head_panels(block)
         elif conversion.head:
             converted[:, rows] = block.T
         else:

@@ -192,14 +192,25 @@ def panels_shape(head: torch.Tensor) -> tuple[int, int]:
     return hidden, panels * columns
 
 
-def panels_fit(device: torch.device | str, vocab: int) -> bool:
-    """Whether an LM head of `vocab` outputs on `device` is stored as panels: on CPU, whole."""
-    return torch.device(device).type == "cpu" and vocab % PANEL_COLUMNS == 0
+def head_panels_shape(
+    dtype: torch.dtype, device: torch.device | str, vocab: int, hidden: int
+) -> tuple[int, ...] | None:
+    """The shape an LM head table `[vocab, hidden]` of `dtype` on `device` is stored in as
+    panels (on CPU, whole panels): int8 quad panels where `quads_fit`, else `[vocab / 32,
+    hidden, 32]`; None where it is not stored as panels."""
+    if torch.device(device).type != "cpu" or vocab % PANEL_COLUMNS:
+        return None
+    if quads_fit(dtype, device, hidden, vocab):
+        return (vocab // PANEL_COLUMNS, hidden // QUAD_ROWS, PANEL_COLUMNS, QUAD_ROWS)
+    return (vocab // PANEL_COLUMNS, hidden, PANEL_COLUMNS)
 
 
-def to_panels(table: torch.Tensor) -> torch.Tensor:
-    """A table `[vocab, hidden]` (rows `[start, stop)` of one, whole panels) as panels (a copy)."""
+def to_head_panels(table: torch.Tensor) -> torch.Tensor:
+    """A table `[vocab, hidden]` (rows `[start, stop)` of one, whole panels) as the panels of
+    `head_panels_shape` (a copy)."""
     vocab, hidden = table.shape
+    if quads_fit(table.dtype, table.device, hidden, vocab):
+        return pack_quads(table.T)
     return table.reshape(vocab // PANEL_COLUMNS, PANEL_COLUMNS, hidden).transpose(1, 2).contiguous()
 
 

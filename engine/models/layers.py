@@ -32,16 +32,16 @@ from stillcut.kernels.cpu_decode_stack import (
     PACK_COLUMNS,
     PANEL_COLUMNS,
     Stack,
+    head_panels_shape,
     is_quads,
     matrix_shape,
     pack_matrix,
     pack_quads,
     packs,
     panel_rows,
-    panels_fit,
     panels_shape,
     quads_fit,
-    to_panels,
+    to_head_panels,
     unpacked,
 )
 
@@ -86,10 +86,8 @@ def head_layout(weight: torch.Tensor) -> torch.Tensor:
     table of a tied model (`head_table`: a strided gather, a few rows per step)."""
     if weight.dim() == 3 or is_quads(weight):
         return weight
-    if quads_fit(weight.dtype, weight.device, weight.shape[1], weight.shape[0]):
-        return pack_quads(weight.T)
-    if panels_fit(weight.device, weight.shape[0]):
-        return to_panels(weight)
+    if head_panels_shape(weight.dtype, weight.device, *weight.shape) is not None:
+        return to_head_panels(weight)
     return weight.T.contiguous()
 
 
@@ -277,7 +275,7 @@ def _widened_product(
     (a packed one's in whole tiles), so no full-precision copy of a large weight (an LM head)
     ever exists."""
     weight, scale = matrix.weight, matrix.scale
-    num_in, num_out = head_shape(weight) if weight.dim() == 3 else matrix_shape(weight)
+    num_in, num_out = head_shape(weight)  # (any layout's)
     width = max(1, WIDEN_BYTES // (4 * num_in))
     if weight.dim() != 2:  # whole tiles or panels
         width = max(PACK_COLUMNS, width // PACK_COLUMNS * PACK_COLUMNS)
