@@ -107,7 +107,7 @@ def stage_pad_decodes(runner: ModelRunner, bucket: int) -> AttentionMetadata:
     buffers.staging()
     query_start, seq_lens = [0], []
     buffers.stage_pads(query_start, seq_lens, bucket, runner.sink_block)
-    buffers.stage_requests(query_start, seq_lens, runner.block_table, [], 0, None)
+    buffers.stage_requests(query_start, seq_lens, runner.block_array, [], 0, None)
     return buffers.metadata(query_start, seq_lens, runner.max_model_len)
 
 

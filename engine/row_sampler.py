@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from stillcut.engine.request import SamplingParams
-from stillcut.engine.sampler import LogprobsTensors, Sampler, SamplingBatch, TokenCounts
+from stillcut.engine.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingBatch,
+    TokenCounts,
+    first_argmax,
+)
 from stillcut.engine.sampler import build_sampling_batch as _build
 
 # request index in the step -> (prompt ids, output ids so far), read once per penalized request
@@ -78,6 +84,12 @@ class RowSampler:
         Position i is sampled given the tokens before it, as if one at a time: while the token
         at i accepts draft i, position i + 1 is sampled too. `num_outputs[r]` (with keyed draws)
         counts the output tokens request r had before this step."""
+        if drafts is None or not any(drafts):
+            batch = self._batch(request_ids, params, history, logits.shape[1])
+            if batch.all_greedy and batch.num_logprobs is None and batch.output_counts is None:
+                # each row's argmax, nothing else asked: the sampler's greedy path, without it
+                tokens = [[token_id] for token_id in first_argmax(logits).tolist()]
+                return tokens, StepResult(dict(zip(request_ids, tokens, strict=True)), {})
         drafts = drafts if drafts is not None else [()] * len(request_ids)
         first_rows = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
         tokens: list[list[int]] = [[] for _ in request_ids]

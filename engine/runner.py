@@ -107,6 +107,8 @@ class ModelRunner:
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
+        # numpy views of both: a step writes a few Python ints into them (cheaper than torch ops)
+        self.token_array, self.block_array = self.token_ids.numpy(), self.block_table.numpy()
         self.free_rows = list(range(max_num_reqs - 1, -1, -1))
         self.rows: dict[str, RowState] = {}
         # with speculation, seeded draws are keyed by output position (see `RowSampler`)
@@ -126,6 +128,9 @@ class ModelRunner:
         self.input_ids = self.buffers.host.input_ids
         self.positions = self.buffers.host.positions
         self.slot_mapping = self.buffers.host.slot_mapping
+        # which scheduled tokens are prompt tokens (for recurrent layers), staged on the host
+        self.prompt_mask = torch.zeros(max_num_batched_tokens, dtype=torch.bool)
+        self.prompt_array = self.prompt_mask.numpy()
         self.graphs: DecodeGraphs | None = None
 
     def capture_decode_graphs(self) -> DecodeGraphs:
@@ -262,9 +267,7 @@ class ModelRunner:
 
     def _append_blocks(self, state: RowState, block_ids: list[int]) -> None:
         start = len(state.block_ids)
-        self.block_table[state.row, start : start + len(block_ids)] = torch.tensor(
-            block_ids, dtype=torch.int32
-        )
+        self.block_array[state.row, start : start + len(block_ids)] = block_ids
         state.block_ids.extend(block_ids)
 
     def _drop_row(self, request_id: str) -> None:
@@ -293,7 +296,7 @@ class ModelRunner:
             q0, q1 = query_start[-1], query_start[-1] + end - start
             drafts = output.spec_token_ids.get(request_id, ())
             if drafts:  # scored after the last sampled token; overwritten unless accepted
-                self.token_ids[state.row, end - len(drafts) : end] = torch.tensor(drafts)
+                self.token_array[state.row, end - len(drafts) : end] = drafts
             if end - start == 1 and start >= state.prompt_len:
                 # one sampled token: its values are Python ints, written for all decodes at once
                 after = start - state.prompt_len
@@ -336,22 +339,24 @@ class ModelRunner:
         self.buffers.stage_requests(
             query_start,
             seq_lens,
-            self.block_table,
+            self.block_array,
             rows,
             max_blocks,
             None if every_token_samples else sample_index,
         )
         metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), len(mm_ranges))
         metadata.recurrent = recurrent
-        device, inputs, num_tokens = self.device, self.buffers.device, query_start[-1]
+        input_ids, positions, _, _, mm_mask = self.buffers.token_views(query_start[-1])
         return _Batch(
-            input_ids=inputs.input_ids[:num_tokens],
-            positions=inputs.positions[:, :num_tokens],
+            input_ids=input_ids,
+            positions=positions,
             metadata=metadata,
-            mm_embeds=torch.cat(mm_pieces).to(device) if mm_pieces else None,
-            mm_mask=inputs.mm_mask[:num_tokens] if mm_pieces else None,
+            mm_embeds=torch.cat(mm_pieces).to(self.device) if mm_pieces else None,
+            mm_mask=mm_mask if mm_pieces else None,
             sample_ids=sample_ids,
-            sample_index=None if every_token_samples else inputs.sample_index[: len(sample_index)],
+            sample_index=(
+                None if every_token_samples else self.buffers.token_views(len(sample_index))[3]
+            ),
             num_sampled=len(sample_index),
             bucket=bucket,
         )
@@ -359,15 +364,14 @@ class ModelRunner:
     def _write_decodes(self, decodes: list[tuple[int, int, int, int]]) -> None:
         """Token id, position and slot of each decode: one sampled text token (t = h = w)."""
         batch_rows, ids, positions, slots = zip(*decodes, strict=True)
+        host = self.buffers.host_arrays
         if batch_rows[-1] == len(batch_rows) - 1:  # decodes are scheduled first: rows 0..D-1
-            self.input_ids[: len(ids)] = torch.tensor(ids)
-            self.positions[:, : len(ids)] = torch.tensor(positions)
-            self.slot_mapping[: len(ids)] = torch.tensor(slots)
-            return
-        index = torch.tensor(batch_rows)
-        self.input_ids[index] = torch.tensor(ids)
-        self.positions[:, index] = torch.tensor(positions)
-        self.slot_mapping[index] = torch.tensor(slots)
+            batch_rows = slice(0, len(batch_rows))
+        else:
+            batch_rows = list(batch_rows)
+        host.input_ids[batch_rows] = ids
+        host.positions[:, batch_rows] = positions
+        host.slot_mapping[batch_rows] = slots
 
     def _recurrent_metadata(
         self,
@@ -388,7 +392,8 @@ class ModelRunner:
         assert all(
             n.num_computed_tokens == 0 or n.restore_slot is not None for n in output.scheduled_new
         ), "a state resumed without a snapshot"
-        prompt_token_mask = torch.zeros(query_start[-1], dtype=torch.bool)
+        prompt_token_mask = self.prompt_array[: query_start[-1]]
+        prompt_token_mask[:] = False
         for b, request_id in enumerate(request_ids):
             # a request's prompt tokens come first among its scheduled ones
             num_prompt = max(self.rows[request_id].prompt_len - computed[request_id], 0)
@@ -399,12 +404,16 @@ class ModelRunner:
             state_rows_cpu=rows,
             fresh=[computed[r] == 0 for r in request_ids],
             query_start_loc_cpu=query_start,
-            prompt_token_mask=prompt_token_mask.to(self.device),
+            prompt_token_mask=self._on_device(self.prompt_mask[: query_start[-1]]),
             snapshots=self.state_snapshots,
             captures=[
                 [capture[:2] for capture in output.state_captures.get(r, ())] for r in request_ids
             ],
         )
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the model's device (itself on CPU, without a call into torch)."""
+        return tensor if self.device.type == "cpu" else tensor.to(self.device)
 
     def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:
         """Positions of tokens [start, end): the prompt's from its table, later ones count on."""
@@ -446,14 +455,12 @@ class ModelRunner:
         tokens, result = self.sampling.sample(
             request_ids, params, history, logits, drafts, num_outputs
         )
-        rows, columns, values = [], [], []
         for state, new_tokens in zip(states, tokens, strict=True):
-            rows += [state.row] * len(new_tokens)
-            columns += range(state.num_tokens, state.num_tokens + len(new_tokens))
-            values += new_tokens
+            self.token_array[state.row, state.num_tokens : state.num_tokens + len(new_tokens)] = (
+                new_tokens
+            )
             state.num_tokens += len(new_tokens)
             state.output_ids.extend(new_tokens)
-        self.token_ids[rows, columns] = torch.tensor(values)
         return result
 
 

@@ -9,6 +9,11 @@ the device; on CPU the staging buffer is the device buffer and nothing is copied
 lie back to back in one byte buffer, the block table last, so the copy stops after the block
 table rows the step uses. A step of decodes may be padded to a bucket (`stage_pads`): each pad
 row is a one-token request at position 0 of a sink block no request owns.
+
+The host writes a step through numpy views of the staging buffer (`host_arrays`): a few values
+from Python lists cost a fraction of a torch op each, and a decode step is mostly such writes.
+The device views a step hands on are made once per row count (`token_views`,
+`request_views`), not per step.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import torch
 from stillcut.kernels.attention import AttentionMetadata
 
 _ALIGN = 8  # bytes: every field starts where an int64 may
+# Row counts up to this get their device views made once and kept (decode steps and short
+# chunks: steps whose host time matters); longer chunks slice the buffers anew.
+_KEPT_VIEWS = 256
 
 
 class StepTensors(NamedTuple):
@@ -75,7 +83,11 @@ class StepBuffers:
             torch.zeros(end, dtype=torch.uint8, device=device) if on_cuda else self._host_bytes
         )
         self.host = _views(self._host_bytes, layout, offsets)
+        # the same staging storage as numpy arrays (`StepTensors` of arrays), written by the host
+        self.host_arrays = StepTensors(*(view.numpy() for view in self.host))
         self.device = _views(self._device_bytes, layout, offsets)
+        self._token_views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._request_views: dict[int, tuple[torch.Tensor, ...]] = {}
         self._copied = torch.cuda.Event() if on_cuda else None
         self.block_size = block_size
         self._table_width = 0  # block-table columns ever staged: rewritten in every staged row
@@ -97,15 +109,19 @@ class StepBuffers:
     ) -> None:
         """Stage the per-request inputs (token inputs are staged already): `rows` of the
         runner's `block_table` `[max_num_reqs, max_num_blocks]` (zero past each row's blocks,
-        at most `max_blocks`) go to the first rows, then the step is copied to the device."""
-        num_requests, host = len(seq_lens), self.host
-        host.query_start_loc[: num_requests + 1] = torch.tensor(query_start, dtype=torch.int32)
-        host.seq_lens[:num_requests] = torch.tensor(seq_lens, dtype=torch.int32)
+        at most `max_blocks`; a numpy array) go to the first rows, then the step is copied to
+        the device."""
+        num_requests, host = len(seq_lens), self.host_arrays
+        host.query_start_loc[: num_requests + 1] = query_start
+        host.seq_lens[:num_requests] = seq_lens
         self._table_width = max(self._table_width, max_blocks)
         width = self._table_width  # overwrites what longer requests left in these rows
-        host.block_tables[: len(rows), :width] = block_table[rows, :width]
+        if len(rows) == 1:
+            host.block_tables[0, :width] = block_table[rows[0], :width]
+        elif rows:
+            host.block_tables[: len(rows), :width] = block_table[rows, :width]
         if sample_index is not None:
-            host.sample_index[: len(sample_index)] = torch.tensor(sample_index)
+            host.sample_index[: len(sample_index)] = sample_index
         self.upload(num_requests)
 
     def stage_items(
@@ -141,18 +157,46 @@ class StepBuffers:
     ) -> AttentionMetadata:
         """The staged step's attention metadata (with its first `num_ranges` staged item
         ranges): views of the device buffers."""
-        device, num_requests = self.device, len(seq_lens)
+        query_start_loc, seq_lens_view, block_tables = self.request_views(len(seq_lens))
         return AttentionMetadata(
-            query_start_loc=device.query_start_loc[: num_requests + 1],
-            seq_lens=device.seq_lens[:num_requests],
-            block_tables=device.block_tables[:num_requests],
-            slot_mapping=device.slot_mapping[: query_start[-1]],
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_view,
+            block_tables=block_tables,
+            slot_mapping=self.token_views(query_start[-1])[2],
             max_query_len=max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
             max_seq_len=max_seq_len,
-            mm_ranges=device.mm_ranges[:num_ranges] if num_ranges else None,
+            mm_ranges=self.device.mm_ranges[:num_ranges] if num_ranges else None,
             query_start_loc_cpu=query_start,
             seq_lens_cpu=seq_lens,
         )
+
+    def token_views(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """The device's input ids, positions, slot mapping, sample index and multimodal mask
+        of a step's first `num_tokens` rows."""
+        views = self._token_views.get(num_tokens)
+        if views is None:
+            device, n = self.device, num_tokens
+            views = (
+                device.input_ids[:n],
+                device.positions[:, :n],
+                device.slot_mapping[:n],
+                device.sample_index[:n],
+                device.mm_mask[:n],
+            )
+            if num_tokens <= _KEPT_VIEWS:
+                self._token_views[num_tokens] = views
+        return views
+
+    def request_views(self, num_requests: int) -> tuple[torch.Tensor, ...]:
+        """The device's query starts, sequence lengths and block table rows of a step's first
+        `num_requests` requests."""
+        views = self._request_views.get(num_requests)
+        if views is None:
+            device, n = self.device, num_requests
+            views = (device.query_start_loc[: n + 1], device.seq_lens[:n], device.block_tables[:n])
+            if num_requests <= _KEPT_VIEWS:
+                self._request_views[num_requests] = views
+        return views
 
     def upload(self, num_table_rows: int) -> None:
         """Copy the staged step to the device: everything up to the end of block table row

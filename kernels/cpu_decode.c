@@ -92,6 +92,7 @@ typedef struct {
     const int32_t *section;      /* [rotary_dim / 2]: the position row of each rotary frequency */
     int32_t hidden, num_tables, rotary_dim;
     float eps;
+    const Matrix *head;          /* [hidden, vocab] or NULL: the step's logits, see `decode_step` */
 } Model;
 
 typedef struct {
@@ -480,7 +481,23 @@ static const KindOps *kind_ops(int kind) {
     return known ? KINDS + kind : NULL;
 }
 
-/* 0 when `decode_step` can run these blocks, else a status naming what is wrong: 1-3 the
+/* Whether `product` sums `matrix` through per-thread partial sums (threads * rows * out
+ * floats): not panels, quads or a vocabulary-wide row-major matrix split by columns. */
+static int product_partials(const Matrix *matrix) {
+    return matrix->packed < PANELS && (matrix->out_in || matrix->out < SPLIT_COLUMNS_FROM);
+}
+
+/* One product of a whole x (read by every thread of the region) by any matrix `linear` reads:
+ * a vocabulary-wide row-major one split by columns, others as `linear` splits them. */
+static void product(const float *x, size_t stride, int rows, const Matrix *matrix,
+                    const float *add, float *y, float *partials) {
+    if (matrix->packed < PANELS && !product_partials(matrix))
+        linear_by_columns(x, stride, rows, matrix, add, y);
+    else
+        linear(x, stride, rows, matrix, add, y, partials);
+}
+
+/* 0 when `decode_step` can run these blocks, else a status naming what is wrong: 1-4 the
  * model's own fields, 9 a kind this kernel does not know, 10 a block's missing norm or params,
  * from 11 on the kind's own `check`. */
 int check_model(const Model *model, const Block *blocks, int num_blocks) {
@@ -489,6 +506,7 @@ int check_model(const Model *model, const Block *blocks, int num_blocks) {
     const Embedding *table = &model->embedding;
     if (table->format < F32 || table->format > I8 || (table->format == I8) != !!table->scales)
         return 3;
+    if (model->head && !check_matrix(model->head, model->hidden, model->head->out)) return 4;
     for (int b = 0; b < num_blocks; b++) {
         const Block *block = blocks + b;
         const KindOps *ops = kind_ops(block->kind);
@@ -518,7 +536,9 @@ static size_t largest_work(const Block *blocks, int num_blocks, const Step *step
  * largest block's work, then the partial sums of the widest product. */
 int64_t scratch_floats(const Model *model, const Block *blocks, int num_blocks,
                        const Step *step) {
-    size_t widest = model->hidden;
+    const Matrix *head = model->head;
+    size_t widest = head && product_partials(head) ? (size_t)head->out : 0;
+    widest = widest > (size_t)model->hidden ? widest : (size_t)model->hidden;
     for (int b = 0; b < num_blocks; b++) {
         size_t width = KINDS[blocks[b].kind].widest_output(blocks[b].params);
         widest = width > widest ? width : widest;
@@ -575,20 +595,18 @@ int matmul(const Matrix *matrix, const float *x, int64_t stride, int rows, const
 #pragma omp parallel num_threads(threads)
     {
         enter_region(&barrier);
-        if (!matrix->out_in && matrix->out >= SPLIT_COLUMNS_FROM && matrix->packed < PANELS)
-            linear_by_columns(x, (size_t)stride, rows, matrix, add, y);
-        else
-            linear(x, (size_t)stride, rows, matrix, add, y, partials);
+        product(x, (size_t)stride, rows, matrix, add, y, partials);
         enter_region(NULL);
     }
     return 0;
 }
 
 /* `out` [rows, hidden]: the final-normed hidden states of the step's tokens through the blocks
- * (checked by `check_model`), with `scratch_floats` floats of `scratch`. 0, or 1 when the
- * step's caches do not match the blocks. */
+ * (checked by `check_model`), with `scratch_floats` floats of `scratch`; and where `logits` is
+ * not NULL (and the model has a head), `logits` [rows, vocab]: `out` through the head, in the
+ * same threaded region. 0, or 1 when the step's caches do not match the blocks. */
 int decode_step(const Model *model, const Block *blocks, int num_blocks, const Step *step,
-                float *scratch, float *out) {
+                float *scratch, float *out, float *logits) {
     if (step->block_size > MAX_BLOCK || (step->kv_format != F32 && step->kv_format != BF16))
         return 1;
     for (int b = 0; b < num_blocks; b++)
@@ -628,6 +646,10 @@ int decode_step(const Model *model, const Block *blocks, int num_blocks, const S
         for (int r = begin; r < end; r++)
             rms_norm(c.hidden + (size_t)r * H, model->final_norm, out + (size_t)r * H, H,
                      model->eps);
+        if (logits && model->head) {
+            region_barrier(); /* the head reads every row */
+            product(out, H, rows, model->head, NULL, logits, c.partials);
+        }
         enter_region(NULL);
     }
     return 0;

@@ -170,6 +170,7 @@ class _Model(ctypes.Structure):
         ("section", ctypes.c_void_p),
         *((name, ctypes.c_int32) for name in ("hidden", "num_tables", "rotary_dim")),
         ("eps", ctypes.c_float),
+        ("head", ctypes.c_void_p),
     ]
 
 
@@ -227,6 +228,27 @@ def load() -> ctypes.CDLL | None:
         return None
     library.decode_step.restype = library.check_model.restype = ctypes.c_int
     library.matmul.restype = ctypes.c_int
+    # declared, so that the per-step calls pass plain ints as addresses (no wrapper objects)
+    address = ctypes.c_void_p
+    library.decode_step.argtypes = [
+        address,
+        address,
+        ctypes.c_int,
+        address,
+        address,
+        address,
+        address,
+    ]
+    library.matmul.argtypes = [
+        address,
+        address,
+        ctypes.c_int64,
+        ctypes.c_int,
+        address,
+        address,
+        address,
+        ctypes.c_int,
+    ]
     library.scratch_floats.restype = ctypes.c_int64
     return library
 
@@ -303,6 +325,13 @@ def _out_in(weight: torch.Tensor) -> int:
     )
 
 
+def _as_read(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` as the kernel reads it: contiguous, of `dtype` (a copy only where it is not)."""
+    if tensor.dtype is dtype and tensor.is_contiguous():
+        return tensor
+    return tensor.to(dtype).contiguous()
+
+
 class _Kept:
     """What the kernel reads by address: aliases of tensors (their storage stays alive whatever
     becomes of the tensors themselves) and ctypes structs."""
@@ -329,6 +358,19 @@ class _Kept:
             QUADS if is_quads(weight) else int(is_packed(weight)),
         )
 
+    def _any_matrix(self, weight: torch.Tensor, scale: torch.Tensor | None) -> _Matrix:
+        """`_matrix`, or an LM head's panels `[out / 32, in, 32]`."""
+        if weight.dim() != 3:
+            return self._matrix(weight, scale)
+        return _Matrix(
+            self._address(weight),
+            self._address(scale),
+            FORMATS[weight.dtype],
+            0,
+            *panels_shape(weight),
+            PANELS,
+        )
+
 
 class NativeMatrix(_Kept):
     """One weight `[in, out]` (any stored format and layout, an LM head's panels `[out / 32,
@@ -339,19 +381,9 @@ class NativeMatrix(_Kept):
     def __init__(self, library: ctypes.CDLL, weight: torch.Tensor, scale: torch.Tensor | None):
         super().__init__()
         self.library = library
-        if weight.dim() == 3:  # panels (`cpu_decode_stack.panels_shape`)
-            self.num_out = panels_shape(weight)[1]
-            self.matrix = _Matrix(
-                self._address(weight),
-                self._address(scale),
-                FORMATS[weight.dtype],
-                0,
-                *panels_shape(weight),
-                PANELS,
-            )
-        else:
-            self.num_out = matrix_shape(weight)[1]
-            self.matrix = self._matrix(weight, scale)
+        self.matrix = self._any_matrix(weight, scale)
+        self.num_out = self.matrix.num_out
+        self.matrix_address = ctypes.addressof(self.matrix)
         self.partials = torch.empty(0)
 
     def __reduce__(self):
@@ -372,13 +404,13 @@ class NativeMatrix(_Kept):
             self.partials = torch.empty(needed)
         out = torch.empty(rows, self.num_out)
         status = self.library.matmul(
-            ctypes.byref(self.matrix),
-            ctypes.c_void_p(x.data_ptr()),
-            ctypes.c_int64(x.stride(0)),
+            self.matrix_address,
+            x.data_ptr(),
+            x.stride(0),
             rows,
-            None if add is None else ctypes.c_void_p(add.data_ptr()),
-            ctypes.c_void_p(out.data_ptr()),
-            ctypes.c_void_p(self.partials.data_ptr()),
+            None if add is None else add.data_ptr(),
+            out.data_ptr(),
+            self.partials.data_ptr(),
             threads,
         )
         if status:
@@ -417,7 +449,9 @@ class CpuDecoder(_Kept):
         if len(self.state_layers) != sum(isinstance(b.mixer, Mamba2) for b in stack.blocks):
             raise ValueError("two recurrent blocks share one state")
         self.blocks = (_Block * len(stack.blocks))(*map(self._block, stack.blocks))
+        self.vocab = 0  # the head's outputs (`_head`); 0: no head
         self.model = self._model(stack)
+        self.model_address = ctypes.addressof(self.model)
         status = library.check_model(ctypes.byref(self.model), self.blocks, len(self.blocks))
         if status:
             raise RuntimeError(f"the native decode step rejected the stack (status {status})")
@@ -429,6 +463,11 @@ class CpuDecoder(_Kept):
         self.kv_cache_array = (ctypes.c_void_p * 0)()
         self.states: tuple[torch.Tensor, ...] = ()  # the recurrent states last seen to fit
         self.state_array = (ctypes.c_void_p * 0)()
+        # a step's state row and freshness per row, as the kernel reads them
+        self.state_rows = (ctypes.c_int32 * MAX_ROWS)()
+        self.fresh = (ctypes.c_uint8 * MAX_ROWS)()
+        self.state_rows_address = ctypes.addressof(self.state_rows)
+        self.fresh_address = ctypes.addressof(self.fresh)
         self.scratch = torch.empty(0)
 
     def __reduce__(self):
@@ -468,7 +507,17 @@ class CpuDecoder(_Kept):
             len(stack.inv_freqs),
             2 * stack.section.shape[0],
             stack.eps,
+            self._head(stack),
         )
+
+    def _head(self, stack: Stack) -> int | None:
+        """The address of the head's matrix (kept alive here), None without one."""
+        if stack.head is None:
+            return None
+        head = self._any_matrix(stack.head, stack.head_scales)
+        self.kept.append(head)
+        self.vocab = head.num_out
+        return ctypes.addressof(head)
 
     def supports(
         self, input_ids: torch.Tensor, kv_caches: Sequence[torch.Tensor], metadata
@@ -552,9 +601,22 @@ class CpuDecoder(_Kept):
         """The final-normed hidden states [rows, hidden] of `input_ids` [rows] at `positions`
         [position rows, rows]; their keys and values go into `kv_caches` like the model's own
         layers put them."""
+        return self.decode(input_ids, positions, kv_caches, metadata, with_logits=False)[0]
+
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+        metadata,
+        with_logits: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`__call__`'s hidden states and, `with_logits` where the stack has a head, their
+        float32 logits [rows, vocab] through it, made in the same native call (else None)."""
         rows = input_ids.shape[0]
-        input_ids = input_ids.to(torch.int64).contiguous()
-        positions = positions.to(torch.int64)
+        input_ids = _as_read(input_ids, torch.int64)
+        if positions.dtype is not torch.int64:
+            positions = positions.to(torch.int64)
         if positions.stride(1) != 1:
             positions = positions.contiguous()
         addresses = tuple(cache.data_ptr() for cache in kv_caches[: self.num_kv_caches])
@@ -564,15 +626,11 @@ class CpuDecoder(_Kept):
         block_tables = metadata.block_tables
         if block_tables.stride(1) != 1:
             block_tables = block_tables.contiguous()
-        seq_lens = metadata.seq_lens.contiguous()
-        slot_mapping = metadata.slot_mapping.contiguous()
+        seq_lens = _as_read(metadata.seq_lens, torch.int32)
+        slot_mapping = _as_read(metadata.slot_mapping, torch.int64)
         recurrent = metadata.recurrent if self.state_layers else None
         if self.state_layers and not self._states_fit(recurrent, rows):
             raise ValueError("the step's recurrent states are not the blocks' (see `supports`)")
-        if recurrent is not None:  # read by the kernel: kept until it returns
-            state_rows = torch.tensor(recurrent.state_rows_cpu, dtype=torch.int32)
-            fresh = torch.tensor(recurrent.fresh, dtype=torch.uint8)
-            prompt = recurrent.prompt_token_mask.to(torch.uint8).contiguous()
         step = _Step(
             rows,
             torch.get_num_threads(),
@@ -588,28 +646,33 @@ class CpuDecoder(_Kept):
             *(kv_caches[0].shape[1:3] if addresses else (0, 0)),  # blocks, block size
             FORMATS[kv_caches[0].dtype] if addresses else FORMATS[torch.float32],
         )
-        if recurrent is not None:
+        if recurrent is not None:  # read by the kernel: kept until it returns
             step.states = ctypes.addressof(self.state_array)
             step.num_states = len(self.state_layers)
             step.state_slots = self.states[0].shape[0]
-            step.state_rows = state_rows.data_ptr()
-            step.fresh = fresh.data_ptr()
+            self.state_rows[:rows] = recurrent.state_rows_cpu
+            self.fresh[:rows] = recurrent.fresh
+            step.state_rows = self.state_rows_address
+            step.fresh = self.fresh_address
+            prompt = _as_read(recurrent.prompt_token_mask, torch.bool)  # read as uint8
             step.prompt = prompt.data_ptr()
         self._fit_scratch(step)
         out = torch.empty(rows, self.hidden)
+        logits = torch.empty(rows, self.vocab) if with_logits and self.vocab else None
         status = self.library.decode_step(
-            ctypes.byref(self.model),
+            self.model_address,
             self.blocks,
             len(self.blocks),
-            ctypes.byref(step),
-            ctypes.c_void_p(self.scratch.data_ptr()),
-            ctypes.c_void_p(out.data_ptr()),
+            ctypes.addressof(step),
+            self.scratch.data_ptr(),
+            out.data_ptr(),
+            None if logits is None else logits.data_ptr(),
         )
         if status:
             raise RuntimeError(f"native decode rejected its inputs (status {status})")
         if recurrent is not None and any(recurrent.captures):
             self._save_snapshots(recurrent)
-        return out
+        return out, logits
 
     def _save_snapshots(self, recurrent) -> None:
         """The states each row's capture asks for (after its one token: what its state row

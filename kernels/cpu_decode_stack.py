@@ -505,7 +505,9 @@ class Stack:
     final norm. `inv_freqs` are the rotary tables' frequencies `[D/2]` and `section` `[D/2]`
     the position row each frequency turns with (M-RoPE; zeros for 1-D positions); no tables
     (and `section` `[0]`) where no block rotates. Every RMSNorm divides by sqrt(mean(x^2) +
-    `eps`)."""
+    `eps`). With a `head` (an LM head `[hidden, vocab]` as `engine.models.layers.head_layout`
+    stores it: row-major, its transpose, panels or int8 quad panels, int8 with `head_scales`
+    `[vocab]`), a step may also give its rows' logits (`cpu_decode.CpuDecoder.decode`)."""
 
     blocks: Sequence[Block]
     embedding: torch.Tensor
@@ -515,6 +517,8 @@ class Stack:
     eps: float
     embedding_scale: float = 1.0
     embedding_scales: torch.Tensor | None = None
+    head: torch.Tensor | None = None  # the LM head (`head_layout`), int8 with `head_scales`
+    head_scales: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.inv_freqs) > MAX_TABLES:
@@ -535,6 +539,13 @@ class Stack:
         else:
             _check_shape("embedding", self.embedding, self.embedding.shape[0], hidden)
             _check_weight("embedding", self.embedding, self.embedding_scales, 0)
+        if self.head is not None:
+            shape = (panels_shape if self.head.dim() == 3 else matrix_shape)(self.head)
+            if shape[0] != hidden:
+                raise ValueError(f"head: {shape[0]} inputs, the stack is {hidden} wide")
+            if (self.head.dtype == torch.int8) != (self.head_scales is not None):
+                raise ValueError("head: an int8 head needs scales, and only an int8 one")
+            _check_shape("head scale", self.head_scales, shape[1])
         for table, inv_freq in enumerate(self.inv_freqs):
             _check_shape(f"inv_freqs[{table}]", inv_freq, half)
         for index, block in enumerate(self.blocks):

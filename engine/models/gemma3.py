@@ -45,7 +45,6 @@ from stillcut.engine.models.layers import (
     rotary_tables,
     scale_of,
     set_weight,
-    vocab_logits,
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
@@ -237,7 +236,7 @@ class Gemma3LanguageModel(PagedLanguageModel):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, soft-capped if the config says so."""
-        logits = vocab_logits(hidden_states, self.head_matrices or self.lm_head)  # [S, vocab]
+        logits = self.head_logits(hidden_states)  # [S, vocab]
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -346,6 +345,8 @@ class Gemma3LanguageModel(PagedLanguageModel):
             section=torch.zeros(config.head_dim // 2, dtype=torch.int32),  # 1-D positions
             eps=config.rms_norm_eps,
             embedding_scale=float(self.embed_scale),
+            head=self.lm_head,
+            head_scales=scale_of(self, "lm_head"),
         )
 
 

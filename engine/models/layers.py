@@ -319,6 +319,8 @@ class PagedLanguageModel(nn.Module):
     weight_format: WeightFormat | None = None
     cpu_decoder: CpuDecoder | None = None  # None: the torch ops run (also set so by benches)
     weights_seen: WeightSnapshot | None = None  # the weights `prepare_weights` saw
+    # (hidden states, their logits) of the last native step, made in the same call
+    step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def extend_positions(
         self,
@@ -359,7 +361,9 @@ class PagedLanguageModel(nn.Module):
         here the weights are checked: if the model now holds other tensors than the prepared
         matrices and the decoder were made from (a reload, `.to()`, a replaced parameter),
         both are made again before anything reads them (falling back to torch where the kernel
-        cannot serve the new weights, e.g. float64)."""
+        cannot serve the new weights, e.g. float64). The native step computes its rows' logits
+        in the same call, kept for `head_logits`."""
+        self._keep_step_logits(None)
         if self.weights_seen is not None and not self.weights_seen.current():
             log.info("the model's weights changed: rebuilding its matrices and native decode step")
             self.prepare_weights()
@@ -369,8 +373,26 @@ class PagedLanguageModel(nn.Module):
             and native is not None
             and native.supports(input_ids, kv_caches, metadata)
         ):
-            return native(input_ids, positions, kv_caches, metadata)
+            hidden, logits = native.decode(input_ids, positions, kv_caches, metadata, True)
+            if logits is not None:
+                self._keep_step_logits((hidden, logits))
+            return hidden
         return None
+
+    def _keep_step_logits(self, made: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        # in the instance's dictionary directly: `nn.Module.__setattr__` checks each assignment
+        # against parameters, buffers and submodules, a cost seen in every decode step
+        vars(self)["step_logits"] = made
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[S, vocab]` of `hidden` `[S, hidden]` through the LM head: those the
+        native step made with `hidden` when `hidden` is the very tensor it returned (a step of
+        decodes whose every row samples), else the head's product."""
+        made = self.step_logits
+        self._keep_step_logits(None)
+        if made is not None and made[0] is hidden:
+            return made[1]
+        return vocab_logits(hidden, self.head_matrices or self.lm_head)
 
     @property
     def num_layers(self) -> int:

@@ -34,7 +34,6 @@ from stillcut.engine.models.layers import (
     load_head,
     scale_of,
     set_weight,
-    vocab_logits,
 )
 from stillcut.engine.models.nemotron_blocks import (
     AttentionBlock,
@@ -146,11 +145,13 @@ class NemotronHLanguageModel(PagedLanguageModel):
             inv_freqs=[],
             section=torch.zeros(0, dtype=torch.int64),
             eps=self.config.layer_norm_epsilon,
+            head=self.lm_head,
+            head_scales=scale_of(self, "lm_head"),
         )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
-        return vocab_logits(hidden_states, self.head_matrices)
+        return self.head_logits(hidden_states)
 
     def prompt_positions(
         self,

@@ -39,7 +39,6 @@ from stillcut.engine.models.layers import (
     rotary_tables,
     scale_of,
     set_weight,
-    vocab_logits,
 )
 from stillcut.engine.models.qwen2_vl_config import TextConfig, text_config
 from stillcut.engine.multimodal import MultiModalItem
@@ -202,7 +201,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
-        return vocab_logits(hidden_states, self.head_matrices or self.lm_head)
+        return self.head_logits(hidden_states)
 
     def prompt_positions(
         self,
@@ -306,6 +305,8 @@ class Qwen2LanguageModel(PagedLanguageModel):
             inv_freqs=[self.rotary.inv_freq],
             section=self.rotary.section,
             eps=config.rms_norm_eps,
+            head=self.lm_head,
+            head_scales=scale_of(self, "lm_head"),
         )
 
 

@@ -93,13 +93,13 @@ def test_replaced_weights_decode_their_own_tokens(checkpoints, how, monkeypatch)
     REPLACEMENTS[how](engine.model, type(engine.model).from_checkpoint(second))
     gc.collect()  # the first checkpoint's tensors have no owner left but the decoder
     native_rows = []
-    decode = cpu_decode.CpuDecoder.__call__
+    decode = cpu_decode.CpuDecoder.decode
 
     def counted(decoder, input_ids, *args):
         native_rows.append(input_ids.shape[0])
         return decode(decoder, input_ids, *args)
 
-    monkeypatch.setattr(cpu_decode.CpuDecoder, "__call__", counted)
+    monkeypatch.setattr(cpu_decode.CpuDecoder, "decode", counted)
     (after,) = engine.generate([prompt], GREEDY)
     assert after.token_ids == expected
     assert len(set(expected)) > 1  # not one token over and over

@@ -28,7 +28,13 @@ import torch.nn.functional as F
 
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.models import Gemma3LanguageModel, Qwen2LanguageModel
-from stillcut.engine.models.layers import embedding_rows, fused_qkv_attention, rotary_tables
+from stillcut.engine.models.layers import (
+    embedding_rows,
+    fused_qkv_attention,
+    head_layout,
+    rotary_tables,
+    vocab_logits,
+)
 from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
@@ -174,6 +180,27 @@ def test_native_decode_matches_the_torch_layers(model, requests, threads):
     for ours, theirs in zip(native_caches, torch_caches, strict=True):
         torch.testing.assert_close(ours, theirs, atol=TOLERANCE, rtol=TOLERANCE)
     assert not torch.equal(native[0], native[1])  # the steps really differ
+
+
+def test_a_native_step_makes_the_logits_of_its_rows(model):
+    """The native step computes its rows' logits in the same call; `compute_logits` of the very
+    hidden states it returned gives them (once), of any other tensor the head's product."""
+    requests = [0, 1, 2]
+    kv_caches = _prefilled(model, requests)
+    cached = [PROMPT_LENS[r] for r in requests]
+    metadata = _metadata(requests, cached, [1] * 3)
+    with torch.inference_mode():
+        hidden = model(torch.tensor([5, 6, 7]), _positions(model, cached), kv_caches, metadata)
+        made = model.step_logits
+        assert made is not None and made[0] is hidden
+        logits = model.compute_logits(hidden)
+        assert model.step_logits is None  # taken
+        expected = vocab_logits(hidden, model.head_matrices)
+        cap = getattr(model.config, "final_logit_softcapping", None)
+        if cap is not None:
+            expected = torch.tanh(expected / cap) * cap
+        torch.testing.assert_close(logits, expected, atol=TOLERANCE, rtol=TOLERANCE)
+        torch.testing.assert_close(model.compute_logits(hidden[:2]), expected[:2])
 
 
 def test_native_decode_takes_only_small_decode_steps(model):
@@ -509,8 +536,19 @@ def test_a_stack_of_any_blocks_matches_its_torch_reading(case):
             is_quads(b.mixer.o_weight) for b in stack.blocks if b.mixer.kind == Kind.ATTENTION
         )
     tolerance = TOLERANCE if kv_dtype == torch.float32 else BFLOAT16_KV_TOLERANCE
+    # the LM head, stored as the loader stores it: a float32 vocabulary of 300 row-major, one
+    # of whole panels as panels (int8 on a CPU with VNNI: quad panels)
+    head_vocab = VOCAB if weight_dtype == torch.float32 and blocks == "mixed" else 320
+    head = torch.randn(head_vocab, HIDDEN, generator=torch.Generator().manual_seed(4))
+    if weight_dtype in (torch.int8, "quads"):
+        head, head_scales = quantize_int8(head, 0)
+        head_meaning = dense(head, head_scales, 0, torch.float32)
+    else:
+        head = head.to(weight_dtype)
+        head_scales, head_meaning = None, head.float()
+    stack = dataclasses.replace(stack, head=head_layout(head), head_scales=head_scales)
     decoder = cpu_decode.bind(stack)
-    assert decoder is not None
+    assert decoder is not None and decoder.vocab == head_vocab
     requests = [0, 1, LONG]
     lens = [PROMPT_LENS[r] for r in requests]
     shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
@@ -530,9 +568,11 @@ def test_a_stack_of_any_blocks_matches_its_torch_reading(case):
             positions = torch.tensor(cached) + torch.tensor([[0], [5], [11]])
             assert decoder.supports(ids, native_caches, metadata)
             with torch.inference_mode():
-                ours = decoder(ids, positions, native_caches, metadata)
+                ours, logits = decoder.decode(ids, positions, native_caches, metadata, True)
                 theirs = _torch_reading(meaning, ids, positions, torch_caches, metadata)
             torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=tolerance)
+            # the step's logits: its hidden states through the head, in the same call
+            torch.testing.assert_close(logits, ours @ head_meaning.T, atol=1e-4, rtol=1e-4)
     finally:
         torch.set_num_threads(before)
     for ours, theirs in zip(native_caches, torch_caches, strict=True):
