@@ -26,7 +26,7 @@ from stillcut.engine.sampler import (
     Sampler,
     SamplingBatch,
     TokenCounts,
-    first_argmax,
+    first_argmax_ids,
 )
 from stillcut.engine.sampler import build_sampling_batch as _build
 
@@ -88,7 +88,7 @@ class RowSampler:
             batch = self._batch(request_ids, params, history, logits.shape[1])
             if batch.all_greedy and batch.num_logprobs is None and batch.output_counts is None:
                 # each row's argmax, nothing else asked: the sampler's greedy path, without it
-                tokens = [[token_id] for token_id in first_argmax(logits).tolist()]
+                tokens = [[token_id] for token_id in first_argmax_ids(logits)]
                 return tokens, StepResult(dict(zip(request_ids, tokens, strict=True)), {})
         drafts = drafts if drafts is not None else [()] * len(request_ids)
         first_rows = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))

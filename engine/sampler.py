@@ -319,6 +319,13 @@ def first_argmax(values: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(values.numpy(force=values.requires_grad).argmax(axis=-1))
 
 
+def first_argmax_ids(values: torch.Tensor) -> list[int]:
+    """`first_argmax` of `[S, V]` as Python ints (on CPU without a tensor in between)."""
+    if not values.is_cpu or values.dtype == torch.bfloat16:
+        return values.argmax(dim=-1).tolist()
+    return values.numpy(force=values.requires_grad).argmax(axis=-1).tolist()
+
+
 def exponential_race(
     probs: torch.Tensor, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:

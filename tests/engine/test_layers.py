@@ -22,7 +22,7 @@ from stillcut.engine.models.layers import (
     vocab_logits,
 )
 from stillcut.engine.quantization import dense, quantize_int8
-from stillcut.engine.sampler import first_argmax
+from stillcut.engine.sampler import first_argmax, first_argmax_ids
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.cpu_decode_stack import (
     integer_dots,
@@ -249,3 +249,4 @@ def test_first_argmax_equals_argmax_with_ties(vocab, num_rows):
         torch.randn(num_rows, vocab).to(torch.bfloat16),
     ):
         assert torch.equal(first_argmax(values), values.argmax(dim=-1))
+        assert first_argmax_ids(values) == values.argmax(dim=-1).tolist()
