@@ -460,6 +460,7 @@ class CpuDecoder(_Kept):
         self.cache_shapes: dict[tuple[int, int], list[tuple[int, tuple[int, ...]]]] = {}
         self.scratch_sizes: dict[tuple[int, int], int] = {}
         self.kv_caches: tuple[int, ...] = ()
+        self.fitting_caches: tuple[torch.Tensor, ...] = ()  # the caches last seen to fit
         self.kv_cache_array = (ctypes.c_void_p * 0)()
         self.states: tuple[torch.Tensor, ...] = ()  # the recurrent states last seen to fit
         self.state_array = (ctypes.c_void_p * 0)()
@@ -571,6 +572,16 @@ class CpuDecoder(_Kept):
             return True
         if len(kv_caches) < self.num_kv_caches:
             return False
+        caches = tuple(kv_caches[: self.num_kv_caches])
+        fitting = self.fitting_caches
+        if len(fitting) == len(caches) and all(map(operator.is_, caches, fitting)):
+            return True  # the runner's persistent caches, checked when first seen
+        if not self._cache_shapes_fit(kv_caches):
+            return False
+        self.fitting_caches = caches
+        return True
+
+    def _cache_shapes_fit(self, kv_caches: Sequence[torch.Tensor]) -> bool:
         num_blocks, block_size = kv_caches[0].shape[1:3]
         expected = self.cache_shapes.get((num_blocks, block_size))
         if expected is None:
