@@ -314,16 +314,22 @@ def first_argmax(values: torch.Tensor) -> torch.Tensor:
     """`values.argmax(-1)` of `[S, V]` (ties: the lowest index; NaN counts as the largest),
     faster on CPU for a vocabulary: torch's CPU argmax reads a 150k row at ~2 GB/s, numpy's
     vectorised one (same ties, same NaN rule) 20x faster."""
-    if not values.is_cpu or values.dtype == torch.bfloat16:  # numpy has no bfloat16
-        return values.argmax(dim=-1)
-    return torch.from_numpy(values.numpy(force=values.requires_grad).argmax(axis=-1))
+    found = _numpy_argmax(values)
+    return values.argmax(dim=-1) if found is None else torch.from_numpy(found)
 
 
 def first_argmax_ids(values: torch.Tensor) -> list[int]:
     """`first_argmax` of `[S, V]` as Python ints (on CPU without a tensor in between)."""
+    found = _numpy_argmax(values)
+    return (values.argmax(dim=-1) if found is None else found).tolist()
+
+
+def _numpy_argmax(values: torch.Tensor):
+    """numpy's argmax of each row of a CPU tensor; None off the CPU and in bfloat16 (which
+    numpy does not have)."""
     if not values.is_cpu or values.dtype == torch.bfloat16:
-        return values.argmax(dim=-1).tolist()
-    return values.numpy(force=values.requires_grad).argmax(axis=-1).tolist()
+        return None
+    return values.numpy(force=values.requires_grad).argmax(axis=-1)
 
 
 def exponential_race(

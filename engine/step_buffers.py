@@ -116,10 +116,7 @@ class StepBuffers:
         host.seq_lens[:num_requests] = seq_lens
         self._table_width = max(self._table_width, max_blocks)
         width = self._table_width  # overwrites what longer requests left in these rows
-        if len(rows) == 1:
-            host.block_tables[0, :width] = block_table[rows[0], :width]
-        elif rows:
-            host.block_tables[: len(rows), :width] = block_table[rows, :width]
+        host.block_tables[: len(rows), :width] = block_table[rows, :width]
         if sample_index is not None:
             host.sample_index[: len(sample_index)] = sample_index
         self.upload(num_requests)

@@ -655,6 +655,23 @@ static int take_chunk(uint64_t *range, int from_front) {
     }
 }
 
+/* Offer this thread's share [first, last) of a product's units (chunks, panels) in the
+ * region's `Barrier`, for `take_next`. */
+static void offer_share(Barrier *b, int thread, int first, int last) {
+    __atomic_store_n(b->chunks + thread, (uint64_t)first << 32 | (uint32_t)last, __ATOMIC_RELEASE);
+}
+
+/* The next unit for this thread: its own share in order, then (`*k` counting the threads
+ * looked at, from 0) the units other threads have not reached, from the far end of theirs;
+ * -1 once none is left. */
+static int take_next(Barrier *b, int thread, int threads, int *k) {
+    for (; *k < threads; ++*k) {
+        int unit = take_chunk(b->chunks + (thread + *k) % threads, *k == 0);
+        if (unit >= 0) return unit;
+    }
+    return -1;
+}
+
 /* `linear_band` where a thread that finished its band takes the chunks other threads have not
  * reached yet, from the far end of theirs: a thread another process slowed leaves less for
  * the barrier to wait for, and each thread still streams its own band in order. The chunks
@@ -682,13 +699,10 @@ static void linear_band_shared(const float *x, size_t stride, int rows, const Ma
     share((in + unit - 1) / unit, threads, thread, &first, &last);
     float *partial = partials + (size_t)thread * rows * matrix->out;
     memset(partial, 0, sizeof(float) * rows * matrix->out);
-    __atomic_store_n(b->chunks + thread, (uint64_t)first << 32 | (uint32_t)last, __ATOMIC_RELEASE);
-    for (int k = 0; k < threads; k++) { /* its own chunks in order, then the others' */
-        uint64_t *range = b->chunks + (thread + k) % threads;
-        for (int chunk; (chunk = take_chunk(range, k == 0)) >= 0;) {
-            int begin = chunk * unit, end = begin + unit < in ? begin + unit : in;
-            band_product(matrix, x, stride, rows, begin, end, 0, matrix->out, partial, 0);
-        }
+    offer_share(b, thread, first, last);
+    for (int k = 0, chunk; (chunk = take_next(b, thread, threads, &k)) >= 0;) {
+        int begin = chunk * unit, end = begin + unit < in ? begin + unit : in;
+        band_product(matrix, x, stride, rows, begin, end, 0, matrix->out, partial, 0);
     }
 #if LANES == 16
     if (sums_deinterleaved(matrix, rows))
@@ -1061,10 +1075,9 @@ static void quad_product(const float *x, size_t stride, int rows, const Matrix *
         for (int p = first; p < last; p++) quad_panel(x, stride, rows, m, p, digits, info, add, y);
         return;
     }
-    __atomic_store_n(b->chunks + thread, (uint64_t)first << 32 | (uint32_t)last, __ATOMIC_RELEASE);
-    for (int k = 0; k < threads; k++) /* its own panels in order, then the others' */
-        for (int p; (p = take_chunk(b->chunks + (thread + k) % threads, k == 0)) >= 0;)
-            quad_panel(x, stride, rows, m, p, digits, info, add, y);
+    offer_share(b, thread, first, last);
+    for (int k = 0, p; (p = take_next(b, thread, threads, &k)) >= 0;)
+        quad_panel(x, stride, rows, m, p, digits, info, add, y);
 }
 
 /* y = x @ w (+ add) where each thread takes its own columns of y (in multiples of 32) over
