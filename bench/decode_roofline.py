@@ -14,7 +14,9 @@ of 1.25 or less (1.3 for a hybrid with recurrent layers, whose step also scans s
 routes tokens through many small expert matrices). On CPU a model runs its decode steps as one
 native call (`kernels/cpu_decode`) where the kernel builds; the last row runs the same steps
 through the model's torch ops, for comparison. The native call also makes the step's logits
-(the LM head's product in the same threaded region), so it is shown as one part.
+(the LM head's product in the same threaded region), so it is shown as one part; beside the
+model's forward (which checks the weights and the step's inputs first) stands that call alone
+and its ratio to the floor: what the step would be with no host work at all.
 
 The second table is the loop around the model: what scheduling, input preparation, sampling,
 detokenization and output building add to a step. Each round is one `LLMEngine.generate`, at
@@ -322,7 +324,11 @@ def roofline_table(engine: LLMEngine, rounds: int) -> None:
     rows, parts = [], {}
     for batch, how in runs:
         engine.model.cpu_decoder = native if how == "native step" else None
-        timer = PartTimer(model_parts(engine.model)) if not rows else None
+        timer = None
+        if not rows:
+            # the model's calls, and the native step's own (its kernel and the call's wrapper)
+            kernel = {"kernel": (native, "decode")} if how == "native step" else {}
+            timer = PartTimer({**model_parts(engine.model), **kernel})
         num_bytes = weight_bytes + batch * state_bytes
         pairs = paired_rounds(engine, batch, rounds, num_bytes)
         if timer is not None:
@@ -357,9 +363,11 @@ def roofline_table(engine: LLMEngine, rounds: int) -> None:
     num_bytes = weight_bytes + state_bytes
     layers, head = parts["forward"], parts["compute_logits"]
     if native is not None and native.vocab:  # the head's product is in the native call
+        floor = num_bytes / bandwidth
         where = (
-            f"the native call (layers and head) {layers * 1e3:.2f} ms (their floor "
-            f"{num_bytes / bandwidth * 1e3:.2f}), logits handed on {head * 1e3:.2f} ms"
+            f"the model's forward (layers and head) {layers * 1e3:.2f} ms, of which the native "
+            f"call {parts['kernel'] * 1e3:.2f} ms ({parts['kernel'] / floor:.2f}x their floor "
+            f"{floor * 1e3:.2f}), logits handed on {head * 1e3:.2f} ms"
         )
     else:
         where = (
@@ -431,20 +439,26 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder instead of a preset")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=25, help="paired step/floor rounds")
-    parser.add_argument("--loop-rounds", type=int, default=7, help="rounds per loop batch")
-    parser.add_argument("--long", type=int, default=2048, help="tokens of the long generation")
+    parser.add_argument(
+        "--loop-rounds", type=int, default=7, help="rounds per loop batch (0: no loop table)"
+    )
+    parser.add_argument(
+        "--long", type=int, default=2048, help="tokens of the long generation (0: none)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = EngineConfig(
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=1024, max_num_seqs=16, max_model_len=args.long + 128
+            max_num_batched_tokens=1024, max_num_seqs=16, max_model_len=max(args.long, 1024) + 128
         ),
         cache=CacheConfig(num_blocks=512),
     )
     engine = LLMEngine(args.model or cached_checkpoint(args.preset), config)
     roofline_table(engine, args.rounds)
-    loop_table(engine, args.loop_rounds)
-    long_line(engine, args.long)
+    if args.loop_rounds > 0:  # (0: the first table only)
+        loop_table(engine, args.loop_rounds)
+    if args.long > 0:
+        long_line(engine, args.long)
     breakdown_table(engine)
 
 
