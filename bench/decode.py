@@ -26,8 +26,8 @@ from pathlib import Path
 import av
 import numpy as np
 
+from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, preprocess_video
 from stillcut.vision.decode import DecodeConfig, decode_video
-from stillcut.vision.preprocess import VideoPreprocessConfig, preprocess_video
 from stillcut.vision.sampling import TIME_EPS_S, plan_samples
 from stillcut.vision.synthetic import moving_texture, write_video
 

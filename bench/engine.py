@@ -36,11 +36,11 @@ import torch
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.models.qwen2_vl.preprocess import preprocess_video
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.pipeline import VisionPipeline
-from stillcut.vision.preprocess import preprocess_video
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 CLIPS = ("moving_object.mp4", "pan.mp4", "scene_cut.mp4", "motion_mask.mp4")

@@ -42,8 +42,8 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.cuda_graphs import decode_buckets
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
-from stillcut.engine.models.qwen2 import Qwen2LanguageModel
-from stillcut.engine.models.qwen2_vl_config import TextConfig
+from stillcut.engine.models.qwen2_vl.config import TextConfig
+from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
 from stillcut.engine.request import Request, SamplingParams
 from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler

@@ -4,7 +4,7 @@ Renders the held-out scenes of the demo task (seeds never used in training; the 
 in `bench/out/` for the next run), encodes each clip once (the encoder cache serves every EVS
 setting), and asks each question type's canonical prompt with EVS off, rate q = 0.5 / 0.75 /
 0.8 / 0.9 and threshold tau at several values. Each answer is scored by its keywords
-(`stillcut.engine.factory.demo.questions.is_correct`); the table shows accuracy per type and
+(`stillcut.demo.questions.is_correct`); the table shows accuracy per type and
 the fraction of video tokens kept. Then, for the long near-static sample clip, it counts the
 tokens kept for growing lengths: a threshold's cost should grow far slower than the clip, a
 rate's grows with it.
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from stillcut.demo.clips import clip_bytes, held_out_seeds
+from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, is_correct
+from stillcut.demo.scenes import Scene, sample_scene
+from stillcut.demo.train import TASK_VERSION
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import demo_checkpoint
-from stillcut.engine.factory.demo.clips import clip_bytes, held_out_seeds
-from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, is_correct
-from stillcut.engine.factory.demo.scenes import Scene, sample_scene
-from stillcut.engine.factory.demo.train import TASK_VERSION
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.service.api import DEFAULT_KV_CACHE_BYTES, VideoLLM
 from stillcut.vision.decode import DecodeConfig

@@ -36,7 +36,7 @@ import torch
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
-from stillcut.engine.models.layers import head_shape
+from stillcut.engine.models.matmul import head_shape
 from stillcut.engine.request import SamplingParams
 from stillcut.engine.spec_decode.calibration import measure_step_costs, time_verify_step
 from stillcut.engine.spec_decode.draft import DraftProposer

@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stillcut.engine.factory.demo import tokenizer
-from stillcut.engine.factory.qwen_presets import (
+from stillcut.demo import tokenizer
+from stillcut.engine.models.qwen2_vl.checkpoint import (
     ProcessorSpec,
     family_vision,
     mrope_section,

@@ -20,8 +20,8 @@ from typing import BinaryIO
 import av
 import numpy as np
 
-from stillcut.engine.factory.demo.render import frames
-from stillcut.engine.factory.demo.scenes import Scene
+from stillcut.demo.render import frames
+from stillcut.demo.scenes import Scene
 
 HELD_OUT_START = 1_000_000  # training scenes take seeds below it, held-out scenes from it on
 NUM_HELD_OUT = 500

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from stillcut.engine.factory.demo.scenes import COLOURS, SHAPES, Scene, SceneObject
+from stillcut.demo.scenes import COLOURS, SHAPES, Scene, SceneObject
 
 QUESTION_TYPES = ("colour", "shape", "direction", "count", "change", "describe")
 PROMPTS: dict[str, tuple[str, ...]] = {

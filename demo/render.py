@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from stillcut.engine.factory.demo.scenes import Scene, SceneObject
+from stillcut.demo.scenes import Scene, SceneObject
 
 _NOISE_BANK = 3  # noise fields per clip
 _FLICKER = 1.0  # levels, standard deviation of the per-frame brightness change

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.positions import MRopeSpec, dense_coords, mrope_positions
+from stillcut.engine.models.qwen2_vl.positions import MRopeSpec, mrope_positions
+from stillcut.engine.multimodal import MultiModalItem, dense_coords
 from stillcut.engine.processor import PromptProcessor
 from stillcut.kernels.evs import EVSConfig, prune
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from stillcut.engine.factory.demo.render import coverage
-from stillcut.engine.factory.demo.scenes import COLOURS, MOTIONS, SHAPES, Scene
+from stillcut.demo.render import coverage
+from stillcut.demo.scenes import COLOURS, MOTIONS, SHAPES, Scene
 
 COLOUR_CLASSES = len(COLOURS) + 1  # the last class: no object
 SHAPE_CLASSES = len(SHAPES) + 1

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, answer
-from stillcut.engine.factory.demo.scenes import sample_scene
+from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, answer
+from stillcut.demo.scenes import sample_scene
 from stillcut.engine.factory.qwen_tokenizer import (
     ADDED_TOKENS,
     qwen_style_pipeline,

@@ -1,6 +1,6 @@
 """Train the demo checkpoint from scratch on the synthetic task, on the CPU.
 
-    python -m stillcut.engine.factory.demo.train --out DIR [--seed 0] [--vision-steps N]
+    python -m stillcut.demo.train --out DIR [--seed 0] [--vision-steps N]
         [--steps N] [--schedule-steps N] [--clips N] [--clips-per-step N] [--threads 2]
 
 The model is a transformers `Qwen2_5_VLForConditionalGeneration` (`architecture`); the vision
@@ -45,25 +45,25 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stillcut.engine.disk_cache import atomic_folder
-from stillcut.engine.factory.demo import architecture
-from stillcut.engine.factory.demo.clips import training_seeds
-from stillcut.engine.factory.demo.patch_init import init_patch_embedding
-from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, answer
-from stillcut.engine.factory.demo.scenes import Scene, mirrored
-from stillcut.engine.factory.demo.sequences import EVSSchedule, Sequence, build_sequence
-from stillcut.engine.factory.demo.token_labels import (
+from stillcut.demo import architecture
+from stillcut.demo.clips import training_seeds
+from stillcut.demo.patch_init import init_patch_embedding
+from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, answer
+from stillcut.demo.scenes import Scene, mirrored
+from stillcut.demo.sequences import EVSSchedule, Sequence, build_sequence
+from stillcut.demo.token_labels import (
     COLOUR_CLASSES,
     MOTION_CLASSES,
     SHAPE_CLASSES,
     mirrored_labels,
 )
-from stillcut.engine.factory.demo.training_data import SAMPLE_FPS, TrainingClip, training_clips
+from stillcut.demo.training_data import SAMPLE_FPS, TrainingClip, training_clips
+from stillcut.engine.disk_cache import atomic_folder
 from stillcut.engine.model_config import load_model_config
-from stillcut.engine.positions import MRopeSpec
+from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
+from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, preprocess_video
+from stillcut.engine.models.qwen2_vl.tower_2_5 import Qwen2_5_VLVisionTower
 from stillcut.engine.processor import PromptProcessor
-from stillcut.vision.preprocess import VideoPreprocessConfig, preprocess_video
-from stillcut.vision.qwen2_5_vl import Qwen2_5_VLVisionTower
 
 TASK_VERSION = 2  # bump when the task or its answers change (the recipe is stored beside)
 AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from stillcut.engine.factory.demo.clips import clip_bytes
-from stillcut.engine.factory.demo.scenes import Scene, sample_scene
-from stillcut.engine.factory.demo.token_labels import token_labels
+from stillcut.demo.clips import clip_bytes
+from stillcut.demo.scenes import Scene, sample_scene
+from stillcut.demo.token_labels import token_labels
+from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, smart_resize
 from stillcut.vision.decode import DecodeConfig, decode_video
-from stillcut.vision.preprocess import VideoPreprocessConfig, smart_resize
 
 SAMPLE_FPS = DecodeConfig().fps  # what describe samples at
 

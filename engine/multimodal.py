@@ -76,3 +76,10 @@ class MultiModalItem:
     def num_dense_tokens(self) -> int:
         t, h, w = self.llm_grid
         return t * h * w
+
+
+def dense_coords(t: int, h: int, w: int) -> torch.Tensor:
+    """All (t, h, w) of a post-merge grid in row-major order: the token order of the merged
+    vision embeddings. Returns [t * h * w, 3] long."""
+    grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack(grid, dim=-1).reshape(-1, 3)  # [t*h*w, 3]

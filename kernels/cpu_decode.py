@@ -433,7 +433,7 @@ class CpuDecoder(_Kept):
     The kernel reads the stack's tensors by address: the decoder keeps their storage alive (an
     alias of each), so whatever later happens to the model's parameters it never reads freed
     memory; noticing that the model now holds other weights is its owner's job (see
-    `engine.models.layers.PagedLanguageModel.native_decode`)."""
+    `engine.models.base.PagedLanguageModel.native_decode`)."""
 
     def __init__(self, library: ctypes.CDLL, stack: Stack) -> None:
         super().__init__()

@@ -7,7 +7,7 @@ kernel dispatches on it and never on a model family. A dense decoder layer is tw
 hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`). A new kind is a mixer class here
 (with its `kind`), its struct and converter in `cpu_decode`, and its case in `cpu_decode.c` (or
 `cpu_hybrid_kinds.h`). Weights are `[in, out]` matrices in a stored format (`FORMATS`):
-float32 in either memory order (see `engine.models.layers.matmul_layout`), bfloat16, float16 or
+float32 in either memory order (see `engine.models.matmul.matmul_layout`), bfloat16, float16 or
 int8 as a contiguous `[in, out]` or packed (`pack_matrix`, a 4-D tensor: `matrix_shape` gives
 its `[in, out]`, `unpacked` its columns), int8 also as quad panels where the CPU has integer
 dot products (`pack_quads`, 4-D too); stacked experts `[E, in, out]` likewise, packed as
@@ -105,7 +105,7 @@ def pack_matrices(matrices: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def packs(dtype: torch.dtype, device: torch.device, num_in: int, num_out: int) -> bool:
     """Whether a weight `[in, out]` of `dtype` on `device` is stored packed: in a narrow format
-    (float32 keeps the layouts of `engine.models.layers.matmul_layout`), on CPU, in whole row
+    (float32 keeps the layouts of `engine.models.matmul.matmul_layout`), on CPU, in whole row
     groups and column tiles."""
     narrow = dtype in FORMATS and dtype != torch.float32
     whole = num_in % PACK_ROWS == 0 and num_out % PACK_COLUMNS == 0
@@ -186,7 +186,7 @@ def pack_quads(parts: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
 
 def panels_shape(head: torch.Tensor) -> tuple[int, int]:
     """The `[in, out]` (hidden, vocab) of a head stored as panels `[vocab / PANEL_COLUMNS,
-    hidden, PANEL_COLUMNS]` (`engine.models.layers.head_layout`): each panel its 32 columns'
+    hidden, PANEL_COLUMNS]` (`engine.models.matmul.head_layout`): each panel its 32 columns'
     input rows one after another, read as one stream by the kernel's `panel_product`."""
     panels, hidden, columns = head.shape
     return hidden, panels * columns
@@ -505,7 +505,7 @@ class Stack:
     final norm. `inv_freqs` are the rotary tables' frequencies `[D/2]` and `section` `[D/2]`
     the position row each frequency turns with (M-RoPE; zeros for 1-D positions); no tables
     (and `section` `[0]`) where no block rotates. Every RMSNorm divides by sqrt(mean(x^2) +
-    `eps`). With a `head` (an LM head `[hidden, vocab]` as `engine.models.layers.head_layout`
+    `eps`). With a `head` (an LM head `[hidden, vocab]` as `engine.models.matmul.head_layout`
     stores it: row-major, its transpose, panels or int8 quad panels, int8 with `head_scales`
     `[vocab]`), a step may also give its rows' logits (`cpu_decode.CpuDecoder.decode`)."""
 

@@ -760,7 +760,7 @@ static void linear(const float *x, size_t stride, int rows, const Matrix *matrix
 }
 
 /* Panels: a matrix stored as [out / PANEL_COLUMNS][in][PANEL_COLUMNS], each panel its columns'
- * input rows one after another (an LM head: `engine.models.layers.head_layout`). A thread
+ * input rows one after another (an LM head: `engine.models.matmul.head_layout`). A thread
  * takes whole panels, and each panel is one contiguous stream whose sums stay in registers
  * through every input row: no partial sums leave them. Measured on a 2-core AVX-512 CPU
  * (Zen 4), cycled from memory beside the same head read row-major by columns (the

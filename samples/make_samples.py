@@ -1,7 +1,7 @@
 """Render the synthetic sample clips that tests, examples and benchmarks use.
 
 Two kinds. The task samples are scenes of the demo model's synthetic task (coloured shapes that
-move, appear or stand still; `stillcut.engine.factory.demo`): each is the first held-out
+move, appear or stand still; `stillcut.demo`): each is the first held-out
 scene that fits its description, so it is one of the clips the accuracy bench scores and the
 demo never trained on. The others each exercise one EVS behaviour (a pan, a scene cut, a long
 near-static clip, known motion). Every frame is drawn from seeded numpy (no wall clock), then
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from stillcut.engine.factory.demo.clips import clip_bytes, encode_h264, held_out_seeds
-from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES, answer, is_correct
-from stillcut.engine.factory.demo.render import value_noise
-from stillcut.engine.factory.demo.scenes import Scene, sample_scene
+from stillcut.demo.clips import clip_bytes, encode_h264, held_out_seeds
+from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, answer, is_correct
+from stillcut.demo.render import value_noise
+from stillcut.demo.scenes import Scene, sample_scene
 
 PAGE_ANSWERS = Path(__file__).resolve().parent.parent / "service" / "static" / "sample_answers.json"
 

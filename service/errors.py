@@ -21,10 +21,10 @@ from stillcut.engine.admission import (
     ResourceExhausted,
     TooManyVisualTokens,
 )
+from stillcut.engine.models.pixels import AspectRatioError
 from stillcut.engine.processor import PromptError
 from stillcut.service.async_engine import EngineStopped, QueueFull
 from stillcut.vision import errors as video_errors
-from stillcut.vision.preprocess import AspectRatioError
 
 logger = logging.getLogger("stillcut.service")
 _OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")

@@ -17,9 +17,9 @@ import io
 import torch
 from PIL import Image
 
+from stillcut.engine.models.frame_resize import FrameResize
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.vision.decode import DecodeConfig, decode_video
-from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.work import VisionWork
 
 THUMBNAIL_WIDTH = 160

@@ -16,6 +16,7 @@ from av.container import InputContainer
 from av.stream import Disposition
 from av.video.stream import VideoStream
 
+from stillcut.engine.models.frame_resize import FrameResize
 from stillcut.vision.decode_config import DecodeConfig, is_seconds
 from stillcut.vision.errors import (
     FrameTooLarge,
@@ -26,7 +27,6 @@ from stillcut.vision.errors import (
     VideoTooLong,
 )
 from stillcut.vision.frame_pass import PassPlan, SkipPlan, plan_skips, run_pass
-from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.sampling import TIME_EPS_S, SamplePlan, plan_samples
 from stillcut.vision.timeline import declared_clip_end, scan_packets
 from stillcut.vision.upright import display_size

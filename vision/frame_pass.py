@@ -25,6 +25,7 @@ from av.container import InputContainer
 from av.video.frame import VideoFrame
 from av.video.stream import VideoStream
 
+from stillcut.engine.models.frame_resize import FrameResize
 from stillcut.vision.decode_config import DecodeConfig
 from stillcut.vision.errors import (
     CorruptVideo,
@@ -34,7 +35,6 @@ from stillcut.vision.errors import (
     UnsupportedCodec,
     VideoTooLong,
 )
-from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.sampling import TIME_EPS_S, FrameSelector, Pick, predict_picks
 from stillcut.vision.timeline import StreamClock
 from stillcut.vision.upright import UprightLayout, layout_for

@@ -28,8 +28,7 @@ import torch
 from PIL import Image
 
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
-from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.positions import dense_coords
+from stillcut.engine.multimodal import MultiModalItem, dense_coords
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode_config import DecodeConfig

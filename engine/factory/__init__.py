@@ -7,6 +7,7 @@ per spec; each family's presets, configs and offline tokenizer live in their own
 its trainer.
 """
 
+from stillcut.demo import demo_checkpoint
 from stillcut.engine.factory.checkpoints import (
     CheckpointSpec,
     build_checkpoint,
@@ -16,7 +17,6 @@ from stillcut.engine.factory.checkpoints import (
     hf_config,
     random_demo_checkpoint,
 )
-from stillcut.engine.factory.demo import demo_checkpoint
 
 __all__ = [
     "CheckpointSpec",

@@ -28,8 +28,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from stillcut.engine.disk_cache import atomic_folder, cache_dir, short_hash
-from stillcut.engine.factory import gemma3_tokenizer, nemotron_tokenizer
-from stillcut.engine.factory.gemma3 import (
+from stillcut.engine.factory.qwen_tokenizer import (
+    TOKENIZER_FILES,
+    qwen_tokenizer_dir,
+    tokenizer_cache_name,
+)
+from stillcut.engine.factory.streamed import write_streamed
+from stillcut.engine.models.families import GEMMA3, NEMOTRON_H_OMNI
+from stillcut.engine.models.gemma3 import tokenizer as gemma3_tokenizer
+from stillcut.engine.models.gemma3.checkpoint import (
     GENERATION_IDS,
     check_gemma3_spec,
     gemma3_hf_config,
@@ -37,17 +44,18 @@ from stillcut.engine.factory.gemma3 import (
     gemma3_spec_fields,
     randomize_zero_init,
 )
-from stillcut.engine.factory.nemotron import (
+from stillcut.engine.models.nemotron_omni import tokenizer as nemotron_tokenizer
+from stillcut.engine.models.nemotron_omni.checkpoint import (
     GENERATION_IDS as NEMOTRON_GENERATION_IDS,
 )
-from stillcut.engine.factory.nemotron import (
+from stillcut.engine.models.nemotron_omni.checkpoint import (
     check_nemotron_spec,
     nemotron_hf_config,
     nemotron_processor_configs,
     nemotron_spec_fields,
     randomize_unit_init,
 )
-from stillcut.engine.factory.qwen_presets import (
+from stillcut.engine.models.qwen2_vl.checkpoint import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     IMAGE_TOKEN_ID,
@@ -62,13 +70,6 @@ from stillcut.engine.factory.qwen_presets import (
     mrope_section,
     preprocessor_configs,
 )
-from stillcut.engine.factory.qwen_tokenizer import (
-    TOKENIZER_FILES,
-    qwen_tokenizer_dir,
-    tokenizer_cache_name,
-)
-from stillcut.engine.factory.streamed import write_streamed
-from stillcut.engine.models.families import GEMMA3, NEMOTRON_H_OMNI
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

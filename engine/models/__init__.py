@@ -8,8 +8,8 @@ class serves a checkpoint, and everything else family-specific, is its registry 
 (`registry`, `families`).
 """
 
-from stillcut.engine.models.gemma3 import Gemma3LanguageModel
-from stillcut.engine.models.nemotron_h import NemotronHLanguageModel
-from stillcut.engine.models.qwen2 import Qwen2LanguageModel
+from stillcut.engine.models.gemma3.model import Gemma3LanguageModel
+from stillcut.engine.models.nemotron_omni.model import NemotronHLanguageModel
+from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
 
 __all__ = ["Gemma3LanguageModel", "NemotronHLanguageModel", "Qwen2LanguageModel"]

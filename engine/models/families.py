@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-from stillcut.engine.models.gemma3_config import read_gemma3
-from stillcut.engine.models.gemma3_text_config import gemma3_cache_groups
-from stillcut.engine.models.nemotron_config import nemotron_evs_rate, read_nemotron_omni
-from stillcut.engine.models.nemotron_prompt import TubeletChunkFormat
-from stillcut.engine.models.nemotron_text_config import nemotron_cache_groups
-from stillcut.engine.models.qwen2_vl_config import (
+from stillcut.engine.models.gemma3.config import read_gemma3
+from stillcut.engine.models.gemma3.text_config import gemma3_cache_groups
+from stillcut.engine.models.nemotron_omni.config import nemotron_evs_rate, read_nemotron_omni
+from stillcut.engine.models.nemotron_omni.prompt import TubeletChunkFormat
+from stillcut.engine.models.nemotron_omni.text_config import nemotron_cache_groups
+from stillcut.engine.models.qwen2_vl.config import (
     qwen2_cache_groups,
     read_qwen2_5_vl,
     read_qwen2_vl,
@@ -58,9 +58,9 @@ QWEN2_5_VL = ModelFamily(
     model_type="qwen2_5_vl",
     read_config=read_qwen2_5_vl,
     cache_groups=qwen2_cache_groups,
-    language_model="stillcut.engine.models.qwen2:Qwen2LanguageModel",
-    vision_tower="stillcut.vision.qwen2_5_vl:Qwen2_5_VLVisionTower",
-    media="stillcut.vision.qwen_media:QwenMedia",
+    language_model="stillcut.engine.models.qwen2_vl.model:Qwen2LanguageModel",
+    vision_tower="stillcut.engine.models.qwen2_vl.tower_2_5:Qwen2_5_VLVisionTower",
+    media="stillcut.engine.models.qwen2_vl.media:QwenMedia",
     prompt_format=PromptFormat(),
     positions="mrope",
     live_sessions=True,
@@ -71,15 +71,15 @@ QWEN2_VL = dataclasses.replace(
     QWEN2_5_VL,
     model_type="qwen2_vl",
     read_config=read_qwen2_vl,
-    vision_tower="stillcut.vision.qwen2_vl:Qwen2VLVisionTower",
+    vision_tower="stillcut.engine.models.qwen2_vl.tower:Qwen2VLVisionTower",
 )
 GEMMA3 = ModelFamily(
     model_type="gemma3",
     read_config=read_gemma3,
     cache_groups=gemma3_cache_groups,
-    language_model="stillcut.engine.models.gemma3:Gemma3LanguageModel",
-    vision_tower="stillcut.vision.siglip:Gemma3VisionEncoder",
-    media="stillcut.vision.gemma3_media:Gemma3Media",
+    language_model="stillcut.engine.models.gemma3.model:Gemma3LanguageModel",
+    vision_tower="stillcut.engine.models.gemma3.tower:Gemma3VisionEncoder",
+    media="stillcut.engine.models.gemma3.media:Gemma3Media",
     # transformers' Gemma3Processor: "\n\n<start_of_image>" + soft tokens + "<end_of_image>\n\n"
     prompt_format=ImageSequenceFormat(before="\n\n", after="\n\n"),
     positions="1d",
@@ -105,9 +105,9 @@ NEMOTRON_H_OMNI = ModelFamily(
     model_type="nemotron_h_omni",
     read_config=read_nemotron_omni,
     cache_groups=nemotron_cache_groups,
-    language_model="stillcut.engine.models.nemotron_h:NemotronHLanguageModel",
-    vision_tower="stillcut.vision.radio:RadioVisionTower",
-    media="stillcut.vision.nemotron_media:NemotronMedia",
+    language_model="stillcut.engine.models.nemotron_omni.model:NemotronHLanguageModel",
+    vision_tower="stillcut.engine.models.nemotron_omni.tower:RadioVisionTower",
+    media="stillcut.engine.models.nemotron_omni.media:NemotronMedia",
     prompt_format=TubeletChunkFormat(),
     positions="none",
     native_evs_rate=nemotron_evs_rate,

@@ -16,18 +16,18 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from stillcut.demo.clips import clip_bytes, held_out_seeds
+from stillcut.demo.questions import PROMPTS, QUESTION_TYPES
+from stillcut.demo.scenes import sample_scene
+from stillcut.demo.train import TASK_VERSION, TrainConfig
 from stillcut.engine.factory import demo_checkpoint
-from stillcut.engine.factory.demo.clips import clip_bytes, held_out_seeds
-from stillcut.engine.factory.demo.questions import PROMPTS, QUESTION_TYPES
-from stillcut.engine.factory.demo.scenes import sample_scene
-from stillcut.engine.factory.demo.train import TASK_VERSION, TrainConfig
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
-from .reference import hf_greedy, qwen_hf_inputs
+from ..engine.reference import hf_greedy, qwen_hf_inputs
 
 MAX_TOKENS = 40
 CLIP_SEEDS = list(held_out_seeds())[:3]

@@ -13,10 +13,10 @@ import itertools
 import numpy as np
 import pytest
 
-from stillcut.engine.factory.demo.clips import clip_bytes, held_out_seeds, training_seeds
-from stillcut.engine.factory.demo.questions import QUESTION_TYPES, answer, is_correct
-from stillcut.engine.factory.demo.render import coverage, frames
-from stillcut.engine.factory.demo.scenes import COLOURS, MOTIONS, SHAPES, mirrored, sample_scene
+from stillcut.demo.clips import clip_bytes, held_out_seeds, training_seeds
+from stillcut.demo.questions import QUESTION_TYPES, answer, is_correct
+from stillcut.demo.render import coverage, frames
+from stillcut.demo.scenes import COLOURS, MOTIONS, SHAPES, mirrored, sample_scene
 from stillcut.vision.decode import DecodeConfig, decode_video
 
 HELD_OUT = [sample_scene(seed) for seed in held_out_seeds()]

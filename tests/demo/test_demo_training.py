@@ -14,19 +14,19 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from stillcut.engine.factory.demo import architecture
-from stillcut.engine.factory.demo.clips import clip_bytes, training_seeds
-from stillcut.engine.factory.demo.scenes import sample_scene
-from stillcut.engine.factory.demo.sequences import EVSSchedule
-from stillcut.engine.factory.demo.train import DemoTrainer, TrainConfig, train_checkpoint
-from stillcut.engine.factory.demo.training_data import model_frames, training_clips
+from stillcut.demo import architecture
+from stillcut.demo.clips import clip_bytes, training_seeds
+from stillcut.demo.scenes import sample_scene
+from stillcut.demo.sequences import EVSSchedule
+from stillcut.demo.train import DemoTrainer, TrainConfig, train_checkpoint
+from stillcut.demo.training_data import model_frames, training_clips
 from stillcut.engine.factory.qwen_tokenizer import ADDED_TOKENS
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, preprocess_video
 from stillcut.engine.processor import PromptProcessor
 from stillcut.engine.request import SamplingParams
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.pipeline import VisionPipeline
-from stillcut.vision.preprocess import VideoPreprocessConfig, preprocess_video
 
 FEW_STEPS = TrainConfig(
     num_clips=6, vision_steps=2, steps=3, clips_per_step=2, questions_per_clip=2, log_every=1

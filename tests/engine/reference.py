@@ -28,8 +28,8 @@ def qwen_hf_inputs(pipeline, prompt, specs, family: str) -> dict:
     of `specs` (the `VideoInput`s and `ImageInput`s of `prompt`'s items, EVS off)."""
     image_token_id = pipeline.model_config.image_token_id
     video_token_id = pipeline.model_config.video_token_id
+    from stillcut.engine.models.qwen2_vl.preprocess import preprocess_image, preprocess_video
     from stillcut.vision.pipeline import VideoInput
-    from stillcut.vision.preprocess import preprocess_image, preprocess_video
 
     videos, grids, seconds, images, image_grids = [], [], [], [], []
     for spec in specs:

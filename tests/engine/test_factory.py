@@ -524,7 +524,7 @@ def test_gemma3_tokenizer_same_ids_in_transformers_and_tokenizers(gemma3, gemma3
 def test_gemma3_processor_runs_an_image_prompt_end_to_end(gemma3, gemma3_processor):
     from transformers import Gemma3ForConditionalGeneration
 
-    from stillcut.vision.gemma3_preprocess import Gemma3PreprocessConfig, preprocess_image
+    from stillcut.engine.models.gemma3.preprocess import Gemma3PreprocessConfig, preprocess_image
     from stillcut.vision.towers import load_vision_tower
 
     processor = gemma3_processor

@@ -20,7 +20,7 @@ from stillcut.engine.request import SamplingParams
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
-from ..nemotron_reference import NemotronReference
+from .models.nemotron_omni.nemotron_reference import NemotronReference
 
 BLOCK = 16
 # the sampled tokens' logprobs too: a state restored wrong can leave greedy tokens unchanged

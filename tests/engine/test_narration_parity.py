@@ -14,9 +14,9 @@ import torch
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.models.qwen2_vl.preprocess import preprocess_video
 from stillcut.engine.request import SamplingParams
 from stillcut.vision.pipeline import VisionPipeline
-from stillcut.vision.preprocess import preprocess_video
 
 NUM_TUBELETS = 8
 MAX_TOKENS_PER_SEGMENT = 5

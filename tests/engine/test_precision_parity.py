@@ -133,7 +133,7 @@ def _gemma_inputs(processor, parts) -> dict:
 def _qwen_inputs(pipeline, prompt, videos, video_token_id: int) -> dict:
     """Qwen2.5-VL's inputs: our patches, which equal its processor's, and the token types its
     processor gives (2: video; without them transformers places video tokens as text)."""
-    from stillcut.vision.preprocess import preprocess_video
+    from stillcut.engine.models.qwen2_vl.preprocess import preprocess_video
 
     ids = torch.tensor([prompt.token_ids])
     types = (ids == video_token_id).int() * 2

@@ -21,7 +21,7 @@ import torch
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
-from stillcut.engine.models.layers import set_weight
+from stillcut.engine.models.weights import set_weight
 from stillcut.engine.request import RequestStatus, SamplingParams
 from stillcut.engine.spec_decode.draft import DraftMismatch
 from stillcut.kernels.evs import EVSConfig

@@ -28,13 +28,9 @@ import torch.nn.functional as F
 
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.models import Gemma3LanguageModel, Qwen2LanguageModel
-from stillcut.engine.models.layers import (
-    embedding_rows,
-    fused_qkv_attention,
-    head_layout,
-    rotary_tables,
-    vocab_logits,
-)
+from stillcut.engine.models.matmul import head_layout, vocab_logits
+from stillcut.engine.models.rotary import fused_qkv_attention, rotary_tables
+from stillcut.engine.models.weights import embedding_rows
 from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata

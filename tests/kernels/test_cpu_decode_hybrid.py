@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from stillcut.engine.factory import cached_checkpoint
-from stillcut.engine.models.nemotron_h import NemotronHLanguageModel
+from stillcut.engine.models.nemotron_omni.model import NemotronHLanguageModel
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stillcut.engine.factory.demo.questions import DIRECTIONS, PROMPTS
-from stillcut.engine.factory.demo.scenes import Scene
+from stillcut.demo.questions import DIRECTIONS, PROMPTS
+from stillcut.demo.scenes import Scene
 from stillcut.service import cli
 from stillcut.service.page_routes import STATIC_DIR
 

@@ -21,7 +21,7 @@ from stillcut.service.config import ServerConfig
 from stillcut.service.server import BackgroundServer
 from stillcut.vision.decode import DecodeConfig
 
-from ..nemotron_reference import NemotronReference
+from ..engine.models.nemotron_omni.nemotron_reference import NemotronReference
 
 MAX_TOKENS = 12
 DECODE = DecodeConfig(fps=2.0, max_frames=6)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from stillcut.engine.models.frame_resize import FrameResize
+from stillcut.engine.models.qwen2_vl.preprocess import smart_resize
 from stillcut.vision.decode import DecodeConfig, decode_video, probe_video
-from stillcut.vision.frame_resize import FrameResize
-from stillcut.vision.preprocess import smart_resize
 from stillcut.vision.synthetic import gray_frames, moving_texture, write_video
 from stillcut.vision.work import VisionWork
 

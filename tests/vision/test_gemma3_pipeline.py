@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from stillcut.engine.factory import cached_checkpoint
+from stillcut.engine.models.gemma3.preprocess import preprocess_frames
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.decode import decode_video
-from stillcut.vision.gemma3_preprocess import preprocess_frames
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
 from stillcut.vision.synthetic import moving_texture, write_video
 

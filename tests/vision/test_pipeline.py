@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from stillcut.engine.positions import dense_coords
+from stillcut.engine.models.qwen2_vl.preprocess import preprocess_video
+from stillcut.engine.multimodal import dense_coords
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
-from stillcut.vision.preprocess import preprocess_video
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import av
 import numpy as np
 import pytest
 
-from stillcut.engine.factory.demo.clips import clip_bytes, held_out_seeds
+from stillcut.demo.clips import clip_bytes, held_out_seeds
 
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "samples"
 

@@ -20,7 +20,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.vision_utils import get_vision_window_index
 
-from stillcut.vision.qwen2_5_vl import window_layout
+from stillcut.engine.models.qwen2_vl.tower_2_5 import window_layout
 from stillcut.vision.towers import load_vision_tower
 
 TOLERANCE = 1e-4

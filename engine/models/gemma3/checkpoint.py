@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from stillcut.engine.factory.gemma3_tokenizer import (
+from stillcut.engine.models.families import GEMMA3
+from stillcut.engine.models.gemma3.tokenizer import (
     BOI_TOKEN_ID,
     BOS_TOKEN_ID,
     END_OF_TURN_ID,
@@ -27,8 +28,7 @@ from stillcut.engine.factory.gemma3_tokenizer import (
     PAD_TOKEN_ID,
     VOCAB_SIZE,
 )
-from stillcut.engine.factory.qwen_presets import Preset
-from stillcut.engine.models.families import GEMMA3
+from stillcut.engine.models.qwen2_vl.checkpoint import Preset
 
 if TYPE_CHECKING:
     from torch import nn

@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 
 from stillcut.engine.model_config import ModelConfig
-from stillcut.vision.frame_resize import FrameResize
-from stillcut.vision.gemma3_preprocess import Gemma3PreprocessConfig, preprocess_frames
-from stillcut.vision.siglip import Gemma3VisionEncoder
+from stillcut.engine.models.frame_resize import FrameResize
+from stillcut.engine.models.gemma3.preprocess import Gemma3PreprocessConfig, preprocess_frames
+from stillcut.engine.models.gemma3.tower import Gemma3VisionEncoder
 
 
 @dataclass(frozen=True)

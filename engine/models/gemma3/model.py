@@ -22,28 +22,29 @@ from torch import nn
 
 from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
 from stillcut.engine.model_config import CheckpointError
-from stillcut.engine.models.gemma3_positions import gemma3_positions
-from stillcut.engine.models.gemma3_text_config import (
+from stillcut.engine.models.base import PagedLanguageModel
+from stillcut.engine.models.gemma3.positions import gemma3_positions
+from stillcut.engine.models.gemma3.text_config import (
     LAYER_TYPES,
     SLIDING,
     Gemma3TextConfig,
     gemma3_text_config,
 )
-from stillcut.engine.models.layers import (
+from stillcut.engine.models.matmul import (
     PROJECTIONS,
-    PagedLanguageModel,
     ProjectingModule,
+    head_layout,
+    head_table,
+    linear,
+    scale_of,
+)
+from stillcut.engine.models.rotary import fused_qkv_attention, rotary_tables
+from stillcut.engine.models.weights import (
     checkpoint_layer,
     checkpoint_layout,
     embedding_rows,
     empty_weight,
     fuse_projections,
-    fused_qkv_attention,
-    head_layout,
-    head_table,
-    linear,
-    rotary_tables,
-    scale_of,
     set_weight,
 )
 from stillcut.engine.multimodal import MultiModalItem

@@ -11,9 +11,8 @@ so the values agree bit for bit.
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from stillcut.vision.preprocess import check_frames, describe_array, normalization_lut
+from stillcut.engine.models.pixels import (
+    check_frames,
+    check_image,
+    check_int_fields,
+    check_rgb_fields,
+    check_steps_on,
+    config_key,
+    normalization_lut,
+)
 
 CONFIG_FILE = "preprocessor_config.json"
 IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
@@ -44,26 +51,18 @@ class Gemma3PreprocessConfig:
     image_std: tuple[float, float, float] = IMAGENET_STANDARD_STD
 
     def __post_init__(self) -> None:
-        if not isinstance(self.image_size, int) or self.image_size < 1:
-            raise ValueError(f"image_size must be an integer >= 1, got {self.image_size!r}")
+        check_int_fields(self, ("image_size",))
         if self.resample not in _RESAMPLE_FILTERS:
             raise ValueError(
                 f"resample={self.resample!r}; allowed: PIL filters {sorted(_RESAMPLE_FILTERS)}"
             )
         if not (isinstance(self.rescale_factor, float | int) and 0 < self.rescale_factor < 1):
             raise ValueError(f"rescale_factor must lie in (0, 1), got {self.rescale_factor!r}")
-        for name, positive in (("image_mean", False), ("image_std", True)):
-            value = getattr(self, name)
-            ok = isinstance(value, tuple) and len(value) == 3
-            ok = ok and all(isinstance(v, float | int) and math.isfinite(v) for v in value)
-            if not ok or (positive and min(value) <= 0):
-                kind = "positive finite floats" if positive else "finite floats"
-                raise ValueError(f"{name} must be a tuple of 3 {kind}, got {value!r}")
+        check_rgb_fields(self, ("image_mean", "image_std"))
 
     def key(self) -> str:
         """A stable string of every parameter, for cache keys."""
-        values = ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
-        return f"gemma3-preprocess-v1({values})"
+        return config_key(self, "gemma3-preprocess-v1")
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str]) -> Gemma3PreprocessConfig:
@@ -80,9 +79,7 @@ class Gemma3PreprocessConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = CONFIG_FILE) -> Gemma3PreprocessConfig:
         """The config of a parsed preprocessor_config.json (`source` names it in errors)."""
-        for flag in ("do_resize", "do_rescale", "do_normalize"):
-            if data.get(flag) is False:
-                raise ValueError(f"{source}: {flag}=false is not supported (only true)")
+        check_steps_on(data, source)
         if data.get("do_pan_and_scan"):
             raise ValueError(f"{source}: do_pan_and_scan=true is not supported (only false)")
         size = data.get("size") or {"height": cls.image_size, "width": cls.image_size}
@@ -119,6 +116,5 @@ def preprocess_image(
     image: np.ndarray, config: Gemma3PreprocessConfig = Gemma3PreprocessConfig()
 ) -> torch.Tensor:
     """One image [H, W, 3] uint8 RGB -> pixel values [3, S, S] float32."""
-    if not isinstance(image, np.ndarray) or image.ndim != 3:
-        raise ValueError(f"image must be a numpy array [H, W, 3], got {describe_array(image)}")
+    check_image(image)
     return preprocess_frames(image[None], config)[0]

@@ -18,21 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.gemma3_config import SiglipVisionConfig
+from stillcut.engine.models.gemma3.config import SiglipVisionConfig
+from stillcut.engine.models.vit import VisionMLP, image_patches
 from stillcut.engine.quantization import widened
 from stillcut.kernels.vision_attention import varlen_attention
-from stillcut.vision.qwen2_vl import VisionMLP
-
-
-def image_patches(pixel_values: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """Non-overlapping patches in row-major order: [B, C, H, W] -> [B, H*W / P^2, C*P*P].
-
-    Each patch is flattened channel-major, the layout of a Conv2d weight's `flatten(1)`.
-    """
-    batch, channels, height, width = pixel_values.shape
-    rows, cols = height // patch_size, width // patch_size
-    grid = pixel_values.reshape(batch, channels, rows, patch_size, cols, patch_size)
-    return grid.permute(0, 2, 4, 1, 3, 5).reshape(batch, rows * cols, -1)
 
 
 class SiglipEmbeddings(nn.Module):

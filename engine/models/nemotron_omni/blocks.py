@@ -17,15 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.layers import (
-    ProjectingModule,
-    StoredMatrix,
-    fused_weight,
-    linear,
-    scale_of,
-    set_weight,
-)
-from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
+from stillcut.engine.models.matmul import ProjectingModule, StoredMatrix, linear, scale_of
+from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
+from stillcut.engine.models.weights import fused_weight, set_weight
 from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Mixer, Mlp
 

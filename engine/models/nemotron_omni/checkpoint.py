@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from stillcut.engine.factory.nemotron_tokenizer import (
+from stillcut.engine.models.nemotron_omni.tokenizer import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     IMAGE_TOKEN_ID,
@@ -28,7 +28,7 @@ from stillcut.engine.factory.nemotron_tokenizer import (
     VIDEO_TOKEN_ID,
     VOCAB_SIZE,
 )
-from stillcut.engine.factory.qwen_presets import IMAGE_MEAN, IMAGE_STD, Preset
+from stillcut.engine.models.qwen2_vl.checkpoint import IMAGE_MEAN, IMAGE_STD, Preset
 
 if TYPE_CHECKING:
     from torch import nn

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.layers import linear, scale_of
-from stillcut.engine.models.nemotron_blocks import (
+from stillcut.engine.models.matmul import linear, scale_of
+from stillcut.engine.models.nemotron_omni.blocks import (
     NemotronBlock,
     frozen,
     rms_norm,
     set_projection,
 )
-from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
+from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Mamba2
 from stillcut.kernels.mamba2 import (

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from stillcut.engine.model_config import ModelConfig
-from stillcut.vision.nemotron_preprocess import (
+from stillcut.engine.models.nemotron_omni.preprocess import (
     NemotronPreprocessConfig,
     PreparedMedia,
     image_patch_grid,
@@ -26,7 +26,7 @@ from stillcut.vision.nemotron_preprocess import (
     preprocess_video,
     video_tile_grid,
 )
-from stillcut.vision.radio import RadioVisionTower
+from stillcut.engine.models.nemotron_omni.tower import RadioVisionTower
 
 
 class NemotronMedia:

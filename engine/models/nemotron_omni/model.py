@@ -25,17 +25,9 @@ from stillcut.engine.loader import (
     load_weights,
     resolve_checkpoint,
 )
-from stillcut.engine.models.layers import (
-    LM_HEAD_PREFIX,
-    PagedLanguageModel,
-    embedding_rows,
-    head_layout,
-    head_table,
-    load_head,
-    scale_of,
-    set_weight,
-)
-from stillcut.engine.models.nemotron_blocks import (
+from stillcut.engine.models.base import PagedLanguageModel
+from stillcut.engine.models.matmul import head_layout, head_table, scale_of
+from stillcut.engine.models.nemotron_omni.blocks import (
     AttentionBlock,
     MLPBlock,
     NemotronBlock,
@@ -44,9 +36,9 @@ from stillcut.engine.models.nemotron_blocks import (
     stored_attention,
     stored_mlp,
 )
-from stillcut.engine.models.nemotron_mamba import Mamba2Block, stored_mamba
-from stillcut.engine.models.nemotron_moe import MoEBlock, stored_moe
-from stillcut.engine.models.nemotron_text_config import (
+from stillcut.engine.models.nemotron_omni.mamba import Mamba2Block, stored_mamba
+from stillcut.engine.models.nemotron_omni.moe import MoEBlock, stored_moe
+from stillcut.engine.models.nemotron_omni.text_config import (
     ATTENTION,
     MAMBA,
     MLP,
@@ -54,6 +46,7 @@ from stillcut.engine.models.nemotron_text_config import (
     NemotronTextConfig,
     nemotron_text_config,
 )
+from stillcut.engine.models.weights import LM_HEAD_PREFIX, embedding_rows, load_head, set_weight
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention import AttentionMetadata

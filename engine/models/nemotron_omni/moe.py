@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stillcut.engine.models.layers import StoredMatrix, linear, scale_of, stored_matrix
-from stillcut.engine.models.nemotron_blocks import (
+from stillcut.engine.models.matmul import StoredMatrix, linear, scale_of, stored_matrix
+from stillcut.engine.models.nemotron_omni.blocks import (
     NemotronBlock,
     frozen,
     native_relu2_mlp,
@@ -25,7 +25,7 @@ from stillcut.engine.models.nemotron_blocks import (
     set_projection,
     stored_mlp,
 )
-from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
+from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Moe, pack_matrices
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stillcut.vision.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, check_frames
+from stillcut.engine.models.pixels import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    check_frames,
+    check_int_fields,
+    check_rgb_fields,
+    config_key,
+)
 
 VIDEO_CONFIG_FILE = "video_preprocessor_config.json"
 IMAGE_CONFIG_FILE = "preprocessor_config.json"
@@ -53,24 +60,13 @@ class NemotronPreprocessConfig:
     image_std: tuple[float, float, float] = OPENAI_CLIP_STD
 
     def __post_init__(self) -> None:
-        for name in _POSITIVE_FIELDS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.max_num_patches, int) or self.max_num_patches < 0:
-            raise ValueError(f"max_num_patches must be an integer >= 0, got {self.max_num_patches}")
-        for name in ("video_mean", "video_std", "image_mean", "image_std"):
-            value = getattr(self, name)
-            ok = isinstance(value, tuple) and len(value) == 3
-            if not ok or not all(math.isfinite(v) for v in value):
-                raise ValueError(f"{name} must be a tuple of 3 finite floats, got {value!r}")
-            if name.endswith("std") and min(value) <= 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
+        check_int_fields(self, _POSITIVE_FIELDS)
+        check_int_fields(self, ("max_num_patches",), minimum=0)
+        check_rgb_fields(self, ("video_mean", "video_std", "image_mean", "image_std"))
 
     def key(self) -> str:
         """A stable string of every parameter, for cache keys."""
-        values = ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
-        return f"nemotron-preprocess-v1({values})"
+        return config_key(self, "nemotron-preprocess-v1")
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike[str]) -> NemotronPreprocessConfig:

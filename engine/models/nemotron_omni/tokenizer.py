@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stillcut.engine.factory import trained_tokenizer
-from stillcut.engine.factory.gemma3_tokenizer import CORPUS
+from stillcut.engine.models.gemma3.tokenizer import CORPUS
 
 RECIPE_VERSION = 1  # bump when the corpus, tokens or `_build_backend` change
 SPECIAL_TOKENS = (

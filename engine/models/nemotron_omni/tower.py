@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.nemotron_config import RadioVisionConfig
+from stillcut.engine.models.nemotron_omni.config import RadioVisionConfig
+from stillcut.engine.models.vit import image_patches
 from stillcut.engine.quantization import widened
 from stillcut.kernels.vision_attention import varlen_attention
-from stillcut.vision.siglip import image_patches
 
 
 class _Token(nn.Module):

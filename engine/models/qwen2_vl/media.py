@@ -14,15 +14,15 @@ import torch
 from PIL import Image
 
 from stillcut.engine.model_config import ModelConfig
-from stillcut.vision.frame_resize import FrameResize
-from stillcut.vision.preprocess import (
+from stillcut.engine.models.frame_resize import FrameResize
+from stillcut.engine.models.qwen2_vl.preprocess import (
     PreprocessedVideo,
     VideoPreprocessConfig,
     preprocess_image,
     preprocess_video,
     smart_resize,
 )
-from stillcut.vision.qwen2_vl import Qwen2VLVisionTower
+from stillcut.engine.models.qwen2_vl.tower import Qwen2VLVisionTower
 
 
 class QwenMedia:

@@ -22,33 +22,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
-from stillcut.engine.models.layers import (
+from stillcut.engine.models.base import PagedLanguageModel
+from stillcut.engine.models.matmul import (
     PROJECTIONS,
-    PagedLanguageModel,
     ProjectingModule,
-    checkpoint_layer,
-    checkpoint_layout,
-    embedding_rows,
-    empty_weight,
-    fuse_projections,
-    fused_qkv_attention,
     head_layout,
     head_table,
     linear,
-    load_head,
-    rotary_tables,
     scale_of,
-    set_weight,
 )
-from stillcut.engine.models.qwen2_vl_config import TextConfig, text_config
-from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.positions import (
+from stillcut.engine.models.qwen2_vl.config import TextConfig, text_config
+from stillcut.engine.models.qwen2_vl.positions import (
     MRopeCursor,
     MRopePositions,
     MRopeSpec,
     extend_mrope,
     mrope_positions,
 )
+from stillcut.engine.models.rotary import fused_qkv_attention, rotary_tables
+from stillcut.engine.models.weights import (
+    checkpoint_layer,
+    checkpoint_layout,
+    embedding_rows,
+    empty_weight,
+    fuse_projections,
+    load_head,
+    set_weight,
+)
+from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import Conversion, WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack

@@ -75,25 +75,6 @@ class MRopePositions(NamedTuple):
         return self.next_position - self.positions.shape[1]
 
 
-def dense_coords(t: int, h: int, w: int) -> torch.Tensor:
-    """All (t, h, w) of a post-merge grid in row-major order: the token order of the merged
-    vision embeddings. Returns [t * h * w, 3] long."""
-    grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-    return torch.stack(grid, dim=-1).reshape(-1, 3)  # [t*h*w, 3]
-
-
-@dataclass(frozen=True)
-class LinearCursor:
-    """Where 1-D positions stand after a sequence: a sequence appended after it has its own
-    positions shifted by `next_position` (Gemma 3's, NemotronH's)."""
-
-    next_position: int = 0
-
-    def after_decoded(self, num_tokens: int) -> LinearCursor:
-        """The cursor after `num_tokens` generated tokens."""
-        return LinearCursor(self.next_position + num_tokens)
-
-
 @dataclass(frozen=True)
 class _OpenVideo:
     """The logical video a sequence ends with: a video item appended right after joins it."""

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -22,15 +22,22 @@ import numpy as np
 import torch
 from PIL import Image
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+from stillcut.engine.models.pixels import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    AspectRatioError,
+    check_frames,
+    check_image,
+    check_int_fields,
+    check_rgb_fields,
+    check_steps_on,
+    config_key,
+    normalization_lut,
+)
+
 MAX_ASPECT_RATIO = 200
 # Read first: a checkpoint's video settings win over its image settings.
 CONFIG_FILES = ("video_preprocessor_config.json", "preprocessor_config.json")
-
-
-class AspectRatioError(ValueError):
-    """An image or video whose aspect ratio is too extreme to be split into patches."""
 
 
 def smart_resize(
@@ -66,19 +73,6 @@ def smart_resize(
     return h_bar, w_bar
 
 
-def _check_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def _check_rgb_triple(name: str, value: object, positive: bool) -> None:
-    ok = isinstance(value, tuple) and len(value) == 3
-    ok = ok and all(isinstance(v, float | int) and math.isfinite(v) for v in value)
-    if not ok or (positive and min(value) <= 0):
-        allowed = "positive finite floats" if positive else "finite floats"
-        raise ValueError(f"{name} must be a tuple of 3 {allowed}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class VideoPreprocessConfig:
     """Every parameter that changes the patches a video turns into."""
@@ -93,14 +87,14 @@ class VideoPreprocessConfig:
     rescale_factor: float = 1 / 255
 
     def __post_init__(self) -> None:
-        for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
-            _check_positive_int(name, getattr(self, name))
+        check_int_fields(
+            self, ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels")
+        )
         if self.max_pixels < self.min_pixels:
             raise ValueError(
                 f"max_pixels must be >= min_pixels={self.min_pixels}, got {self.max_pixels}"
             )
-        _check_rgb_triple("image_mean", self.image_mean, positive=False)
-        _check_rgb_triple("image_std", self.image_std, positive=True)
+        check_rgb_fields(self, ("image_mean", "image_std"))
         factor = self.rescale_factor
         if not isinstance(factor, float | int) or not (0 < factor < math.inf):
             raise ValueError(f"rescale_factor must be a positive finite float, got {factor!r}")
@@ -112,8 +106,7 @@ class VideoPreprocessConfig:
 
     def key(self) -> str:
         """A stable string of every parameter, for cache keys."""
-        values = ",".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
-        return f"qwen2vl-preprocess-v1({values})"
+        return config_key(self, "qwen2vl-preprocess-v1")
 
     @classmethod
     def from_checkpoint(
@@ -136,9 +129,7 @@ class VideoPreprocessConfig:
 
     @classmethod
     def _from_dict(cls, data: dict, source: str) -> VideoPreprocessConfig:
-        for flag in ("do_resize", "do_rescale", "do_normalize"):
-            if data.get(flag, True) is not True:
-                raise ValueError(f"{source}: {flag}={data[flag]!r} is not supported (only true)")
+        check_steps_on(data, source)
         if data.get("resample", Image.Resampling.BICUBIC) != Image.Resampling.BICUBIC:
             raise ValueError(f"{source}: resample={data['resample']!r} is not supported (only 3)")
         size = data.get("size") or {}
@@ -189,27 +180,8 @@ def preprocess_image(
     (grid t = 1), as transformers does. second_per_grid_ts is 0.0: a still image spans no
     time, and M-RoPE never scales the temporal index of an image.
     """
-    if not isinstance(image, np.ndarray) or image.ndim != 3:
-        raise ValueError(f"image must be a numpy array [H, W, 3], got {describe_array(image)}")
+    check_image(image)
     return _preprocess(image[None], config, 0.0)
-
-
-def check_frames(frames: object) -> None:
-    """Raise a ValueError unless `frames` is a uint8 RGB array [T >= 1, H, W, 3]."""
-    if not (
-        isinstance(frames, np.ndarray)
-        and frames.dtype == np.uint8
-        and frames.ndim == 4
-        and frames.shape[0] >= 1
-        and frames.shape[3] == 3
-    ):
-        raise ValueError(f"frames must be uint8 RGB [T>=1, H, W, 3], got {describe_array(frames)}")
-
-
-def describe_array(array: object) -> str:
-    if isinstance(array, np.ndarray):
-        return f"shape {list(array.shape)} dtype {array.dtype}"
-    return type(array).__name__
 
 
 def _preprocess(
@@ -269,17 +241,6 @@ def _patchify_tubelet(tubelet: np.ndarray, lut: np.ndarray, out: np.ndarray) -> 
     # Looking up in the final layout writes the float32 data once; the transpose moves bytes.
     for c in range(3):
         out[:, :, :, :, c] = lut[c][blocks[:, :, :, :, c]]
-
-
-def normalization_lut(config: VideoPreprocessConfig) -> np.ndarray:
-    """[3, 256] float32: normalized value of every uint8 level per channel, computed in
-    transformers' order (uint8 -> float64 * scale -> float32, then float32 (x - mean) / std),
-    so the lookup is bit-identical to its arithmetic.
-    """
-    levels = (np.arange(256, dtype=np.float64) * config.rescale_factor).astype(np.float32)
-    mean = np.asarray(config.image_mean, dtype=np.float32)[:, None]  # [3, 1]
-    std = np.asarray(config.image_std, dtype=np.float32)[:, None]  # [3, 1]
-    return (levels[None, :] - mean) / std
 
 
 def _resize(frame: np.ndarray, height: int, width: int) -> np.ndarray:

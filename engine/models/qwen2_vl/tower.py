@@ -20,30 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.qwen2_vl_config import VisionConfig
+from stillcut.engine.models.qwen2_vl.config import VisionConfig
+from stillcut.engine.models.vit import VisionMLP
 from stillcut.engine.quantization import widened
 from stillcut.kernels.vision_attention import varlen_attention
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, t counted in tubelets
 NORM_EPS = 1e-6
-
-
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    """The sigmoid approximation of GELU used by CLIP-style towers."""
-    return x * torch.sigmoid(1.702 * x)
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation function a config's `hidden_act` names."""
-    functions = {
-        "silu": F.silu,
-        "quick_gelu": quick_gelu,
-        "gelu": F.gelu,
-        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    }
-    if name not in functions:
-        raise ValueError(f"hidden_act={name!r}; allowed: {', '.join(functions)}")
-    return functions[name]
 
 
 def patch_positions(grids: list[Grid], merge_size: int) -> torch.Tensor:
@@ -114,19 +97,6 @@ class VisionAttention(nn.Module):
         qk = apply_rotary(qkv[:, :2], cos, sin)  # [N, 2, heads, head_dim], q and k at once
         out = varlen_attention(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens)  # [N, heads, head_dim]
         return self.proj(out.flatten(1))
-
-
-class VisionMLP(nn.Module):
-    """fc1 -> activation -> fc2."""
-
-    def __init__(self, config: VisionConfig) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class VisionBlock(nn.Module):

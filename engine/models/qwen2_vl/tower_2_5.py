@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.qwen2_vl_config import VisionConfig
-from stillcut.vision.qwen2_vl import (
+from stillcut.engine.models.qwen2_vl.config import VisionConfig
+from stillcut.engine.models.qwen2_vl.tower import (
     NORM_EPS,
     Grid,
     Qwen2VLVisionTower,
-    activation,
     frame_cu_seqlens,
 )
+from stillcut.engine.models.vit import activation
 
 
 class RMSNorm(nn.Module):

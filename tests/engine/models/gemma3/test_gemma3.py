@@ -26,7 +26,7 @@ from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
 
-from .reference import hf_greedy, prefill_logits
+from ...reference import hf_greedy, prefill_logits
 
 NUM_NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-from stillcut.vision.gemma3_preprocess import (
+from stillcut.engine.models.gemma3.preprocess import (
     Gemma3PreprocessConfig,
     preprocess_frames,
     preprocess_image,

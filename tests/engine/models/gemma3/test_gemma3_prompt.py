@@ -12,12 +12,12 @@ import torch
 from stillcut.engine.chat_template import ChatTemplate
 from stillcut.engine.detokenizer import IncrementalDetokenizer, detokenize
 from stillcut.engine.factory import cached_checkpoint
-from stillcut.engine.factory.gemma3_tokenizer import CHAT_TEMPLATE
 from stillcut.engine.loader import load_model_config
 from stillcut.engine.model_config import CheckpointError
-from stillcut.engine.models.gemma3_positions import gemma3_positions
-from stillcut.engine.models.gemma3_text_config import gemma3_text_config
-from stillcut.engine.models.layers import head_matrix
+from stillcut.engine.models.gemma3.positions import gemma3_positions
+from stillcut.engine.models.gemma3.text_config import gemma3_text_config
+from stillcut.engine.models.gemma3.tokenizer import CHAT_TEMPLATE
+from stillcut.engine.models.matmul import head_matrix
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.processor import PromptError, PromptProcessor
 
@@ -228,7 +228,7 @@ def test_soft_caps_from_the_config_are_applied(checkpoint, tmp_path):
     """transformers' Gemma3ForConditionalGeneration ignores both caps (no Gemma 3 release sets
     them), so there is no reference to equal: the final cap must be `cap * tanh(x / cap)` of
     the uncapped logits, and the attention cap must reach every layer."""
-    from stillcut.engine.models.gemma3 import Gemma3LanguageModel
+    from stillcut.engine.models.gemma3.model import Gemma3LanguageModel
 
     folder = tmp_path / "capped"
     shutil.copytree(checkpoint, folder)

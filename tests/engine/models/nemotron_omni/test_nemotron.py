@@ -27,7 +27,7 @@ from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
-from ..nemotron_reference import NemotronReference
+from .nemotron_reference import NemotronReference
 
 NUM_NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from stillcut.engine.models.nemotron_mamba import Mamba2Block
-from stillcut.engine.models.nemotron_moe import MoEBlock
-from stillcut.engine.models.nemotron_text_config import NemotronTextConfig
+from stillcut.engine.models.nemotron_omni.mamba import Mamba2Block
+from stillcut.engine.models.nemotron_omni.moe import MoEBlock
+from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
@@ -223,6 +223,6 @@ def _stored_moe(block: nn.Module) -> nn.Module:
 
 
 def ours_normed(block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    from stillcut.engine.models.nemotron_blocks import rms_norm
+    from stillcut.engine.models.nemotron_omni.blocks import rms_norm
 
     return rms_norm(hidden, block.norm, block.eps)

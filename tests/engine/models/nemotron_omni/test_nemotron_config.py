@@ -15,12 +15,12 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.model_config import CheckpointError, load_model_config
-from stillcut.engine.models.nemotron_text_config import nemotron_text_config
+from stillcut.engine.models.nemotron_omni.text_config import nemotron_text_config
 from stillcut.engine.processor import PromptError
 from stillcut.engine.request import SamplingParams
 from stillcut.vision.pipeline import VisionPipeline
 
-from ..nemotron_reference import NemotronReference
+from .nemotron_reference import NemotronReference
 
 AUDIO = {
     "hidden_size": 16,

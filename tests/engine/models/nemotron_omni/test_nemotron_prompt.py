@@ -11,8 +11,7 @@ import torch
 
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.model_config import CheckpointError
-from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.positions import dense_coords
+from stillcut.engine.multimodal import MultiModalItem, dense_coords
 from stillcut.engine.processor import PromptProcessor
 
 GRID = (3, 4, 6)  # 3 tubelets of 4 x 6 patches: 2 x 3 = 6 tokens each

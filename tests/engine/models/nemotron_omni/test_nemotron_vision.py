@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from stillcut.engine.factory import cached_checkpoint
+from stillcut.engine.models.nemotron_omni.preprocess import image_patch_grid, preprocess_video
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode import DecodeConfig
-from stillcut.vision.nemotron_preprocess import image_patch_grid, preprocess_video
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
-from ..nemotron_reference import NemotronReference
+from .nemotron_reference import NemotronReference
 
 DECODE = DecodeConfig(fps=4.0, max_frames=10)
 

@@ -13,8 +13,8 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
 )
 
-from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.positions import MRopeSpec, dense_coords, mrope_positions
+from stillcut.engine.models.qwen2_vl.positions import MRopeSpec, mrope_positions
+from stillcut.engine.multimodal import MultiModalItem, dense_coords
 
 IMAGE_PAD, VIDEO_PAD = 151655, 151656
 MM_TYPE = {"image": 1, "video": 2}  # transformers' mm_token_type_ids

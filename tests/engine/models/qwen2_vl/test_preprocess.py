@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as hf
 
-from stillcut.vision.preprocess import (
+from stillcut.engine.models.qwen2_vl.preprocess import (
     AspectRatioError,
     PreprocessedVideo,
     VideoPreprocessConfig,
@@ -289,7 +289,7 @@ def test_result_is_a_frozen_record() -> None:
 
 def test_one_usable_cpu_gives_the_same_patches_as_many(monkeypatch) -> None:
     """Tubelets run on a thread pool when several CPUs are usable, one after another on one."""
-    import stillcut.vision.preprocess as preprocess
+    import stillcut.engine.models.qwen2_vl.preprocess as preprocess
 
     frames = random_frames(6, 56, 84)
     many = preprocess_video(frames, sample_fps=1.0, config=SMALL)

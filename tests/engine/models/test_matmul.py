@@ -8,10 +8,9 @@ import contextlib
 import pytest
 import torch
 
-from stillcut.engine.models import layers
-from stillcut.engine.models.layers import (
+from stillcut.engine.models import matmul
+from stillcut.engine.models.matmul import (
     StoredMatrix,
-    embedding_rows,
     head_layout,
     head_matrix,
     head_shape,
@@ -21,6 +20,7 @@ from stillcut.engine.models.layers import (
     stored_matrix,
     vocab_logits,
 )
+from stillcut.engine.models.weights import embedding_rows
 from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.engine.sampler import first_argmax, first_argmax_ids
 from stillcut.kernels import cpu_decode
@@ -207,7 +207,7 @@ def test_a_head_in_panels_equals_the_product_with_it_widened(dtype, threads, mon
             ids = torch.tensor([0, 31, 32, vocab - 1])
             rows = embedding_rows(ids, head_table(head), scale, torch.float32)
             torch.testing.assert_close(rows, widened.T[ids])
-        monkeypatch.setattr(layers, "WIDEN_BYTES", 4 * hidden * 40)  # 40 columns: 2 panels
+        monkeypatch.setattr(matmul, "WIDEN_BYTES", 4 * hidden * 40)  # 40 columns: 2 panels
         x = torch.randn(40, hidden)
         torch.testing.assert_close(linear(x, StoredMatrix(head, scale)), x @ widened)
 

@@ -65,7 +65,7 @@ class NemotronReference:
 
     def image(self, pixel_values: torch.Tensor, grid: tuple[int, int]) -> dict[str, Any]:
         """Media inputs of one image already preprocessed to `pixel_values` [1, 3, H, W]."""
-        from stillcut.vision.siglip import image_patches
+        from stillcut.engine.models.gemma3.tower import image_patches
 
         rows, cols = grid
         return {
