@@ -93,7 +93,7 @@ class VideoLLM:
         `quantization`, `quantization_skip` and `kv_cache_dtype` (see `EngineConfig`); the
         vision tower stores its weights in the same format. With a draft model
         (`engine_config.speculative`), the pipeline encodes media with its tower too."""
-        from stillcut.engine.factory import demo_checkpoint
+        from stillcut.demo import demo_checkpoint
 
         engine_config = with_precision(engine_config, **precision)
         self.engine = LLMEngine(demo_checkpoint() if model is None else model, engine_config)

@@ -164,7 +164,7 @@ def evs_config(args: argparse.Namespace):
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from stillcut.engine.factory import demo_checkpoint
+    from stillcut.demo import demo_checkpoint
     from stillcut.service.evs_default import resolve_evs_default
     from stillcut.vision.decode import DecodeConfig
     from stillcut.vision.pipeline import VisionPipeline

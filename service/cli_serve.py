@@ -227,7 +227,7 @@ def server_settings(
 
 def cluster_settings(args: argparse.Namespace) -> tuple[ReplicaSpec, ClusterConfig]:
     """With `--replicas N`: the `ReplicaSpec` every replica loads and the `ClusterConfig`."""
-    from stillcut.engine.factory import demo_checkpoint
+    from stillcut.demo import demo_checkpoint
     from stillcut.service.api import DEMO_MODEL_NAME
     from stillcut.service.cli import evs_config
     from stillcut.service.cluster.launch import ClusterConfig

@@ -1,13 +1,13 @@
-"""The checkpoint factory: demo and test checkpoints in Hugging Face layout.
+"""The checkpoint factory: random-weight test and benchmark checkpoints in Hugging Face layout.
 
-Apart from the engine's core: nothing under `stillcut.engine` imports it except through one
-lazy import of the demo checkpoint. `checkpoints` builds and caches a random-weight checkpoint
-per spec; each family's presets, configs and offline tokenizer live in their own module here.
-`demo` holds the trained demo model (shipped with the package), its synthetic video task and
-its trainer.
+Apart from the engine's core: nothing under `stillcut.engine` imports it. `checkpoints` builds
+and caches a checkpoint per spec through the family's `recipe.CheckpointRecipe` (each family's
+presets, config and tokenizer live in its own folder, `engine/models/<family>/checkpoint.py`);
+what is family-free stays here: presets' shape (`recipe.Preset`), tensor-by-tensor writes of
+large checkpoints (`streamed`), and the tokenizers several families build on (`qwen_tokenizer`,
+`trained_tokenizer`). The trained demo model is its own package, `stillcut.demo`.
 """
 
-from stillcut.demo import demo_checkpoint
 from stillcut.engine.factory.checkpoints import (
     CheckpointSpec,
     build_checkpoint,
@@ -16,6 +16,7 @@ from stillcut.engine.factory.checkpoints import (
     checkpoint_spec,
     hf_config,
     random_demo_checkpoint,
+    recipe_of,
 )
 
 __all__ = [
@@ -24,7 +25,7 @@ __all__ = [
     "cache_dir",
     "cached_checkpoint",
     "checkpoint_spec",
-    "demo_checkpoint",
     "hf_config",
     "random_demo_checkpoint",
+    "recipe_of",
 ]

@@ -1,15 +1,11 @@
-"""Language models the runner can drive, and the family registry that names them.
+"""The language models the runner drives, one folder per family, and the registry that names
+them.
 
-Each model runs a flat batch of N tokens per step over its caches and keeps its own specifics
-(weight layout, positions) in its file; the runner only calls `forward`, `compute_logits` and
-`prompt_positions`. `bidirectional_item_tokens` is the most tokens one bidirectional item (an
-image whose tokens see each other both ways) can hold, 0 where the model cannot say. Which
-class serves a checkpoint, and everything else family-specific, is its registry entry
-(`registry`, `families`).
+`registry` defines an entry (`ModelFamily`) and `families` lists the built-in ones; each
+family's folder holds its config reader, language model, vision tower, media preprocessing,
+positions, prompt format, test-checkpoint recipe and entry (`<family>/entry.py`), imported on
+first use of its `model_type`. What several families share stands here: `base` (what the
+runner asks of a language model), `matmul` and `weights` (weight layout, products, loading),
+`rotary`, `vit` (vision-transformer blocks), `pixels` and `frame_resize` (media
+preprocessing).
 """
-
-from stillcut.engine.models.gemma3.model import Gemma3LanguageModel
-from stillcut.engine.models.nemotron_omni.model import NemotronHLanguageModel
-from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
-
-__all__ = ["Gemma3LanguageModel", "NemotronHLanguageModel", "Qwen2LanguageModel"]

@@ -1,119 +1,27 @@
-"""The built-in model families, one registry entry each (see `registry`).
+"""The built-in model families: `model_type` -> the family folder's registry entry.
 
-To add a family, write its own files (config reader, language model, vision tower, media
-preprocessing, prompt format) and register one `ModelFamily` here, or from your own code with
-`FAMILIES.register(...)` before loading a checkpoint of it.
+Each entry lives in its family's folder (`engine/models/<family>/entry.py`) and is imported
+the first time its `model_type` is looked up, so loading a checkpoint imports its own family
+and no other. To add a family, write its folder and register one `ModelFamily`, here or from
+your own code with `FAMILIES.register(...)` before loading a checkpoint of it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from types import MappingProxyType
 
-from stillcut.engine.models.gemma3.config import read_gemma3
-from stillcut.engine.models.gemma3.text_config import gemma3_cache_groups
-from stillcut.engine.models.nemotron_omni.config import nemotron_evs_rate, read_nemotron_omni
-from stillcut.engine.models.nemotron_omni.prompt import TubeletChunkFormat
-from stillcut.engine.models.nemotron_omni.text_config import nemotron_cache_groups
-from stillcut.engine.models.qwen2_vl.config import (
-    qwen2_cache_groups,
-    read_qwen2_5_vl,
-    read_qwen2_vl,
-)
-from stillcut.engine.models.registry import FamilyRegistry, ModelFamily
-from stillcut.engine.prompt_formats import ImageSequenceFormat, PromptFormat
+from stillcut.engine.models.registry import FamilyRegistry
 
-# Stored tensor-name prefix -> canonical prefix. Qwen's original releases (and transformers
-# 5.x) save `visual.*` / `model.*` / `lm_head.*`; transformers 4.52 to 4.x saves
-# `model.visual.*` / `model.language_model.*`.
-QWEN_WEIGHT_PREFIXES = MappingProxyType(
+BUILT_IN = MappingProxyType(
     {
-        "model.visual.": "visual.",
-        "model.language_model.": "language_model.",
-        "visual.": "visual.",
-        "model.": "language_model.",
-        "lm_head.": "lm_head.",
+        "qwen2_5_vl": "stillcut.engine.models.qwen2_vl.entry:QWEN2_5_VL",
+        "qwen2_vl": "stillcut.engine.models.qwen2_vl.entry:QWEN2_VL",
+        "gemma3": "stillcut.engine.models.gemma3.entry:GEMMA3",
+        "nemotron_h_omni": "stillcut.engine.models.nemotron_omni.entry:NEMOTRON_H_OMNI",
     }
 )
-# Gemma 3's original releases save `vision_tower.vision_model.*` / `multi_modal_projector.*` /
-# `language_model.model.*` (transformers 5.x without `vision_model.`), transformers 4.5x the
-# same under `model.` plus `model.language_model.*` and `lm_head.*`. Everything that turns pixels
-# into language-model embeddings is canonically `visual.`.
-GEMMA3_WEIGHT_PREFIXES = MappingProxyType(
-    {
-        "model.vision_tower.vision_model.": "visual.vision_tower.",
-        "model.vision_tower.": "visual.vision_tower.",
-        "vision_tower.vision_model.": "visual.vision_tower.",
-        "vision_tower.": "visual.vision_tower.",
-        "model.multi_modal_projector.": "visual.multi_modal_projector.",
-        "multi_modal_projector.": "visual.multi_modal_projector.",
-        "language_model.model.": "language_model.",
-        "language_model.lm_head.": "lm_head.",
-        "model.language_model.": "language_model.",
-        "lm_head.": "lm_head.",
-    }
-)
+# The family the checkpoint factory builds unless told otherwise (its `random-demo` preset
+# is the speed benchmarks' model).
+DEFAULT_MODEL_TYPE = "qwen2_5_vl"
 
-QWEN2_5_VL = ModelFamily(
-    model_type="qwen2_5_vl",
-    read_config=read_qwen2_5_vl,
-    cache_groups=qwen2_cache_groups,
-    language_model="stillcut.engine.models.qwen2_vl.model:Qwen2LanguageModel",
-    vision_tower="stillcut.engine.models.qwen2_vl.tower_2_5:Qwen2_5_VLVisionTower",
-    media="stillcut.engine.models.qwen2_vl.media:QwenMedia",
-    prompt_format=PromptFormat(),
-    positions="mrope",
-    live_sessions=True,
-    narration_timestamp="<{t:.1f}s>",
-    weight_prefixes=QWEN_WEIGHT_PREFIXES,
-)
-QWEN2_VL = dataclasses.replace(
-    QWEN2_5_VL,
-    model_type="qwen2_vl",
-    read_config=read_qwen2_vl,
-    vision_tower="stillcut.engine.models.qwen2_vl.tower:Qwen2VLVisionTower",
-)
-GEMMA3 = ModelFamily(
-    model_type="gemma3",
-    read_config=read_gemma3,
-    cache_groups=gemma3_cache_groups,
-    language_model="stillcut.engine.models.gemma3.model:Gemma3LanguageModel",
-    vision_tower="stillcut.engine.models.gemma3.tower:Gemma3VisionEncoder",
-    media="stillcut.engine.models.gemma3.media:Gemma3Media",
-    # transformers' Gemma3Processor: "\n\n<start_of_image>" + soft tokens + "<end_of_image>\n\n"
-    prompt_format=ImageSequenceFormat(before="\n\n", after="\n\n"),
-    positions="1d",
-    bidirectional_items=True,
-    has_video_token=False,
-    weight_prefixes=GEMMA3_WEIGHT_PREFIXES,
-)
-
-# Nemotron 3 Nano Omni's releases save `language_model.backbone.*` (`language_model.lm_head.*`
-# for the head), `vision_model.radio_model.*` for RADIO and `mlp1.*` for the projector, and
-# `vision_projector.*` for the vision features' final norm when the model has MTP layers;
-# transformers 5.x saves the same names. Its audio branch (`sound_*`) is never read.
-NEMOTRON_WEIGHT_PREFIXES = MappingProxyType(
-    {
-        "language_model.backbone.": "language_model.",
-        "language_model.lm_head.": "lm_head.",
-        "vision_model.": "visual.",
-        "mlp1.": "visual.mlp1.",
-        "vision_projector.": "visual.vision_projector.",
-    }
-)
-NEMOTRON_H_OMNI = ModelFamily(
-    model_type="nemotron_h_omni",
-    read_config=read_nemotron_omni,
-    cache_groups=nemotron_cache_groups,
-    language_model="stillcut.engine.models.nemotron_omni.model:NemotronHLanguageModel",
-    vision_tower="stillcut.engine.models.nemotron_omni.tower:RadioVisionTower",
-    media="stillcut.engine.models.nemotron_omni.media:NemotronMedia",
-    prompt_format=TubeletChunkFormat(),
-    positions="none",
-    native_evs_rate=nemotron_evs_rate,
-    weight_prefixes=NEMOTRON_WEIGHT_PREFIXES,
-)
-
-FAMILIES = FamilyRegistry()
-for _entry in (QWEN2_5_VL, QWEN2_VL, GEMMA3, NEMOTRON_H_OMNI):
-    FAMILIES.register(_entry)
+FAMILIES = FamilyRegistry(BUILT_IN)

@@ -7,9 +7,11 @@ where a checkpoint keeps its own EVS pruning rate, whether live sessions are ser
 narration writes each tubelet (or that the family does not narrate), and which
 layers keep which cache (`cache_groups`). The runner, scheduler, KV cache, engine, prompt
 processor, vision pipeline, service and kernels read these fields and never a family's name, so
-adding a family is its own files plus one `register` call (the built-in ones are in
-`families`). Classes are named as "module:attribute" and imported on first use: the engine
-never imports a vision tower, and nothing imports PyAV.
+adding a family is its own folder plus one `register` call (the built-in ones are in
+`families`, each imported on first use of its `model_type`). Classes are named as
+"module:attribute" and imported on first use: the engine never imports a vision tower, and
+nothing imports PyAV. An entry also names the family's test-checkpoint recipe
+(`checkpoints`), which `build_checkpoint` hands to the shared factory.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from os import PathLike
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -74,7 +78,8 @@ class ModelFamily:
     `visual.` / `language_model.` / `lm_head.` ones. `narration_timestamp` is the text a
     narration writes before each tubelet (`{t}`: its first frame's time in seconds), which
     then follows as its own one-tubelet video between the vision markers; None: the family
-    does not narrate.
+    does not narrate. `checkpoints` ("module:attribute", None: the family builds none) names
+    the family's `factory.recipe.CheckpointRecipe`, which writes its tiny test checkpoints.
     """
 
     model_type: str
@@ -91,16 +96,20 @@ class ModelFamily:
     live_sessions: bool = False
     narration_timestamp: str | None = None
     weight_prefixes: Mapping[str, str] = field(default_factory=dict)
+    checkpoints: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_type:
             raise ValueError("model_type must be a non-empty string")
         if self.positions not in get_args(PositionsKind):
             raise ValueError(f"positions={self.positions!r}: allowed {get_args(PositionsKind)}")
-        for name in ("language_model", "vision_tower", "media"):
-            module, _, attribute = getattr(self, name).partition(":")
+        for name in ("language_model", "vision_tower", "media", "checkpoints"):
+            value = getattr(self, name)
+            if name == "checkpoints" and value is None:
+                continue
+            module, _, attribute = value.partition(":")
             if not module or not attribute:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be 'module:attribute'")
+                raise ValueError(f"{name}={value!r} must be 'module:attribute'")
         if self.live_sessions and not self.has_video_token:
             raise ValueError("live sessions append video placeholders: they need a video token")
         if self.narration_timestamp is not None and not self.live_sessions:
@@ -121,20 +130,41 @@ class ModelFamily:
     def media_class(self) -> type:
         return _resolve(self.media)
 
+    def checkpoint_recipe(self) -> Any:
+        """The family's `CheckpointRecipe`; ValueError when it names none."""
+        if self.checkpoints is None:
+            raise ValueError(f"model_type {self.model_type!r} has no test-checkpoint recipe")
+        return _resolve(self.checkpoints)
+
+    def build_checkpoint(
+        self, folder: str | PathLike[str], preset: str = "tiny", seed: int = 0, **overrides: Any
+    ) -> Path:
+        """Write a random-weight checkpoint of this family into `folder` (new or empty): the
+        factory's `build_checkpoint` with `family` set to this entry's `model_type`."""
+        from stillcut.engine.factory.checkpoints import build_checkpoint
+
+        return build_checkpoint(folder, preset, seed=seed, family=self.model_type, **overrides)
+
 
 class FamilyRegistry:
-    """`model_type` -> `ModelFamily`. The one registry lives in `families.FAMILIES`."""
+    """`model_type` -> `ModelFamily`. The one registry lives in `families.FAMILIES`.
 
-    def __init__(self) -> None:
+    `built_in` maps a `model_type` to its entry as "module:attribute": the module is imported
+    on the first `get` of that type, so a process imports the families it uses and no other.
+    """
+
+    def __init__(self, built_in: Mapping[str, str] = MappingProxyType({})) -> None:
         self._entries: dict[str, ModelFamily] = {}
+        self._pending: dict[str, str] = dict(built_in)
 
     def register(self, entry: ModelFamily) -> None:
-        if entry.model_type in self._entries:
+        if entry.model_type in self._entries or entry.model_type in self._pending:
             raise ValueError(f"model_type {entry.model_type!r} is already registered")
         self._entries[entry.model_type] = entry
 
     def unregister(self, model_type: str) -> None:
-        del self._entries[model_type]
+        if self._pending.pop(model_type, None) is None:
+            del self._entries[model_type]
 
     @contextlib.contextmanager
     def registered(self, entry: ModelFamily) -> Iterator[ModelFamily]:
@@ -146,11 +176,19 @@ class FamilyRegistry:
             self.unregister(entry.model_type)
 
     def get(self, model_type: str) -> ModelFamily | None:
+        """The entry of `model_type` (its module imported now if it is a pending built-in one),
+        None when no family has that type."""
+        if model_type in self._pending:
+            entry = _resolve(self._pending[model_type])
+            assert entry.model_type == model_type, (entry.model_type, model_type)
+            self._entries[model_type] = entry
+            del self._pending[model_type]
         return self._entries.get(model_type)
 
     @property
     def model_types(self) -> tuple[str, ...]:
-        return tuple(self._entries)
+        """Every registered `model_type`, imported or not."""
+        return (*self._entries, *self._pending)
 
 
 def _resolve(name: str) -> Any:

@@ -15,27 +15,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from stillcut.demo import demo_checkpoint
 from stillcut.engine.factory import (
     build_checkpoint,
     cache_dir,
     cached_checkpoint,
     checkpoint_spec,
-    checkpoints,
-    demo_checkpoint,
     hf_config,
     random_demo_checkpoint,
+    recipe_of,
 )
 
 CORE_WITHOUT_FACTORY = """
 import sys
 import stillcut.engine.llm_engine, stillcut.vision.pipeline, stillcut.service.app
 import stillcut.service.cli, stillcut.service.api
-assert not [m for m in sys.modules if m.startswith("stillcut.engine.factory")]
+assert not [m for m in sys.modules if m.startswith(("stillcut.engine.factory", "stillcut.demo"))]
 """
 
 
 def test_the_engine_service_and_cli_import_without_the_factory():
-    # the factory is reached only through the lazy import of the demo checkpoint
+    # the factory is never imported by them, the demo only through its lazy import
     subprocess.run([sys.executable, "-c", CORE_WITHOUT_FACTORY], check=True)
 
 
@@ -342,7 +342,7 @@ def test_failed_build_leaves_nothing(cache, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(checkpoints, "preprocessor_configs", broken)
+    monkeypatch.setattr(recipe_of("qwen2_5_vl"), "processor_files", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         build_checkpoint(tmp_path / "broken", "tiny")
     assert list(tmp_path.iterdir()) == []
@@ -369,7 +369,7 @@ def test_demo_checkpoint_is_the_shipped_trained_one_and_builds_nothing(tmp_path,
 
 
 def test_a_missing_shipped_demo_says_so(tmp_path, monkeypatch):
-    from stillcut.engine.factory import demo
+    from stillcut import demo
 
     monkeypatch.setattr(demo, "CHECKPOINT_DIR", tmp_path / "checkpoint")
     with pytest.raises(FileNotFoundError, match="demo checkpoint is missing"):
@@ -607,5 +607,7 @@ def test_invalid_gemma3_specs_name_the_field(overrides, field):
 def test_gemma3_presets_and_qwen_fields_are_kept_apart():
     with pytest.raises(ValueError, match="preset='random-demo' for family 'gemma3'"):
         checkpoint_spec("random-demo", family="gemma3")
-    with pytest.raises(ValueError, match="mm_tokens_per_image applies to Gemma 3"):
+    with pytest.raises(
+        ValueError, match="mm_tokens_per_image does not apply to family 'qwen2_5_vl'"
+    ):
         checkpoint_spec("tiny", mm_tokens_per_image=16)

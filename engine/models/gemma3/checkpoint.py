@@ -1,4 +1,4 @@
-"""What built Gemma 3 checkpoints contain: the tiny preset, its config and its processor files.
+"""Gemma 3 test checkpoints: the tiny preset, its config, processor files and recipe.
 
 The `tiny` preset keeps what a Gemma 3 engine must get right and little else: local (sliding
 window 8) and global layers, different RoPE bases with linear scaling x8 on the global layers,
@@ -14,10 +14,12 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from stillcut.engine.models.families import GEMMA3
+from stillcut.engine.factory.recipe import CheckpointRecipe, Preset, random_marks
+from stillcut.engine.models.gemma3 import tokenizer
 from stillcut.engine.models.gemma3.tokenizer import (
     BOI_TOKEN_ID,
     BOS_TOKEN_ID,
@@ -28,13 +30,12 @@ from stillcut.engine.models.gemma3.tokenizer import (
     PAD_TOKEN_ID,
     VOCAB_SIZE,
 )
-from stillcut.engine.models.qwen2_vl.checkpoint import Preset
 
 if TYPE_CHECKING:
     from torch import nn
     from transformers import Gemma3Config
 
-    from stillcut.engine.factory import CheckpointSpec
+    from stillcut.engine.factory.checkpoints import CheckpointSpec
 
 GENERATION_IDS = MappingProxyType(
     {
@@ -83,119 +84,123 @@ _ROPE_PARAMETERS = {
 }
 
 
-def gemma3_spec_fields(
-    preset: str,
-    text: Mapping[str, Any] | None,
-    vision: Mapping[str, Any] | None,
-    mm_tokens_per_image: int | None,
-) -> dict[str, Any]:
-    """`CheckpointSpec` fields (dtype, text, vision, mm_tokens_per_image) of a Gemma 3 preset
-    with the caller's overrides; None keeps the preset's value."""
-    if preset not in GEMMA3_PRESETS:
-        raise ValueError(
-            f"preset={preset!r} for family {GEMMA3.model_type!r}: allowed {tuple(GEMMA3_PRESETS)}"
+class Gemma3Checkpoints(CheckpointRecipe):
+    """Gemma 3's recipe; its option is `mm_tokens_per_image` (a square whose side divides the
+    tower's patches per side)."""
+
+    model_class = "Gemma3ForConditionalGeneration"
+    presets = GEMMA3_PRESETS
+    option_names = ("mm_tokens_per_image",)
+    generation_ids = GENERATION_IDS
+
+    def resolve(
+        self,
+        preset: str,
+        text: Mapping[str, Any],
+        vision: Mapping[str, Any],
+        options: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        base = GEMMA3_PRESETS[preset]
+        resolved_text = {
+            "vocab_size": VOCAB_SIZE,
+            "pad_token_id": PAD_TOKEN_ID,
+            "eos_token_id": EOS_TOKEN_ID,
+            "bos_token_id": BOS_TOKEN_ID,
+            "rope_parameters": copy.deepcopy(_ROPE_PARAMETERS),
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            **base.text,
+            **text,
+        }
+        num_layers = resolved_text["num_hidden_layers"]
+        # The pattern repeats for deeper overrides; shallower ones keep its start.
+        resolved_text.setdefault(
+            "layer_types", [_LAYER_TYPES[i % len(_LAYER_TYPES)] for i in range(max(num_layers, 0))]
         )
-    base = GEMMA3_PRESETS[preset]
-    resolved_text = {
-        "vocab_size": VOCAB_SIZE,
-        "pad_token_id": PAD_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "bos_token_id": BOS_TOKEN_ID,
-        "rope_parameters": copy.deepcopy(_ROPE_PARAMETERS),
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-        **base.text,
-        **(text or {}),
-    }
-    num_layers = resolved_text["num_hidden_layers"]
-    # The pattern repeats for deeper overrides; shallower ones keep its start.
-    resolved_text.setdefault(
-        "layer_types", [_LAYER_TYPES[i % len(_LAYER_TYPES)] for i in range(max(num_layers, 0))]
-    )
-    return {
-        "dtype": base.dtype,
-        "text": resolved_text,
-        "vision": {**base.vision, "vision_use_head": False, **(vision or {})},
-        "mm_tokens_per_image": (
-            MM_TOKENS_PER_IMAGE if mm_tokens_per_image is None else mm_tokens_per_image
-        ),
-    }
+        tokens = options.get("mm_tokens_per_image")
+        return {
+            "text": resolved_text,
+            "vision": {**base.vision, "vision_use_head": False, **vision},
+            "options": {"mm_tokens_per_image": MM_TOKENS_PER_IMAGE if tokens is None else tokens},
+        }
 
+    def check(self, spec: CheckpointSpec) -> None:
+        text, vision = spec.text, spec.vision
+        tokens = spec.options["mm_tokens_per_image"]
+        if text["vocab_size"] != VOCAB_SIZE:
+            raise ValueError(
+                f"text vocab_size={text['vocab_size']} must equal the tokenizer's size {VOCAB_SIZE}"
+            )
+        if len(text["layer_types"]) != text["num_hidden_layers"]:
+            raise ValueError(
+                f"text layer_types has {len(text['layer_types'])} entries; "
+                f"num_hidden_layers={text['num_hidden_layers']}"
+            )
+        patches_per_side = vision["image_size"] // vision["patch_size"]
+        side = math.isqrt(tokens) if tokens else 0
+        if side < 1 or side * side != tokens or patches_per_side % side:
+            raise ValueError(
+                f"mm_tokens_per_image={tokens} must be a square whose side divides "
+                f"image_size / patch_size = {patches_per_side}"
+            )
 
-def check_gemma3_spec(
-    text: Mapping[str, Any], vision: Mapping[str, Any], mm_tokens_per_image: int | None
-) -> None:
-    """Raise ValueError, naming the field, for a Gemma 3 spec transformers or we cannot use."""
-    if text["vocab_size"] != VOCAB_SIZE:
-        raise ValueError(
-            f"text vocab_size={text['vocab_size']} must equal the tokenizer's size {VOCAB_SIZE}"
-        )
-    if len(text["layer_types"]) != text["num_hidden_layers"]:
-        raise ValueError(
-            f"text layer_types has {len(text['layer_types'])} entries; "
-            f"num_hidden_layers={text['num_hidden_layers']}"
-        )
-    patches_per_side = vision["image_size"] // vision["patch_size"]
-    side = math.isqrt(mm_tokens_per_image) if mm_tokens_per_image else 0
-    if side < 1 or side * side != mm_tokens_per_image or patches_per_side % side:
-        raise ValueError(
-            f"mm_tokens_per_image={mm_tokens_per_image} must be a square whose side divides "
-            f"image_size / patch_size = {patches_per_side}"
+    def hf_config(self, spec: CheckpointSpec) -> Gemma3Config:
+        from transformers import Gemma3Config
+
+        # Deep copies: transformers fills nested rope dicts in place, which would change the spec.
+        return Gemma3Config(
+            text_config=copy.deepcopy(spec.text),
+            vision_config=copy.deepcopy(spec.vision),
+            mm_tokens_per_image=spec.options["mm_tokens_per_image"],
+            boi_token_index=BOI_TOKEN_ID,
+            eoi_token_index=EOI_TOKEN_ID,
+            image_token_index=IMAGE_TOKEN_ID,
+            tie_word_embeddings=spec.tie_word_embeddings,
+            **random_marks(spec),
         )
 
+    def processor_files(self, spec: CheckpointSpec) -> dict[str, dict[str, Any]]:
+        """`preprocessor_config.json` and `processor_config.json`."""
+        size, tokens = spec.vision["image_size"], spec.options["mm_tokens_per_image"]
+        return {
+            "preprocessor_config.json": {
+                "do_convert_rgb": None,
+                "do_normalize": True,
+                "do_pan_and_scan": None,
+                "do_rescale": True,
+                "do_resize": True,
+                "image_mean": list(IMAGE_MEAN),
+                "image_processor_type": "Gemma3ImageProcessor",
+                "image_seq_length": tokens,
+                "image_std": list(IMAGE_STD),
+                "processor_class": "Gemma3Processor",
+                "resample": RESAMPLE_BILINEAR,
+                "rescale_factor": 1 / 255,
+                "size": {"height": size, "width": size},
+            },
+            "processor_config.json": {
+                "image_seq_length": tokens,
+                "processor_class": "Gemma3Processor",
+            },
+        }
 
-def gemma3_hf_config(spec: CheckpointSpec) -> Gemma3Config:
-    """The transformers `Gemma3Config` of a Gemma 3 spec."""
-    from transformers import Gemma3Config
+    def tokenizer_name(self) -> str:
+        return tokenizer.tokenizer_recipe_name()
 
-    # Deep copies: transformers fills nested rope dicts in place, which would change the spec.
-    return Gemma3Config(
-        text_config=copy.deepcopy(spec.text),
-        vision_config=copy.deepcopy(spec.vision),
-        mm_tokens_per_image=spec.mm_tokens_per_image,
-        boi_token_index=BOI_TOKEN_ID,
-        eoi_token_index=EOI_TOKEN_ID,
-        image_token_index=IMAGE_TOKEN_ID,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        stillcut_random_weights=True,
-        stillcut_preset=spec.preset,
-        stillcut_seed=spec.seed,
-    )
+    def write_tokenizer(self, folder: Path) -> None:
+        tokenizer.write_tokenizer_files(folder)
 
+    def randomize(self, model: nn.Module) -> None:
+        """Draw the weights transformers leaves at zero: the `1 + weight` norm scales and the
+        projector."""
+        import torch
 
-def gemma3_processor_configs(spec: CheckpointSpec) -> dict[str, dict[str, Any]]:
-    """File name -> contents of `preprocessor_config.json` and `processor_config.json`."""
-    size = spec.vision["image_size"]
-    return {
-        "preprocessor_config.json": {
-            "do_convert_rgb": None,
-            "do_normalize": True,
-            "do_pan_and_scan": None,
-            "do_rescale": True,
-            "do_resize": True,
-            "image_mean": list(IMAGE_MEAN),
-            "image_processor_type": "Gemma3ImageProcessor",
-            "image_seq_length": spec.mm_tokens_per_image,
-            "image_std": list(IMAGE_STD),
-            "processor_class": "Gemma3Processor",
-            "resample": RESAMPLE_BILINEAR,
-            "rescale_factor": 1 / 255,
-            "size": {"height": size, "width": size},
-        },
-        "processor_config.json": {
-            "image_seq_length": spec.mm_tokens_per_image,
-            "processor_class": "Gemma3Processor",
-        },
-    }
+        with torch.no_grad():
+            for module in model.modules():
+                if type(module).__name__ == "Gemma3RMSNorm":
+                    module.weight.normal_(0.0, NORM_WEIGHT_STD)
+            projection = model.model.multi_modal_projector.mm_input_projection_weight
+            projection.normal_(0.0, model.config.text_config.initializer_range)
 
 
-def randomize_zero_init(model: nn.Module) -> None:
-    """Draw the weights transformers leaves at zero, from torch's global RNG (seed it first)."""
-    import torch
-
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "Gemma3RMSNorm":
-                module.weight.normal_(0.0, NORM_WEIGHT_STD)
-        projection = model.model.multi_modal_projector.mm_input_projection_weight
-        projection.normal_(0.0, model.config.text_config.initializer_range)
+GEMMA3_CHECKPOINTS = Gemma3Checkpoints()

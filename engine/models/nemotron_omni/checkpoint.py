@@ -1,4 +1,4 @@
-"""What built Nemotron 3 Nano Omni checkpoints contain: presets, config and processor files.
+"""Nemotron 3 Nano Omni test checkpoints: presets, config, processor files and recipe.
 
 `tiny` keeps what a Nemotron engine must get right and little else: all four layer kinds
 (Mamba2, MoE, attention, MLP) in a short stack, 8 experts in 2 groups (one kept) with top-2
@@ -17,9 +17,12 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from stillcut.engine.factory.recipe import CheckpointRecipe, Preset, random_marks
+from stillcut.engine.models.nemotron_omni import tokenizer
 from stillcut.engine.models.nemotron_omni.tokenizer import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
@@ -28,15 +31,14 @@ from stillcut.engine.models.nemotron_omni.tokenizer import (
     VIDEO_TOKEN_ID,
     VOCAB_SIZE,
 )
-from stillcut.engine.models.qwen2_vl.checkpoint import IMAGE_MEAN, IMAGE_STD, Preset
+from stillcut.engine.models.pixels import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 if TYPE_CHECKING:
     from torch import nn
     from transformers import NemotronH_Omni_Reasoning_V3_Config
 
-    from stillcut.engine.factory import CheckpointSpec
+    from stillcut.engine.factory.checkpoints import CheckpointSpec
 
-MODEL_TYPE = "nemotron_h_omni"
 GENERATION_IDS = MappingProxyType(
     {"bos_token_id": BOS_TOKEN_ID, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": UNK_TOKEN_ID}
 )
@@ -69,6 +71,7 @@ NEMOTRON_PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
         "tiny": Preset(
             dtype="float32",
+            tie_word_embeddings=False,  # as its releases
             text={
                 "hidden_size": 64,
                 "num_attention_heads": 4,
@@ -102,6 +105,7 @@ NEMOTRON_PRESETS: Mapping[str, Preset] = MappingProxyType(
         ),
         "bench": Preset(
             dtype="bfloat16",
+            tie_word_embeddings=False,
             text={
                 "hidden_size": 768,
                 "num_attention_heads": 12,
@@ -138,124 +142,133 @@ _PRESET_LAYERS = MappingProxyType({"tiny": _TINY_LAYERS, "bench": _BENCH_LAYERS}
 _PRESET_PROJECTOR = MappingProxyType({"tiny": 48, "bench": 1024})
 
 
-def nemotron_spec_fields(
-    preset: str,
-    text: Mapping[str, Any] | None,
-    vision: Mapping[str, Any] | None,
-    extra: Mapping[str, Any] | None,
-) -> dict[str, Any]:
-    """`CheckpointSpec` fields (dtype, text, vision, extra) of a Nemotron 3 Nano Omni preset
-    with the caller's overrides. `extra` holds the top-level config fields and the processors'
-    patch budgets (`video_target_num_patches`, `min_num_patches`, `max_num_patches`,
-    `max_model_len`)."""
-    if preset not in NEMOTRON_PRESETS:
-        raise ValueError(
-            f"preset={preset!r} for family {MODEL_TYPE!r}: allowed {tuple(NEMOTRON_PRESETS)}"
+class NemotronCheckpoints(CheckpointRecipe):
+    """Nemotron 3 Nano Omni's recipe; its option is `extra`: the top-level config fields and
+    the processors' patch budgets (`video_target_num_patches`, `min_num_patches`,
+    `max_num_patches`, `max_model_len`)."""
+
+    model_class = "NemotronH_Omni_Reasoning_V3"
+    presets = NEMOTRON_PRESETS
+    option_names = ("extra",)
+    generation_ids = GENERATION_IDS
+
+    def resolve(
+        self,
+        preset: str,
+        text: Mapping[str, Any],
+        vision: Mapping[str, Any],
+        options: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        base = NEMOTRON_PRESETS[preset]
+        resolved_text = {
+            "vocab_size": VOCAB_SIZE,
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": EOS_TOKEN_ID,
+            "pad_token_id": UNK_TOKEN_ID,
+            "layers_block_type": list(_PRESET_LAYERS[preset]),
+            **base.text,
+            **text,
+        }
+        # transformers derives the depth from the layer list; the spec states it for its checks
+        resolved_text["num_hidden_layers"] = len(resolved_text["layers_block_type"])
+        extra = {
+            **_TOP_DEFAULTS,
+            "projector_hidden_size": _PRESET_PROJECTOR[preset],
+            **_PROCESSOR_DEFAULTS,
+            **(options.get("extra") or {}),
+        }
+        return {
+            "text": resolved_text,
+            "vision": {"video_temporal_patch_size": 2, **base.vision, **vision},
+            "options": {"extra": extra},
+        }
+
+    def check(self, spec: CheckpointSpec) -> None:
+        if spec.text["vocab_size"] != VOCAB_SIZE:
+            raise ValueError(
+                f"text vocab_size={spec.text['vocab_size']} must equal the tokenizer's size "
+                f"{VOCAB_SIZE}"
+            )
+        allowed = {*_TOP_DEFAULTS, *_PROCESSOR_DEFAULTS, "audio_config"}
+        unknown = set(spec.options["extra"]) - allowed
+        if unknown:
+            raise ValueError(f"extra fields {sorted(unknown)}: allowed {sorted(allowed)}")
+
+    def hf_config(self, spec: CheckpointSpec) -> NemotronH_Omni_Reasoning_V3_Config:
+        from transformers import NemotronH_Omni_Reasoning_V3_Config
+
+        extra = spec.options["extra"]
+        top = {k: v for k, v in extra.items() if k not in _PROCESSOR_DEFAULTS}
+        return NemotronH_Omni_Reasoning_V3_Config(
+            text_config={
+                **copy.deepcopy(spec.text),
+                "tie_word_embeddings": spec.tie_word_embeddings,
+            },
+            vision_config=copy.deepcopy(spec.vision),
+            vision_hidden_size=spec.vision["hidden_size"],
+            image_token_id=IMAGE_TOKEN_ID,
+            video_token_id=VIDEO_TOKEN_ID,
+            **random_marks(spec),
+            **copy.deepcopy(top),
         )
-    base = NEMOTRON_PRESETS[preset]
-    resolved_text = {
-        "vocab_size": VOCAB_SIZE,
-        "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
-        "pad_token_id": UNK_TOKEN_ID,
-        "layers_block_type": list(_PRESET_LAYERS[preset]),
-        **base.text,
-        **(text or {}),
-    }
-    # transformers derives the depth from the layer list; the spec states it for its checks
-    resolved_text["num_hidden_layers"] = len(resolved_text["layers_block_type"])
-    resolved_vision = {"video_temporal_patch_size": 2, **base.vision, **(vision or {})}
-    resolved_extra = {
-        **_TOP_DEFAULTS,
-        "projector_hidden_size": _PRESET_PROJECTOR[preset],
-        **_PROCESSOR_DEFAULTS,
-        **(extra or {}),
-    }
-    return {"dtype": base.dtype, "text": resolved_text, "vision": resolved_vision,
-            "extra": resolved_extra}  # fmt: skip
+
+    def processor_files(self, spec: CheckpointSpec) -> dict[str, dict[str, Any]]:
+        """The image and video processor configs."""
+        extra, patch_size = spec.options["extra"], spec.vision["patch_size"]
+        shared = {
+            "patch_size": patch_size,
+            "downsample_ratio": extra["downsample_ratio"],
+            "processor_class": "NemotronH_Omni_Reasoning_V3Processor",
+        }
+        return {
+            "preprocessor_config.json": {
+                **shared,
+                "image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
+                "image_mean": list(OPENAI_CLIP_MEAN),
+                "image_std": list(OPENAI_CLIP_STD),
+                "min_num_patches": extra["min_num_patches"],
+                "max_num_patches": extra["max_num_patches"],
+                "max_model_len": extra["max_model_len"],
+            },
+            "video_preprocessor_config.json": {
+                **shared,
+                "video_processor_type": "NemotronH_Omni_Reasoning_V3VideoProcessor",
+                "norm_mean": list(OPENAI_CLIP_MEAN),
+                "norm_std": list(OPENAI_CLIP_STD),
+                "video_target_num_patches": extra["video_target_num_patches"],
+                "video_maintain_aspect_ratio": True,
+                "temporal_patch_size": extra["video_temporal_patch_size"],
+                "do_convert_rgb": False,
+            },
+        }
+
+    def tokenizer_name(self) -> str:
+        return tokenizer.tokenizer_recipe_name()
+
+    def write_tokenizer(self, folder: Path) -> None:
+        tokenizer.write_tokenizer_files(folder)
+
+    def randomize(self, model: nn.Module) -> None:
+        """Draw the weights transformers leaves at one or zero (norm and layer scales, the
+        router's correction bias, the Mamba2 skip) and the Mamba2 time-step biases from torch's
+        global RNG (seed it first)."""
+        import torch
+
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                leaf = name.rsplit(".", 2)
+                if leaf[-1] == "lambda1" or (leaf[-1] == "weight" and "norm" in leaf[-2]):
+                    parameter.add_(torch.randn_like(parameter), alpha=NORM_WEIGHT_STD)
+                if name.endswith("dt_bias"):
+                    # softplus(dt_bias) log-uniform over [1e-3, 1], some of it under the tiny
+                    # preset's time_step_min, so the prompt-only clamp changes what the scan gives
+                    dt = torch.exp(torch.empty_like(parameter).uniform_(*DT_LOG_RANGE))
+                    parameter.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹
+                if name.endswith("mixer.D"):
+                    parameter.uniform_(*SKIP_RANGE)
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, CORRECTION_BIAS_STD)
 
 
-def check_nemotron_spec(text: Mapping[str, Any], extra: Mapping[str, Any]) -> None:
-    """Raise ValueError, naming the field, for a spec transformers or we cannot use."""
-    if text["vocab_size"] != VOCAB_SIZE:
-        raise ValueError(
-            f"text vocab_size={text['vocab_size']} must equal the tokenizer's size {VOCAB_SIZE}"
-        )
-    unknown = set(extra) - set(_TOP_DEFAULTS) - set(_PROCESSOR_DEFAULTS) - {"audio_config"}
-    if unknown:
-        raise ValueError(
-            f"extra fields {sorted(unknown)}: allowed "
-            f"{sorted({*_TOP_DEFAULTS, *_PROCESSOR_DEFAULTS, 'audio_config'})}"
-        )
-
-
-def nemotron_hf_config(spec: CheckpointSpec) -> NemotronH_Omni_Reasoning_V3_Config:
-    """The transformers config of a Nemotron 3 Nano Omni spec."""
-    from transformers import NemotronH_Omni_Reasoning_V3_Config
-
-    top = {k: v for k, v in spec.extra.items() if k not in _PROCESSOR_DEFAULTS}
-    return NemotronH_Omni_Reasoning_V3_Config(
-        text_config={**copy.deepcopy(spec.text), "tie_word_embeddings": spec.tie_word_embeddings},
-        vision_config=copy.deepcopy(spec.vision),
-        vision_hidden_size=spec.vision["hidden_size"],
-        image_token_id=IMAGE_TOKEN_ID,
-        video_token_id=VIDEO_TOKEN_ID,
-        stillcut_random_weights=True,
-        stillcut_preset=spec.preset,
-        stillcut_seed=spec.seed,
-        **copy.deepcopy(top),
-    )
-
-
-def nemotron_processor_configs(spec: CheckpointSpec) -> dict[str, dict[str, Any]]:
-    """File name -> contents of the image and video processor configs."""
-    extra, patch_size = spec.extra, spec.vision["patch_size"]
-    shared = {
-        "patch_size": patch_size,
-        "downsample_ratio": extra["downsample_ratio"],
-        "processor_class": "NemotronH_Omni_Reasoning_V3Processor",
-    }
-    return {
-        "preprocessor_config.json": {
-            **shared,
-            "image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
-            "image_mean": list(IMAGE_MEAN),
-            "image_std": list(IMAGE_STD),
-            "min_num_patches": extra["min_num_patches"],
-            "max_num_patches": extra["max_num_patches"],
-            "max_model_len": extra["max_model_len"],
-        },
-        "video_preprocessor_config.json": {
-            **shared,
-            "video_processor_type": "NemotronH_Omni_Reasoning_V3VideoProcessor",
-            "norm_mean": list(IMAGE_MEAN),
-            "norm_std": list(IMAGE_STD),
-            "video_target_num_patches": extra["video_target_num_patches"],
-            "video_maintain_aspect_ratio": True,
-            "temporal_patch_size": extra["video_temporal_patch_size"],
-            "do_convert_rgb": False,
-        },
-    }
-
-
-def randomize_unit_init(model: nn.Module) -> None:
-    """Draw the weights transformers leaves at one or zero (norm and layer scales, the
-    router's correction bias, the Mamba2 skip) and the Mamba2 time-step biases from torch's
-    global RNG (seed it first)."""
-    import torch
-
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            leaf = name.rsplit(".", 2)
-            if leaf[-1] == "lambda1" or (leaf[-1] == "weight" and "norm" in leaf[-2]):
-                parameter.add_(torch.randn_like(parameter), alpha=NORM_WEIGHT_STD)
-            if name.endswith("dt_bias"):
-                # softplus(dt_bias) log-uniform over [1e-3, 1], some of it under the tiny
-                # preset's time_step_min, so the prompt-only clamp changes what the scan gives
-                dt = torch.exp(torch.empty_like(parameter).uniform_(*DT_LOG_RANGE))
-                parameter.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus⁻¹
-            if name.endswith("mixer.D"):
-                parameter.uniform_(*SKIP_RANGE)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, CORRECTION_BIAS_STD)
+NEMOTRON_CHECKPOINTS = NemotronCheckpoints()

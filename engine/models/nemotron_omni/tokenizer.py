@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stillcut.engine.factory import trained_tokenizer
-from stillcut.engine.models.gemma3.tokenizer import CORPUS
+from stillcut.engine.factory.trained_tokenizer import CORPUS
 
 RECIPE_VERSION = 1  # bump when the corpus, tokens or `_build_backend` change
 SPECIAL_TOKENS = (

@@ -1,17 +1,34 @@
-"""What the built checkpoints contain: Qwen's fixed ids, the size presets, the pixel budgets.
+"""Qwen2.5-VL and Qwen2-VL test checkpoints: fixed ids, size presets, pixel budgets, recipe.
 
 Presets name the few sizes that matter (text and vision widths, depths, heads); everything
-else follows real Qwen2.5-VL / Qwen2-VL checkpoints: the 151,936-entry vocabulary, the
-vision token ids, 14-pixel patches in 2-frame tubelets merged 2x2, CLIP normalisation, and
-preprocessor configs written with the same keys as the published ones.
+else follows real Qwen2.5-VL / Qwen2-VL checkpoints: the 151,936-entry vocabulary and the real
+Qwen2.5 tokenizer (`factory.qwen_tokenizer`), the vision token ids, 14-pixel patches in
+2-frame tubelets merged 2x2, CLIP normalisation, and preprocessor configs written with the same
+keys as the published ones. The `3b` and `7b` presets are written tensor by tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from stillcut.engine.factory.qwen_tokenizer import (
+    TOKENIZER_FILES,
+    qwen_tokenizer_dir,
+    tokenizer_cache_name,
+)
+from stillcut.engine.factory.recipe import RANDOM_DEMO, CheckpointRecipe, Preset, random_marks
+from stillcut.engine.models.pixels import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from stillcut.engine.factory.checkpoints import CheckpointSpec
 
 VOCAB_SIZE = 151936
 BOS_TOKEN_ID = 151643  # <|endoftext|>
@@ -22,32 +39,11 @@ IMAGE_TOKEN_ID = 151655
 VIDEO_TOKEN_ID = 151656
 
 PIXELS_PER_TOKEN = 28 * 28  # one merged 2x2 group of 14-pixel patches
-IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP, as Qwen-VL uses
-IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
-RANDOM_DEMO = "random-demo"  # the random-weight preset the speed benchmarks measure
 
 _VISION_COMMON = MappingProxyType(
     {"patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2}
 )
 _QWEN2_5_VISION_EXTRA = MappingProxyType({"window_size": 112, "tokens_per_second": 2})
-
-
-@dataclass(frozen=True)
-class Preset:
-    """A named model size. `vision` uses Qwen2.5-VL keys; `family_vision` translates them.
-    `tie_word_embeddings` is the default a spec may override. `streamed` presets are too large
-    to build in memory: their weights are written tensor by tensor (`factory.streamed`)."""
-
-    dtype: Literal["float32", "bfloat16"]
-    text: Mapping[str, int]
-    vision: Mapping[str, Any]
-    tie_word_embeddings: bool = True
-    streamed: bool = False
-
-    def __post_init__(self) -> None:
-        # Read-only views: presets are shared by every caller.
-        object.__setattr__(self, "text", MappingProxyType(dict(self.text)))
-        object.__setattr__(self, "vision", MappingProxyType(dict(self.vision)))
 
 
 _DEMO_TEXT = MappingProxyType(
@@ -198,8 +194,8 @@ def preprocessor_configs(
             "do_normalize": True,
             "do_rescale": True,
             "do_resize": True,
-            "image_mean": list(IMAGE_MEAN),
-            "image_std": list(IMAGE_STD),
+            "image_mean": list(OPENAI_CLIP_MEAN),
+            "image_std": list(OPENAI_CLIP_STD),
             "max_pixels": max_pixels,
             "merge_size": vision["spatial_merge_size"],
             "min_pixels": min_pixels,
@@ -221,3 +217,102 @@ def preprocessor_configs(
             "video_processor_type": "Qwen2VLVideoProcessor",
         },
     }
+
+
+class QwenCheckpoints(CheckpointRecipe):
+    """The recipe of one Qwen `model_type` ("qwen2_5_vl" or "qwen2_vl"); its option is
+    `processor` (`ProcessorSpec` fields)."""
+
+    presets = PRESETS
+    option_names = ("processor",)
+    generation_ids = MappingProxyType(
+        {
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": [EOS_TOKEN_ID, BOS_TOKEN_ID],
+            "pad_token_id": BOS_TOKEN_ID,
+        }
+    )
+
+    def __init__(self, model_type: str, model_class: str, config_class: str) -> None:
+        self.model_type, self.model_class, self.config_class = model_type, model_class, config_class
+
+    def resolve(
+        self,
+        preset: str,
+        text: Mapping[str, Any],
+        vision: Mapping[str, Any],
+        options: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """M-RoPE sections follow Qwen's 1:1.5:1.5 split of head_dim / 2 unless overridden, and
+        the vision output width follows the text hidden size."""
+        base = PRESETS[preset]
+        resolved_text = {
+            "vocab_size": VOCAB_SIZE,
+            "bos_token_id": BOS_TOKEN_ID,
+            "eos_token_id": EOS_TOKEN_ID,
+            **base.text,
+            **text,
+        }
+        num_heads = resolved_text["num_attention_heads"]
+        head_dim = resolved_text["hidden_size"] // num_heads if num_heads > 0 else 0  # 0: rejected
+        resolved_text.setdefault("max_window_layers", resolved_text["num_hidden_layers"])
+        resolved_text.setdefault(
+            "rope_parameters",
+            {"rope_type": "default", "rope_theta": 1e6, "mrope_section": mrope_section(head_dim)},
+        )
+        resolved_vision = family_vision(self.model_type, base.vision, resolved_text["hidden_size"])
+        processor = ProcessorSpec(**(options.get("processor") or {}))
+        return {
+            "text": resolved_text,
+            "vision": {**resolved_vision, **vision},
+            "options": {"processor": dataclasses.asdict(processor)},
+        }
+
+    def check(self, spec: CheckpointSpec) -> None:
+        hidden = spec.text["hidden_size"]
+        head_dim = hidden // spec.text["num_attention_heads"]
+        sections = spec.text["rope_parameters"].get("mrope_section", ())
+        if sum(sections) != head_dim // 2:
+            raise ValueError(
+                f"text rope_parameters.mrope_section={sections} must sum to "
+                f"head_dim / 2 = {head_dim // 2}"
+            )
+        out_key = "out_hidden_size" if self.model_type == "qwen2_5_vl" else "hidden_size"
+        if spec.vision[out_key] != hidden:
+            raise ValueError(
+                f"vision {out_key}={spec.vision[out_key]} must equal text hidden_size={hidden}"
+            )
+
+    def hf_config(self, spec: CheckpointSpec) -> PreTrainedConfig:
+        import transformers
+
+        return getattr(transformers, self.config_class)(
+            text_config=dict(spec.text),
+            vision_config=dict(spec.vision),
+            tie_word_embeddings=spec.tie_word_embeddings,
+            image_token_id=IMAGE_TOKEN_ID,
+            video_token_id=VIDEO_TOKEN_ID,
+            vision_start_token_id=VISION_START_TOKEN_ID,
+            vision_end_token_id=VISION_END_TOKEN_ID,
+            **random_marks(spec),
+        )
+
+    def processor_files(self, spec: CheckpointSpec) -> dict[str, dict[str, Any]]:
+        budget = ProcessorSpec(**spec.options["processor"])
+        return preprocessor_configs(self.model_type, spec.vision, budget)
+
+    def tokenizer_name(self) -> str:
+        return tokenizer_cache_name()
+
+    def write_tokenizer(self, folder: Path) -> None:
+        tokenizer_folder = qwen_tokenizer_dir()
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(tokenizer_folder / name, folder / name)
+
+
+QWEN2_5_VL_CHECKPOINTS = QwenCheckpoints(
+    "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLConfig"
+)
+QWEN2_VL_CHECKPOINTS = QwenCheckpoints(
+    "qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLConfig"
+)
