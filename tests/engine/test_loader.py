@@ -20,7 +20,7 @@ from stillcut.engine.loader import (
     load_weights,
     resolve_checkpoint,
 )
-from stillcut.engine.models.families import QWEN_WEIGHT_PREFIXES
+from stillcut.engine.models.qwen2_vl.entry import QWEN_WEIGHT_PREFIXES
 from stillcut.engine.quantization import WeightFormat
 from stillcut.vision.towers import load_vision_tower
 

@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from stillcut.engine.factory import cached_checkpoint
-from stillcut.engine.models.families import FAMILIES, QWEN2_5_VL
+from stillcut.engine.models.families import FAMILIES
+from stillcut.engine.models.qwen2_vl.entry import QWEN2_5_VL
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service import cli, server
 from stillcut.service.api import VideoLLM, describe_video

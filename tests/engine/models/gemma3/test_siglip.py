@@ -23,7 +23,7 @@ from stillcut.engine.loader import (
     checkpoint_tensors,
     load_model_config,
 )
-from stillcut.engine.models.families import GEMMA3
+from stillcut.engine.models.gemma3.entry import GEMMA3
 from stillcut.engine.models.gemma3.tower import Gemma3VisionEncoder
 from stillcut.engine.models.qwen2_vl.config import text_config
 from stillcut.vision.towers import load_vision_tower
