@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--model", help="checkpoint folder (default: the demo checkpoint)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each mode (default 3)")
     args = parser.parse_args()
-    from stillcut.engine.factory import demo_checkpoint
+    from stillcut.demo import demo_checkpoint
 
     model = args.model or str(demo_checkpoint())
     load_before = os.getloadavg()

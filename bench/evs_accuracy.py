@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
+from stillcut.demo import demo_checkpoint
 from stillcut.demo.clips import clip_bytes, held_out_seeds
 from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, is_correct
 from stillcut.demo.scenes import Scene, sample_scene
 from stillcut.demo.train import TASK_VERSION
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from stillcut.engine.factory import demo_checkpoint
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.service.api import DEFAULT_KV_CACHE_BYTES, VideoLLM
 from stillcut.vision.decode import DecodeConfig

@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from stillcut.demo import demo_checkpoint
 from stillcut.demo.clips import clip_bytes, held_out_seeds
 from stillcut.demo.questions import PROMPTS, QUESTION_TYPES
 from stillcut.demo.scenes import sample_scene
 from stillcut.demo.train import TASK_VERSION, TrainConfig
-from stillcut.engine.factory import demo_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig

@@ -11,7 +11,7 @@ from stillcut.engine.cache_groups import (
 )
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.loader import load_model_config
-from stillcut.engine.models import Qwen2LanguageModel
+from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
 from stillcut.engine.runner import ModelRunner
 
 # one block: 2 (k, v) * 2 layers * 16 tokens * 4 heads * 8 dims * 2 bytes = 4096 bytes

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from stillcut.engine.factory import cached_checkpoint
-from stillcut.engine.models import Gemma3LanguageModel, Qwen2LanguageModel
+from stillcut.engine.models.gemma3.model import Gemma3LanguageModel
 from stillcut.engine.models.matmul import head_layout, vocab_logits
+from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
 from stillcut.engine.models.rotary import fused_qkv_attention, rotary_tables
 from stillcut.engine.models.weights import embedding_rows
 from stillcut.engine.quantization import dense, quantize_int8

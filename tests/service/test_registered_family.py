@@ -22,9 +22,9 @@ from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.loader import load_model_config
 from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.families import FAMILIES
-from stillcut.engine.models.qwen2_vl.entry import QWEN2_5_VL
 from stillcut.engine.models.qwen2_vl.checkpoint import VIDEO_TOKEN_ID
 from stillcut.engine.models.qwen2_vl.config import read_qwen2_5_vl
+from stillcut.engine.models.qwen2_vl.entry import QWEN2_5_VL
 from stillcut.engine.request import SamplingParams
 from stillcut.service.api import VideoLLM
 from stillcut.service.config import ServerConfig

@@ -23,9 +23,9 @@ from transformers import (
 )
 
 from stillcut.engine.loader import CheckpointError, canonical_tensor_name, load_model_config
-from stillcut.engine.models import Qwen2LanguageModel
-from stillcut.engine.models.qwen2_vl.entry import QWEN_WEIGHT_PREFIXES
 from stillcut.engine.models.qwen2_vl.config import TextConfig, text_config
+from stillcut.engine.models.qwen2_vl.entry import QWEN_WEIGHT_PREFIXES
+from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
 from stillcut.engine.models.qwen2_vl.positions import MRopeSpec, mrope_positions
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat
