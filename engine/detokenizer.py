@@ -104,7 +104,7 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _step(self, token_id: int) -> str | None:
-        """The stream's next chunk. Byte-fallback decoders (SentencePiece's, Gemma's) render a
+        """The stream's next chunk. Byte-fallback decoders (SentencePiece's and its kind) render a
         run of byte tokens that is not valid UTF-8 as one U+FFFD per token, so a byte shown on
         its own ("+") can turn into U+FFFD once a stray byte follows, and `DecodeStream` then
         refuses its changed prefix. As vLLM does, restart the stream after the tokens so far

@@ -8,11 +8,11 @@ tokens are special, so BPE never merges across them and expanding after tokenizi
 ids that tokenizing the fully expanded text would.
 
 - `PromptFormat` itself leaves the text as rendered: the template already writes one
-  placeholder token per part (Qwen's `<|vision_start|><|video_pad|><|vision_end|>`).
+  placeholder token per part (e.g. `<|vision_start|><|video_pad|><|vision_end|>`).
 - `ImageSequenceFormat` replaces each begin marker the template renders by
-  `before + begin + placeholder + end + after` (Gemma 3's `\n\n<start_of_image>` + soft
-  tokens + `<end_of_image>\n\n`, as transformers' processor expands it; the newlines may merge
-  with the text around them, which tokenizing after expanding honours).
+  `before + begin + placeholder + end + after` (e.g. `\n\n<start_of_image>` + soft tokens +
+  `<end_of_image>\n\n`, as a transformers processor expands it; the newlines may merge with
+  the text around them, which tokenizing after expanding honours).
 
 A family without a video placeholder writes a video as its frames: `videos_as_frames` turns
 each video part into one image part per grid step (carrying the frame's `timestamp`, seconds,

@@ -10,9 +10,9 @@ step after the encoder is never captured: how many tokens it keeps depends on th
 its output shape is not known before it runs.
 
 Only towers whose `encode(pixel_values)` is a pure device computation over one input tensor
-declare `capturable_per_shape` (Gemma 3's SigLIP); the Qwen towers build per-grid rotary
-tables and window orders on the host each pass, and RADIO's patch generator is unchecked, so
-they run eagerly.
+declare `capturable_per_shape` (a plain ViT on fixed squares); towers that build per-grid
+rotary tables or window orders on the host each pass, or whose patch generator is unchecked,
+run eagerly.
 """
 
 from __future__ import annotations

@@ -131,9 +131,8 @@ def checkpoint_spec(
     """Resolve a family's preset and overrides into a full spec.
 
     `text` and `vision` override transformers config fields (`vision` in the family's keys,
-    e.g. `embed_dim`/`mlp_ratio` for Qwen2-VL); `options` are the family's own (its recipe's
-    `option_names`: the Qwen families' `processor` pixel budgets, Gemma 3's
-    `mm_tokens_per_image`, Nemotron's `extra` top-level fields); `dtype` and
+    as its recipe documents); `options` are the family's own (its recipe's `option_names`,
+    e.g. processor pixel budgets or image token counts); `dtype` and
     `tie_word_embeddings` default to the preset's.
     """
     recipe = recipe_of(family)

@@ -1,9 +1,9 @@
 """The size a model family holds a clip's frames at, applied while they are decoded.
 
-Preprocessing resizes every frame to one target size (Qwen: smart resize of the first frame;
-Gemma 3: a fixed square) with a PIL filter. Decoding can do that same resize as each sampled
-frame is converted, so a large clip is only ever held at the size the model sees, never at
-display size. The result is bit for bit what preprocessing would make: the same PIL call on
+Preprocessing resizes every frame to one target size (a size fitted to the first frame, or a
+fixed square, as the family says) with a PIL filter. Decoding can do that same resize as each
+sampled frame is converted, so a large clip is only ever held at the size the model sees, never
+at display size. The result is bit for bit what preprocessing would make: the same PIL call on
 the same pixels, and preprocessing then finds each frame at its target size and leaves it be.
 """
 

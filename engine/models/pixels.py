@@ -1,8 +1,8 @@
 """What every family's media preprocessing shares: frame checks, config validation, and the
 normalisation lookup table.
 
-Families preprocess differently (Qwen's smart resize into tubelets, Gemma 3's fixed square,
-Nemotron's patch-budget tiles), but each checks its input frames the same way, validates its
+Families preprocess differently (a size fitted to a pixel budget, a fixed square, a patch-budget
+tile), but each checks its input frames the same way, validates its
 frozen preprocess config with the same rules and messages, keys its cache entries by every
 field, and rescales and normalises uint8 pixels through one per-channel lookup table that
 repeats transformers' float64-then-float32 arithmetic, so values agree bit for bit.
