@@ -43,9 +43,10 @@ class LinearCursor:
 
 
 class PagedLanguageModel(nn.Module):
-    """What the runner asks of every language model beside `forward`, `compute_logits` and
-    `prompt_positions`: `extend_positions` (positions as a fold over appended input), its layer
-    count and the shape of one layer's paged KV cache. `config` has `num_layers`,
+    """What the runner asks of every language model: `forward` (shared here: the native decode
+    step, or the model's `embed` and `run_layers`), `compute_logits`, `prompt_positions`,
+    `extend_positions` (positions as a fold over appended input), its layer count and the
+    shape of one layer's paged KV cache. `config` has `num_layers`,
     `num_kv_heads` and `head_dim`. `prepare_weights` (called by the model's
     `from_checkpoint`) makes what is derived from the weights: `head_matrices` and the layers'
     prepared projections (`prepare_matrices`), and `cpu_decoder`, the native CPU decode step,
@@ -73,6 +74,36 @@ class PagedLanguageModel(nn.Module):
         start = 0 if cursor is None else cursor.next_position
         positions, next_position = self.prompt_positions(token_ids, items, placements)
         return positions + start, LinearCursor(start + next_position)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        mm_embeds: torch.Tensor | None = None,
+        mm_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Final-normed hidden states [N] tokens -> [N, hidden].
+
+        `positions` and `kv_caches` as the model's `run_layers` takes them. `mm_embeds`
+        [M, hidden] replace the input embeddings of the M rows where `mm_mask` [N] is True. A
+        step of decodes the native CPU step serves is one native call; else the model's
+        `input_embeddings` go through its `run_layers`.
+        """
+        if (mm_embeds is None) != (mm_mask is None):
+            raise ValueError("mm_embeds and mm_mask must be given together")
+        native = self.native_decode(input_ids, positions, kv_caches, metadata, mm_embeds)
+        if native is not None:
+            return native  # a step of decodes, in one native call
+        hidden = self.input_embeddings(input_ids)  # [N, hidden]
+        if mm_embeds is not None:
+            hidden[mm_mask] = mm_embeds.to(hidden.dtype)
+        return self.run_layers(hidden, positions, kv_caches, metadata)
+
+    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder's input for token ids: [N] -> [N, hidden]; by default `embed`'s rows."""
+        return self.embed(input_ids)
 
     def native_stack(self) -> Stack | None:
         """The model as the native CPU decode step reads it; None: it has none."""

@@ -200,29 +200,22 @@ class Gemma3LanguageModel(PagedLanguageModel):
             torch.tensor(config.hidden_size**0.5, device=device).to(dtype), persistent=False
         )
 
-    def forward(
+    def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings scaled by sqrt(hidden), as Gemma's are: [N] ids -> [N, hidden]."""
+        return self.embed(input_ids).mul_(self.embed_scale)
+
+    def run_layers(
         self,
-        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-        mm_embeds: torch.Tensor | None = None,
-        mm_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [N] tokens -> [N, hidden].
+        """The decoder over input embeddings `hidden` [N, hidden] -> final-normed [N, hidden].
 
-        `positions` [1, N] long; `kv_caches` has one `kv_cache_shape` tensor per layer.
-        `mm_embeds` [M, hidden] replace the (scaled) embeddings of the M rows where `mm_mask`
-        [N] is True, unscaled.
+        `positions` [1, N] long; `kv_caches` has one `kv_cache_shape` tensor per layer. Media
+        rows hold their embeddings unscaled (they replace the scaled token embeddings).
         """
-        if (mm_embeds is None) != (mm_mask is None):
-            raise ValueError("mm_embeds and mm_mask must be given together")
-        native = self.native_decode(input_ids, positions, kv_caches, metadata, mm_embeds)
-        if native is not None:
-            return native  # a step of decodes, in one native call
-        hidden = self.embed(input_ids).mul_(self.embed_scale)  # [N, hidden]
-        if mm_embeds is not None:
-            hidden[mm_mask] = mm_embeds.to(hidden.dtype)
         tables = self.rotary(positions[0], hidden.dtype)  # layer type -> [N, 1, D] each
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, *tables[layer.layer_type], kv_cache, metadata)

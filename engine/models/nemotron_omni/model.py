@@ -86,29 +86,18 @@ class NemotronHLanguageModel(PagedLanguageModel):
         set_weight(self, "lm_head", *lm_head)
         self.prepare_weights()
 
-    def forward(
+    def run_layers(
         self,
-        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-        mm_embeds: torch.Tensor | None = None,
-        mm_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [N] tokens -> [N, hidden].
+        """The decoder over input embeddings `hidden` [N, hidden] -> final-normed [N, hidden].
 
         `kv_caches` holds one paged K/V tensor per attention layer, in layer order;
-        `metadata.recurrent` the Mamba2 layers' states. `mm_embeds` [M, hidden] replace the
-        embeddings of the M rows where `mm_mask` [N] is True.
+        `metadata.recurrent` the Mamba2 layers' states.
         """
-        if (mm_embeds is None) != (mm_mask is None):
-            raise ValueError("mm_embeds and mm_mask must be given together")
-        native = self.native_decode(input_ids, positions, kv_caches, metadata, mm_embeds)
-        if native is not None:
-            return native  # a step of decodes, in one native call
-        hidden = self.embed(input_ids)  # [N, hidden]
-        if mm_embeds is not None:
-            hidden[mm_mask] = mm_embeds.to(hidden.dtype)
         caches = iter(kv_caches)
         for block in self.layers:
             kv_cache = next(caches) if isinstance(block, AttentionBlock) else None

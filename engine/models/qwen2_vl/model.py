@@ -163,29 +163,18 @@ class Qwen2LanguageModel(PagedLanguageModel):
         self.lm_head = empty_weight(config.hidden_size, config.vocab_size, **new)
         self.rotary = MRoPE(config, device)
 
-    def forward(
+    def run_layers(
         self,
-        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-        mm_embeds: torch.Tensor | None = None,
-        mm_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final-normed hidden states [N] tokens -> [N, hidden].
+        """The decoder over input embeddings `hidden` [N, hidden] -> final-normed [N, hidden].
 
         `positions` [3, N] long are M-RoPE (t, h, w) positions; `kv_caches` has one
-        `kv_cache_shape` tensor per layer. `mm_embeds` [M, hidden] replace the embeddings of
-        the M rows where `mm_mask` [N] is True.
+        `kv_cache_shape` tensor per layer.
         """
-        if (mm_embeds is None) != (mm_mask is None):
-            raise ValueError("mm_embeds and mm_mask must be given together")
-        native = self.native_decode(input_ids, positions, kv_caches, metadata, mm_embeds)
-        if native is not None:
-            return native  # a step of decodes, in one native call
-        hidden = self.embed(input_ids)  # [N, hidden]
-        if mm_embeds is not None:
-            hidden[mm_mask] = mm_embeds.to(hidden.dtype)
         cos, sin = self.rotary(positions, hidden.dtype)  # [N, 1, D] each
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, metadata)
