@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
     from stillcut.engine.factory.checkpoints import CheckpointSpec
+    from stillcut.engine.factory.trained_tokenizer import TrainedTokenizer
+
+Fields = Mapping[str, Any]  # config fields or options, by name
 
 # The preset the speed benchmarks measure: the default family's random-weight model of the
 # demo's shape.
@@ -51,21 +54,17 @@ class CheckpointRecipe:
 
     `model_class` is the transformers class that builds the model; `option_names` the spec
     options the family takes besides `text` and `vision` (they land in `CheckpointSpec.options`);
-    `generation_ids` the generation config's token ids.
+    `generation_ids` the generation config's token ids; `tokenizer` the family's trained tiny
+    tokenizer, if it writes one (else it overrides `tokenizer_name` and `write_tokenizer`).
     """
 
     model_class: str
     presets: Mapping[str, Preset]
     option_names: tuple[str, ...] = ()
     generation_ids: Mapping[str, Any] = MappingProxyType({})
+    tokenizer: TrainedTokenizer | None = None
 
-    def resolve(
-        self,
-        preset: str,
-        text: Mapping[str, Any],
-        vision: Mapping[str, Any],
-        options: Mapping[str, Any],
-    ) -> dict[str, Any]:
+    def resolve(self, preset: str, text: Fields, vision: Fields, options: Fields) -> dict[str, Any]:
         """The spec's full `text`, `vision` and `options` of `preset` with the caller's
         overrides (option names already checked against `option_names`)."""
         raise NotImplementedError
@@ -82,12 +81,13 @@ class CheckpointRecipe:
         raise NotImplementedError
 
     def tokenizer_name(self) -> str:
-        """A name that changes whenever the tokenizer files `write_tokenizer` writes would."""
-        raise NotImplementedError
+        """A name that changes whenever the tokenizer files `write_tokenizer` writes would (by
+        default its trained `tokenizer`'s recipe name)."""
+        return self.tokenizer.recipe_name()
 
     def write_tokenizer(self, folder: Path) -> None:
-        """Write the tokenizer files into `folder`."""
-        raise NotImplementedError
+        """Write the tokenizer files into `folder` (by default its trained `tokenizer`'s)."""
+        self.tokenizer.write(folder)
 
     def randomize(self, model: nn.Module) -> None:
         """Redraw, from torch's seeded global RNG, weights transformers initialises to constants

@@ -1,11 +1,12 @@
-"""What the offline-trained tiny tokenizers of several families share: the files
-a checkpoint folder gets, a recipe name that changes whenever those files would, and the
-corpus they are trained on."""
+"""The offline-trained tiny tokenizers of several families: one `TrainedTokenizer` each, trained
+on the one built-in `CORPUS`, written as the files a checkpoint folder gets, and named by a
+recipe that changes whenever those files would."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,19 +56,57 @@ CORPUS = (
 )
 
 
-def recipe_name(prefix: str, recipe: Mapping[str, Any]) -> str:
-    """`prefix-<hash>` of everything that shapes the files, the tokenizers version included."""
-    import tokenizers
+@dataclass(frozen=True)
+class TrainedTokenizer:
+    """A tiny tokenizer trained offline on `CORPUS`: `build_backend()` trains it (a
+    `tokenizers.Tokenizer` whose first ids are `added` in order); `config` is its
+    tokenizer_config.json beside the added tokens, of which those in `special` are special.
+    `name` and `version` (bump it when the training changes) name its recipe."""
 
-    return f"{prefix}-{short_hash({**recipe, 'tokenizers': tokenizers.__version__})}"
+    name: str
+    version: int
+    added: tuple[str, ...]
+    special: frozenset[str]
+    vocab_size: int
+    chat_template: str
+    config: Mapping[str, Any]
+    build_backend: Callable[[], Any]
 
+    def recipe_name(self) -> str:
+        """`name-<hash>` of everything that shapes the files, the tokenizers version included."""
+        import tokenizers
 
-def write_tokenizer_files(
-    folder: Path, backend: Any, config: Mapping[str, Any], chat_template: str
-) -> None:
-    """tokenizer.json (the trained `tokenizers.Tokenizer`), tokenizer_config.json and
-    chat_template.jinja."""
-    backend.save(str(folder / "tokenizer.json"))
-    text = json.dumps(config, indent=2, ensure_ascii=False)
-    (folder / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
-    (folder / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+        recipe = {
+            "version": self.version,
+            "corpus": CORPUS,
+            "added": self.added,
+            "special": sorted(self.special),
+            "vocab_size": self.vocab_size,
+            "template": self.chat_template,
+            "config": self.tokenizer_config(),
+            "tokenizers": tokenizers.__version__,
+        }
+        return f"{self.name}-{short_hash(recipe)}"
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        """tokenizer_config.json: `config` and the added tokens' decoder entries."""
+        added = {
+            str(token_id): {
+                "content": token,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": token in self.special,
+            }
+            for token_id, token in enumerate(self.added)
+        }
+        return {"added_tokens_decoder": added, **self.config}
+
+    def write(self, folder: Path) -> None:
+        """Train the tokenizer; write tokenizer.json, tokenizer_config.json and
+        chat_template.jinja into `folder`."""
+        self.build_backend().save(str(folder / "tokenizer.json"))
+        text = json.dumps(self.tokenizer_config(), indent=2, ensure_ascii=False)
+        (folder / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
+        (folder / "chat_template.jinja").write_text(self.chat_template, encoding="utf-8")

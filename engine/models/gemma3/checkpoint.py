@@ -14,12 +14,10 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from stillcut.engine.factory.recipe import CheckpointRecipe, Preset, random_marks
-from stillcut.engine.models.gemma3 import tokenizer
+from stillcut.engine.factory.recipe import CheckpointRecipe, Fields, Preset, random_marks
 from stillcut.engine.models.gemma3.tokenizer import (
     BOI_TOKEN_ID,
     BOS_TOKEN_ID,
@@ -28,6 +26,7 @@ from stillcut.engine.models.gemma3.tokenizer import (
     EOS_TOKEN_ID,
     IMAGE_TOKEN_ID,
     PAD_TOKEN_ID,
+    TOKENIZER,
     VOCAB_SIZE,
 )
 
@@ -92,14 +91,9 @@ class Gemma3Checkpoints(CheckpointRecipe):
     presets = GEMMA3_PRESETS
     option_names = ("mm_tokens_per_image",)
     generation_ids = GENERATION_IDS
+    tokenizer = TOKENIZER
 
-    def resolve(
-        self,
-        preset: str,
-        text: Mapping[str, Any],
-        vision: Mapping[str, Any],
-        options: Mapping[str, Any],
-    ) -> dict[str, Any]:
+    def resolve(self, preset: str, text: Fields, vision: Fields, options: Fields) -> dict[str, Any]:
         base = GEMMA3_PRESETS[preset]
         resolved_text = {
             "vocab_size": VOCAB_SIZE,
@@ -183,12 +177,6 @@ class Gemma3Checkpoints(CheckpointRecipe):
                 "processor_class": "Gemma3Processor",
             },
         }
-
-    def tokenizer_name(self) -> str:
-        return tokenizer.tokenizer_recipe_name()
-
-    def write_tokenizer(self, folder: Path) -> None:
-        tokenizer.write_tokenizer_files(folder)
 
     def randomize(self, model: nn.Module) -> None:
         """Draw the weights transformers leaves at zero: the `1 + weight` norm scales and the

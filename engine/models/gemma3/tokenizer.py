@@ -12,7 +12,7 @@ Training is deterministic and takes milliseconds.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from stillcut.engine.factory import trained_tokenizer
@@ -63,26 +63,6 @@ CHAT_TEMPLATE = (
 )
 
 
-def tokenizer_recipe_name() -> str:
-    """A name that changes whenever the files `write_tokenizer_files` writes would change."""
-    recipe = {
-        "version": RECIPE_VERSION,
-        "corpus": CORPUS,
-        "special": SPECIAL_TOKENS,
-        "vocab_size": VOCAB_SIZE,
-        "template": CHAT_TEMPLATE,
-        "config": _tokenizer_config(),
-    }
-    return trained_tokenizer.recipe_name("gemma3-tiny", recipe)
-
-
-def write_tokenizer_files(folder: Path) -> None:
-    """Train the tokenizer; write tokenizer.json, tokenizer_config.json, chat_template.jinja."""
-    trained_tokenizer.write_tokenizer_files(
-        folder, _build_backend(), _tokenizer_config(), CHAT_TEMPLATE
-    )
-
-
 def _learned_pieces() -> tuple[list[str], list[tuple[str, str]]]:
     """BPE pieces (in training order) and merges learned from the corpus, within words."""
     from tokenizers import Tokenizer, normalizers, pre_tokenizers
@@ -124,36 +104,34 @@ def _build_backend() -> Any:
     return backend
 
 
-def _tokenizer_config() -> dict[str, Any]:
-    added = {
-        str(token_id): {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
+TOKENIZER = trained_tokenizer.TrainedTokenizer(
+    name="gemma3-tiny",
+    version=RECIPE_VERSION,
+    added=SPECIAL_TOKENS,
+    special=frozenset(SPECIAL_TOKENS),
+    vocab_size=VOCAB_SIZE,
+    chat_template=CHAT_TEMPLATE,
+    config=MappingProxyType(
+        {
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "bos_token": "<bos>",
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<eos>",
+            # Gemma 3's processor reads these three by name.
+            "extra_special_tokens": {
+                "boi_token": "<start_of_image>",
+                "eoi_token": "<end_of_image>",
+                "image_token": "<image_soft_token>",
+            },
+            "mask_token": "<mask>",
+            "model_max_length": 131072,
+            "pad_token": "<pad>",
+            "processor_class": "Gemma3Processor",
+            "spaces_between_special_tokens": False,
+            "tokenizer_class": "GemmaTokenizer",
+            "unk_token": "<unk>",
         }
-        for token_id, token in enumerate(SPECIAL_TOKENS)
-    }
-    return {
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "added_tokens_decoder": added,
-        "bos_token": "<bos>",
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<eos>",
-        # Gemma 3's processor reads these three by name.
-        "extra_special_tokens": {
-            "boi_token": "<start_of_image>",
-            "eoi_token": "<end_of_image>",
-            "image_token": "<image_soft_token>",
-        },
-        "mask_token": "<mask>",
-        "model_max_length": 131072,
-        "pad_token": "<pad>",
-        "processor_class": "Gemma3Processor",
-        "spaces_between_special_tokens": False,
-        "tokenizer_class": "GemmaTokenizer",
-        "unk_token": "<unk>",
-    }
+    ),
+    build_backend=_build_backend,
+)

@@ -17,16 +17,15 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from stillcut.engine.factory.recipe import CheckpointRecipe, Preset, random_marks
-from stillcut.engine.models.nemotron_omni import tokenizer
+from stillcut.engine.factory.recipe import CheckpointRecipe, Fields, Preset, random_marks
 from stillcut.engine.models.nemotron_omni.tokenizer import (
     BOS_TOKEN_ID,
     EOS_TOKEN_ID,
     IMAGE_TOKEN_ID,
+    TOKENIZER,
     UNK_TOKEN_ID,
     VIDEO_TOKEN_ID,
     VOCAB_SIZE,
@@ -151,14 +150,9 @@ class NemotronCheckpoints(CheckpointRecipe):
     presets = NEMOTRON_PRESETS
     option_names = ("extra",)
     generation_ids = GENERATION_IDS
+    tokenizer = TOKENIZER
 
-    def resolve(
-        self,
-        preset: str,
-        text: Mapping[str, Any],
-        vision: Mapping[str, Any],
-        options: Mapping[str, Any],
-    ) -> dict[str, Any]:
+    def resolve(self, preset: str, text: Fields, vision: Fields, options: Fields) -> dict[str, Any]:
         base = NEMOTRON_PRESETS[preset]
         resolved_text = {
             "vocab_size": VOCAB_SIZE,
@@ -241,12 +235,6 @@ class NemotronCheckpoints(CheckpointRecipe):
                 "do_convert_rgb": False,
             },
         }
-
-    def tokenizer_name(self) -> str:
-        return tokenizer.tokenizer_recipe_name()
-
-    def write_tokenizer(self, folder: Path) -> None:
-        tokenizer.write_tokenizer_files(folder)
 
     def randomize(self, model: nn.Module) -> None:
         """Draw the weights transformers leaves at one or zero (norm and layer scales, the

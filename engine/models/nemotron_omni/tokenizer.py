@@ -13,7 +13,7 @@ deterministic and takes milliseconds.
 
 from __future__ import annotations
 
-from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from stillcut.engine.factory import trained_tokenizer
@@ -55,27 +55,6 @@ CHAT_TEMPLATE = (
 )
 
 
-def tokenizer_recipe_name() -> str:
-    """A name that changes whenever the files `write_tokenizer_files` writes would change."""
-    recipe = {
-        "version": RECIPE_VERSION,
-        "corpus": CORPUS,
-        "special": SPECIAL_TOKENS,
-        "think": THINK_TOKENS,
-        "vocab_size": VOCAB_SIZE,
-        "template": CHAT_TEMPLATE,
-        "config": _tokenizer_config(),
-    }
-    return trained_tokenizer.recipe_name("nemotron-tiny", recipe)
-
-
-def write_tokenizer_files(folder: Path) -> None:
-    """Train the tokenizer; write tokenizer.json, tokenizer_config.json, chat_template.jinja."""
-    trained_tokenizer.write_tokenizer_files(
-        folder, _build_backend(), _tokenizer_config(), CHAT_TEMPLATE
-    )
-
-
 def _build_backend() -> Any:
     from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
@@ -99,31 +78,29 @@ def _build_backend() -> Any:
     return backend
 
 
-def _tokenizer_config() -> dict[str, Any]:
-    added = {
-        str(token_id): {
-            "content": token,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": token in SPECIAL_TOKENS,
+TOKENIZER = trained_tokenizer.TrainedTokenizer(
+    name="nemotron-tiny",
+    version=RECIPE_VERSION,
+    added=(*SPECIAL_TOKENS, *THINK_TOKENS),
+    special=frozenset(SPECIAL_TOKENS),
+    vocab_size=VOCAB_SIZE,
+    chat_template=CHAT_TEMPLATE,
+    config=MappingProxyType(
+        {
+            "bos_token": "<s>",
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|im_end|>",
+            "extra_special_tokens": {
+                "image_token": "<image>",
+                "video_token": "<video>",
+                "image_start_token": "<img>",
+                "image_end_token": "</img>",
+            },
+            "model_max_length": 262144,
+            "pad_token": "<unk>",
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "unk_token": "<unk>",
         }
-        for token_id, token in enumerate((*SPECIAL_TOKENS, *THINK_TOKENS))
-    }
-    return {
-        "added_tokens_decoder": added,
-        "bos_token": "<s>",
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "extra_special_tokens": {
-            "image_token": "<image>",
-            "video_token": "<video>",
-            "image_start_token": "<img>",
-            "image_end_token": "</img>",
-        },
-        "model_max_length": 262144,
-        "pad_token": "<unk>",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": "<unk>",
-    }
+    ),
+    build_backend=_build_backend,
+)

@@ -22,7 +22,13 @@ from stillcut.engine.factory.qwen_tokenizer import (
     qwen_tokenizer_dir,
     tokenizer_cache_name,
 )
-from stillcut.engine.factory.recipe import RANDOM_DEMO, CheckpointRecipe, Preset, random_marks
+from stillcut.engine.factory.recipe import (
+    RANDOM_DEMO,
+    CheckpointRecipe,
+    Fields,
+    Preset,
+    random_marks,
+)
 from stillcut.engine.models.pixels import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
 if TYPE_CHECKING:
@@ -236,13 +242,7 @@ class QwenCheckpoints(CheckpointRecipe):
     def __init__(self, model_type: str, model_class: str, config_class: str) -> None:
         self.model_type, self.model_class, self.config_class = model_type, model_class, config_class
 
-    def resolve(
-        self,
-        preset: str,
-        text: Mapping[str, Any],
-        vision: Mapping[str, Any],
-        options: Mapping[str, Any],
-    ) -> dict[str, Any]:
+    def resolve(self, preset: str, text: Fields, vision: Fields, options: Fields) -> dict[str, Any]:
         """M-RoPE sections follow Qwen's 1:1.5:1.5 split of head_dim / 2 unless overridden, and
         the vision output width follows the text hidden size."""
         base = PRESETS[preset]
