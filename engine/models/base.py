@@ -153,6 +153,10 @@ class PagedLanguageModel(nn.Module):
         # against parameters, buffers and submodules, a cost seen in every decode step
         vars(self)["step_logits"] = made
 
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
+        return self.head_logits(hidden_states)
+
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[S, vocab]` of `hidden` `[S, hidden]` through the LM head: those the
         native step made with `hidden` when `hidden` is the very tensor it returned (a step of

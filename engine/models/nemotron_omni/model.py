@@ -131,10 +131,6 @@ class NemotronHLanguageModel(PagedLanguageModel):
             head_scales=scale_of(self, "lm_head"),
         )
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
-        return self.head_logits(hidden_states)
-
     def prompt_positions(
         self,
         token_ids: torch.Tensor,

@@ -189,10 +189,6 @@ class Qwen2LanguageModel(PagedLanguageModel):
             table, scale = self.embed_tokens, scale_of(self, "embed_tokens")
         return embedding_rows(input_ids, table, scale, self.norm.dtype)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [S, vocab] of the rows that sample, from `forward`'s [S, hidden]."""
-        return self.head_logits(hidden_states)
-
     def prompt_positions(
         self,
         token_ids: torch.Tensor,
