@@ -4,6 +4,7 @@ and finds the native C sources and the trained demo checkpoint."""
 
 import json
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -34,15 +35,12 @@ print(json.dumps({
 
 
 def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
-    # The base interpreter's setuptools builds it (a virtual environment may carry its own,
-    # older one, which does not read this pyproject's license field).
-    base_python = Path(sys.base_prefix) / "bin" / "python3"
     # Build from a copy: setuptools writes build/ and egg-info beside the sources.
     source = tmp_path / "source"
     junk = (".git", ".venv", ".cache", "build", "*.egg-info", "__pycache__", "bench", "samples")
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(*junk))
     subprocess.run(
-        [base_python, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
          "-q", "-w", str(tmp_path / "dist")],
         check=True,
         cwd=tmp_path,
@@ -53,12 +51,13 @@ def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
     assert packages == {"stillcut"}, packages  # never bare `vision`, `engine`, ...
     assert not any(name.startswith(("stillcut/tests/", "stillcut/bench/")) for name in names)
 
-    # A fresh environment on the system's packages, so only the wheel brings stillcut.
+    # A fresh environment that sees this one's dependencies (a .pth naming its site folders:
+    # their own .pth files, among them the checkout's editable install, are not run), so only
+    # the wheel brings stillcut.
     venv = tmp_path / "venv"
-    subprocess.run(
-        [base_python, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
-        check=True,
-    )
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (site_folder,) = (venv / "lib").glob("python3*/site-packages")
+    (site_folder / "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     python = venv / "bin" / "python"
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
@@ -69,11 +68,10 @@ def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
         [python, "-c", PROBE], check=True, capture_output=True, text=True, cwd=tmp_path
     )
     found = json.loads(result.stdout.splitlines()[-1])
-    site = venv / "lib"
-    assert found["package"].startswith(str(site)), found["package"]
+    assert found["package"].startswith(str(site_folder)), found["package"]
     assert set(found["families"]) == {"qwen2_5_vl", "qwen2_vl", "gemma3", "nemotron_h_omni"}
     for modules in found["families"].values():
         assert all(module.startswith("stillcut.engine.models.") for module in modules), modules
     assert {"cpu_decode.c", "cpu_linear.h", "cpu_hybrid_kinds.h"} <= set(found["c_sources"])
     demo = Path(found["demo"])
-    assert str(demo).startswith(str(site)) and (demo / "model.safetensors").is_file()
+    assert str(demo).startswith(str(site_folder)) and (demo / "model.safetensors").is_file()
