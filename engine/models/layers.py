@@ -312,9 +312,21 @@ class PagedLanguageModel(nn.Module):
     `from_checkpoint`) makes what is derived from the weights: `head_matrices` and the layers'
     prepared projections (`prepare_matrices`), and `cpu_decoder`, the native CPU decode step,
     from `native_stack` where the kernel serves it. `weight_format` is how its weights are
-    stored (`engine.quantization.WeightFormat`)."""
+    stored (`engine.quantization.WeightFormat`).
+
+    `forward(input_ids [N], positions, kv_caches, metadata, mm_embeds=None, mm_mask=None)`
+    returns final hidden states [N, hidden]; `mm_embeds` [M, hidden] replace the embeddings of
+    the M rows where `mm_mask` [N] is True. A model whose tower gives extra feature sets
+    (`MultiModalItem.features`) names the ones it consumes in `mm_feature_names`; then every
+    step with `mm_embeds` also passes `mm_features`, name -> [M, width], row m of each the
+    feature of the token `mm_embeds` row m is (so they sit at the rows `mm_mask` marks, in
+    order): the features of exactly the item tokens this step computes, whether the step
+    covers a whole item, part of one (a prefill chunk; a prefix-cache hit ending inside it) or
+    input appended to a running request. A model naming none is never passed `mm_features`,
+    and no step gathers any for it."""
 
     config: object
+    mm_feature_names: tuple[str, ...] = ()
     head_matrices: tuple[StoredMatrix, StoredMatrix] | None = None
     weight_format: WeightFormat | None = None
     cpu_decoder: CpuDecoder | None = None  # None: the torch ops run (also set so by benches)
