@@ -75,6 +75,14 @@ def video(setup):
     return frames, pipeline.video(frames, evs=EVS, frames_fps=2.0)
 
 
+def _ask(engine: LLMEngine, question: str, item):
+    """A user message: a lead-in, the video, the question (the lead-in places the video so that
+    a hit rounded down to a block boundary ends inside it)."""
+    parts = [{"type": "text", "text": "Watch this:"}, {"type": "video"}]
+    parts.append({"type": "text", "text": question})
+    return engine.processor.build([{"role": "user", "content": parts}], [item])
+
+
 def _expected(setup, prompt, frames=None):
     """The reference's greedy answer to `prompt` (its video from `frames`), and its logits
     of the first sampled token with the features as computed and as zeros."""
@@ -154,13 +162,15 @@ def test_video_and_chat_answers_equal_the_reference(setup, video):
 def test_a_second_question_resumes_inside_the_cached_video(setup, video):
     _, _, _, engine, _ = setup
     frames, item = video
-    engine.generate([engine.processor.build_text("What happens in this video?", [item])], GREEDY)
-    prompt = engine.processor.build_text("Which colours do you see?", [item])
-    (output,) = engine.generate([prompt], GREEDY)
+    engine.generate([_ask(engine, "What happens in this video?", item)], GREEDY)
+    prompt = _ask(engine, "Which colours do you see?", item)
+    output, logits = _first_logits(engine, prompt)
     (place,) = prompt.mm_positions
     cached = output.metrics.num_cached_tokens
     assert cached >= BLOCK and place.offset < cached < place.end  # a hit ending inside the item
-    assert output.token_ids == _expected(setup, prompt, frames)[0]
+    answer, expected_logits, _ = _expected(setup, prompt, frames)
+    assert output.token_ids == answer
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
 
 
 def test_prefill_chunks_that_split_the_video_leave_the_answer_unchanged(setup, video):
@@ -170,5 +180,7 @@ def test_prefill_chunks_that_split_the_video_leave_the_answer_unchanged(setup, v
     chunked = LLMEngine(folder, _config(max_num_batched_tokens=BLOCK, prefix_caching=False))
     (place,) = prompt.mm_positions
     assert place.length > 2 * BLOCK  # the video is split over at least three chunks
-    (output,) = chunked.generate([prompt], GREEDY)
-    assert output.token_ids == _expected(setup, prompt, frames)[0]
+    output, logits = _first_logits(chunked, prompt)
+    answer, expected_logits, _ = _expected(setup, prompt, frames)
+    assert output.token_ids == answer
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
