@@ -22,7 +22,8 @@ import torch
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.models.families import FAMILIES
-from stillcut.engine.request import SamplingParams
+from stillcut.engine.processor import Prompt
+from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.pipeline import VisionPipeline
 
@@ -83,9 +84,9 @@ def _ask(engine: LLMEngine, question: str, item):
     return engine.processor.build([{"role": "user", "content": parts}], [item])
 
 
-def _expected(setup, prompt, frames=None):
+def _expected(setup, prompt, frames=None, max_tokens: int = GREEDY.max_tokens):
     """The reference's greedy answer to `prompt` (its video from `frames`), and its logits
-    of the first sampled token with the features as computed and as zeros."""
+    of the first sampled token with the features as computed and zeroed (see `_zeroed`)."""
     _, _, pipeline, engine, reference = setup
     ids = torch.tensor(prompt.token_ids)
     positions, next_position = engine.model.prompt_positions(ids, prompt.items)
@@ -100,12 +101,21 @@ def _expected(setup, prompt, frames=None):
         embeds = dense[prune(dense, item.llm_grid, EVS).kept_index]  # [kept, hidden]
     features = reference.deepstack(embeds)
     answer = reference.greedy(
-        prompt.token_ids, positions, next_position, visual, embeds, features, GREEDY.max_tokens
+        prompt.token_ids, positions, next_position, visual, embeds, features, max_tokens
     )
     logits = reference.logits(prompt.token_ids, positions, visual, embeds, features)[-1]
-    zeroed = [torch.zeros_like(f) for f in features]
-    zero_logits = reference.logits(prompt.token_ids, positions, visual, embeds, zeroed)[-1]
+    zero_logits = [
+        reference.logits(prompt.token_ids, positions, visual, embeds, zeroed)[-1]
+        for zeroed in _zeroed(features)
+    ]
     return answer, logits, zero_logits
+
+
+def _zeroed(features: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The feature sets with all of them zero, then with each one alone zero."""
+    zeros = [torch.zeros_like(f) for f in features]
+    alone = [[*features[:k], zeros[k], *features[k + 1 :]] for k in range(len(features))]
+    return [zeros, *alone]
 
 
 def _first_logits(engine: LLMEngine, prompt) -> tuple[list[int], torch.Tensor]:
@@ -142,8 +152,10 @@ def test_video_and_chat_answers_equal_the_reference(setup, video):
     answer, expected_logits, zero_logits = _expected(setup, prompt, frames)
     assert output.token_ids == answer
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
-    # the features matter: without them the first step's logits are far from these
-    assert (expected_logits - zero_logits).abs().max() > 1e-3
+    # the features matter, each of them: without it the first step's logits are far from these
+    for other in zero_logits:
+        assert (expected_logits - other).abs().max() > 1e-3
+    zero_logits = zero_logits[0]  # all of them zero
     zeroed = replace(
         item,
         identifier=item.identifier + "/zeros",  # its K/V differ: not the cached prefix
@@ -184,3 +196,41 @@ def test_prefill_chunks_that_split_the_video_leave_the_answer_unchanged(setup, v
     answer, expected_logits, _ = _expected(setup, prompt, frames)
     assert output.token_ids == answer
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_tubelet_appended_to_a_running_request_brings_its_features(setup):
+    """Streaming input: the appended video's features reach the step that computes it."""
+    _, _, pipeline, engine, _ = setup
+    frames = np.random.default_rng(6).integers(0, 256, (2, 112, 168, 3), dtype=np.uint8)
+    item = pipeline.video(frames, frames_fps=2.0)
+    segment = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompt = engine.processor.build_text("Narrate what you see.")
+    request_id = engine.add_request(prompt, segment, streaming=True)
+    _run_segment(engine, request_id)
+    sequence = [*prompt.token_ids, *engine.scheduler.requests[request_id].output_token_ids]
+    special = engine.processor.special
+    text = engine.processor.encode("<0.0s>")
+    pads = [special.video_token_id] * item.num_tokens
+    place = PlaceholderRange(len(sequence) + len(text) + 1, item.num_tokens)
+    sequence += [*text, special.vision_start_token_id, *pads, special.vision_end_token_id]
+    seen = []
+    compute = engine.model.compute_logits
+    engine.model.compute_logits = lambda hidden: seen.append(compute(hidden)) or seen[-1]
+    try:
+        engine.append_input(request_id, sequence[-(len(text) + item.num_tokens + 2) :], [item])
+        outputs = _run_segment(engine, request_id)
+    finally:
+        del engine.model.compute_logits
+        engine.abort(request_id)
+        engine.step()
+    whole = Prompt(sequence, [item], [place])
+    answer, expected_logits, _ = _expected(setup, whole, frames, segment.max_tokens)
+    assert list(outputs[-1].token_ids) == answer
+    torch.testing.assert_close(seen[0][-1], expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def _run_segment(engine: LLMEngine, request_id: str) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == request_id]
+    return outputs

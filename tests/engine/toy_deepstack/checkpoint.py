@@ -1,5 +1,6 @@
 """The toy family's tiny checkpoint: a tiny random Qwen2.5-VL one (transformers' classes, the
-real Qwen2.5 tokenizer), relabelled, with the deepstack projections added to its weights."""
+real Qwen2.5 tokenizer) with three decoder layers (so what is added after the second still
+reaches the logits), relabelled, with the deepstack projections added to its weights."""
 
 import json
 import shutil
@@ -14,7 +15,7 @@ from toy_deepstack import FEATURES, MODEL_TYPE
 
 def build_checkpoint(folder: Path, seed: int = 0) -> Path:
     """Write the checkpoint into `folder` (which must not exist) and return it."""
-    shutil.copytree(cached_checkpoint("tiny", seed=seed), folder)
+    shutil.copytree(cached_checkpoint("tiny", seed=seed, text={"num_hidden_layers": 3}), folder)
     config_file = folder / "config.json"
     config = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**config, "model_type": MODEL_TYPE}))
