@@ -12,7 +12,7 @@ imports nothing beyond torch so the engine never pulls in PyAV.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -100,6 +100,16 @@ class MultiModalItem:
             if name.startswith(prefix)
         }
         return replace(self, embeds=self.features[DRAFT], features=draft_features)
+
+    def check_features(self, names: Sequence[str]) -> None:
+        """Raise ValueError unless this item carries every feature set in `names` (those a
+        language model consumes)."""
+        missing = [name for name in names if name not in self.features]
+        if missing:
+            raise ValueError(
+                f"a {self.kind} item lacks the feature sets {missing} the model consumes "
+                f"(it has {sorted(self.features)}): encode it with this model's pipeline"
+            )
 
     @property
     def num_tokens(self) -> int:

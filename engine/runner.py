@@ -135,7 +135,8 @@ class ModelRunner:
         self.prompt_mask = torch.zeros(max_num_batched_tokens, dtype=torch.bool)
         self.prompt_array = self.prompt_mask.numpy()
         self.graphs: DecodeGraphs | None = None
-        # the items' extra feature sets the model consumes; none: no step gathers any
+        # the items' extra feature sets the model consumes (admission checked every item
+        # carries them); none: no step gathers any
         self.feature_names: tuple[str, ...] = tuple(model.mm_feature_names)
 
     def capture_decode_graphs(self) -> DecodeGraphs:
@@ -202,7 +203,6 @@ class ModelRunner:
                 self._append_blocks(state, cached.new_block_ids)
 
     def _add_row(self, new: NewRequestData) -> None:
-        self._check_features(new.mm_items)
         row = self.free_rows.pop()
         num_prompt = len(new.prompt_token_ids)
         prompt = torch.tensor(new.prompt_token_ids, dtype=torch.long)
@@ -235,7 +235,6 @@ class ModelRunner:
     def _append_input(self, state: RowState, appended: AppendedInput) -> None:
         """Write appended input into a row: the sampled tokens it follows become placed (at the
         positions they were computed at), then the model places the new tokens after them."""
-        self._check_features(appended.mm_items)
         num_kept = appended.start - state.prompt_len  # sampled tokens kept before the input
         assert 0 <= num_kept <= len(state.output_ids), (appended.start, state.prompt_len)
         num_new = len(appended.token_ids)
@@ -252,15 +251,6 @@ class ModelRunner:
         state.output_ids = []
         state.items.extend(appended.mm_items)
         state.placements.extend(appended.mm_positions)
-
-    def _check_features(self, items: Sequence[MultiModalItem]) -> None:
-        for item in items:
-            missing = [name for name in self.feature_names if name not in item.features]
-            if missing:
-                raise ValueError(
-                    f"a {item.kind} item lacks the feature sets {missing} the model consumes "
-                    f"(it has {sorted(item.features)}): encode it with this model's pipeline"
-                )
 
     def _place(self, state: RowState, positions: torch.Tensor) -> None:
         """Add `positions` [rows, n] after the placed ones, doubling the table when full."""

@@ -158,9 +158,13 @@ class DraftProposer:
             self._finished.append(request.request_id)
 
     def _sees_items(self, request: Request) -> bool:
-        """Whether every item of `request` carries the draft's embeddings."""
+        """Whether every item of `request` carries the draft's embeddings (of its width) and
+        the draft tower's feature sets the draft model consumes."""
+        consumed = [f"{DRAFT}/{name}" for name in self.runner.feature_names]
         return all(
-            DRAFT in item.features and item.features[DRAFT].shape[1] == self.hidden_size
+            DRAFT in item.features
+            and item.features[DRAFT].shape[1] == self.hidden_size
+            and all(name in item.features for name in consumed)
             for item in request.mm_items
         )
 

@@ -234,3 +234,15 @@ def _run_segment(engine: LLMEngine, request_id: str) -> list:
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.request_id == request_id]
     return outputs
+
+
+def test_an_item_without_the_consumed_features_is_refused_at_admission(setup, video):
+    _, _, _, engine, _ = setup
+    _, item = video
+    plain = replace(item, features={})
+    prompt = engine.processor.build_text("What happens in this video?", [plain])
+    with pytest.raises(
+        ValueError, match=r"lacks the feature sets \['deepstack.0', 'deepstack.1'\]"
+    ):
+        engine.add_request(prompt, GREEDY)
+    assert not engine.has_unfinished_requests()
