@@ -6,7 +6,8 @@ sets beside the embeddings and its language model adds them at the visual positi
 first two layers. Its greedy answers equal a plain full-sequence reference of the same weights
 (transformers' Qwen2.5-VL plus the sums) for a video question (EVS on: the feature sets are
 pruned by the embeddings' mask), a chat question, a second question on the cached video (a
-prefix hit ending inside the video) and prefill chunks that split the video.
+prefix hit ending inside the video), prefill chunks that split the video and a tubelet appended
+to a running request; so do the first sampled token's logits, which each feature set moves.
 """
 
 import importlib
