@@ -367,12 +367,19 @@ class LLMEngine:
     def _placed(
         self, prompt: Prompt | Sequence[int], mm_items: Sequence[MultiModalItem]
     ) -> tuple[list[int], list[MultiModalItem], list[PlaceholderRange]]:
+        """A request's (or appended input's) token ids, items and their placements; raises
+        ValueError for an item without the feature sets the model consumes."""
         if isinstance(prompt, Prompt):
-            return list(prompt.token_ids), list(prompt.items), list(prompt.mm_positions)
-        special = self.processor.special
-        placeholders = (special.image_token_id, special.video_token_id)
-        token_ids = [int(t) for t in prompt]
-        return token_ids, list(mm_items), placeholder_ranges(token_ids, mm_items, placeholders)
+            token_ids, items = list(prompt.token_ids), list(prompt.items)
+            positions = list(prompt.mm_positions)
+        else:
+            special = self.processor.special
+            placeholders = (special.image_token_id, special.video_token_id)
+            token_ids, items = [int(t) for t in prompt], list(mm_items)
+            positions = placeholder_ranges(token_ids, items, placeholders)
+        for item in items:
+            item.check_features(self.model.mm_feature_names)
+        return token_ids, items, positions
 
     def _target_budget(self, budget: int, kv_dtype: torch.dtype) -> int:
         """Our share of the K/V budget: all of it, or with a draft model (whose pool has as

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from stillcut.engine.model_config import CheckpointError
-from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.multimodal import MultiModalItem, select_rows
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def frame_items(video: MultiModalItem, frames_per_step: int = 1) -> list[MultiMo
             replace(
                 video,
                 embeds=video.embeds[rows],
-                draft_embeds=None if video.draft_embeds is None else video.draft_embeds[rows],
+                features=select_rows(video.features, rows),
                 coords=coords,
                 grid_thw=(1, *video.grid_thw[1:]),
                 timestamps=video.timestamps[frames],

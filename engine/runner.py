@@ -11,7 +11,10 @@ rows are one-token requests writing to a sink block of their own) and, once
 `capture_decode_graphs` has run, replayed as that bucket's CUDA graph (`cuda_graphs`). Nothing
 here is specific to one model: positions come from `model.extend_positions`, a fold over the
 sequence whose cursor the row keeps, so input appended to a live request costs O(its tokens):
-its ids, positions and items are added to the row, nothing is recomputed. The caches are
+its ids, positions and items are added to the row, nothing is recomputed. The item tokens a
+step computes are handed over as `mm_embeds` (and, to a model that names extra feature sets in
+`mm_feature_names`, those sets' rows of the same tokens as `mm_features`: see
+`PagedLanguageModel`). The caches are
 allocated from the family's cache groups: one paged K/V tensor per attention layer (handed to
 the model in layer order) and one recurrent state per row and recurrent layer (handed to it in
 the step's `metadata.recurrent`, with each request's row and whether its state starts fresh),
@@ -132,6 +135,9 @@ class ModelRunner:
         self.prompt_mask = torch.zeros(max_num_batched_tokens, dtype=torch.bool)
         self.prompt_array = self.prompt_mask.numpy()
         self.graphs: DecodeGraphs | None = None
+        # the items' extra feature sets the model consumes (admission checked every item
+        # carries them); none: no step gathers any
+        self.feature_names: tuple[str, ...] = tuple(model.mm_feature_names)
 
     def capture_decode_graphs(self) -> DecodeGraphs:
         """Capture one CUDA graph per decode bucket (see `cuda_graphs`); decodes then replay."""
@@ -166,6 +172,7 @@ class ModelRunner:
                 batch.metadata,
                 mm_embeds=batch.mm_embeds,
                 mm_mask=batch.mm_mask,
+                mm_features=batch.mm_features,
             )  # [N, hidden]
             if not batch.sample_ids:
                 return StepResult({}, {})
@@ -285,7 +292,8 @@ class ModelRunner:
         computed = {c.request_id: c.num_computed_tokens for c in output.scheduled_cached}
         computed.update({n.request_id: n.num_computed_tokens for n in output.scheduled_new})
         query_start = [0]
-        seq_lens, rows, mm_pieces, mm_spans, mm_ranges = [], [], [], [], []
+        seq_lens, rows = [], []
+        items = _StepItems({name: [] for name in self.feature_names})
         sample_ids, sample_index = [], []
         decodes: list[tuple[int, int, int, int]] = []  # (row in the batch, id, position, slot)
         size, max_blocks = self.block_size, 0
@@ -309,7 +317,7 @@ class ModelRunner:
                 blocks = self.block_table[state.row, token_index // size].long()
                 self.slot_mapping[q0:q1] = blocks * size + token_index % size
                 meta_row = len(seq_lens)  # this request's row in the attention metadata
-                self._gather_items(state, start, end, q0, meta_row, mm_pieces, mm_spans, mm_ranges)
+                self._gather_items(state, start, end, q0, meta_row, items)
             if drafts:
                 # a verify step is 1 + K one-token rows of the request, each seeing the ones
                 # before it: a step of decodes (the native step takes it), causal inside
@@ -332,8 +340,8 @@ class ModelRunner:
         if every_token_samples and len(seq_lens) == query_start[-1] and recurrent is None:
             # one-token rows that all sample (decodes, verify rows): padded to a bucket of rows
             bucket = bucket_for(len(seq_lens), self.decode_buckets)
-        if mm_pieces:
-            self.buffers.stage_items(query_start[-1], mm_spans, mm_ranges)
+        if items.embeds:
+            self.buffers.stage_items(query_start[-1], items.spans, items.ranges)
         if bucket is not None:
             self.buffers.stage_pads(query_start, seq_lens, bucket, self.sink_block)
         self.buffers.stage_requests(
@@ -344,15 +352,16 @@ class ModelRunner:
             max_blocks,
             None if every_token_samples else sample_index,
         )
-        metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), len(mm_ranges))
+        metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), len(items.ranges))
         metadata.recurrent = recurrent
         input_ids, positions, _, _, mm_mask = self.buffers.token_views(query_start[-1])
         return _Batch(
             input_ids=input_ids,
             positions=positions,
             metadata=metadata,
-            mm_embeds=torch.cat(mm_pieces).to(self.device) if mm_pieces else None,
-            mm_mask=mm_mask if mm_pieces else None,
+            mm_embeds=torch.cat(items.embeds).to(self.device) if items.embeds else None,
+            mm_mask=mm_mask if items.embeds else None,
+            mm_features=items.feature_tensors(self.device),
             sample_ids=sample_ids,
             sample_index=(
                 None if every_token_samples else self.buffers.token_views(len(sample_index))[3]
@@ -422,9 +431,10 @@ class ModelRunner:
         after = torch.arange(split, end) - state.prompt_len + state.next_position
         return torch.cat([prompt_part, after.expand(prompt_part.shape[0], -1)], dim=1)
 
-    def _gather_items(self, state, start, end, q0, b, mm_pieces, mm_spans, mm_ranges) -> None:
-        """Embeddings of item tokens in [start, end), the batch spans they fill, and the
-        bidirectional ranges to honour (at any step: appended input may follow decodes)."""
+    def _gather_items(self, state, start, end, q0, b, items: _StepItems) -> None:
+        """Into `items`: embeddings (and consumed feature sets) of item tokens in [start, end),
+        the batch spans they fill, and the bidirectional ranges to honour (at any step:
+        appended input may follow decodes)."""
         # placements are sorted and disjoint: the overlapping ones start at the first ending after
         first = bisect.bisect_right(state.placements, start, key=lambda p: p.end)
         for index in range(first, len(state.placements)):
@@ -432,10 +442,13 @@ class ModelRunner:
             if place.offset >= end:
                 break
             lo, hi = max(start, place.offset), min(end, place.end)
-            mm_pieces.append(item.embeds[lo - place.offset : hi - place.offset])
-            mm_spans.append((q0 + lo - start, q0 + hi - start))
+            rows = slice(lo - place.offset, hi - place.offset)
+            items.embeds.append(item.embeds[rows])
+            for name, pieces in items.features.items():
+                pieces.append(item.features[name][rows])
+            items.spans.append((q0 + lo - start, q0 + hi - start))
             if item.bidirectional:
-                mm_ranges.append((b, place.offset, place.end))
+                items.ranges.append((b, place.offset, place.end))
 
     # ---- sampling ----------------------------------------------------------------------------
 
@@ -465,12 +478,30 @@ class ModelRunner:
 
 
 @dataclass
+class _StepItems:
+    """The item tokens one step computes, gathered request by request."""
+
+    features: dict[str, list[torch.Tensor]]  # name -> its rows of them, beside `embeds`
+    embeds: list[torch.Tensor] = field(default_factory=list)  # [rows, hidden] pieces
+    spans: list[tuple[int, int]] = field(default_factory=list)  # batch rows each piece fills
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # bidirectional ones
+
+    def feature_tensors(self, device: torch.device) -> dict[str, torch.Tensor] | None:
+        """Name -> [M, width] on `device`; None when no feature set is consumed or no item
+        token runs in this step."""
+        if not self.features or not self.embeds:
+            return None
+        return {name: torch.cat(pieces).to(device) for name, pieces in self.features.items()}
+
+
+@dataclass
 class _Batch:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [num_position_rows, N]
     metadata: AttentionMetadata
     mm_embeds: torch.Tensor | None  # [M, hidden]
     mm_mask: torch.Tensor | None  # [N] bool
+    mm_features: dict[str, torch.Tensor] | None  # name -> [M, width]; None: no sets consumed
     sample_ids: list[str]
     sample_index: torch.Tensor | None  # [S]; None when every token samples
     num_sampled: int  # S: rows whose hidden state samples (1 + K for a verifying request)

@@ -26,7 +26,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
 from stillcut.engine.llm_engine import RequestOutput
-from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.multimodal import MultiModalItem, select_rows
 from stillcut.engine.processor import Prompt
 from stillcut.kernels.evs import ThresholdPruner
 from stillcut.service.async_engine import AsyncEngine, EngineStopped
@@ -206,7 +206,8 @@ class LiveSession:
     ) -> tuple[MultiModalItem, ThresholdPruner]:
         """The next tubelet's item from 1 or 2 frames, and the pruner after it; the session's
         own pruner is left as it was."""
-        prepared, embeds, draft_embeds = await self._run_encode(lambda: self._encode(frames))
+        prepared, output = await self._run_encode(lambda: self._encode(frames))
+        embeds = output.embeds
         _, height, width = prepared.grid_thw
         merge = self._pipeline.media.merge_size
         if self._pruner is None:
@@ -224,8 +225,8 @@ class LiveSession:
         item = MultiModalItem(
             kind="video",
             embeds=embeds[result.kept_index],  # [num_kept, hidden]
-            # the draft model's (when the engine drafts with one) at the tokens EVS kept
-            draft_embeds=None if draft_embeds is None else draft_embeds[result.kept_index],
+            # extra feature sets (the draft model's among them) at the tokens EVS kept
+            features=select_rows(output.features, result.kept_index),
             coords=result.kept_coords,  # [num_kept, 3], t = index
             grid_thw=(index + 1, height, width),  # the logical video's grid so far
             merge_size=merge,
@@ -239,13 +240,13 @@ class LiveSession:
         return item, pruner
 
     def _encode(self, frames: np.ndarray):
-        """One tubelet's preprocessed input, its embeddings [h * w / merge**2, hidden] and the
-        draft tower's [h * w / merge**2, draft hidden] (None without a draft)."""
+        """One tubelet's preprocessed input and its tower output: embeddings
+        [h * w / merge**2, hidden] and extra feature sets (the draft tower's among them)."""
         pipeline = self._pipeline
         prepared = pipeline.media.prepare_video(frames, self.options.fps)
         pipeline.work.tower_passes += 1
-        (embeds,), draft_embeds = pipeline.encode_prepared([prepared])
-        return prepared, embeds, None if draft_embeds is None else draft_embeds[0]
+        (output,) = pipeline.encode_prepared([prepared])
+        return prepared, output
 
     # ---- the held prefix -----------------------------------------------------------------------
 

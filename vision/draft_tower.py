@@ -58,6 +58,7 @@ class DraftTower:
         media = config.family.media_class()(path, config)
         return cls(path, tower, media, model_fingerprint(path, resolved.describe()))
 
-    def encode(self, prepared: list, device: torch.device) -> list[torch.Tensor]:
-        """The draft's embeddings of preprocessed inputs: [tokens, draft hidden] each."""
+    def encode(self, prepared: list, device: torch.device) -> list:
+        """The draft tower's output for preprocessed inputs, as its media class's `encode`
+        gives it: embeddings [tokens, draft hidden] (or a `TowerOutput`) each."""
         return self.media.encode(self.tower, prepared, device)

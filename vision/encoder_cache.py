@@ -1,6 +1,7 @@
 """The encoder cache: dense embeddings of media already seen, keyed by `media_key`.
 
-It holds embeddings *before* EVS, so re-asking about a video with any pruning setting never
+It holds embeddings and the tower's extra feature sets (`MultiModalItem.features`) *before*
+EVS, so re-asking about a video with any pruning setting never
 runs the encoder again. Least recently used entries go first once the byte bound is reached;
 an entry larger than the whole bound is not stored at all.
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,12 +29,12 @@ class EncodedMedia:
     info: dict  # decode facts for reporting (codec, sizes, fps, ...)
     source_indices: tuple[int, ...] = ()  # each sampled frame's index in the source video
     source_fps: float | None = None  # the source's frame rate, when known
-    # the draft model's tower's embeddings of the same media: [same rows, draft hidden]
-    draft_embeds: torch.Tensor | None = None
+    # extra feature sets of the same rows, the draft tower's among them: name -> [rows, width]
+    features: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.embeds,) if self.draft_embeds is None else (self.embeds, self.draft_embeds)
+        tensors = (self.embeds, *self.features.values())
         return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -6,10 +6,12 @@ EVS settings never re-runs the encoder. The item's `identifier` adds the EVS set
 what the prefix cache hashes. Several videos asked for together are encoded in one tower pass.
 What differs by family is read off its registry entry: the tower, the media class that
 preprocesses frames and encodes batches (tubelet patches merged 2x2, or one square per frame),
-and whether its items attend bidirectionally. With a `draft_model` (the engine speculates with
-a draft model) the draft's own tower encodes the same preprocessed input in the same pass, and
-each item carries the draft's embeddings of exactly the tokens the target's EVS kept
-(`MultiModalItem.draft_embeds`); the encoder cache then keys and holds both.
+and whether its items attend bidirectionally. A tower may give extra feature sets beside the
+embeddings (a media class's `encode` returns `TowerOutput`s); the encoder cache holds them
+before EVS and each item carries them at exactly the tokens EVS kept (`MultiModalItem.features`).
+With a `draft_model` (the engine speculates with a draft model) the draft's own tower encodes
+the same preprocessed input in the same pass, and its output joins the item's features the same
+way (`DRAFT`); the encoder cache then keys and holds both.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from PIL import Image
 
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
-from stillcut.engine.multimodal import MultiModalItem, dense_coords
+from stillcut.engine.multimodal import MultiModalItem, TowerOutput, dense_coords, select_rows
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode_config import DecodeConfig
@@ -117,18 +119,21 @@ class VisionPipeline:
         self.model_key = model_fingerprint(self.path, self.weight_format.describe())
         self.work = VisionWork()
 
-    def encode_prepared(self, prepared: list) -> tuple[list[torch.Tensor], list | None]:
+    def encode_prepared(self, prepared: list) -> list[TowerOutput]:
         """Encode preprocessed inputs (the media class's), all in one pass of the tower (and
-        one of the draft's): each input's dense embeddings [tokens, hidden], and the draft
-        tower's [tokens, draft hidden] (None without a draft)."""
+        one of the draft's): each input's dense embeddings [tokens, hidden] and extra feature
+        sets, the draft tower's output among them (`TowerOutput.with_draft`)."""
         with torch.inference_mode():
-            embeds = self.media.encode(self.tower, prepared, self.device)
+            outputs = [
+                TowerOutput.of(o) for o in self.media.encode(self.tower, prepared, self.device)
+            ]
             if self.draft is None:
-                return embeds, None
-            draft_embeds = self.draft.encode(prepared, self.device)
-        for ours, theirs in zip(embeds, draft_embeds, strict=True):
-            assert ours.shape[0] == theirs.shape[0], "check_draft keeps the token grids equal"
-        return embeds, draft_embeds
+                return outputs
+            drafts = self.draft.encode(prepared, self.device)
+        return [
+            ours.with_draft(TowerOutput.of(theirs))
+            for ours, theirs in zip(outputs, drafts, strict=True)
+        ]
 
     def _cache_key(self, media_key: str) -> str:
         """The encoder cache's key: with a draft, entries hold its embeddings too, so they are
@@ -152,14 +157,10 @@ class VisionPipeline:
         if misses:
             started = time.perf_counter()
             self.work.tower_passes += 1
-            embeds, draft_embeds = self.encode_prepared([entry.prepared for entry in misses])
+            outputs = self.encode_prepared([entry.prepared for entry in misses])
             encode_s = time.perf_counter() - started
-            for index, entry in enumerate(misses):
-                # Batched outputs are views of one tensor; a cached view would pin the batch.
-                own = [_own(embeds[index], len(misses))]
-                if draft_embeds is not None:
-                    own.append(_own(draft_embeds[index], len(misses)))
-                entry.finish(*own, encode_s=encode_s)
+            for entry, output in zip(misses, outputs, strict=True):
+                entry.finish(_own(output, len(misses)), encode_s=encode_s)
                 self.cache.put(self._cache_key(entry.media_key), entry.encoded)
         return self._items(loaded, inputs)
 
@@ -284,25 +285,19 @@ class _Loaded:
             resized_width=self.prepared.resized_width, resized_height=self.prepared.resized_height
         )
 
-    def finish(
-        self,
-        embeds: torch.Tensor,
-        draft_embeds: torch.Tensor | None = None,
-        *,
-        encode_s: float,
-    ) -> None:
+    def finish(self, output: TowerOutput, *, encode_s: float) -> None:
         prepared = self.prepared
         self.timings["encode_s"] = encode_s
         source_indices, source_fps = self._source
         self.encoded = EncodedMedia(
-            embeds,
+            output.embeds,
             prepared.grid_thw,
             prepared.second_per_grid_ts,
             self._timestamps,
             self._info,
             source_indices=source_indices,
             source_fps=source_fps,
-            draft_embeds=draft_embeds,
+            features=output.features,
         )
 
     def to_item(
@@ -313,17 +308,16 @@ class _Loaded:
         grid = (t, h // merge, w // merge)
         evs = spec.evs if isinstance(spec, VideoInput) else None
         started = time.perf_counter()
-        embeds, draft_embeds = encoded.embeds, encoded.draft_embeds
+        embeds, features = encoded.embeds, encoded.features
         if evs is None or evs.is_off:
             coords = dense_coords(*grid)
             kept_per_tubelet = (grid[1] * grid[2],) * grid[0]
             identifier = item_identifier(self.media_key, None)
         else:
-            # the target's EVS decides; the draft keeps the same tokens, in the same order
+            # the target's embeddings decide; every feature set keeps the same tokens, in order
             result = prune(embeds, grid, evs)
             embeds, coords = embeds[result.kept_index], result.kept_coords
-            if draft_embeds is not None:
-                draft_embeds = draft_embeds[result.kept_index]
+            features = select_rows(features, result.kept_index)
             kept_per_tubelet = tuple(result.kept_per_tubelet.tolist())
             identifier = item_identifier(self.media_key, evs)
         stats = {
@@ -350,13 +344,17 @@ class _Loaded:
             bidirectional=bidirectional,
             kept_per_tubelet=kept_per_tubelet,
             stats=stats,
-            draft_embeds=draft_embeds,
+            features=features,
         )
 
 
-def _own(embeds: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """An input's embeddings as a tensor of their own when they are a view of a batch's."""
-    return embeds.clone() if batch_size > 1 else embeds
+def _own(output: TowerOutput, batch_size: int) -> TowerOutput:
+    """An input's tensors as tensors of their own when they are views of a batch's (a cached
+    view would pin the whole batch)."""
+    if batch_size == 1:
+        return output
+    features = {name: tensor.clone() for name, tensor in output.features.items()}
+    return TowerOutput(output.embeds.clone(), features)
 
 
 def media_key(model_key: str, data: bytes | np.ndarray, params: dict) -> str:

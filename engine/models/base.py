@@ -51,9 +51,18 @@ class PagedLanguageModel(nn.Module):
     `from_checkpoint`) makes what is derived from the weights: `head_matrices` and the layers'
     prepared projections (`prepare_matrices`), and `cpu_decoder`, the native CPU decode step,
     from `native_stack` where the kernel serves it. `weight_format` is how its weights are
-    stored (`engine.quantization.WeightFormat`)."""
+    stored (`engine.quantization.WeightFormat`).
+
+    A model whose tower gives extra feature sets (`MultiModalItem.features`) names the ones it
+    consumes in `mm_feature_names`; then every step with `mm_embeds` also passes
+    `mm_features`, name -> [M, width], row m of each the feature of the token `mm_embeds` row m
+    is (so they sit at the rows `mm_mask` marks, in order): the features of exactly the item
+    tokens this step computes, whether the step covers a whole item, part of one (a prefill
+    chunk; a prefix-cache hit ending inside it) or input appended to a running request. A model
+    naming none is never passed `mm_features`, and no step gathers any for it."""
 
     config: object
+    mm_feature_names: tuple[str, ...] = ()
     head_matrices: tuple[StoredMatrix, StoredMatrix] | None = None
     weight_format: WeightFormat | None = None
     cpu_decoder: CpuDecoder | None = None  # None: the torch ops run (also set so by benches)
@@ -83,13 +92,15 @@ class PagedLanguageModel(nn.Module):
         metadata: AttentionMetadata,
         mm_embeds: torch.Tensor | None = None,
         mm_mask: torch.Tensor | None = None,
+        mm_features: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states [N] tokens -> [N, hidden].
 
         `positions` and `kv_caches` as the model's `run_layers` takes them. `mm_embeds`
         [M, hidden] replace the input embeddings of the M rows where `mm_mask` [N] is True. A
         step of decodes the native CPU step serves is one native call; else the model's
-        `input_embeddings` go through its `run_layers`.
+        `input_embeddings` go through its `run_layers`, which also takes `mm_mask` and
+        `mm_features` when the step carries the feature sets the model names.
         """
         if (mm_embeds is None) != (mm_mask is None):
             raise ValueError("mm_embeds and mm_mask must be given together")
@@ -99,6 +110,9 @@ class PagedLanguageModel(nn.Module):
         hidden = self.input_embeddings(input_ids)  # [N, hidden]
         if mm_embeds is not None:
             hidden[mm_mask] = mm_embeds.to(hidden.dtype)
+        if mm_features is not None:
+            features = {"mm_mask": mm_mask, "mm_features": mm_features}
+            return self.run_layers(hidden, positions, kv_caches, metadata, **features)
         return self.run_layers(hidden, positions, kv_caches, metadata)
 
     def input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:

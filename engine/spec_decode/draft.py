@@ -14,8 +14,9 @@ number of tokens.
 Images and video: the draft sees what the target sees. The vision pipeline built with the
 engine's draft (`VisionPipeline(draft_model=...)`) runs the draft's own tower on the same
 preprocessed frames and keeps exactly the tokens the target's EVS kept, so each item carries
-`draft_embeds`; a mirror holds copies of the target's items whose `embeds` are the draft's, at
-the target's placements, and the draft model places them with its own position math. A request
+the draft's embeddings among its features (`DRAFT`); a mirror holds copies of the target's
+items whose `embeds` (and features) are the draft's (`for_draft`), at the target's placements,
+and the draft model places them with its own position math. A request
 with an item lacking draft embeddings of the draft's width (encoded without the draft, e.g.
 items a Python caller encoded with another pipeline) gets no drafts. A mirror keeps the target's
 output as output, so its positions are the ones the target's runner gave it.
@@ -42,6 +43,7 @@ from stillcut.engine.cache_groups import kv_bytes_per_block, recurrent_groups
 from stillcut.engine.config import SpeculativeConfig
 from stillcut.engine.kv_cache import KVCacheManager
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.multimodal import DRAFT
 from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.request import PlaceholderRange, Request, SamplingParams
 from stillcut.engine.runner import ModelRunner
@@ -156,9 +158,13 @@ class DraftProposer:
             self._finished.append(request.request_id)
 
     def _sees_items(self, request: Request) -> bool:
-        """Whether every item of `request` carries the draft's embeddings."""
+        """Whether every item of `request` carries the draft's embeddings (of its width) and
+        the draft tower's feature sets the draft model consumes."""
+        consumed = [f"{DRAFT}/{name}" for name in self.runner.feature_names]
         return all(
-            item.draft_embeds is not None and item.draft_embeds.shape[1] == self.hidden_size
+            DRAFT in item.features
+            and item.features[DRAFT].shape[1] == self.hidden_size
+            and all(name in item.features for name in consumed)
             for item in request.mm_items
         )
 

@@ -22,6 +22,7 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, S
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.models.weights import set_weight
+from stillcut.engine.multimodal import DRAFT
 from stillcut.engine.request import RequestStatus, SamplingParams
 from stillcut.engine.spec_decode.draft import DraftMismatch
 from stillcut.kernels.evs import EVSConfig
@@ -151,7 +152,7 @@ def test_an_unrelated_smaller_draft_is_exact_on_video_and_image(target, small_dr
     del specs["video evs"]  # the copy's test has it: here transformers' positions are the reference
     pipeline = VisionPipeline(path, draft_model=small_draft_checkpoint)
     prompts = _media_prompts(base, pipeline, specs)
-    assert prompts["image"].items[0].draft_embeds.shape[1] == 24  # the draft's width, not 32
+    assert prompts["image"].items[0].features[DRAFT].shape[1] == 24  # the draft's width, not 32
     engine = LLMEngine(path, _config(draft=small_draft_checkpoint))
     outputs = dict(zip(prompts, engine.generate(list(prompts.values()), GREEDY), strict=True))
     expected = base.generate(list(prompts.values()), GREEDY)
@@ -180,7 +181,7 @@ def test_a_gemma3_copy_accepts_every_draft_on_bidirectional_images_and_frames():
     parts.append({"type": "text", "text": "What happens?"})
     base = LLMEngine(path, _config())
     prompt = base.processor.build([{"role": "user", "content": parts}], items)
-    assert len(prompt.items) == 4 and all(i.draft_embeds is not None for i in prompt.items)
+    assert len(prompt.items) == 4 and all(DRAFT in i.features for i in prompt.items)
     engine = LLMEngine(path, _config(draft=path, max_num_batched_tokens=24))
     step_ends = _record_step_ends(engine.speculator.proposer.runner)
     outputs = engine.generate([prompt], GREEDY)
@@ -230,7 +231,10 @@ def test_a_mirror_takes_the_items_appended_to_a_streaming_request(target):
     item = VisionPipeline(path, draft_model=path).video(frames, frames_fps=2.0)
     tubelets = [
         replace(
-            item, identifier=f"t{k}", embeds=item.embeds * k, draft_embeds=item.draft_embeds * k
+            item,
+            identifier=f"t{k}",
+            embeds=item.embeds * k,
+            features={DRAFT: item.features[DRAFT] * k},
         )
         for k in (1, 2, 3)
     ]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from stillcut.engine.models.qwen2_vl.preprocess import preprocess_video
-from stillcut.engine.multimodal import dense_coords
+from stillcut.engine.multimodal import DRAFT, dense_coords
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
@@ -188,7 +188,7 @@ def test_a_draft_tower_encodes_the_same_input_and_keeps_the_tokens_evs_kept(
     spec = VideoInput(frames, evs=EVSConfig(mode="rate", rate=0.5))
     (plain,) = pipeline.encode([spec])
     (item,) = drafting.encode([spec])
-    assert plain.draft_embeds is None and not item.stats["cache_hit"]
+    assert DRAFT not in plain.features and not item.stats["cache_hit"]
     assert torch.equal(item.embeds, plain.embeds) and torch.equal(item.coords, plain.coords)
     prepared = preprocess_video(frames, 2.0, pipeline.video_preprocess)
     with torch.inference_mode():
@@ -196,7 +196,7 @@ def test_a_draft_tower_encodes_the_same_input_and_keeps_the_tokens_evs_kept(
         (dense,) = tower.encode([prepared.patches], [prepared.grid_thw])  # [t * h * w, 24]
     _, height, width = item.llm_grid
     t, h, w = item.coords.unbind(1)
-    torch.testing.assert_close(item.draft_embeds, dense[(t * height + h) * width + w])
+    torch.testing.assert_close(item.features[DRAFT], dense[(t * height + h) * width + w])
     (again,) = drafting.encode([spec])
-    assert again.stats["cache_hit"] and torch.equal(again.draft_embeds, item.draft_embeds)
-    assert pipeline.encode([spec])[0].draft_embeds is None
+    assert again.stats["cache_hit"] and torch.equal(again.features[DRAFT], item.features[DRAFT])
+    assert DRAFT not in pipeline.encode([spec])[0].features
