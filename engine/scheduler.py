@@ -232,6 +232,16 @@ class Scheduler:
             self.kv_cache.commit_state_captures(captures)
         return updates
 
+    def fail_step(self, output: SchedulerOutput) -> list[str]:
+        """A step that raised: its state snapshots are given up (what it computed is not
+        trusted) and the ids of the requests it ran are returned, for the caller to abort."""
+        for captures in output.state_captures.values():
+            for capture in captures:
+                self.kv_cache.snapshots.commit(capture, block_cached=False)
+        return [
+            request_id for request_id in output.num_scheduled_tokens if request_id in self.requests
+        ]
+
     def _accept_tokens(
         self, request: Request, drafts: Sequence[int], sampled: Sequence[int]
     ) -> tuple[list[int], RequestStatus | None, int | None]:

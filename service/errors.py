@@ -4,8 +4,9 @@ Errors are OpenAI-style, `{"error": {"message", "type", "code", "request_id"}}`.
 raises `APIError` for what it checks itself; `api_error` maps the library's exceptions:
 media over a limit is 413, media that is not a (supported) video 415, media that cannot be
 decoded (or has an aspect ratio the model cannot take) 422, a prompt over `max_model_len` or
-with too many visual tokens 400, a full queue 503 with `Retry-After`, a missed deadline 504.
-Anything else is a 500 whose message hides the internals (they go to the log). Messages never
+with too many visual tokens 400, a full queue 503 with `Retry-After`, a missed deadline 504, a request whose engine step
+failed a 500 `step_failed` with `Retry-After` (the engine goes on; the step's traceback is logged
+by the engine loop). Anything else is a 500 whose message hides the internals (they go to the log). Messages never
 carry an object's repr (`<_io.BytesIO object at 0x...>`): they name what was wrong, not where
 it sat in memory.
 """
@@ -21,6 +22,7 @@ from stillcut.engine.admission import (
     ResourceExhausted,
     TooManyVisualTokens,
 )
+from stillcut.engine.llm_engine import StepFailed
 from stillcut.engine.processor import PromptError
 from stillcut.service.async_engine import EngineStopped, QueueFull
 from stillcut.vision import errors as video_errors
@@ -84,6 +86,17 @@ def overloaded(message: str, retry_after: float) -> APIError:
     )
 
 
+def step_failed(retry_after: float) -> APIError:
+    """The answer to a request whose engine step raised: it was stopped, the server is fine."""
+    return APIError(
+        500,
+        "the model failed while running this request; it was stopped, and may be retried",
+        type="internal_error",
+        code="step_failed",
+        headers={"Retry-After": str(max(1, round(retry_after)))},
+    )
+
+
 _VIDEO_STATUS = (  # most specific first
     (video_errors.VideoLimitExceeded, 413, "request_too_large", "media_over_limit"),
     (video_errors.NotAVideo, 415, "unsupported_media_type", "not_a_video"),
@@ -113,6 +126,8 @@ def api_error(error: BaseException, *, retry_after: float = 1.0) -> APIError:
             return APIError(status, str(error), code=code)
     if isinstance(error, QueueFull | ResourceExhausted):
         return overloaded(str(error), retry_after)
+    if isinstance(error, StepFailed):
+        return step_failed(retry_after)
     if isinstance(error, EngineStopped):
         return APIError(503, str(error), type="unavailable_error", code="engine_stopped")
     if isinstance(error, TimeoutError):

@@ -68,6 +68,23 @@ def engine_call(server: BackgroundServer, fn):
     return asyncio.run(engine.call(fn))
 
 
+def plant_step_failure(llm_engine, error: type[BaseException] = RuntimeError) -> None:
+    """Make the engine's next step that runs requests raise `error` once, after its forward, as
+    a request the sampler cannot take would (its rows, blocks and K/V are then in use). Call it
+    on the engine thread when the engine is served (`engine_call`)."""
+    runner = llm_engine.runner
+    execute = runner.execute
+
+    def fails_once(output):
+        if not output.num_scheduled_tokens:
+            return execute(output)
+        del runner.execute
+        execute(output)
+        raise error("planted: Overflow when unpacking long long")
+
+    runner.execute = fails_once
+
+
 def pool_state(server: BackgroundServer) -> tuple[bool, int]:
     """(engine idle, KV blocks referenced), after checking the pool's invariants."""
 
