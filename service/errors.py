@@ -4,10 +4,11 @@ Errors are OpenAI-style, `{"error": {"message", "type", "code", "request_id"}}`.
 raises `APIError` for what it checks itself; `api_error` maps the library's exceptions:
 media over a limit is 413, media that is not a (supported) video 415, media that cannot be
 decoded (or has an aspect ratio the model cannot take) 422, a prompt over `max_model_len` or
-with too many visual tokens 400, a full queue 503 with `Retry-After`, a missed deadline 504, a request whose engine step
-failed a 500 `step_failed` with `Retry-After` (the engine goes on; the step's traceback is logged
-by the engine loop). Anything else is a 500 whose message hides the internals (they go to the log). Messages never
-carry an object's repr (`<_io.BytesIO object at 0x...>`): they name what was wrong, not where
+with too many visual tokens 400, a full queue 503 with `Retry-After`, a missed deadline 504,
+a request whose engine step failed a 500 `step_failed` with `Retry-After` (the engine goes on;
+the engine loop logged the step's traceback). Anything else is a 500 whose message hides the
+internals (they go to the log). Messages never carry an object's repr
+(`<_io.BytesIO object at 0x...>`): they name what was wrong, not where
 it sat in memory.
 """
 
