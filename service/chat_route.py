@@ -3,8 +3,8 @@
 A chat request's media (`video_url` / `image_url` parts) are fetched or decoded from their
 URLs, encoded together on the encode worker, and placed in the conversation where their
 parts were; a URL that appears several times is fetched and encoded once. Earlier assistant
-turns are part of the prompt like any other message; the prompt is tokenized off the event
-loop.
+turns are part of the prompt like any other message; the body is parsed and the prompt
+tokenized off the event loop.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ async def chat_endpoint(request: Request) -> Response:
             f"Content-Type {content_type or '(none)'!r} is not supported; send application/json"
         )
     body = await read_body(request, chat_body_limit(state.config.max_upload_bytes))
-    chat = parse_chat_request(body, state.llm.evs_default.evs)
+    # parsing a large body takes long: it runs on the prompt worker, never on the event loop
+    chat = await state.prompter.run(lambda: parse_chat_request(body, state.llm.evs_default.evs))
     state.check_model(chat.model)
     check_media_count(len(chat.media), state.config)
     async with asyncio.timeout(budget):

@@ -1,5 +1,9 @@
 """A live session's incoming messages: each awaited against the session's deadline and an idle
-or start limit, and checked (size, JSON depth) before the protocol sees it.
+or start limit, and checked (size, JSON bounds) before the protocol sees it.
+
+Until the socket is authenticated (a key in its handshake, or a start message holding one), a
+message may hold at most `UNAUTHENTICATED_BYTES`, so a client without the key cannot make the
+server parse megabytes; larger text messages are parsed on a thread, off the event loop.
 
 The receive in progress survives a wait that ends for another reason (an answer finishing,
 which starts the idle time again), so no message is lost between waits. Whatever is wrong ends
@@ -9,18 +13,21 @@ the session with a `SessionEnd` that carries its close code.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from stillcut.service.config import ServerConfig
-from stillcut.service.request_limits import MAX_JSON_DEPTH, loads_json
+from stillcut.service.request_limits import MAX_JSON_DEPTH, JSONRefused, loads_json
 
 CLOSE_NORMAL = 1000
 CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
+UNAUTHENTICATED_BYTES = 64 * 1024  # a start message with its key fits easily
+_PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
 class SessionEnd(Exception):
@@ -36,9 +43,10 @@ class SessionEnd(Exception):
 class Inbox:
     """One socket's messages, in order; see the module docstring."""
 
-    def __init__(self, websocket: WebSocket, config: ServerConfig) -> None:
+    def __init__(self, websocket: WebSocket, config: ServerConfig, authenticated: bool) -> None:
         self._websocket = websocket
         self._config = config
+        self.authenticated = authenticated  # set once the start message's key is checked
         self._deadline = time.monotonic() + config.max_session_s
         self._receiving: asyncio.Task | None = None
 
@@ -59,7 +67,10 @@ class Inbox:
             return None
         if self._receiving in done:
             message, self._receiving = self._receiving.result(), None
-            return parse_message(message, self._config)
+            parse = functools.partial(parse_message, message, self._config, self.authenticated)
+            if _size(message) <= _PARSE_ON_LOOP_BYTES:
+                return parse()
+            return await asyncio.to_thread(parse)
         if time.monotonic() >= self._deadline:
             limit = f"max_session_s={self._config.max_session_s:g}"
             raise SessionEnd(CLOSE_POLICY, f"the session reached {limit}", "session_expired")
@@ -70,21 +81,35 @@ class Inbox:
             self._receiving.cancel()
 
 
-def parse_message(message: dict[str, Any], config: ServerConfig) -> bytes | dict[str, Any]:
-    """An ASGI WebSocket message as a frame (bytes) or a JSON object; `SessionEnd` otherwise."""
+def _size(message: dict[str, Any]) -> int:
+    return len(message.get("bytes") or message.get("text") or "")
+
+
+def parse_message(
+    message: dict[str, Any], config: ServerConfig, authenticated: bool
+) -> bytes | dict[str, Any]:
+    """An ASGI WebSocket message as a frame (bytes) or a JSON object, within the size limit
+    (`UNAUTHENTICATED_BYTES` until `authenticated`); `SessionEnd` otherwise."""
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", CLOSE_NORMAL))
     data = message.get("bytes")
     if data is None:
         data = message.get("text") or ""
-    if len(data) > config.max_message_bytes:
-        limit = config.max_message_bytes
-        raise SessionEnd(CLOSE_TOO_BIG, f"a message exceeds {limit} bytes", "message_too_big")
+    limit = config.max_message_bytes
+    if not authenticated:
+        limit = min(limit, UNAUTHENTICATED_BYTES)
+    if len(data) > limit:
+        before = "" if authenticated else " before the API key is given"
+        raise SessionEnd(
+            CLOSE_TOO_BIG, f"a message exceeds {limit} bytes{before}", "message_too_big"
+        )
     if isinstance(data, bytes):
         return data
     try:
         parsed = loads_json(data)
-    except ValueError:  # not JSON, or too deep
+    except JSONRefused as error:
+        raise SessionEnd(CLOSE_UNSUPPORTED_DATA, str(error), "bad_message") from None
+    except ValueError:  # not JSON
         parsed = None
     if not isinstance(parsed, dict):
         raise SessionEnd(

@@ -102,7 +102,8 @@ async def stream_endpoint(websocket: WebSocket) -> None:
         headers=[(b"x-request-id", connection.record.request_id.encode())],
     )
     code, reason = CLOSE_NORMAL, ""
-    inbox = Inbox(websocket, state.config)
+    api_key = state.config.api_key
+    inbox = Inbox(websocket, state.config, key_matches(api_key, _socket_key(websocket)))
     try:
         options = await _start(state, connection, inbox)
         async with _session_slot(state):
@@ -257,6 +258,7 @@ async def _start(
     token = message.pop("api_key", None) or _socket_key(connection.websocket)
     if not key_matches(config.api_key, token if isinstance(token, str) else None):
         raise SessionEnd(CLOSE_POLICY, "a valid API key is required", "invalid_api_key")
+    inbox.authenticated = True
     limits = LiveLimits(
         max_frames=config.max_session_frames, max_frame_bytes=config.max_message_bytes
     )

@@ -71,3 +71,15 @@ def test_websocket_needs_the_key(keyed_server):
     assert _session(keyed_server, {"type": "start", "api_key": KEY})[0]["type"] == "started"
     headers = {"Authorization": f"Bearer {KEY}"}
     assert _session(keyed_server, {"type": "start"}, headers)[0]["type"] == "started"
+
+
+def test_a_large_first_message_without_the_key_is_refused_unread(keyed_server):
+    """Until the key is given a message may hold 64 KiB, so a key-less client cannot make the
+    server parse megabytes; with the key in the handshake the same start is read."""
+    big = {"type": "start", "api_key": "wrong", "pad": "x" * (1 << 20)}
+    reply, code = _session(keyed_server, big)
+    assert (reply["code"], code) == ("message_too_big", 1009)
+    assert "before the API key is given" in reply["message"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    reply, code = _session(keyed_server, {**big, "api_key": KEY}, headers)
+    assert (reply["code"], code) == ("bad_start", 1008) and "pad" in reply["message"]

@@ -36,6 +36,7 @@ from .conftest import (
 
 DESCRIBE = "/v1/videos/describe"
 CHAT = "/v1/chat/completions"
+INTERNALS = ("object at 0x", "sys.", "_ssl.c", "long long", "Traceback")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ def _png() -> bytes:
 def _chat(url: str, text: str = "What?", **extra) -> dict:
     parts = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": text}]
     return {"messages": [{"role": "user", "content": parts}], "max_tokens": 2, **extra}
+
+
+def _escaped(body: dict) -> bytes:
+    """JSON with every non-ASCII character escaped: lone surrogates as `\\ud800`."""
+    return json.dumps(body).encode()
 
 
 def video(data: bytes, kind: str = "video/mp4") -> dict:
@@ -224,6 +230,37 @@ def _cases(main_server, samples_dir, tmp_path) -> list[Case]:
             "max_visual_tokens_per_request",
             json_body=_chat(data_url(sample), evs="off"),
         ),
+        Case(
+            "a lone surrogate in a message",
+            CHAT,
+            400,
+            "lone surrogate",
+            content=_escaped({"messages": [{"role": "user", "content": "What? \ud800"}]}),
+            headers={"content-type": "application/json"},
+        ),
+        Case(
+            "a lone surrogate in a file:// URL",
+            CHAT,
+            400,
+            "lone surrogate",
+            content=_escaped(_chat(f"file://{main_server.media_dir}/\udcff.mp4")),
+            headers={"content-type": "application/json"},
+        ),
+        Case(
+            "a template global as a template variable",
+            CHAT,
+            400,
+            "['namespace'] are set by the server",
+            json_body={**_chat(data_url(clip)), "chat_template_kwargs": {"namespace": 1}},
+        ),
+        Case(
+            "a number of 5000 digits",
+            CHAT,
+            400,
+            "more than 4300 digits",
+            content=b'{"messages": [], "max_tokens": ' + b"7" * 5000 + b"}",
+            headers={"content-type": "application/json"},
+        ),
         Case("unknown route", "/v1/nothing", 404, "Not Found", json_body={}),
     ]
 
@@ -242,6 +279,7 @@ def test_hostile_inputs_get_the_right_status(main_server, samples_dir, tmp_path)
             assert response.status_code == case.status, (case.name, response.text)
             error = response.json()["error"]
             assert case.phrase in error["message"], (case.name, error)
+            assert not any(word in error["message"] for word in INTERNALS), (case.name, error)
             assert error["request_id"] == response.headers["x-request-id"]
         assert client.get("/health").json()["status"] == "ok"
     assert pool_state(main_server.server) == (True, 0)
@@ -327,6 +365,13 @@ def test_websocket_protocol_errors(main_server):
         socket.send(json.dumps({"type": "start", "threshold": 7}))
         assert "threshold" in json.loads(socket.recv(timeout=30))["message"]
         _closed_with(socket, 1008)
+    with _ws(main_server) as socket:  # a lone surrogate: not text, so not a question
+        socket.send(start)
+        socket.recv(timeout=30)
+        socket.send('{"type": "ask", "prompt": "What \\ud800?"}')
+        error = json.loads(socket.recv(timeout=30))
+        assert error["code"] == "bad_message" and "lone surrogate" in error["message"]
+        _closed_with(socket, 1003)
     with _ws(main_server) as socket:  # text that is not JSON
         socket.send(start)
         socket.recv(timeout=30)
