@@ -76,6 +76,16 @@ def test_sampling_params_store_tuples():
         (SchedulerConfig, {"max_visual_tokens_per_request": -1}, "must be >= 0"),
         (
             SchedulerConfig,
+            {"max_prefill_tokens_per_request": 0},
+            r"max_prefill_tokens_per_request=0 must be None or in \[1, max_num_batched_tokens=",
+        ),
+        (
+            SchedulerConfig,
+            {"max_prefill_tokens_per_request": 4096},
+            r"max_prefill_tokens_per_request=4096 must be None or in \[1, ",
+        ),
+        (
+            SchedulerConfig,
             {"enable_chunked_prefill": False, "max_num_batched_tokens": 100},
             "max_num_batched_tokens=100 must be >= max_model_len=32768 when",
         ),
