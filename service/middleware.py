@@ -181,7 +181,10 @@ class RequestContextMiddleware:
         await self.app(scope, body_deadline(receive, self.config.body_timeout_s), send_with_id)
 
     def _refusal(self, scope: Scope) -> APIError | None:
-        """400 for a `Host` the server does not answer to, 403 for a foreign browser `Origin`."""
+        """400 for more than one `Host` (RFC 9112) or one the server does not answer to, 403
+        for a foreign browser `Origin`."""
+        if sum(key == b"host" for key, _ in scope.get("headers", ())) > 1:
+            return APIError(400, "the request has more than one Host header", code="bad_host")
         host = header(scope, b"host")
         if not host_is_trusted(host, self.config.trusted_hosts):
             return APIError(

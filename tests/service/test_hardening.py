@@ -157,6 +157,24 @@ def test_a_host_the_server_does_not_answer_to_is_refused(setup):
         assert raw.recv(65536).startswith(b"HTTP/1.1 403")
 
 
+def test_a_request_with_two_host_headers_is_refused(setup):
+    """RFC 9112: a request with more than one Host is a 400, whichever of them is trusted."""
+    server = setup["server"]
+    host, port = server.url.removeprefix("http://").split(":")
+    for second in (f"127.0.0.1:{port}", "rebound.example"):
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            raw.sendall(
+                f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nHost: {second}\r\n"
+                "Connection: close\r\n\r\n".encode()
+            )
+            reply = b""
+            while chunk := raw.recv(65536):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), reply[:200]
+        assert "more than one Host" in json.loads(body)["error"]["message"]
+
+
 def test_browser_requests_from_other_origins_are_refused(setup):
     server = setup["server"]
     _refused_without_work(

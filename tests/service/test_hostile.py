@@ -254,6 +254,13 @@ def _cases(main_server, samples_dir, tmp_path) -> list[Case]:
             json_body={**_chat(data_url(clip)), "chat_template_kwargs": {"namespace": 1}},
         ),
         Case(
+            "https to a server that speaks http",
+            CHAT,
+            400,
+            "the TLS handshake failed",
+            json_body=_chat(main_server.http_url.replace("http://", "https://") + "/clip.mp4"),
+        ),
+        Case(
             "a number of 5000 digits",
             CHAT,
             400,
@@ -335,7 +342,7 @@ def test_websocket_protocol_errors(main_server):
         error = json.loads(socket.recv(timeout=30))
         assert error["type"] == "error" and "PNG or JPEG" in error["message"]
         assert "object at 0x" not in error["message"]
-        _closed_with(socket, 1003)
+        assert "object at 0x" not in _closed_with(socket, 1003)
     with _ws(main_server) as socket:  # JSON nested past the limit: unsupported data, not 1011
         socket.send(start)
         socket.recv(timeout=30)
