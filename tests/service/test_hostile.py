@@ -537,3 +537,24 @@ def test_a_client_leaving_mid_upload_is_logged_once_as_499(main_server, caplog):
     ]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert_healthy(main_server.server)
+
+
+@pytest.mark.parametrize("error", [KeyError, ValueError, ZeroDivisionError])
+def test_an_unexpected_error_is_a_500_logged_with_one_traceback(
+    main_server, monkeypatch, caplog, error
+):
+    def broken(*args, **kwargs):
+        raise error("planted")
+
+    monkeypatch.setattr(main_server.llm.processor, "build", broken)
+    with caplog.at_level(logging.INFO):
+        response = httpx.post(
+            f"{main_server.url}{CHAT}",
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            timeout=30,
+        )
+    assert_error(response, 500, "internal_error", "internal server error")
+    assert "planted" not in response.text
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
+    assert tracebacks[0].exc_info[0] is error
