@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -43,9 +44,17 @@ class SessionEnd(Exception):
 class Inbox:
     """One socket's messages, in order; see the module docstring."""
 
-    def __init__(self, websocket: WebSocket, config: ServerConfig, authenticated: bool) -> None:
+    def __init__(
+        self,
+        websocket: WebSocket,
+        config: ServerConfig,
+        authenticated: bool,
+        run_parse: Callable[[Callable[[], Any]], Awaitable[Any]] = asyncio.to_thread,
+    ) -> None:
+        """`run_parse` runs the parse of a large text message off the event loop."""
         self._websocket = websocket
         self._config = config
+        self._run_parse = run_parse
         self.authenticated = authenticated  # set once the start message's key is checked
         self._deadline = time.monotonic() + config.max_session_s
         self._receiving: asyncio.Task | None = None
@@ -67,10 +76,12 @@ class Inbox:
             return None
         if self._receiving in done:
             message, self._receiving = self._receiving.result(), None
-            parse = functools.partial(parse_message, message, self._config, self.authenticated)
-            if _size(message) <= _PARSE_ON_LOOP_BYTES:
-                return parse()
-            return await asyncio.to_thread(parse)
+            data = message_data(message, self._config, self.authenticated)
+            if isinstance(data, bytes):
+                return data
+            if len(data) <= _PARSE_ON_LOOP_BYTES:
+                return parse_text(data)
+            return await self._run_parse(functools.partial(parse_text, data))
         if time.monotonic() >= self._deadline:
             limit = f"max_session_s={self._config.max_session_s:g}"
             raise SessionEnd(CLOSE_POLICY, f"the session reached {limit}", "session_expired")
@@ -81,15 +92,9 @@ class Inbox:
             self._receiving.cancel()
 
 
-def _size(message: dict[str, Any]) -> int:
-    return len(message.get("bytes") or message.get("text") or "")
-
-
-def parse_message(
-    message: dict[str, Any], config: ServerConfig, authenticated: bool
-) -> bytes | dict[str, Any]:
-    """An ASGI WebSocket message as a frame (bytes) or a JSON object, within the size limit
-    (`UNAUTHENTICATED_BYTES` until `authenticated`); `SessionEnd` otherwise."""
+def message_data(message: dict[str, Any], config: ServerConfig, authenticated: bool) -> bytes | str:
+    """The payload of an ASGI WebSocket message, within the size limit (`UNAUTHENTICATED_BYTES`
+    until `authenticated`); `WebSocketDisconnect` once the client left, `SessionEnd` if too big."""
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", CLOSE_NORMAL))
     data = message.get("bytes")
@@ -103,10 +108,13 @@ def parse_message(
         raise SessionEnd(
             CLOSE_TOO_BIG, f"a message exceeds {limit} bytes{before}", "message_too_big"
         )
-    if isinstance(data, bytes):
-        return data
+    return data
+
+
+def parse_text(text: str) -> dict[str, Any]:
+    """A text message as a JSON object; `SessionEnd` otherwise."""
     try:
-        parsed = loads_json(data)
+        parsed = loads_json(text)
     except JSONRefused as error:
         raise SessionEnd(CLOSE_UNSUPPORTED_DATA, str(error), "bad_message") from None
     except ValueError:  # not JSON

@@ -103,7 +103,8 @@ async def stream_endpoint(websocket: WebSocket) -> None:
     )
     code, reason = CLOSE_NORMAL, ""
     api_key = state.config.api_key
-    inbox = Inbox(websocket, state.config, key_matches(api_key, _socket_key(websocket)))
+    authenticated = key_matches(api_key, _socket_key(websocket))
+    inbox = Inbox(websocket, state.config, authenticated, state.prompter.run)
     try:
         options = await _start(state, connection, inbox)
         async with _session_slot(state):

@@ -44,14 +44,16 @@ ENGINE_CONFIG = EngineConfig(
 DECODE_CONFIG = DecodeConfig(max_duration_s=MAX_DURATION_S)
 
 
-def make_llm(checkpoint: Path) -> VideoLLM:
-    return VideoLLM(checkpoint, engine_config=ENGINE_CONFIG, decode_config=DECODE_CONFIG)
+def make_llm(checkpoint: Path, engine_config: EngineConfig = ENGINE_CONFIG) -> VideoLLM:
+    return VideoLLM(checkpoint, engine_config=engine_config, decode_config=DECODE_CONFIG)
 
 
 @contextmanager
-def running_server(checkpoint: Path, config: ServerConfig) -> Iterator[BackgroundServer]:
+def running_server(
+    checkpoint: Path, config: ServerConfig, engine_config: EngineConfig = ENGINE_CONFIG
+) -> Iterator[BackgroundServer]:
     """A server for a fresh tiny model, stopped (gracefully) on exit."""
-    server = BackgroundServer(make_llm(checkpoint), config)
+    server = BackgroundServer(make_llm(checkpoint, engine_config), config)
     try:
         yield server
     finally:
