@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -89,15 +90,17 @@ def precision_options(args: argparse.Namespace) -> dict:
     }
 
 
-def add_evs_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--evs-rate`, `--evs-threshold`, `--no-evs`: the EVS setting when none is asked for."""
+def add_evs_arguments(parser: argparse.ArgumentParser, *, rate: bool = True) -> None:
+    """`--evs-rate` (unless `rate` is False), `--evs-threshold`, `--no-evs`: the EVS setting
+    when none is asked for."""
     evs = parser.add_mutually_exclusive_group()
-    evs.add_argument(
-        "--evs-rate",
-        type=float,
-        default=None,
-        help="EVS pruning rate q in [0, 1) (default: the checkpoint's own rate, else 0.75)",
-    )
+    if rate:
+        evs.add_argument(
+            "--evs-rate",
+            type=float,
+            default=None,
+            help="EVS pruning rate q in [0, 1) (default: the checkpoint's own rate, else 0.75)",
+        )
     evs.add_argument("--evs-threshold", type=float, help="causal EVS threshold tau in [0, 2]")
     evs.add_argument("--no-evs", action="store_true", help="keep every token")
 
@@ -139,6 +142,32 @@ def speculative_config(args: argparse.Namespace):
     )
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad values of the video, EVS and sampling flags a command has, naming the flag,
+    before anything loads (a model takes seconds)."""
+    from stillcut.engine.request import MAX_COUNT
+
+    checks = (
+        ("fps", lambda v: 0 < v < math.inf, "a finite number > 0"),
+        ("max_frames", lambda v: v >= 1, "an integer >= 1"),
+        ("start", lambda v: 0 <= v < math.inf, "a finite number of seconds >= 0"),
+        ("end", lambda v: 0 < v < math.inf, "a finite number of seconds > 0"),
+        ("evs_rate", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("evs_threshold", lambda v: 0 <= v <= 2, "in [0, 2]"),
+        ("max_tokens", lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]"),
+        ("max_tokens_per_segment", lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]"),
+        ("temperature", lambda v: v == 0 or 0.01 <= v <= 100, "0 (greedy) or in [0.01, 100]"),
+        ("seed", lambda v: 0 <= v < 2**64, "in [0, 2**64 - 1]"),
+    )
+    for name, fits, allowed in checks:
+        value = getattr(args, name, None)
+        if value is not None and not fits(value):
+            raise ValueError(f"--{name.replace('_', '-')} {value:g} must be {allowed}")
+    start, end = getattr(args, "start", None), getattr(args, "end", None)
+    if start is not None and end is not None and end <= start:
+        raise ValueError(f"--end {end:g} must be after --start {start:g}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -169,6 +198,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from stillcut.vision.decode import DecodeConfig
     from stillcut.vision.pipeline import VisionPipeline
 
+    check_arguments(args)
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
     choice = evs_config(args)
