@@ -195,7 +195,7 @@ def evs_config(args: argparse.Namespace):
 def _inspect(args: argparse.Namespace) -> int:
     from stillcut.engine.factory import demo_checkpoint
     from stillcut.service.evs_default import resolve_evs_default
-    from stillcut.vision.decode import DecodeConfig
+    from stillcut.vision.decode import DecodeConfig, probe_video
     from stillcut.vision.pipeline import VisionPipeline
 
     check_arguments(args)
@@ -211,6 +211,11 @@ def _inspect(args: argparse.Namespace) -> int:
     evs = resolve_evs_default(pipeline.model_config, choice)
     item = pipeline.video(args.video, evs=evs.evs, start=args.start, end=args.end)
     report = _report(args, pipeline, item, evs, load_s)
+    if args.start is not None or args.end is not None:  # the item knows only its range's length
+        whole = probe_video(args.video, pipeline.decode_config)
+        start = args.start or 0.0
+        report["range"] = {"start_s": start, "end_s": start + report["source"]["duration_s"]}
+        report["source"]["duration_s"] = whole.duration
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -271,6 +276,11 @@ def _print_report(report: dict) -> None:
             "source",
             f"{source['codec']} {source['width']}x{source['height']}, {fps}"
             f"{source['duration_s']:.2f} s",
+        ),
+        *(
+            [("range", f"{report['range']['start_s']:.2f}-{report['range']['end_s']:.2f} s")]
+            if "range" in report
+            else []
         ),
         ("sampled", f"{sampled['frames']} frames at {sampled['fps']:.3g} fps: {stamps}{more} s"),
         ("resized", f"{report['resized']['width']}x{report['resized']['height']}"),

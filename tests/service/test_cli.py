@@ -155,3 +155,14 @@ def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch)
 def test_serve_trusts_the_local_names_and_its_own_host(flags, trusted):
     args = cli.build_parser().parse_args(["serve", *flags])
     assert cli_serve._trusted_hosts(args.trusted_hosts, args.host) == trusted
+
+
+def test_inspect_prints_the_source_duration_and_the_range_apart(tiny_checkpoint, clip_path, capsys):
+    argv = ["inspect", str(clip_path), "--model", str(tiny_checkpoint)]
+    assert cli.main([*argv, "--start", "1", "--end", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"]["duration_s"] == pytest.approx(3.0)  # the whole clip
+    assert report["range"] == {"start_s": 1.0, "end_s": 2.0}
+    assert cli.main([*argv, "--start", "1"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["source"].endswith("3.00 s") and lines["range"].endswith("1.00-3.00 s")
