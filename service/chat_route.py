@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from stillcut.service.chat_request import ChatRequest, parse_chat_request
-from stillcut.service.media import read_body, unsupported_type
+from stillcut.service.media import read_body, refuse_gif_image, unsupported_type
 from stillcut.service.media_url import resolve_media_url
 from stillcut.service.openai_format import ChatFormatter
 from stillcut.service.reasoning import ThinkSplitter
@@ -83,6 +83,8 @@ async def _complete(
             sources[part.kind, part.url] = await resolve_media_url(
                 part.url, part.kind, part.where, config, state.http
             )
+            if part.kind == "image":
+                refuse_gif_image(sources[part.kind, part.url], part.where)
     inputs = [
         ImageInput(sources[part.kind, part.url])
         if part.kind == "image"

@@ -71,6 +71,23 @@ def _chat(url: str, text: str = "What?", **extra) -> dict:
     return {"messages": [{"role": "user", "content": parts}], "max_tokens": 2, **extra}
 
 
+def _gif() -> bytes:
+    """An animated GIF: 6 frames, 4 per second."""
+    frames = [Image.fromarray(frame) for frame in moving_texture(6, 112, 84, seed=5)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=250)
+    return buffer.getvalue()
+
+
+def test_an_animated_gif_sent_as_image_gif_is_described_as_a_video(main_server):
+    files = {"file": ("loop.gif", _gif(), "image/gif")}
+    response = httpx.post(
+        f"{main_server.url}{DESCRIBE}", files=files, data={"max_tokens": "2"}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["evs"]["frames"] >= 2
+
+
 def _escaped(body: dict) -> bytes:
     """JSON with every non-ASCII character escaped: lone surrogates as `\\ud800`."""
     return json.dumps(body).encode()
@@ -252,6 +269,33 @@ def _cases(main_server, samples_dir, tmp_path) -> list[Case]:
             400,
             "['namespace'] are set by the server",
             json_body={**_chat(data_url(clip)), "chat_template_kwargs": {"namespace": 1}},
+        ),
+        Case(
+            "a prompt over 64 KiB",
+            DESCRIBE,
+            400,
+            "may hold at most 64 KiB each",
+            video(clip),
+            {"prompt": "x" * 70_000},
+        ),
+        Case(
+            "a GIF as an image",
+            CHAT,
+            415,
+            "send a GIF as a video",
+            json_body={
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": data_url(_gif(), "image/gif")},
+                            }
+                        ],
+                    }
+                ]
+            },
         ),
         Case(
             "https to a server that speaks http",
