@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import statistics
@@ -23,6 +22,8 @@ import time
 
 import httpx
 from websockets.asyncio.client import connect
+
+from stillcut.service.server import wait_until_serving
 
 KEY = "sk-bench"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -63,7 +64,7 @@ def _round(model: str, chunk: int, long_tokens: int) -> dict:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, server)
+        wait_until_serving(url, server, timeout_s=300)
         return asyncio.run(_measure(url, chunk or 2048, long_tokens))
     finally:
         server.send_signal(signal.SIGTERM)
@@ -135,18 +136,3 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited ({server.returncode})")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    os.kill(server.pid, signal.SIGKILL)
-    raise RuntimeError("the server did not start")

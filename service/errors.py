@@ -77,24 +77,23 @@ def bad_request(message: str, code: str = "invalid_request") -> APIError:
     return APIError(400, message, code=code)
 
 
+def retryable(status: int, message: str, *, type: str, code: str, retry_after: float) -> APIError:
+    """An error the client may retry, `Retry-After` whole seconds later (at least 1)."""
+    headers = {"Retry-After": str(max(1, round(retry_after)))}
+    return APIError(status, message, type=type, code=code, headers=headers)
+
+
 def overloaded(message: str, retry_after: float) -> APIError:
-    return APIError(
-        503,
-        message,
-        type="overloaded_error",
-        code="queue_full",
-        headers={"Retry-After": str(max(1, round(retry_after)))},
+    return retryable(
+        503, message, type="overloaded_error", code="queue_full", retry_after=retry_after
     )
 
 
 def step_failed(retry_after: float) -> APIError:
     """The answer to a request whose engine step raised: it was stopped, the server is fine."""
-    return APIError(
-        500,
-        "the model failed while running this request; it was stopped, and may be retried",
-        type="internal_error",
-        code="step_failed",
-        headers={"Retry-After": str(max(1, round(retry_after)))},
+    message = "the model failed while running this request; it was stopped, and may be retried"
+    return retryable(
+        500, message, type="internal_error", code="step_failed", retry_after=retry_after
     )
 
 

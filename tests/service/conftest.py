@@ -11,6 +11,8 @@ import asyncio
 import base64
 import functools
 import http.server
+import io
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +22,9 @@ from fractions import Fraction
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.service.api import VideoLLM
@@ -62,6 +66,14 @@ def running_server(
 
 def data_url(data: bytes, media_type: str = "video/mp4") -> str:
     return f"data:{media_type};base64," + base64.b64encode(data).decode()
+
+
+def random_frame(timestamp: float, seed: int) -> bytes:
+    """A live-stream frame: the timestamp, then a random 84x56 PNG."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return struct.pack("<d", timestamp) + buffer.getvalue()
 
 
 def engine_call(server: BackgroundServer, fn):

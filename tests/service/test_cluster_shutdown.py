@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from stillcut.service.cluster.processes import alive, descendants, reap
+from stillcut.service.server import wait_until_serving
 
 NUM_RUNS = 3
 GONE_WITHIN_S = 30.0
@@ -37,19 +37,6 @@ def _serve(checkpoint, port: int, log) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_until_healthy(server: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert server.poll() is None, "the server exited before it served"
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"no healthy server within {START_TIMEOUT_S:g} s")
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finding the processes needs /proc")
 def test_sigterm_ends_every_process_the_cluster_started(tiny_checkpoint, tmp_path):
     for run in range(NUM_RUNS):
@@ -58,7 +45,7 @@ def test_sigterm_ends_every_process_the_cluster_started(tiny_checkpoint, tmp_pat
             server = _serve(tiny_checkpoint, port, log)
             started = []
             try:
-                _wait_until_healthy(server, port)
+                wait_until_serving(f"http://127.0.0.1:{port}", server, START_TIMEOUT_S)
                 started = descendants(server.pid)
                 commands = [_command(pid) for pid, _ in started]
                 assert any("agent" in command.lower() for command in commands), commands

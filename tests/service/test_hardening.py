@@ -10,7 +10,6 @@ import http.server
 import io
 import json
 import socket
-import struct
 import threading
 import time
 import tracemalloc
@@ -25,7 +24,14 @@ from websockets.sync.client import connect
 
 from stillcut.service.config import ServerConfig
 
-from .conftest import assert_error, assert_healthy, data_url, running_server, work_done
+from .conftest import (
+    assert_error,
+    assert_healthy,
+    data_url,
+    random_frame,
+    running_server,
+    work_done,
+)
 
 CHAT = "/v1/chat/completions"
 ALLOWED_ORIGIN = "http://app.example"
@@ -239,13 +245,6 @@ def test_a_compressed_reply_is_inflated_a_bounded_piece_at_a_time(setup):
     assert_healthy(server)
 
 
-def _frame(timestamp: float, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return struct.pack("<d", timestamp) + buffer.getvalue()
-
-
 def test_live_frames_wait_for_the_encode_worker_like_everything_else(setup):
     """With max_queue=1 and the encode worker busy, a live frame is turned away (queue_full)
     rather than encoded beside it; once the worker is free, frames are encoded again."""
@@ -261,14 +260,14 @@ def test_live_frames_wait_for_the_encode_worker_like_everything_else(setup):
         try:
             while encoder.num_pending == 0:
                 time.sleep(0.01)
-            live.send(_frame(0.0, seed=1))
+            live.send(random_frame(0.0, seed=1))
             error = json.loads(live.recv(timeout=30))
             assert error["type"] == "error" and error["code"] == "queue_full"
         finally:
             release.set()
             busy.join()
-        live.send(_frame(0.5, seed=2))
-        live.send(_frame(1.0, seed=3))
+        live.send(random_frame(0.5, seed=2))
+        live.send(random_frame(1.0, seed=3))
         assert json.loads(live.recv(timeout=30))["type"] == "frame"
         live.send(json.dumps({"type": "stop"}))
     assert_healthy(server)

@@ -4,14 +4,10 @@ WebSocket error of that code) that names nothing internal; their blocks are free
 request is answered. Options that could make a step raise are refused where they are parsed,
 naming the option, at every entry point."""
 
-import io
 import json
-import struct
 
 import httpx
-import numpy as np
 import pytest
-from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -20,6 +16,7 @@ from .conftest import (
     assert_healthy,
     engine_call,
     plant_step_failure,
+    random_frame,
     settled_pool_state,
 )
 
@@ -38,13 +35,6 @@ def _describe(main_server, **fields) -> httpx.Response:
     files = {"file": ("clip.mp4", main_server.clip, "video/mp4")}
     data = {"max_tokens": "2", **fields}
     return httpx.post(f"{main_server.url}{DESCRIBE}", files=files, data=data, timeout=60)
-
-
-def _frame(timestamp: float, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return struct.pack("<d", timestamp) + buffer.getvalue()
 
 
 def _socket(main_server):
@@ -93,8 +83,8 @@ def test_a_failed_step_ends_a_live_session_and_the_next_one_runs(main_server):
     with _socket(main_server) as socket:  # the held prefix's first prefill fails
         socket.send(json.dumps({"type": "start", "max_tokens": 2}))
         _until(socket, "started")
-        socket.send(_frame(0.0, 1))
-        socket.send(_frame(0.5, 2))
+        socket.send(random_frame(0.0, 1))
+        socket.send(random_frame(0.5, 2))
         error = _until(socket, "error")
         code, reason = _closed(socket)
     assert error["code"] == "step_failed" and code == 1011
@@ -102,8 +92,8 @@ def test_a_failed_step_ends_a_live_session_and_the_next_one_runs(main_server):
     assert_healthy(server)
     with _socket(main_server) as socket:  # an answer fails: reported, and the session goes on
         socket.send(json.dumps({"type": "start", "max_tokens": 2}))
-        socket.send(_frame(0.0, 1))
-        socket.send(_frame(0.5, 2))
+        socket.send(random_frame(0.0, 1))
+        socket.send(random_frame(0.5, 2))
         _until(socket, "frame")
         engine_call(server, plant_step_failure)
         socket.send(json.dumps({"type": "ask", "prompt": "What?"}))
@@ -129,8 +119,8 @@ def test_a_failed_step_ends_a_narration_and_the_next_one_runs(main_server):
     engine_call(server, plant_step_failure)
     with _socket(main_server) as socket:
         socket.send(json.dumps(NARRATE))
-        socket.send(_frame(0.0, 1))
-        socket.send(_frame(0.5, 2))
+        socket.send(random_frame(0.0, 1))
+        socket.send(random_frame(0.5, 2))
         error = _until(socket, "error")
         code, reason = _closed(socket)  # without a stop: the session ends by itself
     assert error["code"] == "step_failed" and code == 1011
@@ -138,8 +128,8 @@ def test_a_failed_step_ends_a_narration_and_the_next_one_runs(main_server):
     assert_healthy(server)
     with _socket(main_server) as socket:
         socket.send(json.dumps(NARRATE))
-        socket.send(_frame(0.0, 1))
-        socket.send(_frame(0.5, 2))
+        socket.send(random_frame(0.0, 1))
+        socket.send(random_frame(0.5, 2))
         socket.send(json.dumps({"type": "stop"}))
         assert _until(socket, "segment")["t"] == [0.0, 0.5]
         assert _closed(socket)[0] == 1000
