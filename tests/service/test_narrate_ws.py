@@ -3,6 +3,7 @@ a real server: segments per tubelet under `queue`, the engine's own narration of
 frames, bad start options, rollover at the context limit, a client that vanishes mid-segment.
 Every block is back once a session ends or drops."""
 
+import asyncio
 import contextlib
 import io
 import json
@@ -18,6 +19,7 @@ from websockets.sync.client import connect
 
 from stillcut.service.config import ServerConfig
 from stillcut.service.narrate_api import file_frames
+from stillcut.service.narration import Narration
 
 from .conftest import make_llm, running_server, settled_pool_state
 
@@ -266,4 +268,26 @@ def test_bad_frames_end_a_narration_and_free_everything(server, bad_frame, code)
             while True:
                 messages.append(json.loads(socket.recv(timeout=30)))
     assert closed.value.rcvd.code == code and messages[-1]["type"] == "error"
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_a_client_that_leaves_after_stop_is_noticed_while_narration_drains(server, monkeypatch):
+    """`stop` waits for what is queued to be narrated, but the socket is still read: a client
+    that leaves meanwhile ends the session at once (here the narration would never finish)."""
+
+    async def never_ends(self, arrived_at):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(Narration, "_segment", never_ends)
+    with _connect(server) as socket:
+        socket.send(json.dumps(START))
+        for k in range(2):
+            socket.send(_frame(k / 2, seed=k))
+        while json.loads(socket.recv(timeout=60))["type"] != "frame":
+            pass
+        socket.send(json.dumps({"type": "stop"}))
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/health").json()["live_sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{server.url}/health").json()["live_sessions"] == 0
     assert settled_pool_state(server) == (True, 0)
