@@ -30,7 +30,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 HEALTH_TARGET_S = 0.5
 BOMB_VALUES = 20_000_000
 NUM_BIG_STARTS, BIG_START_BYTES = 8, 8_000_000
-SHORT_PROMPT = "Say hi."  # ~22 tokens once templated
+SHORT_PROMPT = "Say hi."  # ~22 tokens once templated (the prefix cache keeps its template)
 
 
 def run(model: str, chunk: int, long_tokens: int, rounds: int) -> None:
@@ -76,15 +76,18 @@ async def _measure(url: str, chunk: int, long_tokens: int) -> dict:
         await _ttft(client, SHORT_PROMPT)  # warm-up: pools, the native step
         own_prefill_s = await _ttft(client, SHORT_PROMPT)
         chunk_s = await _ttft(client, _words(min(chunk, long_tokens)))
+        per_token_s = await _ttft(client, _words(512)) / 512  # the same in both modes
         stop = asyncio.Event()
         health = asyncio.ensure_future(_worst_health(client, stop))
-        ws_url = url.replace("http://", "ws://") + "/v1/stream"
-        hostile = [asyncio.ensure_future(_big_start(ws_url)) for _ in range(NUM_BIG_STARTS)]
-        hostile.append(asyncio.ensure_future(_bomb(client)))
+        # the attack runs in a process of its own: building and masking its messages here
+        # would delay this loop's own timings
+        attack = await asyncio.create_subprocess_exec(sys.executable, __file__, url)
         long_prompt = asyncio.ensure_future(_ttft(client, _words(long_tokens)))
-        await asyncio.sleep(2 * chunk_s)  # the long prompt is prefilling
+        await asyncio.sleep(0.25 * long_tokens * per_token_s)  # a quarter into its prefill
         short_ttft_s = await _ttft(client, SHORT_PROMPT)
-        await asyncio.gather(long_prompt, *hostile)
+        await long_prompt
+        if await attack.wait():
+            raise RuntimeError(f"the attack failed ({attack.returncode})")
         stop.set()
         return {
             "worst_health_s": await health,
@@ -115,6 +118,14 @@ async def _worst_health(client: httpx.AsyncClient, stop: asyncio.Event) -> float
     return worst
 
 
+async def _attack(url: str) -> None:
+    """The hostile part of the load: the key-less 8 MB starts and the bomb, at once."""
+    ws_url = url.replace("http://", "ws://") + "/v1/stream"
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=600) as client:
+        starts = [_big_start(ws_url) for _ in range(NUM_BIG_STARTS)]
+        await asyncio.gather(*starts, _bomb(client))
+
+
 async def _big_start(url: str) -> None:
     async with connect(url, proxy=None, max_size=None, open_timeout=60) as ws:
         await ws.send(json.dumps({"type": "start", "pad": "x" * BIG_START_BYTES}))
@@ -129,10 +140,16 @@ async def _bomb(client: httpx.AsyncClient) -> None:
 
 
 def _words(num_tokens: int) -> str:
-    return "hello " * num_tokens  # one token a word in the Qwen2 vocabulary
+    """A prompt of about `num_tokens` tokens that no earlier one shares a prefix with (the
+    prefix cache would answer it otherwise)."""
+    return f"{time.perf_counter_ns()} " + "hello " * num_tokens
 
 
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+if __name__ == "__main__":  # the attacking process: URL
+    asyncio.run(_attack(sys.argv[1]))
