@@ -12,10 +12,12 @@ the session. The server sends `started`, then `frame` per encoded tubelet, `toke
 answering, `answer` at the end of one, and `error`. A start with `"mode": "narrate"` (see
 `NarrateOptions`) narrates instead: no asks; `token` while the model speaks, `segment` at each
 segment's end, `rollover` when the sequence starts afresh; `stop` ends the session once what
-is queued has been narrated. Fatal errors close with 1003 (unsupported
-data), 1008 (policy: auth, limits, protocol order), 1009 (message too big) or 1011 (internal);
-others are reported and the session goes on. Whatever ends the session, its held prefix is
-released.
+is queued has been narrated (the socket is still read, so a client leaving is noticed). Fatal
+errors close with 1003 (unsupported data), 1008 (policy: auth, limits, protocol order, a
+narration its options cannot fit), 1009 (message too big; 64 KiB until the key is given) or
+1011 (internal, or a model step that failed the held prefix or the narration: `step_failed`);
+others (an answer whose step failed among them) are reported and the session goes on.
+Whatever ends the session, its held prefix is released.
 """
 
 from __future__ import annotations
