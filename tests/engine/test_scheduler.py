@@ -668,3 +668,22 @@ def test_a_bidirectional_item_larger_than_the_cap_still_runs_whole():
     # up to the item, then the item in one piece (with the 2 tokens after it: the step had room)
     assert scheduled["image"][:2] == [2, 14]
     assert_all_blocks_free(scheduler)
+
+
+def test_a_failed_step_gives_back_its_state_slots_and_saves_no_snapshot():
+    """What a failed step computed is not trusted: its snapshot slots return unsaved, and once
+    its requests are aborted every block is free; the same prompt then runs as if new."""
+    cache = CacheConfig(block_size=BLOCK, held_share=0.0, mamba_snapshot_interval=2)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=10), cache, 64, 8)
+    snapshots = scheduler.kv_cache.snapshots
+    scheduler.add_request(make_request("a", range(1, 23), max_tokens=1))
+    output = scheduler.schedule()
+    assert output.state_captures["a"] and snapshots.num_free_slots < 8
+    assert scheduler.fail_step(output) == ["a"]
+    assert scheduler.abort("a")
+    assert snapshots.num_free_slots == 8 and not snapshots.saved_hashes()
+    assert_all_blocks_free(scheduler)
+    again = make_request("a2", range(1, 23), max_tokens=1)
+    scheduler.add_request(again)
+    scheduler.schedule()
+    assert again.num_cached_tokens == 0  # nothing of the failed step is found
