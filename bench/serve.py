@@ -14,6 +14,11 @@ measure. It prints requests/s for both, p50/p99 latency of the service, their ra
 server, so its share is a cost the offline run does not pay.
 
     python bench/serve.py [--model PATH] [--clients 16] [--max-tokens 32]
+    python bench/serve.py --hostile [--model PATH] [--prefill-chunk 512] [--long-tokens 8000]
+
+`--hostile` measures something else: the worst `/health` latency under a JSON bomb, key-less
+8 MB WebSocket starts and a long prompt, and a short request's time to first token beside that
+prompt against its bound (`serve_hostile`).
 """
 
 from __future__ import annotations
@@ -126,6 +131,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16, help="concurrent requests (16)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (32)")
     parser.add_argument("--load", metavar="URL", help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--hostile", action="store_true", help="hostile load (see above)")
+    parser.add_argument("--prefill-chunk", type=int, default=512, help="--hostile: chunk (512)")
+    parser.add_argument("--long-tokens", type=int, default=8000, help="--hostile: long prompt")
+    parser.add_argument("--rounds", type=int, default=2, help="--hostile: rounds per mode (2)")
     args = parser.parse_args()
     work = workload(args.clients)
     if args.load:
@@ -134,6 +143,11 @@ def main() -> None:
     from stillcut.engine.factory import random_demo_checkpoint
 
     model = args.model or str(random_demo_checkpoint())  # the 110M shape, not the tiny demo
+    if args.hostile:
+        from serve_hostile import run
+
+        run(model, args.prefill_chunk, args.long_tokens, args.rounds)
+        return
     offline_s = run_offline(model, work, args.max_tokens)
     report = run_service(model, work, args.max_tokens)
     service_s, latencies = report["wall_s"], report["latencies"]

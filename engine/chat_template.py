@@ -58,8 +58,10 @@ class ChatTemplate:
     ) -> str:
         """The prompt text for `messages` (plain dicts, as the template expects them).
         `extra` are more template variables (`chat_template_kwargs`, e.g. `enable_thinking`);
-        they may not replace the ones set here."""
-        taken = sorted(set(extra or ()) & {*RENDER_VARIABLES, *self.special_tokens})
+        they may not replace the ones set here, nor the template's globals (`namespace`,
+        `range`, ...)."""
+        globals_ = self._template.environment.globals
+        taken = sorted(set(extra or ()) & {*RENDER_VARIABLES, *self.special_tokens, *globals_})
         if taken:
             raise ValueError(f"chat template variables {taken} are set by the server")
         try:

@@ -69,6 +69,11 @@ class SchedulerConfig:
 
     Without chunked prefill a whole prompt must fit one step, so `max_num_batched_tokens` must
     then cover `max_model_len` (a preempted request recomputes its prompt and its output).
+
+    `max_prefill_tokens_per_request` caps one request's prefill chunk (None: the whole step
+    budget), so a long prompt leaves room in every step for other requests' prefill and decodes
+    instead of holding them until it is done. A bidirectional item, or a block-aligned chunk,
+    that does not fit the cap still runs whole when the step has room for it.
     """
 
     max_num_batched_tokens: int = 2048
@@ -77,6 +82,7 @@ class SchedulerConfig:
     max_model_len: int = 32768
     max_visual_tokens_per_request: int = 16384
     enable_chunked_prefill: bool = True
+    max_prefill_tokens_per_request: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -87,6 +93,17 @@ class SchedulerConfig:
         if self.max_visual_tokens_per_request < 0:
             raise ValueError(
                 f"max_visual_tokens_per_request={self.max_visual_tokens_per_request} must be >= 0"
+            )
+        cap = self.max_prefill_tokens_per_request
+        if cap is not None and not 1 <= cap <= self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_prefill_tokens_per_request={cap} must be None or in "
+                f"[1, max_num_batched_tokens={self.max_num_batched_tokens}]"
+            )
+        if cap is not None and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"max_prefill_tokens_per_request={cap} splits prompts into chunks; it needs "
+                "enable_chunked_prefill=True"
             )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

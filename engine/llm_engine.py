@@ -9,6 +9,11 @@ the vision pipeline): the engine never imports the vision side.
 Live requests take input while they live (`append_input`): a held prefix (`hold=True`) grows by
 prefill only; a `streaming` request generates in segments, and each stop (EOS, a stop token,
 `max_tokens`) ends a segment (`RequestOutput.segment_end`) and waits for the next input.
+
+A step whose forward or sampling raises fails the requests it ran, not the engine: they are
+aborted (blocks, runner rows and state slots freed) and `StepFailed` names them; the next step
+runs as usual. A broken invariant of the engine's own state (an `AssertionError`, an error in
+scheduling) still propagates as it is.
 """
 
 from __future__ import annotations
@@ -49,11 +54,20 @@ from stillcut.engine.request import (
 )
 from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler, max_num_live_requests
-from stillcut.engine.scheduler_output import RequestUpdate
+from stillcut.engine.scheduler_output import RequestUpdate, SchedulerOutput
 from stillcut.engine.spec_decode.build import build_speculator, check_speculation_allowed
 from stillcut.engine.spec_decode.draft import draft_block_bytes
 
 log = logging.getLogger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """A step's forward or sampling raised; `request_ids` are the requests it ran, now aborted.
+    The cause is chained (`__cause__`); the engine goes on."""
+
+    def __init__(self, request_ids: Sequence[str]) -> None:
+        super().__init__(f"a step failed; {len(request_ids)} request(s) in it were aborted")
+        self.request_ids = tuple(request_ids)
 
 
 @dataclass(frozen=True)
@@ -276,7 +290,12 @@ class LLMEngine:
             tracked = self._tracked.get(request_id)
             if tracked is not None and tracked.counting_append:
                 tracked.metrics.append_prefill_tokens[-1] += num_tokens
-        result = self.runner.execute(scheduled)
+        try:
+            result = self.runner.execute(scheduled)
+        except AssertionError:
+            raise  # the runner's own state is broken: nothing here can repair it
+        except Exception as error:
+            raise StepFailed(self._fail_step(scheduled)) from error
         updates = self.scheduler.update_from_output(scheduled, result.sampled)
         now = time.monotonic()
         outputs = []
@@ -291,6 +310,13 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         return outputs
+
+    def _fail_step(self, scheduled: SchedulerOutput) -> list[str]:
+        """Abort every request a failed step ran; their ids."""
+        request_ids = self.scheduler.fail_step(scheduled)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return request_ids
 
     def _record_drafts(
         self, tracked: _Tracked, spec_token_ids: dict[str, list[int]], sampled: dict

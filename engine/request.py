@@ -24,7 +24,9 @@ from typing import NamedTuple
 from stillcut.engine.multimodal import MultiModalItem
 
 MAX_LOGPROBS = 20
+MAX_COUNT = 2**31 - 1  # token counts and ids: any larger one is refused, never overflows a tensor
 _MAX_SEED = 2**64 - 1
+_MIN_SCALE, _MAX_SCALE = 0.01, 100.0  # temperature and repetition penalty divide logits
 
 
 @dataclass(frozen=True)
@@ -51,22 +53,39 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check_range("max_tokens", self.max_tokens, 1, math.inf, ">= 1", integer=True)
-        _check_range("temperature", self.temperature, 0.0, math.inf, ">= 0")
+        _check_range(
+            "max_tokens", self.max_tokens, 1, MAX_COUNT, f"in [1, {MAX_COUNT}]", integer=True
+        )
+        _check_range("temperature", self.temperature, 0.0, _MAX_SCALE, f"in [0, {_MAX_SCALE:g}]")
+        if 0 < self.temperature < _MIN_SCALE:  # dividing logits by less overflows them
+            raise ValueError(
+                f"temperature={self.temperature!r} must be 0 (greedy) or >= {_MIN_SCALE:g}"
+            )
         _check_range("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", low_open=True)
-        _check_range("top_k", self.top_k, 0, math.inf, ">= 0 (0 = off)", integer=True)
+        _check_range(
+            "top_k", self.top_k, 0, MAX_COUNT, f"in [0, {MAX_COUNT}] (0 = off)", integer=True
+        )
         _check_range("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             _check_range("seed", self.seed, 0, _MAX_SEED, "in [0, 2**64 - 1]", integer=True)
         _check_range(
-            "repetition_penalty", self.repetition_penalty, 0, math.inf, "> 0", low_open=True
+            "repetition_penalty",
+            self.repetition_penalty,
+            _MIN_SCALE,
+            _MAX_SCALE,
+            f"in [{_MIN_SCALE:g}, {_MAX_SCALE:g}]",
         )
         _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop={self.stop!r} must hold non-empty strings only")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must hold ints >= 0")
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_COUNT
+            for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids={self.stop_token_ids!r} must hold ints in [0, {MAX_COUNT}]"
+            )
         if self.logprobs is not None:
             _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS, integer=True)
 

@@ -4,7 +4,8 @@ As in vLLM v1 there are no prefill and decode phases: a step is a token budget s
 requests, each given a number of new tokens. Running requests go first, decodes before prefill
 chunks so admitting prompts never stalls generation; then waiting requests in FIFO order, each
 first matched against the prefix cache. A prefill chunk is the rest of the prompt or of the
-budget, whichever is smaller, but never ends inside a bidirectional item. When blocks run out
+budget, whichever is smaller (and at most `max_prefill_tokens_per_request`, so a long prompt
+shares every step with the others), but never ends inside a bidirectional item. When blocks run out
 the newest running request is preempted: freed, and recomputed later, outputs included.
 For a model with recurrent layers and prefix caching on, prefill chunks end on block boundaries
 and each step says where the runner saves recurrent-state snapshots (`state_snapshots`).
@@ -232,6 +233,16 @@ class Scheduler:
             self.kv_cache.commit_state_captures(captures)
         return updates
 
+    def fail_step(self, output: SchedulerOutput) -> list[str]:
+        """A step that raised: its state snapshots are given up (what it computed is not
+        trusted) and the ids of the requests it ran are returned, for the caller to abort."""
+        for captures in output.state_captures.values():
+            for capture in captures:
+                self.kv_cache.snapshots.commit(capture, block_cached=False)
+        return [
+            request_id for request_id in output.num_scheduled_tokens if request_id in self.requests
+        ]
+
     def _accept_tokens(
         self, request: Request, drafts: Sequence[int], sampled: Sequence[int]
     ) -> tuple[list[int], RequestStatus | None, int | None]:
@@ -316,6 +327,17 @@ class Scheduler:
             output.state_captures[request.request_id] = captures
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        cap = self.config.max_prefill_tokens_per_request
+        if cap is not None and cap < budget:
+            # a chunk the cap cuts to nothing (an item or a block larger than it) runs uncapped
+            num_new = self._chunk(request, num_computed, cap)
+            if num_new:
+                return num_new
+        return self._chunk(request, num_computed, budget)
+
+    def _chunk(self, request: Request, num_computed: int, budget: int) -> int:
+        """How many of the request's next tokens fit `budget`: all that are left, or a prefill
+        chunk that ends where a chunk may end (0 if none)."""
         num_left = request.num_tokens - num_computed
         num_new = min(num_left, budget)
         if num_new < num_left and not self.config.enable_chunked_prefill:

@@ -33,6 +33,7 @@ import operator
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -218,6 +219,13 @@ def load() -> ctypes.CDLL | None:
         ).hexdigest()[:16]
         target = cache_dir() / "native" / f"cpu_decode-{key}.so"
         if not target.exists():
+            # the first run sits silent for tens of seconds otherwise
+            print(
+                "stillcut: compiling the native CPU decode step for this machine, once "
+                f"(about 30 s; kept in {target.parent})...",
+                file=sys.stderr,
+                flush=True,
+            )
             started = time.perf_counter()
             _compile(compiler, target)
             log.info("compiled the native CPU decode step in %.1f s", time.perf_counter() - started)

@@ -102,7 +102,7 @@ def add_service_routes(
     app.add_api_route("/health", endpoints.health, methods=["GET"])
     app.add_api_route("/metrics", endpoints.metrics, methods=["GET"])
     add_page_routes(app)
-    for kind in (APIError, ValueError, RuntimeError, TimeoutError, HTTPException, Exception):
+    for kind in (APIError, ValueError, RuntimeError, TimeoutError, HTTPException):
         app.add_exception_handler(kind, _error_response)
     for gone in (ClientGone, ClientDisconnect):
         app.add_exception_handler(gone, lambda request, error: Response(status_code=499))

@@ -7,12 +7,16 @@ while requests are unfinished. Each request's outputs travel back to its event l
 wait to be scheduled, `generate` raises `QueueFull` (the service's 503). A consumer that stops
 iterating, such as a request whose client left, aborts its request and frees its KV blocks.
 `shutdown` lets in-flight work finish (or aborts it at the deadline) and joins the thread.
+A step that fails (`StepFailed`) fails only the requests it ran, whose readers get it; the loop
+goes on. Any other exception from the engine is a fault in its own state: the loop ends and
+every reader hears `EngineStopped`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -21,13 +25,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from stillcut.engine.llm_engine import LLMEngine, RequestOutput
+from stillcut.engine.llm_engine import LLMEngine, RequestOutput, StepFailed
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.processor import Prompt
 from stillcut.engine.request import SamplingParams
 
 T = TypeVar("T")
 _DRAIN_POLL_S = 0.05  # how often an idle engine re-checks a shutdown deadline
+logger = logging.getLogger("stillcut.service")
 
 
 class QueueFull(RuntimeError):
@@ -89,10 +94,10 @@ class _Stream:
 
     async def get(self) -> RequestOutput:
         item = await self.queue.get()
-        if isinstance(item, RequestAborted):
+        if isinstance(item, RequestAborted | StepFailed):
             raise item
         if isinstance(item, BaseException):
-            raise EngineStopped(f"the engine stopped: {item}") from item
+            raise EngineStopped("the engine stopped on an internal error") from item
         return item
 
 
@@ -274,14 +279,14 @@ class AsyncEngine:
         try:
             while self._run_commands():
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    self._step()
                 self._publish_stats()
         except BaseException as error:  # an engine bug: every waiting consumer must hear it
+            logger.critical("the engine loop stopped on a fault in its own state", exc_info=error)
             self._error = error
             for stream in self._streams.values():
                 stream.put(error)
             self._streams.clear()
-            raise
         finally:
             self._close()
 
@@ -313,6 +318,18 @@ class AsyncEngine:
                 stream.put(EngineStopped("the server shut down before the request finished"))
         self._publish_stats()
         return False
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except StepFailed as failed:  # its requests were aborted; the engine is sound
+            logger.error("%s: %s", failed, ", ".join(failed.request_ids), exc_info=failed.__cause__)
+            for request_id in failed.request_ids:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.put(failed)
+            return
+        self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -21,7 +21,7 @@ from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_MAX_TOKENS
 from stillcut.service.errors import bad_request, shown
 from stillcut.service.media import MediaKind
-from stillcut.service.request_limits import JSONTooDeep, check_stop, loads_json
+from stillcut.service.request_limits import JSONRefused, check_stop, loads_json
 from stillcut.vision.decode import DecodeConfig
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -79,8 +79,8 @@ def parse_chat_request(body: bytes, default_evs: EVSConfig | None) -> ChatReques
     `evs` gets `default_evs`."""
     try:
         data = loads_json(body)
-    except JSONTooDeep as error:
-        raise bad_request(f"the body is refused: {error}", "json_too_deep") from None
+    except JSONRefused as error:
+        raise bad_request(f"the body is refused: {error}", error.code) from None
     except ValueError as error:  # UnicodeDecodeError included
         raise bad_request(f"the body is not valid JSON: {error}", "invalid_json") from None
     if not isinstance(data, dict):

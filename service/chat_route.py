@@ -3,8 +3,8 @@
 A chat request's media (`video_url` / `image_url` parts) are fetched or decoded from their
 URLs, encoded together on the encode worker, and placed in the conversation where their
 parts were; a URL that appears several times is fetched and encoded once. Earlier assistant
-turns are part of the prompt like any other message; the prompt is tokenized off the event
-loop.
+turns are part of the prompt like any other message; the body is parsed and the prompt
+tokenized off the event loop.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from stillcut.service.chat_request import ChatRequest, parse_chat_request
-from stillcut.service.media import read_body, unsupported_type
+from stillcut.service.media import read_body, refuse_gif_image, unsupported_type
 from stillcut.service.media_url import resolve_media_url
 from stillcut.service.openai_format import ChatFormatter
 from stillcut.service.reasoning import ThinkSplitter
@@ -63,7 +63,8 @@ async def chat_endpoint(request: Request) -> Response:
             f"Content-Type {content_type or '(none)'!r} is not supported; send application/json"
         )
     body = await read_body(request, chat_body_limit(state.config.max_upload_bytes))
-    chat = parse_chat_request(body, state.llm.evs_default.evs)
+    # parsing a large body takes long: it runs on the prompt worker, never on the event loop
+    chat = await state.prompter.run(lambda: parse_chat_request(body, state.llm.evs_default.evs))
     state.check_model(chat.model)
     check_media_count(len(chat.media), state.config)
     async with asyncio.timeout(budget):
@@ -82,6 +83,8 @@ async def _complete(
             sources[part.kind, part.url] = await resolve_media_url(
                 part.url, part.kind, part.where, config, state.http
             )
+            if part.kind == "image":
+                refuse_gif_image(sources[part.kind, part.url], part.where)
     inputs = [
         ImageInput(sources[part.kind, part.url])
         if part.kind == "image"

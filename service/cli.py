@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -89,15 +90,17 @@ def precision_options(args: argparse.Namespace) -> dict:
     }
 
 
-def add_evs_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--evs-rate`, `--evs-threshold`, `--no-evs`: the EVS setting when none is asked for."""
+def add_evs_arguments(parser: argparse.ArgumentParser, *, rate: bool = True) -> None:
+    """`--evs-rate` (unless `rate` is False), `--evs-threshold`, `--no-evs`: the EVS setting
+    when none is asked for."""
     evs = parser.add_mutually_exclusive_group()
-    evs.add_argument(
-        "--evs-rate",
-        type=float,
-        default=None,
-        help="EVS pruning rate q in [0, 1) (default: the checkpoint's own rate, else 0.75)",
-    )
+    if rate:
+        evs.add_argument(
+            "--evs-rate",
+            type=float,
+            default=None,
+            help="EVS pruning rate q in [0, 1) (default: the checkpoint's own rate, else 0.75)",
+        )
     evs.add_argument("--evs-threshold", type=float, help="causal EVS threshold tau in [0, 2]")
     evs.add_argument("--no-evs", action="store_true", help="keep every token")
 
@@ -139,6 +142,32 @@ def speculative_config(args: argparse.Namespace):
     )
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad values of the video, EVS and sampling flags a command has, naming the flag,
+    before anything loads (a model takes seconds)."""
+    from stillcut.engine.request import MAX_COUNT
+
+    checks = (
+        ("fps", lambda v: 0 < v < math.inf, "a finite number > 0"),
+        ("max_frames", lambda v: v >= 1, "an integer >= 1"),
+        ("start", lambda v: 0 <= v < math.inf, "a finite number of seconds >= 0"),
+        ("end", lambda v: 0 < v < math.inf, "a finite number of seconds > 0"),
+        ("evs_rate", lambda v: 0 <= v < 1, "in [0, 1)"),
+        ("evs_threshold", lambda v: 0 <= v <= 2, "in [0, 2]"),
+        ("max_tokens", lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]"),
+        ("max_tokens_per_segment", lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]"),
+        ("temperature", lambda v: v == 0 or 0.01 <= v <= 100, "0 (greedy) or in [0.01, 100]"),
+        ("seed", lambda v: 0 <= v < 2**64, "in [0, 2**64 - 1]"),
+    )
+    for name, fits, allowed in checks:
+        value = getattr(args, name, None)
+        if value is not None and not fits(value):
+            raise ValueError(f"--{name.replace('_', '-')} {value:g} must be {allowed}")
+    start, end = getattr(args, "start", None), getattr(args, "end", None)
+    if start is not None and end is not None and end <= start:
+        raise ValueError(f"--end {end:g} must be after --start {start:g}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -166,9 +195,10 @@ def evs_config(args: argparse.Namespace):
 def _inspect(args: argparse.Namespace) -> int:
     from stillcut.demo import demo_checkpoint
     from stillcut.service.evs_default import resolve_evs_default
-    from stillcut.vision.decode import DecodeConfig
+    from stillcut.vision.decode import DecodeConfig, probe_video
     from stillcut.vision.pipeline import VisionPipeline
 
+    check_arguments(args)
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
     choice = evs_config(args)
@@ -181,6 +211,11 @@ def _inspect(args: argparse.Namespace) -> int:
     evs = resolve_evs_default(pipeline.model_config, choice)
     item = pipeline.video(args.video, evs=evs.evs, start=args.start, end=args.end)
     report = _report(args, pipeline, item, evs, load_s)
+    if args.start is not None or args.end is not None:  # the item knows only its range's length
+        whole = probe_video(args.video, pipeline.decode_config)
+        start = args.start or 0.0
+        report["range"] = {"start_s": start, "end_s": start + report["source"]["duration_s"]}
+        report["source"]["duration_s"] = whole.duration
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -241,6 +276,11 @@ def _print_report(report: dict) -> None:
             "source",
             f"{source['codec']} {source['width']}x{source['height']}, {fps}"
             f"{source['duration_s']:.2f} s",
+        ),
+        *(
+            [("range", f"{report['range']['start_s']:.2f}-{report['range']['end_s']:.2f} s")]
+            if "range" in report
+            else []
         ),
         ("sampled", f"{sampled['frames']} frames at {sampled['fps']:.3g} fps: {stamps}{more} s"),
         ("resized", f"{report['resized']['width']}x{report['resized']['height']}"),

@@ -48,12 +48,14 @@ def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import DEFAULT_ENGINE_CONFIG, VideoLLM
     from stillcut.service.cli import (
         RANDOM_WEIGHTS_NOTICE,
+        check_arguments,
         evs_config,
         precision_options,
         speculative_config,
     )
     from stillcut.vision.decode import DecodeConfig
 
+    check_arguments(args)
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
     decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames)

@@ -1,7 +1,7 @@
 """`stillcut narrate VIDEO`: running commentary on a video, printed segment by segment.
 
 Describe's names for the shared options; EVS is threshold mode (the live default) or off:
-`--evs-rate` is refused, since rate mode ranks the whole clip and a narration sees it only as
+there is no `--evs-rate`, since rate mode ranks the whole clip and a narration sees it only as
 it comes. `--realtime` paces frames at their timestamps (then `--lag latest` may skip).
 """
 
@@ -21,20 +21,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", help="checkpoint folder or hub id (default: the demo model)")
     parser.add_argument("--prompt", help="the instruction (default: narrate, line by line)")
     parser.add_argument("--fps", type=float, default=2.0, help="sampling rate (default 2)")
-    add_evs_arguments(parser)
+    add_evs_arguments(parser, rate=False)
     parser.add_argument(
         "--max-tokens-per-segment", type=int, default=24, help="segment cap (default 24)"
     )
-    parser.add_argument("--lag", choices=("queue", "latest"), default="queue")
+    parser.add_argument(
+        "--lag",
+        choices=("queue", "latest"),
+        default="queue",
+        help="when the model falls behind: 'queue' narrates every tubelet in order, 'latest' "
+        "skips to the newest (default queue)",
+    )
     parser.add_argument("--realtime", action="store_true", help="pace frames at their times")
 
 
 def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import DEFAULT_NARRATE_PROMPT, VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE
+    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, check_arguments
 
-    if args.evs_rate is not None:
-        raise ValueError("--evs-rate is refused: rate mode is not causal; use --evs-threshold")
+    check_arguments(args)
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
     options = {

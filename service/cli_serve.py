@@ -27,6 +27,7 @@ from stillcut.engine.config import DEFAULT_SNAPSHOT_INTERVAL
 from stillcut.service.reasoning import REASONING_PARSERS
 
 API_KEY_ENV = "STILLCUT_API_KEY"
+DEFAULT_PREFILL_CHUNK = 512
 WILDCARD_ADDRESSES = ("0.0.0.0", "::")
 
 
@@ -110,6 +111,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, default=32768, help="context length")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests run at once")
     parser.add_argument(
+        "--max-prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        help="most prompt tokens one request prefills per step, so a long prompt shares each "
+        f"step with other requests (default {DEFAULT_PREFILL_CHUNK}; 0: the whole step budget)",
+    )
+    parser.add_argument(
         "--enforce-eager",
         action="store_true",
         help="on CUDA, run every step eagerly: no CUDA graphs for decode or the vision encoder",
@@ -119,6 +127,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-sessions", type=int, default=4, help="live WebSocket sessions at once (default 4)"
+    )
+    parser.add_argument(
+        "--session-idle",
+        type=float,
+        default=60,
+        help="seconds a live session may send nothing before it is closed (default 60)",
     )
     add_evs_arguments(parser)
     add_speculative_arguments(parser)
@@ -210,11 +224,16 @@ def server_settings(
         limit_fps=args.limit_fps,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         max_sessions=args.max_sessions,
+        session_idle_s=args.session_idle,
         reasoning_parser=args.reasoning_parser,
     )
     engine_config = EngineConfig(
         enforce_eager=args.enforce_eager,
-        scheduler=SchedulerConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs),
+        scheduler=SchedulerConfig(
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_prefill_tokens_per_request=args.max_prefill_chunk or None,
+        ),
         cache=CacheConfig(
             kv_cache_memory=args.kv_cache_memory * MIB,
             mamba_snapshot_interval=args.mamba_snapshot_interval,

@@ -31,7 +31,7 @@ from stillcut.service.chat_request import check_sampling_rate, parse_evs, sampli
 from stillcut.service.errors import bad_request
 from stillcut.service.frames_view import frames_view, thumbnails
 from stillcut.service.media import check_content_type, read_upload_form
-from stillcut.service.request_limits import JSONTooDeep, checked_sampling, loads_json
+from stillcut.service.request_limits import JSONRefused, checked_sampling, loads_json
 from stillcut.service.result import describe_result
 from stillcut.service.sse import sse_response
 from stillcut.service.state import (
@@ -156,8 +156,8 @@ async def _check_form(form: FormData, default_evs: EVSConfig | None) -> Describe
         evs = (
             "default" if evs_text is None else "off" if evs_text == "off" else loads_json(evs_text)
         )
-    except JSONTooDeep as error:
-        raise bad_request(f"evs: {error}", "json_too_deep") from None
+    except JSONRefused as error:
+        raise bad_request(f"evs: {error}", error.code) from None
     except ValueError:
         raise bad_request(
             'evs must be JSON such as {"mode": "rate", "rate": 0.75}, or "off"', "invalid_evs"

@@ -4,9 +4,11 @@ Errors are OpenAI-style, `{"error": {"message", "type", "code", "request_id"}}`.
 raises `APIError` for what it checks itself; `api_error` maps the library's exceptions:
 media over a limit is 413, media that is not a (supported) video 415, media that cannot be
 decoded (or has an aspect ratio the model cannot take) 422, a prompt over `max_model_len` or
-with too many visual tokens 400, a full queue 503 with `Retry-After`, a missed deadline 504.
-Anything else is a 500 whose message hides the internals (they go to the log). Messages never
-carry an object's repr (`<_io.BytesIO object at 0x...>`): they name what was wrong, not where
+with too many visual tokens 400, a full queue 503 with `Retry-After`, a missed deadline 504,
+a request whose engine step failed a 500 `step_failed` with `Retry-After` (the engine goes on;
+the engine loop logged the step's traceback). Anything else is a 500 whose message hides the
+internals (they go to the log). Messages never carry an object's repr
+(`<_io.BytesIO object at 0x...>`): they name what was wrong, not where
 it sat in memory.
 """
 
@@ -21,6 +23,7 @@ from stillcut.engine.admission import (
     ResourceExhausted,
     TooManyVisualTokens,
 )
+from stillcut.engine.llm_engine import StepFailed
 from stillcut.engine.models.pixels import AspectRatioError
 from stillcut.engine.processor import PromptError
 from stillcut.service.async_engine import EngineStopped, QueueFull
@@ -74,13 +77,23 @@ def bad_request(message: str, code: str = "invalid_request") -> APIError:
     return APIError(400, message, code=code)
 
 
+def retryable(status: int, message: str, *, type: str, code: str, retry_after: float) -> APIError:
+    """An error the client may retry, `Retry-After` whole seconds later (at least 1)."""
+    headers = {"Retry-After": str(max(1, round(retry_after)))}
+    return APIError(status, message, type=type, code=code, headers=headers)
+
+
 def overloaded(message: str, retry_after: float) -> APIError:
-    return APIError(
-        503,
-        message,
-        type="overloaded_error",
-        code="queue_full",
-        headers={"Retry-After": str(max(1, round(retry_after)))},
+    return retryable(
+        503, message, type="overloaded_error", code="queue_full", retry_after=retry_after
+    )
+
+
+def step_failed(retry_after: float) -> APIError:
+    """The answer to a request whose engine step raised: it was stopped, the server is fine."""
+    message = "the model failed while running this request; it was stopped, and may be retried"
+    return retryable(
+        500, message, type="internal_error", code="step_failed", retry_after=retry_after
     )
 
 
@@ -113,6 +126,8 @@ def api_error(error: BaseException, *, retry_after: float = 1.0) -> APIError:
             return APIError(status, str(error), code=code)
     if isinstance(error, QueueFull | ResourceExhausted):
         return overloaded(str(error), retry_after)
+    if isinstance(error, StepFailed):
+        return step_failed(retry_after)
     if isinstance(error, EngineStopped):
         return APIError(503, str(error), type="unavailable_error", code="engine_stopped")
     if isinstance(error, TimeoutError):

@@ -1,5 +1,9 @@
 """A live session's incoming messages: each awaited against the session's deadline and an idle
-or start limit, and checked (size, JSON depth) before the protocol sees it.
+or start limit, and checked (size, JSON bounds) before the protocol sees it.
+
+Until the socket is authenticated (a key in its handshake, or a start message holding one), a
+message may hold at most `UNAUTHENTICATED_BYTES`, so a client without the key cannot make the
+server parse megabytes; larger text messages are parsed on a thread, off the event loop.
 
 The receive in progress survives a wait that ends for another reason (an answer finishing,
 which starts the idle time again), so no message is lost between waits. Whatever is wrong ends
@@ -9,18 +13,22 @@ the session with a `SessionEnd` that carries its close code.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from stillcut.service.config import ServerConfig
-from stillcut.service.request_limits import MAX_JSON_DEPTH, loads_json
+from stillcut.service.request_limits import MAX_JSON_DEPTH, JSONRefused, loads_json
 
 CLOSE_NORMAL = 1000
 CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
+UNAUTHENTICATED_BYTES = 64 * 1024  # a start message with its key fits easily
+_PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
 class SessionEnd(Exception):
@@ -36,9 +44,18 @@ class SessionEnd(Exception):
 class Inbox:
     """One socket's messages, in order; see the module docstring."""
 
-    def __init__(self, websocket: WebSocket, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        websocket: WebSocket,
+        config: ServerConfig,
+        authenticated: bool,
+        run_parse: Callable[[Callable[[], Any]], Awaitable[Any]] = asyncio.to_thread,
+    ) -> None:
+        """`run_parse` runs the parse of a large text message off the event loop."""
         self._websocket = websocket
         self._config = config
+        self._run_parse = run_parse
+        self.authenticated = authenticated  # set once the start message's key is checked
         self._deadline = time.monotonic() + config.max_session_s
         self._receiving: asyncio.Task | None = None
 
@@ -59,7 +76,12 @@ class Inbox:
             return None
         if self._receiving in done:
             message, self._receiving = self._receiving.result(), None
-            return parse_message(message, self._config)
+            data = message_data(message, self._config, self.authenticated)
+            if isinstance(data, bytes):
+                return data
+            if len(data) <= _PARSE_ON_LOOP_BYTES:
+                return parse_text(data)
+            return await self._run_parse(functools.partial(parse_text, data))
         if time.monotonic() >= self._deadline:
             limit = f"max_session_s={self._config.max_session_s:g}"
             raise SessionEnd(CLOSE_POLICY, f"the session reached {limit}", "session_expired")
@@ -70,21 +92,32 @@ class Inbox:
             self._receiving.cancel()
 
 
-def parse_message(message: dict[str, Any], config: ServerConfig) -> bytes | dict[str, Any]:
-    """An ASGI WebSocket message as a frame (bytes) or a JSON object; `SessionEnd` otherwise."""
+def message_data(message: dict[str, Any], config: ServerConfig, authenticated: bool) -> bytes | str:
+    """The payload of an ASGI WebSocket message, within the size limit (`UNAUTHENTICATED_BYTES`
+    until `authenticated`); `WebSocketDisconnect` once the client left, `SessionEnd` if too big."""
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", CLOSE_NORMAL))
     data = message.get("bytes")
     if data is None:
         data = message.get("text") or ""
-    if len(data) > config.max_message_bytes:
-        limit = config.max_message_bytes
-        raise SessionEnd(CLOSE_TOO_BIG, f"a message exceeds {limit} bytes", "message_too_big")
-    if isinstance(data, bytes):
-        return data
+    limit = config.max_message_bytes
+    if not authenticated:
+        limit = min(limit, UNAUTHENTICATED_BYTES)
+    if len(data) > limit:
+        before = "" if authenticated else " before the API key is given"
+        raise SessionEnd(
+            CLOSE_TOO_BIG, f"a message exceeds {limit} bytes{before}", "message_too_big"
+        )
+    return data
+
+
+def parse_text(text: str) -> dict[str, Any]:
+    """A text message as a JSON object; `SessionEnd` otherwise."""
     try:
-        parsed = loads_json(data)
-    except ValueError:  # not JSON, or too deep
+        parsed = loads_json(text)
+    except JSONRefused as error:
+        raise SessionEnd(CLOSE_UNSUPPORTED_DATA, str(error), "bad_message") from None
+    except ValueError:  # not JSON
         parsed = None
     if not isinstance(parsed, dict):
         raise SessionEnd(

@@ -8,6 +8,7 @@ before a byte is read. A client that hangs up mid-body is `ClientGone` (499, not
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Literal
 
 from starlette.datastructures import FormData
@@ -19,7 +20,12 @@ from stillcut.service.errors import APIError, ClientGone, bad_request
 
 MediaKind = Literal["video", "image"]
 FORM_OVERHEAD_BYTES = 64 * 1024  # boundaries and text fields around an uploaded file
-_MEDIA_TYPES = {"video": ("video/", "application/octet-stream"), "image": ("image/",)}
+# an animated GIF is a video (PyAV decodes it), so `image/gif` is a video's type too
+_MEDIA_TYPES = {
+    "video": ("video/", "image/gif", "application/octet-stream"),
+    "image": ("image/",),
+}
+_GIF_MAGIC = (b"GIF87a", b"GIF89a")
 
 
 def too_large(what: str, limit: int) -> APIError:
@@ -75,6 +81,12 @@ async def read_upload_form(request: Request, config: ServerConfig) -> FormData:
     try:
         return await parser.parse()
     except MultiPartException as error:
+        if error.message.startswith("Part exceeded maximum size"):
+            raise bad_request(
+                f"a form field exceeds {FORM_OVERHEAD_BYTES} bytes: the prompt and the other "
+                f"text fields may hold at most {FORM_OVERHEAD_BYTES // 1024} KiB each",
+                "field_too_large",
+            ) from None
         raise bad_request(f"malformed multipart form: {error.message}", "invalid_form") from None
 
 
@@ -88,4 +100,22 @@ def check_content_type(content_type: str | None, kind: MediaKind, where: str) ->
         raise unsupported_type(
             f"{where} has content type {base!r}; a {kind} needs one of "
             + ", ".join(f"{prefix}*" if prefix.endswith("/") else prefix for prefix in allowed)
+        )
+
+
+def refuse_gif_image(source: bytes | Path, where: str) -> None:
+    """415 for a GIF sent as an image: images are PNG, JPEG or WebP, and a GIF is taken as a
+    video (its frames are the clip)."""
+    if isinstance(source, Path):
+        with source.open("rb") as file:
+            head = file.read(6)
+    else:
+        head = source[:6]
+    if head in _GIF_MAGIC:
+        raise APIError(
+            415,
+            f"{where} is a GIF: images must be PNG, JPEG or WebP; send a GIF as a video "
+            "(a video_url part), whose frames it holds",
+            type="unsupported_media_type",
+            code="not_an_image",
         )

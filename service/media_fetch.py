@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import ssl
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -61,7 +62,22 @@ async def fetch_media(
             "media_fetch_failed",
         ) from None
     except httpx.HTTPError as error:
-        raise bad_request(f"{where}: fetching it failed ({error})", "media_fetch_failed") from None
+        raise bad_request(
+            f"{where}: fetching it failed ({_failure(error)})", "media_fetch_failed"
+        ) from None
+
+
+def _failure(error: httpx.HTTPError) -> str:
+    """What went wrong, in words: the library's text names its own source files."""
+    if isinstance(error.__context__, ssl.SSLError) or "SSL" in str(error):
+        return "the TLS handshake failed"
+    if isinstance(error, httpx.TimeoutException):
+        return "it timed out"
+    if isinstance(error, httpx.ConnectError):
+        return "could not connect"
+    if isinstance(error, httpx.RemoteProtocolError):
+        return "the reply broke the HTTP protocol"
+    return "the connection broke"
 
 
 def _target(url: str, where: str) -> _Target:

@@ -1,5 +1,6 @@
 """Per-request plumbing as plain ASGI middleware: request ids, the Host and Origin checks, the
-API key, the body deadline, one log line and the request metrics.
+API key, the body deadline, one log line and the request metrics, and the 500 for an error no
+handler mapped (logged once, with its traceback; Starlette's own catch-all would log it again).
 
 Plain ASGI (not Starlette's `BaseHTTPMiddleware`) so that streamed responses pass through
 untouched and a client that leaves mid-stream cancels the handler. A request's record closes
@@ -23,7 +24,7 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stillcut.service.config import ServerConfig
-from stillcut.service.errors import APIError
+from stillcut.service.errors import APIError, api_error
 from stillcut.service.origins import host_is_trusted, origin_is_allowed
 from stillcut.service.record import RecordObserver, RequestRecord
 
@@ -178,10 +179,19 @@ class RequestContextMiddleware:
             record.error_code = refusal.code
             await _send_json(send_with_id, refusal.status, refusal.body(record.request_id))
             return
-        await self.app(scope, body_deadline(receive, self.config.body_timeout_s), send_with_id)
+        try:
+            await self.app(scope, body_deadline(receive, self.config.body_timeout_s), send_with_id)
+        except Exception as error:  # one the handlers do not map: logged here, once
+            api = api_error(error)
+            record.error_code = api.code
+            if record.status is None:  # nothing was sent yet: the client gets the error
+                await _send_json(send_with_id, api.status, api.body(record.request_id))
 
     def _refusal(self, scope: Scope) -> APIError | None:
-        """400 for a `Host` the server does not answer to, 403 for a foreign browser `Origin`."""
+        """400 for more than one `Host` (RFC 9112) or one the server does not answer to, 403
+        for a foreign browser `Origin`."""
+        if sum(key == b"host" for key, _ in scope.get("headers", ())) > 1:
+            return APIError(400, "the request has more than one Host header", code="bad_host")
         host = header(scope, b"host")
         if not host_is_trusted(host, self.config.trusted_hosts):
             return APIError(

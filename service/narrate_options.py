@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
-from stillcut.engine.request import SamplingParams
+from stillcut.engine.request import MAX_COUNT, SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.live_options import LiveLimits
 
@@ -21,12 +21,14 @@ LagPolicy = Literal["queue", "latest"]
 ANSWER_ONLY = ("max_tokens", "stop", "logprobs")
 MAX_SEGMENT_ENDS = 16
 MAX_SEGMENT_END_CHARS = 256
+MAX_KEEP_S = 3600.0  # a rollover re-prefills at most this much of the stream
 _EVERY_TOKEN = 2**31 - 1  # a floor no tubelet reaches: every token is kept
 
 
 @dataclass(frozen=True)
 class NarrateOptions:
-    """A narration's settings. `max_context_tokens=None` means the engine's `max_model_len`;
+    """A narration's settings. `max_context_tokens=None` means the engine's `max_model_len`
+    (a larger value is cut to it; the instruction, one tubelet and a segment must fit);
     `keep_last_s` seconds of tubelets are re-prefilled when the sequence rolls over."""
 
     prompt: str = ""
@@ -54,16 +56,30 @@ class NarrateOptions:
         self._check_segment_end()
         if self.lag not in get_args(LagPolicy):
             raise ValueError(f"lag={self.lag!r} must be one of {get_args(LagPolicy)}")
+        SamplingParams(max_tokens=self.max_tokens_per_segment, **self._sampling_fields())
         context = self.max_context_tokens
-        if context is not None and (isinstance(context, bool) or not isinstance(context, int)):
-            raise ValueError(f"max_context_tokens={context!r} must be an integer or null")
+        if context is not None and (
+            isinstance(context, bool)
+            or not isinstance(context, int)
+            or not self.max_tokens_per_segment < context <= MAX_COUNT
+        ):
+            raise ValueError(
+                f"max_context_tokens={context!r} must be null or an integer in "
+                f"(max_tokens_per_segment, {MAX_COUNT}]: the instruction, one tubelet and a "
+                "segment must fit"
+            )
         keep = self.keep_last_s
-        if isinstance(keep, bool) or not isinstance(keep, int | float) or not 0 <= keep < math.inf:
-            raise ValueError(f"keep_last_s={keep!r} must be a finite number >= 0 (seconds)")
+        if (
+            isinstance(keep, bool)
+            or not isinstance(keep, int | float)
+            or not 0 <= keep <= MAX_KEEP_S
+        ):
+            raise ValueError(
+                f"keep_last_s={keep!r} must be a number in [0, {MAX_KEEP_S:g}] (seconds)"
+            )
         if not isinstance(self.limits, LiveLimits):
             raise ValueError(f"limits must be a LiveLimits, got {type(self.limits).__name__}")
         _ = self.evs  # building it checks the EVS fields, with errors naming the field
-        SamplingParams(max_tokens=self.max_tokens_per_segment, **self._sampling_fields())
 
     def _check_segment_end(self) -> None:
         ends = self.segment_end

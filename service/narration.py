@@ -12,7 +12,11 @@ after its tubelet's last frame arrived its first token came (`lag_s`).
 Under lag `queue` every tubelet is appended in order; under `latest` the speaker skips to the
 newest and reports how many it skipped. A tubelet EVS emptied is not appended. When the next
 append would pass `max_context_tokens`, the request is replaced by a fresh one holding the
-instruction and the last `keep_last_s` seconds of tubelets (a `rollover` message).
+instruction and the last `keep_last_s` seconds of tubelets, cut to half the context so that a
+rollover is followed by room for many tubelets (a `rollover` message).
+
+An engine error ends the narration: it is reported (`error`), its request is freed, `drain`
+returns, and `failure` is set for the session to end; later frames are not spoken about.
 """
 
 from __future__ import annotations
@@ -29,17 +33,32 @@ import numpy as np
 import torch
 
 from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
+from stillcut.engine.llm_engine import StepFailed
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.processor import Prompt
 from stillcut.engine.request import PlaceholderRange
 from stillcut.kernels.evs import ThresholdPruner
 from stillcut.service.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestAborted
+from stillcut.service.errors import step_failed
+from stillcut.service.live_options import LiveLimitExceeded
 from stillcut.service.live_session import LiveSession, Runner
 from stillcut.service.narrate_options import NarrateOptions
 from stillcut.vision.pipeline import VisionPipeline
 
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 _ENGINE_ERRORS = (RequestTooLong, TooManyVisualTokens, ResourceExhausted, QueueFull)
+
+
+class NarrationFailed(RuntimeError):
+    """Why a narration stopped: `code` and a message for the client; `caused_by_client` when
+    its options or its stream did (a policy close), not the server."""
+
+    def __init__(self, code: str, message: str, caused_by_client: bool) -> None:
+        super().__init__(message)
+        self.code = code
+        self.caused_by_client = caused_by_client
+
+
 logger = logging.getLogger("stillcut.service")
 
 
@@ -65,6 +84,12 @@ class Narration(LiveSession):
             raise ValueError(f"{pipeline.model_config.family.model_type!r} models do not narrate")
         max_model_len = engine.engine.config.scheduler.max_model_len
         self._max_context = min(options.max_context_tokens or max_model_len, max_model_len)
+        if options.max_tokens_per_segment >= self._max_context:
+            raise LiveLimitExceeded(
+                f"max_tokens_per_segment={options.max_tokens_per_segment} leaves no room in a "
+                f"context of {self._max_context} tokens (max_context_tokens, at most the "
+                f"engine's max_model_len={max_model_len}); allowed: fewer than {self._max_context}"
+            )
         self._emit = emit
         # ready tubelets, each with when its last frame arrived (monotonic seconds)
         self._ready: collections.deque[tuple[MultiModalItem, float]] = collections.deque()
@@ -79,6 +104,7 @@ class Narration(LiveSession):
         self._num_tokens = 0  # in the streaming request's sequence
         self._num_requests = 0
         self._params = None  # built on first use: finding segment-end tokens takes a second
+        self.failure: asyncio.Future[NarrationFailed] = asyncio.get_running_loop().create_future()
 
     async def add_frame(self, timestamp: float, image: bytes):
         """As a live session's; the time it arrives is when its tubelet's lag starts."""
@@ -86,7 +112,8 @@ class Narration(LiveSession):
         return await super().add_frame(timestamp, image)
 
     async def drain(self) -> None:
-        """Wait until every ready tubelet has been spoken about (or skipped)."""
+        """Wait until every ready tubelet has been spoken about (or skipped), or the narration
+        failed."""
         await self._idle.wait()
 
     # ---- tubelets ------------------------------------------------------------------------------
@@ -102,8 +129,8 @@ class Narration(LiveSession):
     async def _commit(self, item: MultiModalItem) -> None:
         self._items.append(item)
         self._chain = item.identifier
-        if not item.num_tokens:
-            return  # nothing changed enough to show: nothing to say about it
+        if not item.num_tokens or self.failure.done():
+            return  # nothing changed enough to show, or nothing more is said
         self._ready.append((item, self._frame_arrived_at))
         self._idle.clear()
         self._wake.set()
@@ -135,12 +162,20 @@ class Narration(LiveSession):
             try:
                 await self._append(item)
                 text, num_prefilled, lag_s = await self._segment(arrived_at)
+            except NarrationFailed as failed:
+                await self._stop_speaking(failed)
+                return
+            except StepFailed:
+                message = step_failed(0).message
+                await self._stop_speaking(NarrationFailed("step_failed", message, False))
+                return
             except (*_ENGINE_ERRORS, EngineStopped, RequestAborted) as error:
-                await self._stop_speaking("engine", str(error))
+                await self._stop_speaking(NarrationFailed("engine", str(error), True))
                 return
             except Exception:
                 logger.exception("narration %s failed", self.session_id)
-                await self._stop_speaking("internal_error", "internal server error while narrating")
+                message = "internal server error while narrating"
+                await self._stop_speaking(NarrationFailed("internal_error", message, False))
                 return
             t_first, t_last = item.timestamps[0], item.timestamps[-1]
             await self._emit(
@@ -155,10 +190,15 @@ class Narration(LiveSession):
                 }
             )
 
-    async def _stop_speaking(self, code: str, message: str) -> None:
-        await self._emit({"type": "error", "code": code, "message": message})
+    async def _stop_speaking(self, failed: NarrationFailed) -> None:
+        """Nothing more is said: the request is freed, `drain` returns, `failure` is set."""
         self._ready.clear()
+        self.failure.set_result(failed)
         self._idle.set()
+        try:
+            await self._emit({"type": "error", "code": failed.code, "message": str(failed)})
+        finally:
+            await self._end_request()
 
     async def _append(self, item: MultiModalItem) -> None:
         processor = self._processor
@@ -188,14 +228,30 @@ class Narration(LiveSession):
             self._kept.popleft()
 
     async def _start_request(self) -> None:
-        """A fresh streaming request: the instruction and the kept tubelets."""
+        """A fresh streaming request: the instruction and the kept tubelets (the oldest
+        dropped while they and a segment pass half the context)."""
         prompt = self._window_prompt()
+        while len(self._kept) > 1 and self._tokens_with_segment(prompt) > self._max_context // 2:
+            self._kept.popleft()
+            prompt = self._window_prompt()
+        if self._tokens_with_segment(prompt) > self._max_context:
+            raise NarrationFailed(
+                "context_too_small",
+                f"the instruction, one tubelet and a segment take "
+                f"{self._tokens_with_segment(prompt)} tokens, more than "
+                f"max_context_tokens={self._max_context}; raise max_context_tokens or lower "
+                "max_tokens_per_segment, fps or the frame size",
+                True,
+            )
         self._num_requests += 1
         self._request_id = f"{self.session_id}-narrate-{self._num_requests}"
         self._num_tokens = len(prompt.token_ids)
         self._stream = self._engine.generate(
             prompt, self._params, request_id=self._request_id, streaming=True
         )
+
+    def _tokens_with_segment(self, prompt: Prompt) -> int:
+        return len(prompt.token_ids) + self.options.max_tokens_per_segment
 
     def _window_prompt(self) -> Prompt:
         processor, items = self._processor, list(self._kept)

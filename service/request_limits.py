@@ -11,6 +11,7 @@ too.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from stillcut.service.config import ServerConfig
@@ -18,41 +19,67 @@ from stillcut.service.errors import bad_request
 from stillcut.vision.decode import DecodeConfig
 
 MAX_JSON_DEPTH = 64
+MAX_JSON_VALUES = 1_000_000  # counted as commas (those in strings too): parsing stays bounded
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_TOO_DEEP = f"the JSON is nested deeper than the limit of {MAX_JSON_DEPTH} levels"
 
 
-class JSONTooDeep(ValueError):
-    """A JSON document nested deeper than `MAX_JSON_DEPTH`."""
+class JSONRefused(ValueError):
+    """A JSON document past a bound; `code` says which: "json_too_deep", "json_too_large"
+    or "invalid_text" (a lone surrogate, which no UTF-8 text can hold)."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def loads_json(data: str | bytes) -> Any:
-    """`json.loads`, refusing documents nested deeper than `MAX_JSON_DEPTH` (`JSONTooDeep`);
-    other bad JSON raises `ValueError` as json does."""
+    """`json.loads`, refusing (`JSONRefused`) documents with more than `MAX_JSON_VALUES` commas
+    (before parsing), nested deeper than `MAX_JSON_DEPTH`, or holding a lone surrogate escape
+    (`"\\ud800"`); other bad JSON raises `ValueError` as json does, with a message that names
+    no interpreter setting. Costs O(size): run it off the event loop for large documents."""
+    comma = b"," if isinstance(data, bytes) else ","
+    if data.count(comma) >= MAX_JSON_VALUES:
+        raise JSONRefused(
+            f"the JSON holds more than {MAX_JSON_VALUES} values (counted as its commas)",
+            "json_too_large",
+        )
     try:
         value = json.loads(data)
     except RecursionError:  # deeper than the interpreter's stack: far past the limit
-        value = None
-        depth = MAX_JSON_DEPTH + 1
-    else:
-        depth = _depth(value)
-    if depth > MAX_JSON_DEPTH:
-        raise JSONTooDeep(f"the JSON is nested deeper than the limit of {MAX_JSON_DEPTH} levels")
+        raise JSONRefused(_TOO_DEEP, "json_too_deep") from None
+    except ValueError as error:
+        if "set_int_max_str_digits" in str(error):  # the interpreter's own bound on integers
+            raise ValueError("a number in the JSON has more than 4300 digits") from None
+        raise
+    _check(value)
     return value
 
 
-def _depth(value: Any) -> int:
-    """How many containers deep `value` nests, counted up to one past the limit."""
-    deepest, stack = 0, [(value, 1)]
-    while stack and deepest <= MAX_JSON_DEPTH:
+def _check(value: Any) -> None:
+    """Every container of `value` within `MAX_JSON_DEPTH` levels, every string valid text."""
+    stack = [(value, 1)]
+    while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = item.values()
-        elif not isinstance(item, list):
+        if isinstance(item, str):
+            if not item.isascii() and _LONE_SURROGATE.search(item):
+                raise JSONRefused(
+                    "the JSON holds a lone surrogate escape (such as \\ud800): text must be "
+                    "valid Unicode",
+                    "invalid_text",
+                )
             continue
-        deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in item)
-    return deepest
+        if isinstance(item, dict):
+            children = [*item, *item.values()]
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise JSONRefused(_TOO_DEEP, "json_too_deep")
+        stack.extend((child, depth + 1) for child in children)
 
 
 def check_stop(stop: tuple) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
 """Running the app under uvicorn, in the foreground (`stillcut serve`) or in a thread (tests,
-benchmarks).
+benchmarks), and waiting for one started as a process to serve.
 
 uvicorn enforces the WebSocket message limit itself (`ws_max_size`, closing with 1009 before
 a too-big message is buffered), so it gets the server's `max_message_bytes`, and the bound on
@@ -11,9 +11,11 @@ log is off: the service writes one structured line per request instead.
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
+import httpx
 import uvicorn
 
 from stillcut.service.api import VideoLLM
@@ -21,6 +23,7 @@ from stillcut.service.app import create_app
 from stillcut.service.config import ServerConfig
 
 _STARTUP_POLL_S = 0.02
+_SERVING_POLL_S = 0.5
 
 
 def uvicorn_config(
@@ -70,3 +73,19 @@ class BackgroundServer:
         self.server.should_exit = True
         self._thread.join()
         self._socket.close()
+
+
+def wait_until_serving(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Wait until the `stillcut serve` started as `process` answers `GET url/health` with 200
+    (tests, benchmarks); `RuntimeError` if it exits first or takes longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited ({process.returncode}) before it served")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(_SERVING_POLL_S)
+    raise RuntimeError(f"the server did not serve within {timeout_s:g} s")

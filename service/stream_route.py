@@ -12,10 +12,12 @@ the session. The server sends `started`, then `frame` per encoded tubelet, `toke
 answering, `answer` at the end of one, and `error`. A start with `"mode": "narrate"` (see
 `NarrateOptions`) narrates instead: no asks; `token` while the model speaks, `segment` at each
 segment's end, `rollover` when the sequence starts afresh; `stop` ends the session once what
-is queued has been narrated. Fatal errors close with 1003 (unsupported
-data), 1008 (policy: auth, limits, protocol order), 1009 (message too big) or 1011 (internal);
-others are reported and the session goes on. Whatever ends the session, its held prefix is
-released.
+is queued has been narrated (the socket is still read, so a client leaving is noticed). Fatal
+errors close with 1003 (unsupported data), 1008 (policy: auth, limits, protocol order, a
+narration its options cannot fit), 1009 (message too big; 64 KiB until the key is given) or
+1011 (internal, or a model step that failed the held prefix or the narration: `step_failed`);
+others (an answer whose step failed among them) are reported and the session goes on.
+Whatever ends the session, its held prefix is released.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from tokenizers import Tokenizer
 
 from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
+from stillcut.engine.llm_engine import StepFailed
 from stillcut.engine.processor import PromptError
 from stillcut.service.async_engine import EngineStopped, QueueFull
-from stillcut.service.errors import client_message
+from stillcut.service.errors import client_message, step_failed
 from stillcut.service.live_inbox import (
     CLOSE_NORMAL,
     CLOSE_POLICY,
@@ -50,7 +53,7 @@ from stillcut.service.live_options import LiveError, LiveLimits, LiveOptions
 from stillcut.service.live_session import LiveSession
 from stillcut.service.middleware import bearer_token, key_matches
 from stillcut.service.narrate_options import NarrateOptions
-from stillcut.service.narration import Narration
+from stillcut.service.narration import Narration, NarrationFailed
 from stillcut.service.openai_format import logprobs_body
 from stillcut.service.record import RequestRecord
 from stillcut.service.result import timings_of, usage_of
@@ -101,13 +104,15 @@ async def stream_endpoint(websocket: WebSocket) -> None:
         headers=[(b"x-request-id", connection.record.request_id.encode())],
     )
     code, reason = CLOSE_NORMAL, ""
-    inbox = Inbox(websocket, state.config)
+    api_key = state.config.api_key
+    authenticated = key_matches(api_key, _socket_key(websocket))
+    inbox = Inbox(websocket, state.config, authenticated, state.prompter.run)
     try:
         options = await _start(state, connection, inbox)
         async with _session_slot(state):
             await _serve(state, connection, inbox, options)
     except SessionEnd as end:
-        code, reason = end.code, end.message[:120]  # a close reason holds <= 123 bytes
+        code, reason = end.code, _close_reason(end.message)
         if end.error_code is not None:
             await connection.error(end.error_code, end.message)
     except WebSocketDisconnect as gone:
@@ -151,6 +156,8 @@ def _session(
                 state.llm.pipeline, state.engine, options, session_id, connection.send, **workers
             )
         return LiveSession(state.llm.pipeline, state.engine, options, session_id, **workers)
+    except LiveError as error:  # options that do not fit this engine
+        raise SessionEnd(CLOSE_POLICY, f"bad start options: {error}", "bad_start") from None
     except ValueError as error:  # a model, or an engine without prefix caching, cannot stream
         raise SessionEnd(CLOSE_POLICY, str(error), "unsupported_model") from None
 
@@ -165,6 +172,7 @@ async def _serve(
     session = _session(state, connection, options)
     session_id = session.session_id
     answering: asyncio.Task | None = None
+    failure = session.failure if isinstance(session, Narration) else None
     try:
         await connection.send(
             {
@@ -179,16 +187,20 @@ async def _serve(
         while True:
             # no idle limit while an answer streams; once it ends, the idle time starts again
             idle = None if answering is not None else config.session_idle_s
-            message = await inbox.next(idle, idle_end, answering)
+            message = await inbox.next(idle, idle_end, answering or failure)
+            if message is None and answering is None:  # the narration failed
+                raise _narration_end(failure.result())
             if message is None:  # the answer ended
                 answering = None
             elif isinstance(message, bytes):
                 await _frame(session, connection, message)
             elif message.get("type") == "stop":
+                # the answer asked for before stop is still delivered, and what is queued is
+                # still narrated; the socket is read meanwhile, so a client leaving is noticed
                 if answering is not None:
-                    await answering  # the answer asked for before stop is still delivered
+                    await _reading(inbox, answering)
                 if isinstance(session, Narration):
-                    await session.drain()  # and what is queued is still narrated
+                    await _reading(inbox, session.drain())
                 return
             elif message.get("type") == "ask" and isinstance(session, Narration):
                 await connection.error("bad_message", "a narrating session takes no ask")
@@ -211,6 +223,28 @@ async def _serve(
         await session.close()
 
 
+async def _reading(inbox: Inbox, work) -> None:
+    """Await `work` while the socket is read (messages after a stop are ignored), so a client
+    that leaves meanwhile ends the session (`WebSocketDisconnect`)."""
+    task = asyncio.ensure_future(work)
+    try:
+        late = SessionEnd(CLOSE_POLICY, "the session ended while stopping", "session_expired")
+        while await inbox.next(None, late, task) is not None:
+            pass
+    finally:
+        task.cancel()
+
+
+def _narration_end(failed: NarrationFailed) -> SessionEnd:
+    """The close of a narration that failed (its error was already sent)."""
+    return SessionEnd(CLOSE_POLICY if failed.caused_by_client else CLOSE_INTERNAL, str(failed))
+
+
+def _close_reason(message: str) -> str:
+    """A close reason: no object repr, at most 123 bytes of UTF-8."""
+    return client_message(message).encode()[:120].decode(errors="ignore")
+
+
 async def _start(
     state: ServiceState, connection: _Connection, inbox: Inbox
 ) -> LiveOptions | NarrateOptions:
@@ -227,6 +261,7 @@ async def _start(
     token = message.pop("api_key", None) or _socket_key(connection.websocket)
     if not key_matches(config.api_key, token if isinstance(token, str) else None):
         raise SessionEnd(CLOSE_POLICY, "a valid API key is required", "invalid_api_key")
+    inbox.authenticated = True
     limits = LiveLimits(
         max_frames=config.max_session_frames, max_frame_bytes=config.max_message_bytes
     )
@@ -272,6 +307,8 @@ async def _frame(session: LiveSession, connection: _Connection, data: bytes) -> 
     except _RECOVERABLE as error:
         await connection.error(_error_code(error), str(error))
         return
+    except StepFailed:  # the held prefix went with the failed step: the session cannot go on
+        raise SessionEnd(CLOSE_INTERNAL, step_failed(0).message, "step_failed") from None
     if event is not None:
         connection.record.evs_kept += event.kept
         connection.record.evs_total += event.total
@@ -302,6 +339,9 @@ async def _answer(
             final = output
     except (LiveError, *_RECOVERABLE, EngineStopped) as error:  # the session goes on
         await connection.error(_error_code(error), str(error))
+        return
+    except StepFailed:  # only this answer failed; the held prefix is untouched
+        await connection.error("step_failed", step_failed(0).message)
         return
     except Exception:
         logger.exception("an answer in live session %s failed", connection.record.request_id)

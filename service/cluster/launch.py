@@ -5,8 +5,9 @@ Ray's proxy serves `host:port`; behind it the ingress (no CPU reserved) holds th
 app and a handle to the engine replicas, whose `MediaAffinityRouter` places requests. The
 proxy's own deadline sits past the service's (`--request-timeout` plus `--body-timeout`, or
 a live session's `max_session_s`), so the service's 408, 504 and session limits answer first;
-its idle keep-alive closes after `--body-timeout`. At most `--max-connections` requests and
-sessions are at the ingress at once and as many wait at the proxy; past that, the proxy
+its idle keep-alive closes after `--body-timeout`. Shutting down a local instance ends every
+process it started, orphans of its raylet included (`processes`). At most `--max-connections`
+requests and sessions are at the ingress at once and as many wait at the proxy; past that, the proxy
 answers 503. A replica may take `3 × max_queue + max_num_seqs + 2 × max_sessions` calls at
 once, so its own queue limits (503 `queue_full`) answer before Ray's.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import socket
 import threading
@@ -28,6 +30,7 @@ from ray.serve.config import HTTPOptions, RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
 from stillcut.service.cluster.ingress import Ingress
+from stillcut.service.cluster.processes import Process, descendants, reap
 from stillcut.service.cluster.replica import EngineReplica, ReplicaSpec
 from stillcut.service.cluster.router import DEFAULT_MARGIN, MediaAffinityRouter
 from stillcut.service.config import ServerConfig
@@ -36,6 +39,7 @@ APP_NAME = "stillcut"
 REPLICA_DEPLOYMENT = "EngineReplica"
 HEALTH_CHECK_PERIOD_S = 2.0
 PROXY_GRACE_S = 5.0
+ORPHAN_GRACE_S = 10.0  # after Ray's own shutdown: then what it left running is killed
 logger = logging.getLogger("stillcut.service")
 
 
@@ -96,13 +100,19 @@ def deploy(
     serve.run(_application(spec, cluster), name=APP_NAME, route_prefix="/")
 
 
-def shutdown(cluster: ClusterConfig) -> None:
-    """Remove the service; a local Ray instance goes too, a cluster keeps running."""
-    if cluster.ray_address is None:
+def shutdown(cluster: ClusterConfig, existing: list[Process] = ()) -> None:
+    """Remove the service; a local Ray instance goes too, with every process of this one's
+    started since `existing` were noted; a cluster keeps running."""
+    local = cluster.ray_address is None
+    started = [p for p in descendants(os.getpid()) if p not in existing] if local else []
+    if local:
         serve.shutdown()
     else:
         serve.delete(APP_NAME)
     ray.shutdown()
+    left = reap(started, ORPHAN_GRACE_S)
+    if left:
+        logger.warning("killed %d process(es) Ray left running: %s", len(left), left)
 
 
 def serve_cluster(spec: ReplicaSpec, cluster: ClusterConfig, *, host: str, port: int) -> None:
@@ -110,12 +120,13 @@ def serve_cluster(spec: ReplicaSpec, cluster: ClusterConfig, *, host: str, port:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    existing = descendants(os.getpid())
     deploy(spec, cluster, host=host, port=port)
     try:
         logger.info("serving on http://%s:%d with %d replicas", host, port, cluster.num_replicas)
         stop.wait()
     finally:
-        shutdown(cluster)
+        shutdown(cluster, existing)
 
 
 @contextmanager
@@ -124,11 +135,12 @@ def running_cluster(spec: ReplicaSpec, cluster: ClusterConfig) -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    existing = descendants(os.getpid())
     try:
         deploy(spec, cluster, host="127.0.0.1", port=port, log_to_driver=False)
         yield f"http://127.0.0.1:{port}"
     finally:
-        shutdown(cluster)
+        shutdown(cluster, existing)
 
 
 def _application(spec: ReplicaSpec, cluster: ClusterConfig):

@@ -26,7 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from stillcut.service.cluster.affinity import RouteHint
 from stillcut.service.cluster.forwarding import RECORD_MESSAGE
-from stillcut.service.errors import APIError
+from stillcut.service.errors import APIError, retryable
 from stillcut.service.record import RequestRecord
 from stillcut.service.sse import DONE, sse_event
 
@@ -36,12 +36,9 @@ RECORD_WAIT_S = 5.0  # how long the replica's record may trail its answer's last
 
 
 def replica_failed(retry_after_s: int) -> APIError:
-    return APIError(
-        503,
-        "the replica serving this request stopped before it finished; retry",
-        type="unavailable_error",
-        code="replica_failed",
-        headers={"Retry-After": str(retry_after_s)},
+    message = "the replica serving this request stopped before it finished; retry"
+    return retryable(
+        503, message, type="unavailable_error", code="replica_failed", retry_after=retry_after_s
     )
 
 

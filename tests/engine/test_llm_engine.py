@@ -5,7 +5,7 @@ from contextlib import contextmanager
 import pytest
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.llm_engine import LLMEngine, StepFailed
 from stillcut.engine.outputs import Snapshot
 from stillcut.engine.request import SamplingParams
 
@@ -144,3 +144,39 @@ def test_snapshot_reads_only_what_the_list_held():
     assert snapshot != [1, 2, 3, 4] and Snapshot(items) == (1, 2, 3, 4)
     with pytest.raises(IndexError, match="index 3 out of range for 3 items"):
         snapshot[3]
+
+
+@contextmanager
+def _next_logits_raise(engine: LLMEngine):
+    """The next step that samples raises, as sampling a request the sampler cannot take would."""
+    compute_logits = engine.model.compute_logits
+
+    def fails_once(hidden):
+        del engine.model.compute_logits
+        raise RuntimeError("planted: Overflow when unpacking long long")
+
+    engine.model.compute_logits = fails_once
+    try:
+        yield
+    finally:
+        engine.model.__dict__.pop("compute_logits", None)
+        assert engine.model.compute_logits == compute_logits
+
+
+def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(tiny_checkpoint):
+    engine = _engine(tiny_checkpoint)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [list(range(100, 140)), list(range(300, 321))]
+    expected = [out.token_ids for out in engine.generate(prompts, params)]
+    num_rows = len(engine.runner.free_rows)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    with _next_logits_raise(engine), pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert set(failed.value.request_ids) == set(ids)
+    assert "Overflow" not in str(failed.value)  # the cause is chained, not shown
+    assert not engine.has_unfinished_requests() and not engine.scheduler.requests
+    kv = engine.scheduler.kv_cache
+    kv.check_consistency()
+    assert kv.num_free_blocks == kv.num_blocks
+    assert [out.token_ids for out in engine.generate(prompts, params)] == expected
+    assert len(engine.runner.free_rows) == num_rows  # the failed step's rows were dropped

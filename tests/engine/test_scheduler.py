@@ -630,3 +630,60 @@ def test_snapshots_wait_where_later_prompts_diverge():
     assert cached_tokens("shorter", [*shared[:18], *range(60, 75)]) == 0
     assert cached_tokens("like it", [*shared[:18], *range(80, 95)]) == 16
     scheduler.kv_cache.check_consistency()
+
+
+@pytest.mark.parametrize("cap", [None, 64])
+def test_a_short_request_during_a_long_prefill_gets_its_first_token_within_two_chunks(cap):
+    """With `max_prefill_tokens_per_request` a long prompt's chunks leave room in each step:
+    a short request arriving mid-prefill runs its whole prefill in the next step, so its first
+    token comes within two of the long prompt's chunk-steps (the step it arrived in, its own)."""
+    scheduler = make_scheduler(
+        num_blocks=512,
+        max_num_batched_tokens=96,
+        max_model_len=2048,
+        max_prefill_tokens_per_request=cap,
+    )
+    runner, outputs = FakeRunner(), {}
+    scheduler.add_request(make_request("long", [7] * 1500, max_tokens=2))
+    chunks = [step(scheduler, runner, outputs).num_scheduled_tokens["long"] for _ in range(3)]
+    scheduler.add_request(make_request("short", list(range(1, 23)), max_tokens=2))
+    num_steps = 0
+    while "short" not in outputs and num_steps < 100:
+        step(scheduler, runner, outputs)
+        num_steps += 1
+    if cap is None:  # the long prompt takes every step's whole budget until it is done
+        assert chunks == [96] * 3 and num_steps > 10
+    else:
+        assert chunks == [cap] * 3 and num_steps <= 2
+        assert scheduler.requests["long"].num_computed_tokens < 1500  # still prefilling
+    outputs, _, _, _ = run_all(scheduler, runner)
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_bidirectional_item_larger_than_the_cap_still_runs_whole():
+    scheduler = make_scheduler(max_num_batched_tokens=16, max_prefill_tokens_per_request=4)
+    item = make_item(12, "photo", bidirectional=True)
+    scheduler.add_request(make_request("image", [5] * 16, placed=[(2, item)]))
+    _, scheduled, _, _ = run_all(scheduler, FakeRunner())
+    # up to the item, then the item in one piece (with the 2 tokens after it: the step had room)
+    assert scheduled["image"][:2] == [2, 14]
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_failed_step_gives_back_its_state_slots_and_saves_no_snapshot():
+    """What a failed step computed is not trusted: its snapshot slots return unsaved, and once
+    its requests are aborted every block is free; the same prompt then runs as if new."""
+    cache = CacheConfig(block_size=BLOCK, held_share=0.0, mamba_snapshot_interval=2)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=10), cache, 64, 8)
+    snapshots = scheduler.kv_cache.snapshots
+    scheduler.add_request(make_request("a", range(1, 23), max_tokens=1))
+    output = scheduler.schedule()
+    assert output.state_captures["a"] and snapshots.num_free_slots < 8
+    assert scheduler.fail_step(output) == ["a"]
+    assert scheduler.abort("a")
+    assert snapshots.num_free_slots == 8 and not snapshots.saved_hashes()
+    assert_all_blocks_free(scheduler)
+    again = make_request("a2", range(1, 23), max_tokens=1)
+    scheduler.add_request(again)
+    scheduler.schedule()
+    assert again.num_cached_tokens == 0  # nothing of the failed step is found

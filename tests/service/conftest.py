@@ -11,6 +11,8 @@ import asyncio
 import base64
 import functools
 import http.server
+import io
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +22,9 @@ from fractions import Fraction
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.service.api import VideoLLM
@@ -44,14 +48,16 @@ ENGINE_CONFIG = EngineConfig(
 DECODE_CONFIG = DecodeConfig(max_duration_s=MAX_DURATION_S)
 
 
-def make_llm(checkpoint: Path) -> VideoLLM:
-    return VideoLLM(checkpoint, engine_config=ENGINE_CONFIG, decode_config=DECODE_CONFIG)
+def make_llm(checkpoint: Path, engine_config: EngineConfig = ENGINE_CONFIG) -> VideoLLM:
+    return VideoLLM(checkpoint, engine_config=engine_config, decode_config=DECODE_CONFIG)
 
 
 @contextmanager
-def running_server(checkpoint: Path, config: ServerConfig) -> Iterator[BackgroundServer]:
+def running_server(
+    checkpoint: Path, config: ServerConfig, engine_config: EngineConfig = ENGINE_CONFIG
+) -> Iterator[BackgroundServer]:
     """A server for a fresh tiny model, stopped (gracefully) on exit."""
-    server = BackgroundServer(make_llm(checkpoint), config)
+    server = BackgroundServer(make_llm(checkpoint, engine_config), config)
     try:
         yield server
     finally:
@@ -62,10 +68,35 @@ def data_url(data: bytes, media_type: str = "video/mp4") -> str:
     return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
+def random_frame(timestamp: float, seed: int) -> bytes:
+    """A live-stream frame: the timestamp, then a random 84x56 PNG."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return struct.pack("<d", timestamp) + buffer.getvalue()
+
+
 def engine_call(server: BackgroundServer, fn):
     """Run `fn(llm_engine)` on the server's engine thread, from the test's thread."""
     engine = server.app.state.service.engine
     return asyncio.run(engine.call(fn))
+
+
+def plant_step_failure(llm_engine, error: type[BaseException] = RuntimeError) -> None:
+    """Make the engine's next step that runs requests raise `error` once, after its forward, as
+    a request the sampler cannot take would (its rows, blocks and K/V are then in use). Call it
+    on the engine thread when the engine is served (`engine_call`)."""
+    runner = llm_engine.runner
+    execute = runner.execute
+
+    def fails_once(output):
+        if not output.num_scheduled_tokens:
+            return execute(output)
+        del runner.execute
+        execute(output)
+        raise error("planted: Overflow when unpacking long long")
+
+    runner.execute = fails_once
 
 
 def pool_state(server: BackgroundServer) -> tuple[bool, int]:

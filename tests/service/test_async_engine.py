@@ -9,9 +9,11 @@ import pytest
 
 from stillcut.engine.admission import RequestTooLong
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.llm_engine import LLMEngine, StepFailed
 from stillcut.engine.request import SamplingParams
 from stillcut.service.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestAborted
+
+from .conftest import plant_step_failure
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(max_tokens=1500, ignore_eos=True)
@@ -170,3 +172,34 @@ def test_abort_ends_a_reader_still_waiting(engine, llm_engine):
     asyncio.run(asyncio.wait_for(run(), timeout=60))
     engine.shutdown()
     _assert_idle_and_free(llm_engine)
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(engine, llm_engine):
+    async def run():
+        expected = await _collect(engine.generate(_prompt(engine, "Again?"), GREEDY))
+        await engine.call(plant_step_failure)
+        with pytest.raises(StepFailed):
+            await _collect(engine.generate(_prompt(engine, "Again?"), GREEDY))
+        assert engine.is_running
+        again = await _collect(engine.generate(_prompt(engine, "Again?"), GREEDY))
+        assert again[-1].token_ids == expected[-1].token_ids
+        await engine.call(_assert_idle_and_free)
+
+    asyncio.run(asyncio.wait_for(run(), timeout=60))
+
+
+def test_a_fault_in_the_engine_state_stops_the_loop(llm_engine):
+    engine = AsyncEngine(llm_engine)
+
+    async def run():
+        await engine.call(lambda e: plant_step_failure(e, AssertionError))
+        with pytest.raises(EngineStopped):
+            await _collect(engine.generate(_prompt(engine, "x"), GREEDY))
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), timeout=60))
+        assert not engine.is_running
+    finally:
+        engine.shutdown(graceful=False)
+        for request_id in list(llm_engine.scheduler.requests):  # the dead loop left it
+            llm_engine.abort(request_id)

@@ -2,6 +2,7 @@
 WebSocket without it is closed with 1008."""
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -71,3 +72,36 @@ def test_websocket_needs_the_key(keyed_server):
     assert _session(keyed_server, {"type": "start", "api_key": KEY})[0]["type"] == "started"
     headers = {"Authorization": f"Bearer {KEY}"}
     assert _session(keyed_server, {"type": "start"}, headers)[0]["type"] == "started"
+
+
+def test_a_large_first_message_without_the_key_is_refused_unread(keyed_server):
+    """Until the key is given a message may hold 64 KiB, so a key-less client cannot make the
+    server parse megabytes; with the key in the handshake the same start is read."""
+    big = {"type": "start", "api_key": "wrong", "pad": "x" * (1 << 20)}
+    reply, code = _session(keyed_server, big)
+    assert (reply["code"], code) == ("message_too_big", 1009)
+    assert "before the API key is given" in reply["message"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    reply, code = _session(keyed_server, {**big, "api_key": KEY}, headers)
+    assert (reply["code"], code) == ("bad_start", 1008) and "pad" in reply["message"]
+
+
+def _readme_access_table() -> dict[str, bool]:
+    """The README's access table: path -> whether it needs the key."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("| path | key | what it is |", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        path, key = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        if path.startswith("`GET "):
+            rows[path.strip("`").removeprefix("GET ")] = key == "needed"
+    return rows
+
+
+def test_the_paths_open_without_the_key_are_those_the_readme_lists(keyed_server):
+    table = _readme_access_table()
+    assert table == {"/health": False, "/": False, "/static/*": False}
+    for path in ("/health", "/", "/static/app.js", "/static/style.css"):
+        assert httpx.get(keyed_server.url + path).status_code == 200, path
+    for path in ("/v1/models", "/metrics", "/v1/samples", "/static/../v1/models"):
+        assert httpx.get(keyed_server.url + path).status_code in (401, 404), path

@@ -61,6 +61,52 @@ def test_describe_reports_bad_input(tmp_path, capsys):
     assert args.max_tokens == DEFAULT_MAX_TOKENS and args.prompt == "Describe this video."
 
 
+@pytest.mark.parametrize(
+    ("command", "flags", "message"),
+    [
+        ("describe", ("--fps", "0"), "--fps 0 must be a finite number > 0"),
+        ("describe", ("--evs-rate", "1"), "--evs-rate 1 must be in [0, 1)"),
+        ("describe", ("--start", "5", "--end", "2"), "--end 2 must be after --start 5"),
+        ("describe", ("--max-tokens", "0"), "--max-tokens 0 must be in [1, "),
+        ("describe", ("--temperature", "1e-9"), "--temperature 1e-09 must be 0 (greedy) or"),
+        ("inspect", ("--max-frames", "0"), "--max-frames 0 must be an integer >= 1"),
+        ("narrate", ("--evs-threshold", "3"), "--evs-threshold 3 must be in [0, 2]"),
+    ],
+)
+def test_bad_flag_values_are_refused_in_their_own_name_before_the_model_loads(
+    command, flags, message, tmp_path, capsys, monkeypatch
+):
+    from stillcut.service import api
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(api.VideoLLM, "__init__", no_model)
+    video = tmp_path / "x.mp4"
+    video.write_bytes(b"")
+    assert cli.main([command, str(video), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Config." not in err, err
+
+
+def test_the_first_native_compile_says_so_on_stderr(tmp_path, monkeypatch, capsys):
+    from stillcut.kernels import cpu_decode
+
+    def fails(compiler, target):
+        raise OSError("no compiler here")
+
+    monkeypatch.setenv("STILLCUT_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_decode, "_compile", fails)
+    cpu_decode.load.cache_clear()
+    try:
+        assert cpu_decode.load() is None
+    finally:
+        cpu_decode.load.cache_clear()  # the next caller builds (or finds) the real library
+    err = capsys.readouterr().err
+    assert "compiling the native CPU decode step for this machine, once" in err
+    assert str(tmp_path / "native") in err
+
+
 def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch):
     served = {}
     monkeypatch.setattr(
@@ -75,6 +121,7 @@ def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch)
         *("--max-connections", "50", "--max-image-pixels", "1000000"),
         *("--allowed-origins", "https://app.example"),
         *("--quantization", "int8", "--quantization-skip", "lm_head"),
+        *("--max-prefill-chunk", "128", "--session-idle", "15"),
     ]
     assert cli.main(argv) == 0
     config, llm = served["config"], served["llm"]
@@ -89,6 +136,8 @@ def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch)
     assert llm.pipeline.decode_config.max_image_pixels == 1_000_000
     assert llm.engine.config.cache.kv_cache_memory == 4 * MiB
     assert llm.engine.config.scheduler.max_model_len == 1024
+    assert llm.engine.config.scheduler.max_prefill_tokens_per_request == 128
+    assert config.session_idle_s == 15
     assert llm.engine.memory.weight_format == "int8 (float32, lm_head kept)"
     assert llm.engine.model.lm_head.dtype == torch.float32  # the skipped head
     assert llm.engine.model.layers[0].qkv_weight.dtype == torch.int8
@@ -106,3 +155,14 @@ def test_serve_turns_flags_into_settings(tiny_checkpoint, tmp_path, monkeypatch)
 def test_serve_trusts_the_local_names_and_its_own_host(flags, trusted):
     args = cli.build_parser().parse_args(["serve", *flags])
     assert cli_serve._trusted_hosts(args.trusted_hosts, args.host) == trusted
+
+
+def test_inspect_prints_the_source_duration_and_the_range_apart(tiny_checkpoint, clip_path, capsys):
+    argv = ["inspect", str(clip_path), "--model", str(tiny_checkpoint)]
+    assert cli.main([*argv, "--start", "1", "--end", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["source"]["duration_s"] == pytest.approx(3.0)  # the whole clip
+    assert report["range"] == {"start_s": 1.0, "end_s": 2.0}
+    assert cli.main([*argv, "--start", "1"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["source"].endswith("3.00 s") and lines["range"].endswith("1.00-3.00 s")

@@ -1,6 +1,8 @@
-"""`stillcut narrate`: one line per segment, in order; rate-mode EVS is refused."""
+"""`stillcut narrate`: one line per segment, in order; rate-mode EVS is not offered."""
 
-from stillcut.service.cli import main
+import pytest
+
+from stillcut.service.cli import build_parser, main
 
 
 def test_narrate_prints_one_line_per_tubelet(tiny_checkpoint, tiny_clip, tmp_path, capsys):
@@ -16,8 +18,11 @@ def test_narrate_prints_one_line_per_tubelet(tiny_checkpoint, tiny_clip, tmp_pat
     ]
 
 
-def test_narrate_refuses_rate_mode_evs(tiny_clip, tmp_path, capsys):
-    path = tmp_path / "clip.mp4"
-    path.write_bytes(tiny_clip)
-    assert main(["narrate", str(path), "--evs-rate", "0.5"]) == 2
-    assert "--evs-rate is refused: rate mode is not causal" in capsys.readouterr().err
+def test_narrate_offers_no_rate_mode_evs_and_explains_lag(capsys):
+    with pytest.raises(SystemExit):
+        main(["narrate", "x.mp4", "--evs-rate", "0.5"])
+    assert "unrecognized arguments: --evs-rate" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["narrate", "--help"])
+    usage = capsys.readouterr().out
+    assert "--evs-rate" not in usage and "skips to the newest" in usage

@@ -10,7 +10,6 @@ import http.server
 import io
 import json
 import socket
-import struct
 import threading
 import time
 import tracemalloc
@@ -25,7 +24,14 @@ from websockets.sync.client import connect
 
 from stillcut.service.config import ServerConfig
 
-from .conftest import assert_error, assert_healthy, data_url, running_server, work_done
+from .conftest import (
+    assert_error,
+    assert_healthy,
+    data_url,
+    random_frame,
+    running_server,
+    work_done,
+)
 
 CHAT = "/v1/chat/completions"
 ALLOWED_ORIGIN = "http://app.example"
@@ -157,6 +163,24 @@ def test_a_host_the_server_does_not_answer_to_is_refused(setup):
         assert raw.recv(65536).startswith(b"HTTP/1.1 403")
 
 
+def test_a_request_with_two_host_headers_is_refused(setup):
+    """RFC 9112: a request with more than one Host is a 400, whichever of them is trusted."""
+    server = setup["server"]
+    host, port = server.url.removeprefix("http://").split(":")
+    for second in (f"127.0.0.1:{port}", "rebound.example"):
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            raw.sendall(
+                f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nHost: {second}\r\n"
+                "Connection: close\r\n\r\n".encode()
+            )
+            reply = b""
+            while chunk := raw.recv(65536):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), reply[:200]
+        assert "more than one Host" in json.loads(body)["error"]["message"]
+
+
 def test_browser_requests_from_other_origins_are_refused(setup):
     server = setup["server"]
     _refused_without_work(
@@ -221,13 +245,6 @@ def test_a_compressed_reply_is_inflated_a_bounded_piece_at_a_time(setup):
     assert_healthy(server)
 
 
-def _frame(timestamp: float, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return struct.pack("<d", timestamp) + buffer.getvalue()
-
-
 def test_live_frames_wait_for_the_encode_worker_like_everything_else(setup):
     """With max_queue=1 and the encode worker busy, a live frame is turned away (queue_full)
     rather than encoded beside it; once the worker is free, frames are encoded again."""
@@ -243,14 +260,14 @@ def test_live_frames_wait_for_the_encode_worker_like_everything_else(setup):
         try:
             while encoder.num_pending == 0:
                 time.sleep(0.01)
-            live.send(_frame(0.0, seed=1))
+            live.send(random_frame(0.0, seed=1))
             error = json.loads(live.recv(timeout=30))
             assert error["type"] == "error" and error["code"] == "queue_full"
         finally:
             release.set()
             busy.join()
-        live.send(_frame(0.5, seed=2))
-        live.send(_frame(1.0, seed=3))
+        live.send(random_frame(0.5, seed=2))
+        live.send(random_frame(1.0, seed=3))
         assert json.loads(live.recv(timeout=30))["type"] == "frame"
         live.send(json.dumps({"type": "stop"}))
     assert_healthy(server)

@@ -36,6 +36,7 @@ from .conftest import (
 
 DESCRIBE = "/v1/videos/describe"
 CHAT = "/v1/chat/completions"
+INTERNALS = ("object at 0x", "sys.", "_ssl.c", "long long", "Traceback")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,28 @@ def _png() -> bytes:
 def _chat(url: str, text: str = "What?", **extra) -> dict:
     parts = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": text}]
     return {"messages": [{"role": "user", "content": parts}], "max_tokens": 2, **extra}
+
+
+def _gif() -> bytes:
+    """An animated GIF: 6 frames, 4 per second."""
+    frames = [Image.fromarray(frame) for frame in moving_texture(6, 112, 84, seed=5)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=250)
+    return buffer.getvalue()
+
+
+def test_an_animated_gif_sent_as_image_gif_is_described_as_a_video(main_server):
+    files = {"file": ("loop.gif", _gif(), "image/gif")}
+    response = httpx.post(
+        f"{main_server.url}{DESCRIBE}", files=files, data={"max_tokens": "2"}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["evs"]["frames"] >= 2
+
+
+def _escaped(body: dict) -> bytes:
+    """JSON with every non-ASCII character escaped: lone surrogates as `\\ud800`."""
+    return json.dumps(body).encode()
 
 
 def video(data: bytes, kind: str = "video/mp4") -> dict:
@@ -224,6 +247,71 @@ def _cases(main_server, samples_dir, tmp_path) -> list[Case]:
             "max_visual_tokens_per_request",
             json_body=_chat(data_url(sample), evs="off"),
         ),
+        Case(
+            "a lone surrogate in a message",
+            CHAT,
+            400,
+            "lone surrogate",
+            content=_escaped({"messages": [{"role": "user", "content": "What? \ud800"}]}),
+            headers={"content-type": "application/json"},
+        ),
+        Case(
+            "a lone surrogate in a file:// URL",
+            CHAT,
+            400,
+            "lone surrogate",
+            content=_escaped(_chat(f"file://{main_server.media_dir}/\udcff.mp4")),
+            headers={"content-type": "application/json"},
+        ),
+        Case(
+            "a template global as a template variable",
+            CHAT,
+            400,
+            "['namespace'] are set by the server",
+            json_body={**_chat(data_url(clip)), "chat_template_kwargs": {"namespace": 1}},
+        ),
+        Case(
+            "a prompt over 64 KiB",
+            DESCRIBE,
+            400,
+            "may hold at most 64 KiB each",
+            video(clip),
+            {"prompt": "x" * 70_000},
+        ),
+        Case(
+            "a GIF as an image",
+            CHAT,
+            415,
+            "send a GIF as a video",
+            json_body={
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image_url",
+                                "image_url": {"url": data_url(_gif(), "image/gif")},
+                            }
+                        ],
+                    }
+                ]
+            },
+        ),
+        Case(
+            "https to a server that speaks http",
+            CHAT,
+            400,
+            "the TLS handshake failed",
+            json_body=_chat(main_server.http_url.replace("http://", "https://") + "/clip.mp4"),
+        ),
+        Case(
+            "a number of 5000 digits",
+            CHAT,
+            400,
+            "more than 4300 digits",
+            content=b'{"messages": [], "max_tokens": ' + b"7" * 5000 + b"}",
+            headers={"content-type": "application/json"},
+        ),
         Case("unknown route", "/v1/nothing", 404, "Not Found", json_body={}),
     ]
 
@@ -242,6 +330,7 @@ def test_hostile_inputs_get_the_right_status(main_server, samples_dir, tmp_path)
             assert response.status_code == case.status, (case.name, response.text)
             error = response.json()["error"]
             assert case.phrase in error["message"], (case.name, error)
+            assert not any(word in error["message"] for word in INTERNALS), (case.name, error)
             assert error["request_id"] == response.headers["x-request-id"]
         assert client.get("/health").json()["status"] == "ok"
     assert pool_state(main_server.server) == (True, 0)
@@ -297,7 +386,7 @@ def test_websocket_protocol_errors(main_server):
         error = json.loads(socket.recv(timeout=30))
         assert error["type"] == "error" and "PNG or JPEG" in error["message"]
         assert "object at 0x" not in error["message"]
-        _closed_with(socket, 1003)
+        assert "object at 0x" not in _closed_with(socket, 1003)
     with _ws(main_server) as socket:  # JSON nested past the limit: unsupported data, not 1011
         socket.send(start)
         socket.recv(timeout=30)
@@ -327,6 +416,13 @@ def test_websocket_protocol_errors(main_server):
         socket.send(json.dumps({"type": "start", "threshold": 7}))
         assert "threshold" in json.loads(socket.recv(timeout=30))["message"]
         _closed_with(socket, 1008)
+    with _ws(main_server) as socket:  # a lone surrogate: not text, so not a question
+        socket.send(start)
+        socket.recv(timeout=30)
+        socket.send('{"type": "ask", "prompt": "What \\ud800?"}')
+        error = json.loads(socket.recv(timeout=30))
+        assert error["code"] == "bad_message" and "lone surrogate" in error["message"]
+        _closed_with(socket, 1003)
     with _ws(main_server) as socket:  # text that is not JSON
         socket.send(start)
         socket.recv(timeout=30)
@@ -485,3 +581,24 @@ def test_a_client_leaving_mid_upload_is_logged_once_as_499(main_server, caplog):
     ]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert_healthy(main_server.server)
+
+
+@pytest.mark.parametrize("error", [KeyError, ValueError, ZeroDivisionError])
+def test_an_unexpected_error_is_a_500_logged_with_one_traceback(
+    main_server, monkeypatch, caplog, error
+):
+    def broken(*args, **kwargs):
+        raise error("planted")
+
+    monkeypatch.setattr(main_server.llm.processor, "build", broken)
+    with caplog.at_level(logging.INFO):
+        response = httpx.post(
+            f"{main_server.url}{CHAT}",
+            json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+            timeout=30,
+        )
+    assert_error(response, 500, "internal_error", "internal server error")
+    assert "planted" not in response.text
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert len(tracebacks) == 1, [r.getMessage() for r in tracebacks]
+    assert tracebacks[0].exc_info[0] is error

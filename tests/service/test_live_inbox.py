@@ -19,7 +19,7 @@ class _ArrivedSocket:
 
 def test_an_ended_answer_comes_before_a_message_that_arrived_with_it():
     async def both_ready() -> tuple:
-        inbox = Inbox(_ArrivedSocket(), ServerConfig())
+        inbox = Inbox(_ArrivedSocket(), ServerConfig(), authenticated=True)
         late = SessionEnd(CLOSE_POLICY, "late")
         answer = asyncio.get_running_loop().create_future()
         answer.set_result(None)  # the answer has ended

@@ -1,12 +1,15 @@
-"""Under hostile load the server stays bounded: 50 clients trickling request bodies and 20
-WebSockets that never send a key, while 16 clients ask about videos. Every normal request is
-answered, every slow one gets 408, no key-less socket takes a session slot (all of them are
-open while every slot is taken by keyed sessions), and afterwards every KV block, session
-slot and queue place is back, no temporary file or descriptor is left open and the thread
-count returns to where it was."""
+"""Under hostile load the server stays bounded: 50 clients trickling request bodies, 20
+WebSockets that never send a key, 8 more sending an 8 MB start without one, a 40 MB JSON bomb
+and a prompt near the context length, while 16 clients ask about videos and 4 send short chats.
+Every normal request is answered, every slow one gets 408, the bomb a 400 and the big starts a
+1009 before any of them is parsed, no key-less socket takes a session slot (all of them are
+open while every slot is taken by keyed sessions), the event loop never lags 2 s behind a timer,
+and afterwards every KV block, session slot and queue place is back, no temporary file or
+descriptor is left open and the thread count returns to where it was."""
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -25,7 +28,7 @@ from websockets.protocol import State
 from stillcut.service.config import ServerConfig
 from stillcut.vision.synthetic import moving_texture, write_video
 
-from .conftest import running_server, settled_pool_state
+from .conftest import ENGINE_CONFIG, MAX_MODEL_LEN, running_server, settled_pool_state
 
 KEY = "sk-load"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -36,6 +39,17 @@ SETTLE_S = 5.0  # threads and descriptors must be back within this
 TIMEOUT_S = 120.0  # the whole load, bounded
 PROC_SELF = Path("/proc/self")
 POOL_LIMIT = 40  # the handlers' thread pool: its limiter's default size
+NUM_BIG_STARTS, BIG_START_BYTES = 8, 8_000_000  # under max_message_bytes (8 MiB)
+BOMB_VALUES = 20_000_000  # 40 MB of numbers: under the body limit, over the bound on values
+NUM_SHORT = 4
+MAX_LAG_S = 2.0
+PREFILL_CAP = 256
+LOAD_ENGINE = dataclasses.replace(
+    ENGINE_CONFIG,
+    scheduler=dataclasses.replace(
+        ENGINE_CONFIG.scheduler, max_prefill_tokens_per_request=PREFILL_CAP
+    ),
+)
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +150,42 @@ async def _keyless_closes(url: str, opened: asyncio.Event, sockets: list) -> tup
         return ws.close_code, error
 
 
+async def _big_keyless_start(url: str) -> tuple[int, dict]:
+    """An 8 MB start message without the key: the close code and the error."""
+    async with connect(url, proxy=None, open_timeout=30, max_size=None) as ws:
+        await ws.send(json.dumps({"type": "start", "pad": "x" * BIG_START_BYTES}))
+        error = json.loads(await ws.recv())
+        with pytest.raises(ConnectionClosed):
+            await ws.recv()
+        return ws.close_code, error
+
+
+async def _bomb(client: httpx.AsyncClient) -> httpx.Response:
+    body = b'{"messages": [{"role": "user", "content": "x"}], "junk": [' + b"0," * BOMB_VALUES
+    headers = {"content-type": "application/json"}
+    return await client.post("/v1/chat/completions", content=body + b"0]}", headers=headers)
+
+
+async def _chat(client: httpx.AsyncClient, text: str) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    return await client.post("/v1/chat/completions", json=body)
+
+
+def _lag_probe(server, stop: threading.Event):
+    """The worst delay of a 20 ms timer on the server's event loop until `stop` is set."""
+    loop = server.server.servers[0].get_loop()
+
+    async def probe() -> float:
+        worst = 0.0
+        while not stop.is_set():
+            started = loop.time()
+            await asyncio.sleep(0.02)
+            worst = max(worst, loop.time() - started - 0.02)
+        return worst
+
+    return asyncio.run_coroutine_threadsafe(probe(), loop)
+
+
 async def _every_slot_for_keyed_sessions(url: str) -> list[str]:
     sessions = [
         await connect(url, proxy=None, additional_headers=AUTH) for _ in range(MAX_SESSIONS)
@@ -161,7 +211,11 @@ async def _load(server, clips: list[bytes]) -> dict:
         asyncio.ensure_future(_keyless_closes(ws_url, opened, sockets)) for _ in range(NUM_KEYLESS)
     ]
     slow = [asyncio.ensure_future(_slow_body(host, int(port))) for _ in range(NUM_SLOW)]
+    big = [asyncio.ensure_future(_big_keyless_start(ws_url)) for _ in range(NUM_BIG_STARTS)]
     async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=60) as client:
+        long_prompt = asyncio.ensure_future(_chat(client, "hello " * (MAX_MODEL_LEN - 100)))
+        bomb = asyncio.ensure_future(_bomb(client))
+        short = [asyncio.ensure_future(_chat(client, f"Hi {k}?")) for k in range(NUM_SHORT)]
         normal = [asyncio.ensure_future(_normal(client, clip)) for clip in clips]
         await opened.wait()  # every key-less socket is open (and silent) from here on
         live_before = (await client.get("/health")).json()["live_sessions"]
@@ -173,6 +227,10 @@ async def _load(server, clips: list[bytes]) -> dict:
             "normal": await asyncio.gather(*normal),
             "slow": await asyncio.gather(*slow),
             "keyless": await asyncio.gather(*keyless),
+            "big": await asyncio.gather(*big),
+            "bomb": await bomb,
+            "long": await long_prompt,
+            "short": await asyncio.gather(*short),
         }
     return results
 
@@ -181,11 +239,12 @@ def test_slow_bodies_and_keyless_sockets_beside_normal_clients(tiny_checkpoint, 
     if not (PROC_SELF / "task").is_dir():
         pytest.skip("counting threads and descriptors needs /proc")
     config = ServerConfig(api_key=KEY, body_timeout_s=BODY_TIMEOUT_S, max_sessions=MAX_SESSIONS)
+    stop_probe = threading.Event()
     spool = tmp_path / "spool"
     spool.mkdir()
     saved_tempdir, tempfile.tempdir = tempfile.tempdir, str(spool)  # where uploads would spool
     try:
-        with running_server(tiny_checkpoint, config) as server:
+        with running_server(tiny_checkpoint, config, LOAD_ENGINE) as server:
             with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
                 warm = client.post(  # pools and workers start on first use: count after that
                     "/v1/videos/describe",
@@ -195,7 +254,10 @@ def test_slow_bodies_and_keyless_sockets_beside_normal_clients(tiny_checkpoint, 
                 assert warm.status_code == 200, warm.text
             _no_connections(server)
             threads, files, spooled = _threads(), _open_files(spool), set(spool.rglob("*"))
+            lag = _lag_probe(server, stop_probe)
             results = asyncio.run(asyncio.wait_for(_load(server, clips[:-1]), TIMEOUT_S))
+            stop_probe.set()
+            worst_lag_s = lag.result(timeout=10)
             threads_after = _settle(_threads, threads)
             files_after = _settle(lambda: _open_files(spool), files)
             health = httpx.get(f"{server.url}/health").json()
@@ -214,6 +276,12 @@ def test_slow_bodies_and_keyless_sockets_beside_normal_clients(tiny_checkpoint, 
     assert results["keyless_open"] == NUM_KEYLESS
     assert [code for code, _ in results["keyless"]] == [1008] * NUM_KEYLESS
     assert {error["code"] for _, error in results["keyless"]} == {"start_timeout"}
+    assert [code for code, _ in results["big"]] == [1009] * NUM_BIG_STARTS
+    assert all("before the API key" in error["message"] for _, error in results["big"])
+    assert results["bomb"].status_code == 400
+    assert results["bomb"].json()["error"]["code"] == "json_too_large"
+    assert [r.status_code for r in [results["long"], *results["short"]]] == [200] * (NUM_SHORT + 1)
+    assert worst_lag_s < MAX_LAG_S
     assert pool == (True, 0)
     assert (health["live_sessions"], health["requests_waiting"], health["requests_running"]) == (
         0,

@@ -3,11 +3,14 @@ a real server: segments per tubelet under `queue`, the engine's own narration of
 frames, bad start options, rollover at the context limit, a client that vanishes mid-segment.
 Every block is back once a session ends or drops."""
 
+import asyncio
+import contextlib
 import io
 import json
 import struct
 import time
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -16,6 +19,7 @@ from websockets.sync.client import connect
 
 from stillcut.service.config import ServerConfig
 from stillcut.service.narrate_api import file_frames
+from stillcut.service.narration import Narration
 
 from .conftest import make_llm, running_server, settled_pool_state
 
@@ -97,6 +101,10 @@ def test_queue_narrates_every_tubelet_in_order_and_frees_everything(server):
         ({"lag": "sometimes"}, "lag='sometimes' must be one of"),
         ({"prompt": " "}, "prompt must be a non-empty string"),
         ({"mode": "sing"}, "mode='sing': allowed 'narrate'"),
+        ({"max_context_tokens": -5}, "max_context_tokens=-5 must be null or an integer in"),
+        ({"max_context_tokens": 1}, "max_context_tokens=1 must be null or an integer in"),
+        ({"keep_last_s": 1e9}, "keep_last_s=1000000000.0 must be a number in [0, 3600]"),
+        ({"max_tokens_per_segment": 3000}, "max_tokens_per_segment=3000 leaves no room"),
     ],
 )
 def test_bad_narrate_options_end_the_socket_with_a_clear_error(server, option, phrase):
@@ -117,6 +125,40 @@ def test_rollover_at_the_context_limit_and_the_session_goes_on(server):
     assert code == 1000 and "rollover" in kinds
     assert kinds.count("segment") == NUM_TUBELETS  # every tubelet was still narrated
     assert settled_pool_state(server) == (True, 0)
+
+
+def test_a_rollover_leaves_room_for_more_than_one_tubelet(server):
+    """The fresh sequence holds at most half the context, so rollovers stay rare however long
+    `keep_last_s` is (not one per tubelet, each re-prefilling nearly the whole context)."""
+    start = {**START, "max_context_tokens": 200, "keep_last_s": 600.0}
+    num_tubelets = 12
+    messages, code = _narrate(server, start, 2 * num_tubelets)
+    kinds = [m["type"] for m in messages]
+    assert code == 1000 and kinds.count("segment") == num_tubelets
+    assert 1 <= kinds.count("rollover") <= num_tubelets // 3, kinds
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_an_instruction_longer_than_the_context_ends_the_narration(server):
+    """The error is reported, the session closes by itself, a later stop does not hang, and
+    its slot and blocks are back."""
+    start = {**START, "prompt": "Say what you see. " * 600}
+    with _connect(server) as socket:
+        socket.send(json.dumps(start))
+        with contextlib.suppress(ConnectionClosed):  # it may close before every frame is sent
+            for k in range(6):
+                socket.send(_frame(k / 2, seed=k))
+            socket.send(json.dumps({"type": "stop"}))
+        messages = []
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                messages.append(json.loads(socket.recv(timeout=60)))
+    errors = [m for m in messages if m["type"] == "error"]
+    assert [e["code"] for e in errors] == ["context_too_small"], messages
+    assert "max_context_tokens=2048" in errors[0]["message"]
+    assert closed.value.rcvd.code == 1008
+    assert settled_pool_state(server) == (True, 0)
+    assert httpx.get(f"{server.url}/health").json()["live_sessions"] == 0
 
 
 def test_a_client_that_vanishes_mid_segment_frees_its_request(server):
@@ -226,4 +268,26 @@ def test_bad_frames_end_a_narration_and_free_everything(server, bad_frame, code)
             while True:
                 messages.append(json.loads(socket.recv(timeout=30)))
     assert closed.value.rcvd.code == code and messages[-1]["type"] == "error"
+    assert settled_pool_state(server) == (True, 0)
+
+
+def test_a_client_that_leaves_after_stop_is_noticed_while_narration_drains(server, monkeypatch):
+    """`stop` waits for what is queued to be narrated, but the socket is still read: a client
+    that leaves meanwhile ends the session at once (here the narration would never finish)."""
+
+    async def never_ends(self, arrived_at):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(Narration, "_segment", never_ends)
+    with _connect(server) as socket:
+        socket.send(json.dumps(START))
+        for k in range(2):
+            socket.send(_frame(k / 2, seed=k))
+        while json.loads(socket.recv(timeout=60))["type"] != "frame":
+            pass
+        socket.send(json.dumps({"type": "stop"}))
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/health").json()["live_sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(f"{server.url}/health").json()["live_sessions"] == 0
     assert settled_pool_state(server) == (True, 0)
