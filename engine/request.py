@@ -26,7 +26,9 @@ from stillcut.engine.multimodal import MultiModalItem
 MAX_LOGPROBS = 20
 MAX_COUNT = 2**31 - 1  # token counts and ids: any larger one is refused, never overflows a tensor
 _MAX_SEED = 2**64 - 1
-_MIN_SCALE, _MAX_SCALE = 0.01, 100.0  # temperature and repetition penalty divide logits
+# Temperature and repetition penalty divide logits (a temperature at or below the sampler's
+# greedy threshold makes its row greedy, so no division by it ever overflows).
+_MIN_SCALE, _MAX_SCALE = 0.01, 100.0
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,6 @@ class SamplingParams:
             "max_tokens", self.max_tokens, 1, MAX_COUNT, f"in [1, {MAX_COUNT}]", integer=True
         )
         _check_range("temperature", self.temperature, 0.0, _MAX_SCALE, f"in [0, {_MAX_SCALE:g}]")
-        if 0 < self.temperature < _MIN_SCALE:  # dividing logits by less overflows them
-            raise ValueError(
-                f"temperature={self.temperature!r} must be 0 (greedy) or >= {_MIN_SCALE:g}"
-            )
         _check_range("top_p", self.top_p, 0.0, 1.0, "in (0, 1]", low_open=True)
         _check_range(
             "top_k", self.top_k, 0, MAX_COUNT, f"in [0, {MAX_COUNT}] (0 = off)", integer=True

@@ -156,7 +156,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         ("evs_threshold", lambda v: 0 <= v <= 2, "in [0, 2]"),
         ("max_tokens", lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]"),
         ("max_tokens_per_segment", lambda v: 1 <= v <= MAX_COUNT, f"in [1, {MAX_COUNT}]"),
-        ("temperature", lambda v: v == 0 or 0.01 <= v <= 100, "0 (greedy) or in [0.01, 100]"),
+        ("temperature", lambda v: 0 <= v <= 100, "in [0, 100]"),
         ("seed", lambda v: 0 <= v < 2**64, "in [0, 2**64 - 1]"),
     )
     for name, fits, allowed in checks:

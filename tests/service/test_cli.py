@@ -68,7 +68,7 @@ def test_describe_reports_bad_input(tmp_path, capsys):
         ("describe", ("--evs-rate", "1"), "--evs-rate 1 must be in [0, 1)"),
         ("describe", ("--start", "5", "--end", "2"), "--end 2 must be after --start 5"),
         ("describe", ("--max-tokens", "0"), "--max-tokens 0 must be in [1, "),
-        ("describe", ("--temperature", "1e-9"), "--temperature 1e-09 must be 0 (greedy) or"),
+        ("describe", ("--temperature", "-1"), "--temperature -1 must be in [0, 100]"),
         ("inspect", ("--max-frames", "0"), "--max-frames 0 must be an integer >= 1"),
         ("narrate", ("--evs-threshold", "3"), "--evs-threshold 3 must be in [0, 2]"),
     ],
