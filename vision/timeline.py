@@ -55,11 +55,14 @@ def declared_clip_end(container: InputContainer, stream: VideoStream) -> float |
 
 @dataclass(frozen=True)
 class PacketScan:
-    """What demuxing a stream (without decoding it) tells: where it ends, and every frame's pts."""
+    """What demuxing a stream (without decoding it) tells: where it ends, every packet's pts in
+    file order, which packets are keyframes and which an edit list discards."""
 
     end: float  # seconds from the stream start to the end of the last frame
     pts: tuple[int, ...] | None  # per packet, in file order; None when some packet has none
     complete: bool = True  # False: the scan stopped at `stop_after_s`, `end` is a lower bound
+    keyframes: tuple[int, ...] = ()  # file positions (indices into `pts`) of keyframe packets
+    discarded: frozenset[int] = frozenset()  # file positions of packets the decoder drops
 
 
 def scan_packets(
@@ -73,35 +76,43 @@ def scan_packets(
 
     The end it finds is the last packet's pts plus duration, which, unlike the headers, stays
     right for variable frame rate files with B-frames (MP4 muxers derive the declared duration
-    from decode timestamps, which then fall short). With `stop_after_s`, the scan ends early
-    (`complete=False`) once the stream is known to run past it.
+    from decode timestamps, which then fall short). Packets an edit list discards (their
+    frames never leave the decoder) do not extend the end. With `stop_after_s`, the scan ends
+    early (`complete=False`) once the stream is known to run past it.
     """
     clock = StreamClock(stream)
     all_pts: list[int] = []
+    keyframes: list[int] = []
+    discarded: set[int] = set()
     has_every_pts = True
-    num_packets = 0
     try:
         for packet in container.demux(stream):
             if packet.size == 0:  # the demuxer's end-of-stream marker
                 continue
-            num_packets += 1
-            if num_packets > max_packets:
+            position = len(all_pts)
+            if position >= max_packets:
                 raise TooManyFrames(
                     f"the stream has more than max_decoded_frames={max_packets} frames"
                 )
-            clock.time_of(packet.pts, packet.duration)
+            if packet.is_discard:
+                discarded.add(position)
+            else:
+                clock.time_of(packet.pts, packet.duration)
             if clock.end > max_duration_s:
                 raise VideoTooLong(
                     f"the video runs past {clock.end:g} s, over max_duration_s={max_duration_s:g}"
                 )
             if stop_after_s is not None and clock.end > stop_after_s:
                 return PacketScan(clock.end, None, complete=False)
+            if packet.is_keyframe:
+                keyframes.append(position)
             if packet.pts is None:
                 has_every_pts = False
-            else:
-                all_pts.append(packet.pts)
+            all_pts.append(packet.pts)
     except av.error.FFmpegError as e:
         raise CorruptVideo(
             f"the container is corrupt near {clock.end:.2f} s ({reason_of(e)})"
         ) from e
-    return PacketScan(clock.end, tuple(all_pts) if has_every_pts else None)
+    if not has_every_pts:
+        return PacketScan(clock.end, None)
+    return PacketScan(clock.end, tuple(all_pts), True, tuple(keyframes), frozenset(discarded))
