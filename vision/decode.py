@@ -5,8 +5,9 @@ packets (timestamps, keyframes) and plans the sample times (`sampling`); its rea
 the stream once (`frame_pass`: front to back where samples are dense, seeking from keyframe to
 keyframe where they are sparse), converting only the frames it keeps to upright RGB (`upright`),
 resized as the model family will resize them (`frame_resize`), and hands each out as soon as it
-is settled, so a long clip streams through in bounded memory. `decode_video` collects them. `probe_video` stops before decoding: what
-a clip will cost (frames, their size) is known from its headers and packet timestamps alone.
+is settled, so a long clip streams through in bounded memory. `decode_video` collects them.
+`probe_video` stops before decoding: what a clip will cost (frames, their size) is known from
+its headers and packet timestamps alone.
 Every failure caused by the input is a `VideoError` (`errors`); no raw PyAV exception escapes.
 """
 

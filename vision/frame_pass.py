@@ -171,7 +171,8 @@ def iter_pass(
             num_frames += 1
             if work is not None:
                 work.frames_decoded += 1
-            if seek_by_time and num_frames == 1 and (frame.pts is None or time > start + TIME_EPS_S):
+            late = frame.pts is None or time > start + TIME_EPS_S
+            if seek_by_time and num_frames == 1 and late:
                 raise PassMisfire(num_done)
             yield from emitter.emit(selector.push(time, frame))
             if selector.done:
