@@ -13,7 +13,7 @@ Every failure caused by the input is a `VideoError` (`errors`); no raw PyAV exce
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -76,12 +76,17 @@ class DecodedVideo:
         assert len(self.timestamps) == len(self.frames) >= 1
 
     @property
-    def source_indices(self) -> list[int]:
-        """Each sampled frame's index in the stream, counted at its average frame rate (exact
-        for constant-rate streams); empty when the stream declares no rate."""
-        if not self.source_fps:
-            return []
-        return [round(t * self.source_fps) for t in self.timestamps]
+    def source_indices(self) -> tuple[int, ...]:
+        """Each sampled frame's index in the stream (see `source_indices`)."""
+        return source_indices(self.timestamps, self.source_fps)
+
+
+def source_indices(timestamps: Sequence[float], source_fps: float | None) -> tuple[int, ...]:
+    """Each sampled frame's index in the stream, counted at its average frame rate (exact for
+    constant-rate streams); empty when the stream declares no rate."""
+    if not source_fps:
+        return ()
+    return tuple(round(t * source_fps) for t in timestamps)
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,31 @@ class VideoReader:
             stream = container.streams[probe.stream_index]
             yield from iter_pass(container, stream, plain, config, num_done=num_done, **output)
 
+    def decode(
+        self, *, resize: FrameResize | None = None, work: VisionWork | None = None
+    ) -> DecodedVideo:
+        """Every sampled frame at once (`frames()` collected)."""
+        probe = self.probe
+        frames: np.ndarray | None = None
+        timestamps: list[float] = []
+        for sampled in self.frames(resize=resize, work=work):
+            if frames is None:
+                frames = np.empty((probe.num_samples, *sampled.rgb.shape), np.uint8)
+                display_height, display_width = sampled.display_size
+            frames[len(timestamps) : len(timestamps) + sampled.num_samples] = sampled.rgb
+            timestamps.extend([sampled.time] * sampled.num_samples)
+        assert frames is not None and len(timestamps) == len(frames)  # a pass yields or raises
+        return DecodedVideo(
+            frames=frames,
+            timestamps=timestamps,
+            sample_fps=probe.sample_fps,
+            source_fps=probe.source_fps,
+            duration=probe.duration,
+            codec=probe.codec,
+            width=display_width,
+            height=display_height,
+        )
+
 
 @contextmanager
 def open_video(
@@ -167,26 +197,7 @@ def decode_video(
     `VideoError` subclass for every input-caused failure.
     """
     with open_video(source, config, start=start, end=end) as reader:
-        probe = reader.probe
-        frames: np.ndarray | None = None
-        timestamps: list[float] = []
-        for sampled in reader.frames(resize=resize, work=work):
-            if frames is None:
-                frames = np.empty((probe.num_samples, *sampled.rgb.shape), np.uint8)
-                display_height, display_width = sampled.display_size
-            frames[len(timestamps) : len(timestamps) + sampled.num_samples] = sampled.rgb
-            timestamps.extend([sampled.time] * sampled.num_samples)
-    assert frames is not None and len(timestamps) == len(frames)  # iter_pass yields or raises
-    return DecodedVideo(
-        frames=frames,
-        timestamps=timestamps,
-        sample_fps=probe.sample_fps,
-        source_fps=probe.source_fps,
-        duration=probe.duration,
-        codec=probe.codec,
-        width=display_width,
-        height=display_height,
-    )
+        return reader.decode(resize=resize, work=work)
 
 
 def probe_video(

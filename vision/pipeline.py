@@ -32,6 +32,7 @@ from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.positions import dense_coords
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, prune
+from stillcut.kernels.evs.clip_pruner import ClipKept
 from stillcut.vision.decode_config import DecodeConfig
 from stillcut.vision.draft_tower import DraftTower
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache, model_fingerprint
@@ -96,7 +97,11 @@ class VisionPipeline:
         enforce_eager: bool = False,
         max_graph_shapes: int = DEFAULT_MAX_SHAPES,
         draft_model: str | os.PathLike | None = None,
+        window_frames: int = 32,
     ) -> None:
+        if not (isinstance(window_frames, int) and window_frames >= 2 and window_frames % 2 == 0):
+            raise ValueError(f"window_frames must be an even integer >= 2, got {window_frames!r}")
+        self.window_frames = window_frames
         self.path = resolve_checkpoint(model)
         self.model_config = load_model_config(self.path)
         self.family = self.model_config.family
@@ -149,6 +154,9 @@ class VisionPipeline:
     def encode(self, inputs: list[VideoInput | ImageInput]) -> list[MultiModalItem]:
         """Encode several media in order; cache misses share one tower pass."""
         loaded = [self._load(spec) for spec in inputs]
+        for entry in loaded:
+            if entry.streamed and entry.kept is None:
+                self.cache.put(self._cache_key(entry.media_key), entry.encoded)
         misses = [entry for entry in loaded if entry.encoded is None]
         if misses:
             started = time.perf_counter()
@@ -236,8 +244,77 @@ class _Loaded:
         self._timestamps: tuple[float, ...] = ()
         self._info: dict = {}
         self._source: tuple[tuple[int, ...], float | None] = ((), None)  # frame indices, fps
+        self.streamed = False  # encoded window by window (a clip longer than one window)
+        self.kept: ClipKept | None = None  # what EVS kept, when the dense clip was not held
 
     def prepare(self, pipeline: VisionPipeline, spec: VideoInput | ImageInput, data) -> None:
+        """Preprocess an image, a frame array or a video file of one window (all encoded in one
+        tower pass with the other inputs); a longer video file streams through the tower
+        here, window by window (`video_windows`)."""
+        if isinstance(spec, VideoInput) and not isinstance(spec.source, np.ndarray):
+            self._prepare_file(pipeline, spec, data)
+        else:
+            self._prepare_media(pipeline, spec, data)
+
+    def _prepare_file(self, pipeline: VisionPipeline, spec: VideoInput, data) -> None:
+        # PyAV only for files: frame arrays encode where it is not installed (a GPU box)
+        from stillcut.vision.decode import open_video
+        from stillcut.vision.video_windows import encode_windows
+
+        config = pipeline._decode_config(spec)
+        started = time.perf_counter()
+        with open_video(data, config, start=spec.start, end=spec.end) as reader:
+            probe = reader.probe
+            if probe.num_samples > pipeline.window_frames:
+                windowed = encode_windows(pipeline, reader, spec.evs, pipeline.window_frames)
+            else:
+                decoded = reader.decode(resize=pipeline.media.frame_resize, work=pipeline.work)
+        self._info = {
+            "codec": probe.codec,
+            "source_fps": probe.source_fps,
+            "sample_fps": probe.sample_fps,
+            "duration": probe.duration,
+        }
+        if probe.num_samples <= pipeline.window_frames:
+            self._set_frames(decoded.timestamps, decoded.source_fps)
+            self._info.update(width=decoded.width, height=decoded.height)
+            decoded_s = time.perf_counter()
+            self.prepared = pipeline.media.prepare_video(decoded.frames, decoded.sample_fps)
+            self._set_prepared(started, decoded_s)
+            return
+        self.streamed = True
+        self.timings = windowed.timings
+        self._set_frames(windowed.timestamps, probe.source_fps)
+        height, width = windowed.display_size
+        self._info.update(
+            width=width,
+            height=height,
+            resized_width=windowed.resized_size[1],
+            resized_height=windowed.resized_size[0],
+        )
+        if windowed.dense is not None:
+            embeds, draft_embeds = windowed.dense
+        else:
+            self.kept = windowed.kept
+            embeds, draft_embeds = (*windowed.kept.rows, None)[:2]
+        self.encoded = self._encoded(
+            embeds, draft_embeds, windowed.grid_thw, windowed.second_per_grid_ts
+        )
+
+    def _set_frames(self, timestamps, source_fps: float | None) -> None:
+        from stillcut.vision.decode import source_indices
+
+        self._timestamps = tuple(timestamps)
+        self._source = (source_indices(timestamps, source_fps), source_fps)
+
+    def _set_prepared(self, started: float, decoded_s: float) -> None:
+        done = time.perf_counter()
+        self.timings = {"decode_s": decoded_s - started, "preprocess_s": done - decoded_s}
+        self._info.update(
+            resized_width=self.prepared.resized_width, resized_height=self.prepared.resized_height
+        )
+
+    def _prepare_media(self, pipeline: VisionPipeline, spec, data) -> None:
         started = time.perf_counter()
         if isinstance(spec, ImageInput):
             frame = _open_image(data, pipeline)
@@ -247,43 +324,14 @@ class _Loaded:
             )
             decoded_s = time.perf_counter()
             self.prepared = pipeline.media.prepare_image(frame)
-        elif isinstance(spec.source, np.ndarray):
+        else:  # a frame array (files stream through `stream`)
             frames, fps = spec.source, spec.frames_fps
             self._timestamps = spec.timestamps or tuple(k / fps for k in range(len(frames)))
             self._info = {"width": frames.shape[2], "height": frames.shape[1], "sample_fps": fps}
             self._source = (tuple(round(t * fps) for t in self._timestamps), fps)
             decoded_s = time.perf_counter()
             self.prepared = pipeline.media.prepare_video(frames, fps)
-        else:
-            # PyAV only for files: frame arrays encode where it is not installed (a GPU box)
-            from stillcut.vision.decode import decode_video
-
-            config = pipeline._decode_config(spec)
-            decoded = decode_video(
-                data,
-                config,
-                start=spec.start,
-                end=spec.end,
-                resize=pipeline.media.frame_resize,
-                work=pipeline.work,
-            )
-            self._timestamps = tuple(decoded.timestamps)
-            self._source = (tuple(decoded.source_indices), decoded.source_fps)
-            self._info = {
-                "codec": decoded.codec,
-                "width": decoded.width,
-                "height": decoded.height,
-                "source_fps": decoded.source_fps,
-                "sample_fps": decoded.sample_fps,
-                "duration": decoded.duration,
-            }
-            decoded_s = time.perf_counter()
-            self.prepared = pipeline.media.prepare_video(decoded.frames, decoded.sample_fps)
-        done = time.perf_counter()
-        self.timings = {"decode_s": decoded_s - started, "preprocess_s": done - decoded_s}
-        self._info.update(
-            resized_width=self.prepared.resized_width, resized_height=self.prepared.resized_height
-        )
+        self._set_prepared(started, decoded_s)
 
     def finish(
         self,
@@ -294,11 +342,16 @@ class _Loaded:
     ) -> None:
         prepared = self.prepared
         self.timings["encode_s"] = encode_s
+        self.encoded = self._encoded(
+            embeds, draft_embeds, prepared.grid_thw, prepared.second_per_grid_ts
+        )
+
+    def _encoded(self, embeds, draft_embeds, grid_thw, second_per_grid_ts) -> EncodedMedia:
         source_indices, source_fps = self._source
-        self.encoded = EncodedMedia(
+        return EncodedMedia(
             embeds,
-            prepared.grid_thw,
-            prepared.second_per_grid_ts,
+            grid_thw,
+            second_per_grid_ts,
             self._timestamps,
             self._info,
             source_indices=source_indices,
@@ -315,7 +368,11 @@ class _Loaded:
         evs = spec.evs if isinstance(spec, VideoInput) else None
         started = time.perf_counter()
         embeds, draft_embeds = encoded.embeds, encoded.draft_embeds
-        if evs is None or evs.is_off:
+        if self.kept is not None:  # pruned window by window already
+            coords = self.kept.kept_coords
+            kept_per_tubelet = tuple(self.kept.kept_per_tubelet.tolist())
+            identifier = item_identifier(self.media_key, evs)
+        elif evs is None or evs.is_off:
             coords = dense_coords(*grid)
             kept_per_tubelet = (grid[1] * grid[2],) * grid[0]
             identifier = item_identifier(self.media_key, None)

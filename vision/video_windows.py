@@ -1,0 +1,157 @@
+"""A video file through decode -> preprocess -> tower -> EVS a bounded window at a time.
+
+Sampled frames are grouped into windows of whole tubelets (an even number of frames: every
+family's tubelet is one or two frames, and each tubelet is encoded on its own, so windows give
+the embeddings the whole clip gives). A worker thread decodes the next window while this one
+is preprocessed and encoded (`prefetch`). A window's frames and patches are dropped once its
+embeddings exist; what outlives it depends on what the clip costs:
+
+- dense embeddings (before EVS) when the whole clip's fit the encoder cache, which then holds
+  them, so asking again with any EVS setting never decodes again; memory is what the cache
+  may hold anyway;
+- otherwise only what EVS keeps (`ClipPruner`: exact in rate mode, since the kept count is
+  known from the plan), and nothing is cached.
+
+So peak memory is one window (plus one decoding ahead) plus the kept tokens, not the duration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stillcut.kernels.evs import EVSConfig
+from stillcut.kernels.evs.clip_pruner import ClipKept, ClipPruner
+from stillcut.vision.decode import VideoProbe, VideoReader
+from stillcut.vision.frame_pass import SampledFrame
+from stillcut.vision.prefetch import prefetched
+
+
+@dataclass(frozen=True)
+class FrameWindow:
+    """Consecutive sampled frames, a whole number of tubelets (the last may be short)."""
+
+    frames: np.ndarray  # [n, H, W, 3] uint8 at the resize target
+    timestamps: list[float]
+    display_size: tuple[int, int]  # (height, width) of the source, upright, before resizing
+    decode_s: float  # time the decoder spent on it
+
+
+def frame_windows(samples: Iterator[SampledFrame], window_frames: int) -> Iterator[FrameWindow]:
+    """Group the sampled frames (a frame filling k slots counts k times) into windows."""
+    frames: list[np.ndarray] = []
+    times: list[float] = []
+    started = time.perf_counter()
+    for sampled in samples:
+        for _ in range(sampled.num_samples):
+            frames.append(sampled.rgb)
+            times.append(sampled.time)
+            if len(frames) == window_frames:
+                yield FrameWindow(
+                    np.stack(frames), times, sampled.display_size, time.perf_counter() - started
+                )
+                frames, times = [], []
+                started = time.perf_counter()
+    if frames:
+        yield FrameWindow(
+            np.stack(frames), times, sampled.display_size, time.perf_counter() - started
+        )
+
+
+@dataclass
+class WindowedVideo:
+    """What the windows left: dense embeddings or what EVS kept, and the clip's facts."""
+
+    grid_thw: tuple[int, int, int]  # pre-merge patch grid of the whole clip
+    second_per_grid_ts: float
+    timestamps: tuple[float, ...]
+    resized_size: tuple[int, int]  # (height, width) the model saw
+    display_size: tuple[int, int]
+    dense: tuple[torch.Tensor, torch.Tensor | None] | None  # (embeds, draft embeds)
+    kept: ClipKept | None
+    timings: dict[str, float]
+
+
+def encode_windows(
+    pipeline, reader: VideoReader, evs: EVSConfig | None, window_frames: int
+) -> WindowedVideo:
+    """Run `reader`'s clip through `pipeline` a window at a time (see the module docstring)."""
+    probe = reader.probe
+    media = pipeline.media
+    sink: _Sink | None = None
+    timestamps: list[float] = []
+    timings = {"decode_s": 0.0, "preprocess_s": 0.0, "encode_s": 0.0}
+    samples = reader.frames(resize=media.frame_resize, work=pipeline.work)
+    with prefetched(frame_windows(samples, window_frames)) as windows:
+        for window in windows:
+            started = time.perf_counter()
+            prepared = media.prepare_video(window.frames, probe.sample_fps)
+            prepared_at = time.perf_counter()
+            pipeline.work.tower_passes += 1
+            embeds, draft = pipeline.encode_prepared([prepared])
+            if sink is None:
+                sink = _Sink.start(pipeline, probe, prepared, window, embeds[0], draft, evs)
+            sink.push(embeds[0], None if draft is None else draft[0])
+            timestamps.extend(window.timestamps)
+            timings["decode_s"] += window.decode_s
+            timings["preprocess_s"] += prepared_at - started
+            timings["encode_s"] += time.perf_counter() - prepared_at
+    assert sink is not None  # a pass yields a frame or raises
+    return sink.finish(tuple(timestamps), timings)
+
+
+class _Sink:
+    """Where windows' embeddings go: kept dense, or through the clip's pruner."""
+
+    def __init__(self, grid, prepared, window, pruner: ClipPruner | None) -> None:
+        self.grid_thw = grid
+        self.second_per_grid_ts = prepared.second_per_grid_ts
+        self.resized_size = (prepared.resized_height, prepared.resized_width)
+        self.display_size = window.display_size
+        self.pruner = pruner
+        self.dense: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    @classmethod
+    def start(cls, pipeline, probe: VideoProbe, prepared, window, embeds, draft, evs) -> _Sink:
+        """Size the clip from its plan and its first window; keep it dense if the encoder
+        cache can hold it."""
+        merge = pipeline.media.merge_size
+        num_tubelets, height, width = prepared.grid_thw
+        frames_high, frames_wide = window.frames.shape[1:3]
+        num_tubelets = pipeline.media.token_grid(
+            "video", probe.num_samples, frames_high, frames_wide
+        )[0]
+        tokens_per_tubelet = (height // merge) * (width // merge)
+        row_bytes = embeds.shape[1] * embeds.element_size()
+        if draft is not None:
+            row_bytes += draft[0].shape[1] * draft[0].element_size()
+        dense_bytes = num_tubelets * tokens_per_tubelet * row_bytes
+        grid = (num_tubelets, height, width)
+        if dense_bytes <= pipeline.cache.max_bytes:
+            return cls(grid, prepared, window, None)
+        pruner = ClipPruner(evs, (height // merge, width // merge), num_tubelets)
+        return cls(grid, prepared, window, pruner)
+
+    def push(self, embeds: torch.Tensor, draft: torch.Tensor | None) -> None:
+        if self.pruner is None:
+            self.dense.append((embeds, draft))
+        else:
+            self.pruner.push(embeds, *(() if draft is None else (draft,)))
+
+    def finish(self, timestamps: tuple[float, ...], timings: dict) -> WindowedVideo:
+        dense = kept = None
+        if self.pruner is None:
+            embeds = torch.cat([pair[0] for pair in self.dense])
+            drafts = [pair[1] for pair in self.dense]
+            draft = None if drafts[0] is None else torch.cat(drafts)
+            dense = (embeds, draft)
+        else:
+            kept = self.pruner.finish()
+        return WindowedVideo(
+            self.grid_thw, self.second_per_grid_ts, timestamps, self.resized_size,
+            self.display_size, dense, kept, timings,
+        )  # fmt: skip
