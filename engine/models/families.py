@@ -66,6 +66,7 @@ QWEN2_5_VL = ModelFamily(
     live_sessions=True,
     narration_timestamp="<{t:.1f}s>",
     weight_prefixes=QWEN_WEIGHT_PREFIXES,
+    pixel_budget=("min_pixels", "max_pixels"),
 )
 QWEN2_VL = dataclasses.replace(
     QWEN2_5_VL,

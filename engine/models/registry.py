@@ -74,7 +74,10 @@ class ModelFamily:
     `visual.` / `language_model.` / `lm_head.` ones. `narration_timestamp` is the text a
     narration writes before each tubelet (`{t}`: its first frame's time in seconds), which
     then follows as its own one-tubelet video between the vision markers; None: the family
-    does not narrate.
+    does not narrate. `pixel_budget` names the per-request video pixel options the family's
+    processor takes (Qwen2.5-VL: `min_pixels`, `max_pixels`); its media class then has
+    `pixel_budget()` (the values in force) and `with_pixel_budget(**values)` (a media with a
+    request's values, ValueError naming one out of range). Empty: none.
     """
 
     model_type: str
@@ -91,6 +94,7 @@ class ModelFamily:
     live_sessions: bool = False
     narration_timestamp: str | None = None
     weight_prefixes: Mapping[str, str] = field(default_factory=dict)
+    pixel_budget: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_type:
@@ -105,6 +109,8 @@ class ModelFamily:
             raise ValueError("live sessions append video placeholders: they need a video token")
         if self.narration_timestamp is not None and not self.live_sessions:
             raise ValueError("narration appends tubelets as live sessions do: it needs those")
+        if not all(isinstance(name, str) and name for name in self.pixel_budget):
+            raise ValueError(f"pixel_budget={self.pixel_budget!r} must name options as strings")
         object.__setattr__(self, "weight_prefixes", MappingProxyType(dict(self.weight_prefixes)))
 
     @property
@@ -120,6 +126,18 @@ class ModelFamily:
 
     def media_class(self) -> type:
         return _resolve(self.media)
+
+    def with_pixel_budget(self, media: Any, budget: Mapping[str, int]) -> Any:
+        """`media` (this family's media object) with a request's pixel budget, checked: a name
+        the family does not take is a ValueError that lists the ones it does."""
+        unknown = sorted(set(budget) - set(self.pixel_budget))
+        if unknown:
+            allowed = ", ".join(self.pixel_budget) or "none"
+            raise ValueError(
+                f"{', '.join(unknown)}: not a pixel budget option of {self.model_type} "
+                f"(allowed: {allowed})"
+            )
+        return media.with_pixel_budget(**budget) if budget else media
 
 
 class FamilyRegistry:
