@@ -287,7 +287,9 @@ def _probe(
         container, stream, config.max_decoded_frames, config.max_duration_s, stop_after_s
     )
     range_start, range_end = _clip_range(start, end, scan.end)
-    plan = plan_samples(range_start, range_end - range_start, config.fps, config.max_frames)
+    plan = plan_samples(
+        range_start, range_end - range_start, config.fps, config.max_frames, config.num_frames
+    )
     rate = stream.average_rate
     return _Probe(
         stream_index=stream.index,
@@ -309,7 +311,7 @@ def _affordable_end(
 ) -> float | None:
     """The stream time past which the plan would take more than `max_samples` frames (None:
     no such time, the frame cap or `end` comes first)."""
-    if max_samples is None or max_samples >= config.max_frames:
+    if max_samples is None or max_samples >= config.max_frames or config.num_frames is not None:
         return None
     # plan_samples takes ceil(duration * fps - eps) frames while under the cap
     affordable_end = (start or 0.0) + (max_samples + TIME_EPS_S) / config.fps
