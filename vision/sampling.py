@@ -1,10 +1,11 @@
 """Which decoded frame each sample time gets.
 
 Sample times are `start + k / fps` inside [start, end); a range longer than `max_frames / fps`
-gets `max_frames` evenly spread times instead, and `num_frames` asks for that many evenly. Each time takes the last frame whose timestamp is
-at or before it; a time before the first frame takes the first frame. `FrameSelector` applies
-that rule to frames arriving one by one in presentation order, holding only the latest
-candidate, so a whole clip is never in memory and unsampled frames are never converted.
+gets `max_frames` evenly spread times instead, and `num_frames` asks for that many evenly.
+Each time takes the last frame whose timestamp is at or before it; a time before the first
+frame takes the first frame. `FrameSelector` applies that rule to frames arriving one by one
+in presentation order, holding only the latest candidate, so a whole clip is never in memory
+and unsampled frames are never converted.
 """
 
 import math
