@@ -14,7 +14,7 @@ to be over what is left of the budget.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,11 +22,10 @@ from PIL import Image
 
 from stillcut.engine.admission import RequestTooLong, TooManyVisualTokens
 from stillcut.engine.config import SchedulerConfig
-from stillcut.kernels.evs import EVSConfig
-from stillcut.kernels.evs.config import num_retained_tokens
 from stillcut.vision.decode import probe_video
 from stillcut.vision.image_file import image_size
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
+from stillcut.vision.video_plan import kept_range, most_frames
 
 MediaInput = VideoInput | ImageInput
 
@@ -77,7 +76,7 @@ def check_media_budget(
 def min_kept_tokens(pipeline: VisionPipeline, spec: MediaInput, affordable: int) -> int:
     """The fewest tokens `spec` can keep; a clip's packet scan stops once that passes
     `affordable` (the count returned is then only known to be over it)."""
-    media = pipeline.media
+    media = pipeline.media_for(spec)
     if isinstance(spec, ImageInput):
         size = _image_size(spec.source, pipeline.decode_config.max_image_pixels)
         if size is None:
@@ -86,43 +85,21 @@ def min_kept_tokens(pipeline: VisionPipeline, spec: MediaInput, affordable: int)
         return grid[0] * grid[1] * grid[2]  # images are never pruned
 
     def cost(num_frames: int, height: int, width: int) -> int:
-        return _kept(media.token_grid("video", num_frames, height, width), spec.evs)
+        return kept_range(media.token_grid("video", num_frames, height, width), spec.evs)[0]
 
     if isinstance(spec.source, np.ndarray):
         return cost(*spec.source.shape[:3])  # [T, H, W, 3]
     if not isinstance(spec.source, bytes | str | os.PathLike):
         return 0  # a file object is read once, by the encoder; the engine still checks it
-    config = pipeline.decode_config.with_sampling(spec.fps, spec.max_frames)
+    config = pipeline.decode_options(spec)
 
-    def most_frames(width: int, height: int) -> int:
-        return _most_frames(lambda n: cost(n, height, width), config.max_frames, affordable)
+    def affordable_frames(width: int, height: int) -> int:
+        return most_frames(lambda n: cost(n, height, width), config.max_frames, affordable)
 
     probe = probe_video(
-        spec.source, config, start=spec.start, end=spec.end, max_samples=most_frames
+        spec.source, config, start=spec.start, end=spec.end, max_samples=affordable_frames
     )
     return cost(probe.num_samples, probe.height, probe.width)
-
-
-def _kept(grid: tuple[int, int, int], evs: EVSConfig | None) -> int:
-    """EVS's fewest kept tokens of a (t, h, w) grid: the first tubelet is always whole."""
-    num_tubelets, tokens_per_tubelet = grid[0], grid[1] * grid[2]
-    if evs is None or evs.is_off:
-        return num_tubelets * tokens_per_tubelet
-    if evs.mode == "rate":
-        return num_retained_tokens(num_tubelets, tokens_per_tubelet, evs.rate)
-    return tokens_per_tubelet + (num_tubelets - 1) * min(evs.floor, tokens_per_tubelet)
-
-
-def _most_frames(cost: Callable[[int], int], max_frames: int, affordable: int) -> int:
-    """The most frames (at most `max_frames`) whose cost fits `affordable`; 0 if none."""
-    low, high = 0, max_frames  # cost grows with the frame count: bisect
-    while low < high:
-        middle = (low + high + 1) // 2
-        if cost(middle) <= affordable:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 def _image_size(source, max_pixels: int) -> tuple[int, int] | None:

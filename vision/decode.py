@@ -104,6 +104,7 @@ class VideoProbe:
     source_fps: float | None = None
     codec: str = ""
     num_seeks: int | None = None  # seeks past unsampled stretches (None: no packet index)
+    start: float = 0.0  # seconds from the stream start where the range begins
 
 
 class VideoReader:
@@ -255,6 +256,7 @@ class _Probe:
             source_fps=self.source_fps,
             codec=self.codec,
             num_seeks=None if self.skip is None else self.skip.num_seeks,
+            start=self.range_start,
         )
 
 

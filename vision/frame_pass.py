@@ -52,6 +52,11 @@ from stillcut.vision.work import VisionWork
 SEEK_PREROLL_S = 1.0
 
 
+# Jump only past at least this many packets: a seek drains the decoder and restarts its
+# threads, which costs about what decoding a few dozen small inter frames does.
+MIN_PACKETS_SKIPPED = 24
+
+
 class PassMisfire(Exception):
     """A shortcut of the pass did not hold; `num_emitted` samples were already handed out
     (all of them right: each matched the prediction)."""
@@ -121,14 +126,15 @@ def plan_skips(stream: VideoStream, scan: PacketScan, sample_times: tuple[float,
 
 
 def _jumps(scan: PacketScan, wanted: list[int]) -> tuple[Jump, ...]:
-    """A seek before each wanted packet whose keyframe lies past every packet needed before."""
+    """A seek before each wanted packet whose keyframe lies well past every packet needed
+    before (the first always: the packet scan left the container at its end)."""
     assert scan.pts is not None
     jumps, reach = [], -1
     for position in wanted:
         keyframe = _keyframe_before(scan, position)
         if keyframe is None:
             return ()  # no keyframe to start from: decode from the top
-        if not jumps or keyframe > reach + 1:
+        if not jumps or keyframe > reach + MIN_PACKETS_SKIPPED:
             jumps.append(Jump(reach, keyframe, scan.pts[keyframe]))
         reach = max(reach, position)
     return tuple(jumps)

@@ -55,7 +55,9 @@ class VideoInput:
 
     A frame array `[T, H, W, 3]` uint8 is taken as already sampled at `frames_fps`
     (its timestamps default to `k / frames_fps`); files are sampled at `fps` over
-    [start, end) with at most `max_frames` frames (None: the pipeline's decode defaults).
+    [start, end) with at most `max_frames` frames, or exactly `num_frames` evenly (None: the
+    pipeline's decode defaults). `pixels` is a pixel budget as (name, value) pairs, the names
+    the family's entry takes (`ModelFamily.pixel_budget`; Qwen: min_pixels, max_pixels).
     """
 
     source: VideoSource
@@ -66,6 +68,8 @@ class VideoInput:
     max_frames: int | None = None
     frames_fps: float = 2.0
     timestamps: tuple[float, ...] | None = None
+    num_frames: int | None = None
+    pixels: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -214,22 +218,29 @@ class VisionPipeline:
                 # the frame rate and times set the temporal positions, so they are part of it
                 "frames_fps": spec.frames_fps,
                 "timestamps": spec.timestamps,
-                "preprocess": self.video_preprocess.key(),
+                "preprocess": self.media_for(spec).video_preprocess.key(),
             }
         else:
             data, spec_source = _video_payload(spec.source, self.decode_config.max_bytes)
             params = {
                 "kind": "video",
-                "decode": self._decode_config(spec).__repr__(),
+                "decode": self.decode_options(spec).__repr__(),
                 "start": spec.start,
                 "end": spec.end,
-                "preprocess": self.video_preprocess.key(),
+                "preprocess": self.media_for(spec).video_preprocess.key(),
             }
         key = media_key(self.model_key, data, params)
         return key, spec_source if params["kind"] == "video" else data
 
-    def _decode_config(self, spec: VideoInput) -> DecodeConfig:
-        return self.decode_config.with_sampling(spec.fps, spec.max_frames)
+    def media_for(self, spec: VideoInput | ImageInput):
+        """The family's media object with `spec`'s pixel budget (checked by the entry)."""
+        if isinstance(spec, ImageInput) or not spec.pixels:
+            return self.media
+        return self.family.with_pixel_budget(self.media, dict(spec.pixels))
+
+    def decode_options(self, spec: VideoInput) -> DecodeConfig:
+        """The decode settings `spec` is sampled with."""
+        return self.decode_config.with_sampling(spec.fps, spec.max_frames, spec.num_frames)
 
 
 class _Loaded:
@@ -261,25 +272,30 @@ class _Loaded:
         from stillcut.vision.decode import open_video
         from stillcut.vision.video_windows import encode_windows
 
-        config = pipeline._decode_config(spec)
+        config = pipeline.decode_options(spec)
+        media = pipeline.media_for(spec)
         started = time.perf_counter()
         with open_video(data, config, start=spec.start, end=spec.end) as reader:
             probe = reader.probe
             if probe.num_samples > pipeline.window_frames:
-                windowed = encode_windows(pipeline, reader, spec.evs, pipeline.window_frames)
+                windowed = encode_windows(pipeline, media, reader, spec.evs)
             else:
-                decoded = reader.decode(resize=pipeline.media.frame_resize, work=pipeline.work)
+                decoded = reader.decode(resize=media.frame_resize, work=pipeline.work)
         self._info = {
             "codec": probe.codec,
             "source_fps": probe.source_fps,
             "sample_fps": probe.sample_fps,
             "duration": probe.duration,
+            "start": probe.start,
+            "end": probe.start + probe.duration,
+            "num_seeks": probe.num_seeks,
+            **({"pixel_budget": media.pixel_budget()} if spec.pixels else {}),
         }
         if probe.num_samples <= pipeline.window_frames:
             self._set_frames(decoded.timestamps, decoded.source_fps)
             self._info.update(width=decoded.width, height=decoded.height)
             decoded_s = time.perf_counter()
-            self.prepared = pipeline.media.prepare_video(decoded.frames, decoded.sample_fps)
+            self.prepared = media.prepare_video(decoded.frames, decoded.sample_fps)
             self._set_prepared(started, decoded_s)
             return
         self.streamed = True

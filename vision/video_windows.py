@@ -76,12 +76,11 @@ class WindowedVideo:
     timings: dict[str, float]
 
 
-def encode_windows(
-    pipeline, reader: VideoReader, evs: EVSConfig | None, window_frames: int
-) -> WindowedVideo:
-    """Run `reader`'s clip through `pipeline` a window at a time (see the module docstring)."""
+def encode_windows(pipeline, media, reader: VideoReader, evs: EVSConfig | None) -> WindowedVideo:
+    """Run `reader`'s clip through `pipeline`'s tower a window of `pipeline.window_frames` at a
+    time, preprocessed by `media` (the family's, with the request's pixel budget)."""
     probe = reader.probe
-    media = pipeline.media
+    window_frames = pipeline.window_frames
     sink: _Sink | None = None
     timestamps: list[float] = []
     timings = {"decode_s": 0.0, "preprocess_s": 0.0, "encode_s": 0.0}
@@ -94,7 +93,7 @@ def encode_windows(
             pipeline.work.tower_passes += 1
             embeds, draft = pipeline.encode_prepared([prepared])
             if sink is None:
-                sink = _Sink.start(pipeline, probe, prepared, window, embeds[0], draft, evs)
+                sink = _Sink.start(pipeline, media, probe, prepared, window, embeds[0], draft, evs)
             sink.push(embeds[0], None if draft is None else draft[0])
             timestamps.extend(window.timestamps)
             timings["decode_s"] += window.decode_s
@@ -116,15 +115,15 @@ class _Sink:
         self.dense: list[tuple[torch.Tensor, torch.Tensor | None]] = []
 
     @classmethod
-    def start(cls, pipeline, probe: VideoProbe, prepared, window, embeds, draft, evs) -> _Sink:
+    def start(
+        cls, pipeline, media, probe: VideoProbe, prepared, window, embeds, draft, evs
+    ) -> _Sink:
         """Size the clip from its plan and its first window; keep it dense if the encoder
         cache can hold it."""
-        merge = pipeline.media.merge_size
+        merge = media.merge_size
         num_tubelets, height, width = prepared.grid_thw
         frames_high, frames_wide = window.frames.shape[1:3]
-        num_tubelets = pipeline.media.token_grid(
-            "video", probe.num_samples, frames_high, frames_wide
-        )[0]
+        num_tubelets = media.token_grid("video", probe.num_samples, frames_high, frames_wide)[0]
         tokens_per_tubelet = (height // merge) * (width // merge)
         row_bytes = embeds.shape[1] * embeds.element_size()
         if draft is not None:
