@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         evs_config,
         precision_options,
         speculative_config,
+        video_options,
     )
     from stillcut.vision.decode import DecodeConfig
 
@@ -73,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
-        start=args.start,
-        end=args.end,
+        **video_options(args),
+        max_video_tokens=args.max_video_tokens,
         progress=True,
     )
     memory = llm.engine.memory

@@ -218,7 +218,7 @@ class VisionPipeline:
                 # the frame rate and times set the temporal positions, so they are part of it
                 "frames_fps": spec.frames_fps,
                 "timestamps": spec.timestamps,
-                "preprocess": self.media_for(spec).video_preprocess.key(),
+                "preprocess": self.media_with(spec.pixels).video_preprocess.key(),
             }
         else:
             data, spec_source = _video_payload(spec.source, self.decode_config.max_bytes)
@@ -227,16 +227,15 @@ class VisionPipeline:
                 "decode": self.decode_options(spec).__repr__(),
                 "start": spec.start,
                 "end": spec.end,
-                "preprocess": self.media_for(spec).video_preprocess.key(),
+                "preprocess": self.media_with(spec.pixels).video_preprocess.key(),
             }
         key = media_key(self.model_key, data, params)
         return key, spec_source if params["kind"] == "video" else data
 
-    def media_for(self, spec: VideoInput | ImageInput):
-        """The family's media object with `spec`'s pixel budget (checked by the entry)."""
-        if isinstance(spec, ImageInput) or not spec.pixels:
-            return self.media
-        return self.family.with_pixel_budget(self.media, dict(spec.pixels))
+    def media_with(self, pixels: tuple[tuple[str, int], ...]):
+        """The family's media object with a video pixel budget (checked by the entry;
+        ValueError names what is wrong)."""
+        return self.family.with_pixel_budget(self.media, dict(pixels)) if pixels else self.media
 
     def decode_options(self, spec: VideoInput) -> DecodeConfig:
         """The decode settings `spec` is sampled with."""
@@ -273,7 +272,7 @@ class _Loaded:
         from stillcut.vision.video_windows import encode_windows
 
         config = pipeline.decode_options(spec)
-        media = pipeline.media_for(spec)
+        media = pipeline.media_with(spec.pixels)
         started = time.perf_counter()
         with open_video(data, config, start=spec.start, end=spec.end) as reader:
             probe = reader.probe

@@ -113,7 +113,7 @@ def plan_video(pipeline, spec, limits: PlanLimits = PlanLimits()) -> VideoPlan:
     """The plan of `spec` (a `VideoInput` of a file) through `pipeline`, decoding nothing."""
     from stillcut.vision.decode import probe_video  # PyAV only where files are planned
 
-    media = pipeline.media_for(spec)
+    media = pipeline.media_with(spec.pixels)
     config = pipeline.decode_options(spec)
     probe = probe_video(spec.source, config, start=spec.start, end=spec.end)
 
