@@ -48,6 +48,12 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start", type=float, help="start of the range, seconds")
     parser.add_argument("--end", type=float, help="end of the range, seconds")
     parser.add_argument("--num-frames", type=int, help="exactly this many frames, evenly")
+    parser.add_argument(
+        "--resize",
+        choices=("exact", "fast"),
+        default="exact",
+        help="exact: as the model's processor resizes (default); fast: FFmpeg's scaler at decode",
+    )
     parser.add_argument("--min-pixels", type=int, help="pixel budget: fewest pixels per frame")
     parser.add_argument("--max-pixels", type=int, help="pixel budget: most pixels per frame")
     parser.add_argument(
@@ -195,7 +201,8 @@ def _inspect(args: argparse.Namespace) -> int:
     model = args.model or demo_checkpoint()
     started = time.perf_counter()
     pipeline = VisionPipeline(
-        model, decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames)
+        model,
+        decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames, resize=args.resize),
     )
     load_s = time.perf_counter() - started
     evs = resolve_evs_default(pipeline.model_config, choice)

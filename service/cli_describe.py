@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
-    decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames)
+    decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames, resize=args.resize)
     started = time.perf_counter()
     engine_config = replace(DEFAULT_ENGINE_CONFIG, speculative=speculative_config(args))
     llm = VideoLLM(

@@ -12,6 +12,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+RESIZE_MODES = ("exact", "fast")
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Sampling rate and the limits that keep hostile inputs cheap to reject."""
@@ -26,6 +29,7 @@ class DecodeConfig:
     max_pixels: int = 4096 * 2304  # width * height, checked from the header before decoding
     max_decoded_frames: int = 1_000_000  # safety cap on frames decoded (or packets scanned)
     num_frames: int | None = None  # exactly this many, evenly over the range (fps ignored)
+    resize: str = "exact"  # "fast": FFmpeg's scaler at decode (see `frame_resize`)
     max_image_pixels: int = 4096 * 4096  # of a still image, checked from its header
 
     def __post_init__(self) -> None:
@@ -43,6 +47,10 @@ class DecodeConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"DecodeConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.resize not in RESIZE_MODES:
+            raise ValueError(
+                f"DecodeConfig.resize must be one of {RESIZE_MODES}, got {self.resize!r}"
+            )
         count = self.num_frames
         if count is not None and not (isinstance(count, int) and 1 <= count <= self.max_frames):
             raise ValueError(

@@ -337,12 +337,13 @@ class _FrameConverter:
             self.display_size = self._target = self._layout.output_size
             if self._resize is not None:
                 self._target = self._resize.target(*self.display_size)
+        fast = self._resize is not None and self._resize.fast
         try:
-            rgb = self._layout.to_rgb(frame)  # [H, W, 3]
+            rgb = self._layout.to_rgb(frame, self._target if fast else None)  # [H, W, 3]
         except (av.error.FFmpegError, ValueError) as e:
             raise UnsupportedCodec(
                 f"frames in pixel format {frame.format.name} cannot be converted to RGB ({e})"
             ) from e
-        if self._resize is not None:
+        if self._resize is not None and not fast:
             rgb = self._resize.apply(rgb, self._target)  # [target H, target W, 3]
         return np.ascontiguousarray(rgb)

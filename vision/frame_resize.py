@@ -5,6 +5,10 @@ Gemma 3: a fixed square) with a PIL filter. Decoding can do that same resize as 
 frame is converted, so a large clip is only ever held at the size the model sees, never at
 display size. The result is bit for bit what preprocessing would make: the same PIL call on
 the same pixels, and preprocessing then finds each frame at its target size and leaves it be.
+
+`fast` (opt-in, `DecodeConfig.resize="fast"`) lets FFmpeg's scaler make the target size in the
+same step that converts the decoded frame to RGB, skipping the full-size RGB frame and PIL:
+faster, and close to the exact path but not bit-exact (bench/long_video.py reports how close).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class FrameResize:
 
     size: Callable[[int, int], tuple[int, int]]
     resample: Image.Resampling
+    fast: bool = False  # FFmpeg's scaler at conversion instead of PIL afterwards
 
     def target(self, height: int, width: int) -> tuple[int, int]:
         """Where to hold frames of `height` x `width`: the family's size when it is smaller and

@@ -14,6 +14,7 @@ each item carries the draft's embeddings of exactly the tokens the target's EVS 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -276,10 +277,13 @@ class _Loaded:
         started = time.perf_counter()
         with open_video(data, config, start=spec.start, end=spec.end) as reader:
             probe = reader.probe
+            resize = media.frame_resize
+            if resize is not None and config.resize == "fast":
+                resize = dataclasses.replace(resize, fast=True)
             if probe.num_samples > pipeline.window_frames:
-                windowed = encode_windows(pipeline, media, reader, spec.evs)
+                windowed = encode_windows(pipeline, media, reader, spec.evs, resize)
             else:
-                decoded = reader.decode(resize=media.frame_resize, work=pipeline.work)
+                decoded = reader.decode(resize=resize, work=pipeline.work)
         self._info = {
             "codec": probe.codec,
             "source_fps": probe.source_fps,

@@ -28,6 +28,7 @@ from stillcut.kernels.evs import EVSConfig
 from stillcut.kernels.evs.clip_pruner import ClipKept, ClipPruner
 from stillcut.vision.decode import VideoProbe, VideoReader
 from stillcut.vision.frame_pass import SampledFrame
+from stillcut.vision.frame_resize import FrameResize
 from stillcut.vision.prefetch import prefetched
 
 
@@ -76,15 +77,18 @@ class WindowedVideo:
     timings: dict[str, float]
 
 
-def encode_windows(pipeline, media, reader: VideoReader, evs: EVSConfig | None) -> WindowedVideo:
+def encode_windows(
+    pipeline, media, reader: VideoReader, evs: EVSConfig | None, resize: FrameResize | None
+) -> WindowedVideo:
     """Run `reader`'s clip through `pipeline`'s tower a window of `pipeline.window_frames` at a
-    time, preprocessed by `media` (the family's, with the request's pixel budget)."""
+    time, frames resized at decode by `resize` and preprocessed by `media` (the family's, with
+    the request's pixel budget)."""
     probe = reader.probe
     window_frames = pipeline.window_frames
     sink: _Sink | None = None
     timestamps: list[float] = []
     timings = {"decode_s": 0.0, "preprocess_s": 0.0, "encode_s": 0.0}
-    samples = reader.frames(resize=media.frame_resize, work=pipeline.work)
+    samples = reader.frames(resize=resize, work=pipeline.work)
     with prefetched(frame_windows(samples, window_frames)) as windows:
         for window in windows:
             started = time.perf_counter()
