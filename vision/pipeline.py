@@ -219,7 +219,7 @@ class VisionPipeline:
                 # the frame rate and times set the temporal positions, so they are part of it
                 "frames_fps": spec.frames_fps,
                 "timestamps": spec.timestamps,
-                "preprocess": self.media_with(spec.pixels).video_preprocess.key(),
+                "preprocess": self._video_preprocess_key(spec),
             }
         else:
             data, spec_source = _video_payload(spec.source, self.decode_config.max_bytes)
@@ -228,10 +228,15 @@ class VisionPipeline:
                 "decode": self.decode_options(spec).__repr__(),
                 "start": spec.start,
                 "end": spec.end,
-                "preprocess": self.media_with(spec.pixels).video_preprocess.key(),
+                "preprocess": self._video_preprocess_key(spec),
             }
         key = media_key(self.model_key, data, params)
         return key, spec_source if params["kind"] == "video" else data
+
+    def _video_preprocess_key(self, spec: VideoInput) -> str:
+        if spec.pixels:
+            return self.media_with(spec.pixels).video_preprocess.key()
+        return self.video_preprocess.key()
 
     def media_with(self, pixels: tuple[tuple[str, int], ...]):
         """The family's media object with a video pixel budget (checked by the entry;
@@ -298,7 +303,8 @@ class _Loaded:
             self._set_frames(decoded.timestamps, decoded.source_fps)
             self._info.update(width=decoded.width, height=decoded.height)
             decoded_s = time.perf_counter()
-            self.prepared = media.prepare_video(decoded.frames, decoded.sample_fps)
+            told = {} if resize is None else resize.prepare_options((decoded.height, decoded.width))
+            self.prepared = media.prepare_video(decoded.frames, decoded.sample_fps, **told)
             self._set_prepared(started, decoded_s)
             return
         self.streamed = True

@@ -35,6 +35,7 @@ def _frame_resize(config: VideoPreprocessConfig) -> FrameResize:
     return FrameResize(
         lambda h, w: smart_resize(h, w, config.factor, config.min_pixels, config.max_pixels),
         Image.Resampling.BICUBIC,
+        prepare_knows_source=True,
     )
 
 
@@ -82,9 +83,12 @@ class QwenMedia:
         num_tubelets = -(-num_frames // config.temporal_patch_size)
         return num_tubelets, resized[0] // config.factor, resized[1] // config.factor
 
-    def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedVideo:
-        """Frames [T, H, W, 3] uint8 sampled at `sample_fps` -> tubelet patches."""
-        return preprocess_video(frames, sample_fps, self.video_preprocess)
+    def prepare_video(
+        self, frames: np.ndarray, sample_fps: float, source_size: tuple[int, int] | None = None
+    ) -> PreprocessedVideo:
+        """Frames [T, H, W, 3] uint8 sampled at `sample_fps` -> tubelet patches (`source_size`:
+        the frames were resized at decode from that (height, width))."""
+        return preprocess_video(frames, sample_fps, self.video_preprocess, source_size)
 
     def prepare_image(self, image: np.ndarray) -> PreprocessedVideo:
         """One image [H, W, 3] uint8 -> the patches of a one-frame tubelet."""

@@ -42,8 +42,14 @@ class FrameWindow:
     decode_s: float  # time the decoder spent on it
 
 
+# A window also ends, on a tubelet boundary, once its frames hold this many bytes: frames held
+# at display size (a family without a resize at decode) must not make a window huge.
+WINDOW_BYTES = 64 << 20
+
+
 def frame_windows(samples: Iterator[SampledFrame], window_frames: int) -> Iterator[FrameWindow]:
-    """Group the sampled frames (a frame filling k slots counts k times) into windows."""
+    """Group the sampled frames (a frame filling k slots counts k times) into windows of
+    `window_frames`, or fewer (an even number) reaching `WINDOW_BYTES`."""
     frames: list[np.ndarray] = []
     times: list[float] = []
     started = time.perf_counter()
@@ -51,7 +57,8 @@ def frame_windows(samples: Iterator[SampledFrame], window_frames: int) -> Iterat
         for _ in range(sampled.num_samples):
             frames.append(sampled.rgb)
             times.append(sampled.time)
-            if len(frames) == window_frames:
+            heavy = len(frames) % 2 == 0 and len(frames) * sampled.rgb.nbytes >= WINDOW_BYTES
+            if len(frames) == window_frames or heavy:
                 yield FrameWindow(
                     np.stack(frames), times, sampled.display_size, time.perf_counter() - started
                 )
@@ -92,7 +99,8 @@ def encode_windows(
     with prefetched(frame_windows(samples, window_frames)) as windows:
         for window in windows:
             started = time.perf_counter()
-            prepared = media.prepare_video(window.frames, probe.sample_fps)
+            told = {} if resize is None else resize.prepare_options(window.display_size)
+            prepared = media.prepare_video(window.frames, probe.sample_fps, **told)
             prepared_at = time.perf_counter()
             pipeline.work.tower_passes += 1
             embeds, draft = pipeline.encode_prepared([prepared])

@@ -68,3 +68,25 @@ def test_windows_give_the_whole_clips_item(pipelines, clip, evs, monkeypatch):
         torch.testing.assert_close(item.embeds, whole.embeds, rtol=1e-5, atol=1e-5)
         assert item.identifier == whole.identifier
     assert pipelines["windows"].cache.nbytes > 0 and pipelines["pruned"].cache.nbytes == 0
+
+
+def test_frames_held_at_the_target_give_the_full_size_result(tmp_path):
+    """The demo model's smart resize of 640x360 lands under its min_pixels, so resizing its
+    own output again would change it: decoding holds frames at the target and tells
+    preprocessing the source size, and the item equals preprocessing the full-size frames."""
+    from stillcut.engine.factory import demo_checkpoint
+    from stillcut.vision.decode import DecodeConfig, decode_video
+    from stillcut.vision.preprocess import preprocess_video
+
+    path = tmp_path / "wide.mp4"
+    write_video(path, moving_texture(12, 640, 360, seed=4), time_base=Fraction(1, 4))
+    pipeline = VisionPipeline(demo_checkpoint(), window_frames=4)
+    held = decode_video(path, DecodeConfig(), resize=pipeline.media.frame_resize)
+    assert held.frames.shape[1:3] == (140, 252)
+    full = decode_video(path, DecodeConfig())
+    prepared = preprocess_video(full.frames, full.sample_fps, pipeline.video_preprocess)
+    with torch.inference_mode():
+        (expected,) = pipeline.tower.encode([prepared.patches], [prepared.grid_thw])
+    item = pipeline.video(path, evs=None)
+    torch.testing.assert_close(item.embeds, expected, rtol=1e-5, atol=1e-5)
+    assert item.grid_thw == prepared.grid_thw
