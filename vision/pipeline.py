@@ -3,13 +3,15 @@
 decode → preprocess → tower → EVS. The encoder cache sits between the tower and EVS, keyed by
 `media_key` (the model, the media bytes and every decode/preprocess parameter), so changing
 EVS settings never re-runs the encoder. The item's `identifier` adds the EVS setting; that is
-what the prefix cache hashes. Several videos asked for together are encoded in one tower pass.
-What differs by family is read off its registry entry: the tower, the media class that
-preprocesses frames and encodes batches (tubelet patches merged 2x2, or one square per frame),
-and whether its items attend bidirectionally. With a `draft_model` (the engine speculates with
-a draft model) the draft's own tower encodes the same preprocessed input in the same pass, and
-each item carries the draft's embeddings of exactly the tokens the target's EVS kept
-(`MultiModalItem.draft_embeds`); the encoder cache then keys and holds both.
+what the prefix cache hashes. Several media asked for together are encoded in one tower pass;
+a video file longer than one window streams through the tower a window at a time instead
+(`video_windows`), holding only a window plus what it keeps. What differs by family is read
+off its registry entry: the tower, the media class that preprocesses frames and encodes
+batches (tubelet patches merged 2x2, or one square per frame), and whether its items attend
+bidirectionally. With a `draft_model` (the engine speculates with a draft model) the draft's
+own tower encodes the same preprocessed input in the same pass, and each item carries the
+draft's embeddings of exactly the tokens the target's EVS kept (`MultiModalItem.draft_embeds`);
+the encoder cache then keys and holds both.
 """
 
 from __future__ import annotations
