@@ -28,6 +28,7 @@ from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.processor import Prompt
 from stillcut.engine.quantization import stored_bytes
 from stillcut.engine.request import SamplingParams
+from stillcut.kernels.evs import EVSConfig
 from stillcut.service.async_engine import AsyncEngine
 from stillcut.service.evs_default import DEFAULT_EVS, UNSET, EVSChoice, resolve_evs_default
 from stillcut.service.media_budget import (
@@ -42,6 +43,7 @@ from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import ImageInput, VideoInput, VideoSource, VisionPipeline
+from stillcut.vision.video_plan import PlanLimits, VideoPlan, plan_video
 
 __all__ = ["DEFAULT_EVS", "DEFAULT_PROMPT", "VideoLLM", "describe_video"]
 DEFAULT_PROMPT = "Describe this video."
@@ -154,6 +156,37 @@ class VideoLLM:
             check_media_budget(self.pipeline, specs, budget)
         return _repeated(specs, dict(zip(distinct, items, strict=True)))
 
+    def plan(
+        self,
+        video: VideoSource,
+        *,
+        evs: EVSChoice = UNSET,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_video_tokens: int | None = None,
+        pixels: Mapping[str, int] | None = None,
+        **options,
+    ) -> VideoPlan:
+        """The token plan of a video file before any decoding (`vision.video_plan`): what
+        `describe` with the same options would sample and keep, and whether it fits. Options
+        are `describe_many`'s `fps`, `start`, `end`, `max_frames`, `num_frames`."""
+        spec = video_input(video, self._evs(evs), pixels, **options)
+        scheduler = self.engine.config.scheduler
+        limits = PlanLimits(
+            max_model_len=scheduler.max_model_len,
+            max_visual_tokens=scheduler.max_visual_tokens_per_request,
+            max_video_tokens=max_video_tokens,
+            max_tokens=max_tokens,
+            kv_dtype_bytes=self.kv_dtype_bytes,
+        )
+        return plan_video(self.pipeline, spec, limits)
+
+    def _evs(self, evs: EVSChoice) -> EVSConfig | None:
+        if isinstance(evs, str):
+            if evs != UNSET:
+                raise ValueError(f"evs={evs!r}: give an EVSConfig, None (off) or {UNSET!r}")
+            return self.evs_default.evs
+        return evs
+
     @property
     def kv_dtype_bytes(self) -> int:
         """Bytes of one K or V element in the engine's KV pool."""
@@ -210,10 +243,7 @@ class VideoLLM:
         more than `max_video_tokens` in all are refused (before decoding where the plan
         says so). `progress` shows bars on stderr."""
         arrival = time.monotonic()
-        if isinstance(evs, str):
-            if evs != UNSET:
-                raise ValueError(f"evs={evs!r}: give an EVSConfig, None (off) or {UNSET!r}")
-            evs = self.evs_default.evs
+        evs = self._evs(evs)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -223,21 +253,9 @@ class VideoLLM:
             stop=tuple(stop),
         )
         stamps = None if timestamps is None else tuple(float(t) for t in timestamps)
-        specs = [
-            VideoInput(
-                video,
-                evs=evs,
-                start=start,
-                end=end,
-                fps=fps,
-                max_frames=max_frames,
-                num_frames=num_frames,
-                pixels=tuple(sorted(dict(pixels or {}).items())),
-                frames_fps=frames_fps,
-                timestamps=stamps,
-            )
-            for video in videos
-        ]
+        options = {"start": start, "end": end, "fps": fps, "max_frames": max_frames}
+        options |= {"num_frames": num_frames, "frames_fps": frames_fps, "timestamps": stamps}
+        specs = [video_input(video, evs, pixels, **options) for video in videos]
         budget = self.budget(max_tokens, max_video_tokens)
         items = run_with_bar(
             "decode + encode", lambda: self.encode(specs, budget=budget), enabled=progress
@@ -300,6 +318,13 @@ class VideoLLM:
                     if request_id not in final:
                         self.engine.abort(request_id)
             return [final[request_id] for request_id in request_ids]
+
+
+def video_input(
+    video: VideoSource, evs: EVSConfig | None, pixels: Mapping[str, int] | None, **options
+) -> VideoInput:
+    """A `VideoInput` from the Python API's options (`pixels` as a mapping)."""
+    return VideoInput(video, evs=evs, pixels=tuple(sorted(dict(pixels or {}).items())), **options)
 
 
 def describe_video(

@@ -24,8 +24,6 @@ from stillcut.service.media import check_content_type, read_body
 from stillcut.service.media_url import resolve_media_url
 from stillcut.service.state import ServiceState, record_of
 from stillcut.service.video_options import parse_video_options, video_option_names
-from stillcut.vision.pipeline import VideoInput
-from stillcut.vision.video_plan import PlanLimits, plan_video
 
 _QUERY = {"url", "evs", "max_tokens", "model", *video_option_names()}
 
@@ -44,16 +42,11 @@ async def plan_endpoint(request: Request) -> Response:
     max_tokens = _max_tokens(query.get("max_tokens"))
     source = await _source(request, state, query.get("url"))
     inputs = options.input_options(state.config, pipeline.decode_config)
-    spec = VideoInput(source, evs=evs, **inputs)
-    scheduler = state.llm.engine.config.scheduler
-    limits = PlanLimits(
-        max_model_len=scheduler.max_model_len,
-        max_visual_tokens=scheduler.max_visual_tokens_per_request,
-        max_video_tokens=options.max_video_tokens,
-        max_tokens=max_tokens,
-        kv_dtype_bytes=state.llm.kv_dtype_bytes,
+    pixels = dict(inputs.pop("pixels"))
+    budget = {"max_tokens": max_tokens, "max_video_tokens": options.max_video_tokens}
+    plan = await state.prompter.run(
+        lambda: state.llm.plan(source, evs=evs, pixels=pixels, **budget, **inputs)
     )
-    plan = await state.prompter.run(lambda: plan_video(pipeline, spec, limits))
     meta = {"id": record_of(request).request_id, "object": "video.plan", "model": state.llm.name}
     return JSONResponse({**meta, "created": int(time.time()), **plan.to_dict()})
 

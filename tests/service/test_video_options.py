@@ -37,8 +37,15 @@ def python_video(reference_llm, tiny_clip):
     return video
 
 
-def test_python_api_honours_and_echoes_the_options(python_video):
+def test_python_api_honours_and_echoes_the_options(python_video, reference_llm, tiny_clip):
+    from stillcut.kernels.evs import EVSConfig
+
     video = python_video
+    options = {k: v for k, v in OPTIONS.items() if k != "max_pixels"}
+    pixels = {"max_pixels": OPTIONS["max_pixels"]}
+    plan = reference_llm.plan(tiny_clip, evs=EVSConfig(**EVS), pixels=pixels, **options)
+    assert list(plan.frame_times) == EXPECTED_TIMES
+    assert plan.tokens_after_evs == video["tokens_after"] and plan.fits
     assert video["timestamps"] == EXPECTED_TIMES and video["num_frames"] == 4
     assert (video["start"], video["end"]) == (0.5, 2.75)
     assert video["pixel_budget"]["max_pixels"] == OPTIONS["max_pixels"]
