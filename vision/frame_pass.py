@@ -20,7 +20,9 @@ caller reruns plainly on a fresh container from there.
 
 import bisect
 import math
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -45,6 +47,9 @@ from stillcut.vision.timeline import PacketScan, StreamClock
 from stillcut.vision.upright import UprightLayout, layout_for
 from stillcut.vision.video_source import reason_of
 from stillcut.vision.work import VisionWork
+
+# Picked frames converting on the worker while the decoder goes on: a few full-size frames.
+CONVERT_AHEAD = 3
 
 # Without a packet index, seek this far before `start`: keyframe indexes may hold decode
 # times, which lead presentation times by the B-frame delay, so a seek straight to `start`
@@ -163,12 +168,26 @@ def iter_pass(
     """The sampled frames (resized by `resize`, if given), in sample order, leaving out the
     first `num_done` sample slots (handed out by a pass that misfired). Every frame out of
     the decoder counts in `work`. Raises `PassMisfire` when a shortcut misfires."""
+    converter = _FrameConverter(stream, config.max_pixels, resize)
+    with ThreadPoolExecutor(1, thread_name_prefix="convert") as pool:
+        emitter = _Emitter(converter, plan.skip, num_done, pool)
+        yield from _run_pass(container, stream, plan, config, work, emitter)
+
+
+def _run_pass(
+    container: InputContainer,
+    stream: VideoStream,
+    plan: PassPlan,
+    config: DecodeConfig,
+    work: VisionWork | None,
+    emitter: "_Emitter",
+) -> Iterator[SampledFrame]:
+    num_done = emitter.num_handed_out
     start = plan.sample_times[0]
     clock = StreamClock(stream)
     jumps = plan.skip.jumps if plan.skip is not None and plan.seek else ()
     seek_by_time = plan.seek and not jumps
     selector: FrameSelector[VideoFrame] = FrameSelector(plan.sample_times)
-    emitter = _Emitter(_FrameConverter(stream, config.max_pixels, resize), plan.skip, num_done)
     if seek_by_time and not _seek_to(container, stream, clock, max(0.0, start - SEEK_PREROLL_S)):
         raise PassMisfire(num_done)
     num_frames = 0
@@ -184,10 +203,11 @@ def iter_pass(
             if selector.done:
                 break
     except _SeekMissed:
+        yield from emitter.flush()
         raise PassMisfire(emitter.num_handed_out) from None
     if plan.seek and num_frames == 0:
         raise PassMisfire(num_done)
-    yield from emitter.emit(selector.finish())
+    yield from emitter.finish(selector.finish())
     if emitter.num_slots == 0:
         raise NoFrames("the video stream has no decodable frames; at least one is required")
 
@@ -198,31 +218,57 @@ class _SeekMissed(Exception):
 
 class _Emitter:
     """Turns picks into `SampledFrame`s: checks each against the prediction, leaves out slots
-    handed out before, converts the rest."""
+    handed out before, converts the rest on a worker thread (the RGB conversion and resize
+    release the GIL, so they run beside the decoder), `CONVERT_AHEAD` at most in flight."""
 
-    def __init__(self, converter: "_FrameConverter", skip: SkipPlan | None, num_done: int) -> None:
+    def __init__(
+        self,
+        converter: "_FrameConverter",
+        skip: SkipPlan | None,
+        num_done: int,
+        pool: ThreadPoolExecutor,
+    ) -> None:
         self._converter = converter
         self._expected = skip.expected_timestamps if skip is not None else None
         self._num_done = num_done
+        self._pool = pool
+        self._pending: deque[tuple[Future, float, int, int]] = deque()
         self.num_slots = 0  # sample slots settled so far
+        self._num_yielded = num_done  # slots handed out: what a misfire reports
 
     @property
     def num_handed_out(self) -> int:
-        return max(self.num_slots, self._num_done)
+        return self._num_yielded
 
     def emit(self, pick: Pick[VideoFrame] | None) -> Iterator[SampledFrame]:
-        if pick is None:
-            return
-        first, self.num_slots = self.num_slots, self.num_slots + pick.num_samples
-        if self._expected is not None and any(
-            time != pick.time for time in self._expected[first : self.num_slots]
-        ):
-            raise PassMisfire(max(first, self._num_done))
-        if self.num_slots <= self._num_done:
-            return
-        rgb = self._converter.convert(pick.item)
-        num_new = self.num_slots - max(first, self._num_done)
-        yield SampledFrame(rgb, pick.time, num_new, self._converter.display_size)
+        if pick is not None:
+            first, self.num_slots = self.num_slots, self.num_slots + pick.num_samples
+            if self._expected is not None and any(
+                time != pick.time for time in self._expected[first : self.num_slots]
+            ):  # the picks before this one were right: hand them out first
+                yield from self.flush()
+                raise PassMisfire(self._num_yielded)
+            if self.num_slots > self._num_done:
+                self._converter.start(pick.item)
+                future = self._pool.submit(self._converter.convert, pick.item)
+                num_new = self.num_slots - max(first, self._num_done)
+                self._pending.append((future, pick.time, num_new, self.num_slots))
+        yield from self._drain(CONVERT_AHEAD)
+
+    def finish(self, pick: Pick[VideoFrame] | None) -> Iterator[SampledFrame]:
+        yield from self.emit(pick)
+        yield from self.flush()
+
+    def flush(self) -> Iterator[SampledFrame]:
+        """Every frame still converting, in order."""
+        yield from self._drain(0)
+
+    def _drain(self, keep: int) -> Iterator[SampledFrame]:
+        while len(self._pending) > keep:
+            future, time, num_new, slot_end = self._pending.popleft()
+            rgb = future.result()
+            self._num_yielded = slot_end
+            yield SampledFrame(rgb, time, num_new, self._converter.display_size)
 
 
 def _seek_to(
@@ -330,13 +376,17 @@ class _FrameConverter:
         self._target = (0, 0)  # (height, width) frames are handed out at
         self.display_size = (0, 0)  # (height, width) upright, before any resize
 
-    def convert(self, frame: VideoFrame) -> np.ndarray:
-        """[H, W, 3] uint8 upright RGB at the target size."""
+    def start(self, frame: VideoFrame) -> None:
+        """Fix the layout from the clip's first picked frame (before any `convert`)."""
         if self._layout is None:
             self._layout = layout_for(frame, self._stream, self._max_pixels)
             self.display_size = self._target = self._layout.output_size
             if self._resize is not None:
                 self._target = self._resize.target(*self.display_size)
+
+    def convert(self, frame: VideoFrame) -> np.ndarray:
+        """[H, W, 3] uint8 upright RGB at the target size (thread-safe once `start`ed)."""
+        assert self._layout is not None
         fast = self._resize is not None and self._resize.fast
         try:
             rgb = self._layout.to_rgb(frame, self._target if fast else None)  # [H, W, 3]
