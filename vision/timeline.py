@@ -23,8 +23,14 @@ class StreamClock:
     """Seconds from the stream start for each frame or packet, in arrival order."""
 
     def __init__(self, stream: VideoStream) -> None:
-        self._time_base = stream.time_base
-        self.origin = Fraction(stream.start_time or 0) * self._time_base  # seconds
+        time_base = Fraction(stream.time_base)
+        self.origin = Fraction(stream.start_time or 0) * time_base  # seconds
+        # Integer arithmetic (an hour of packets is timed per plan): int / int rounds exactly
+        # as float(Fraction) does. seconds = (pts * tb - origin) = (pts * a - b) / c.
+        self._tb_num, self._tb_den = time_base.numerator, time_base.denominator
+        self._a = time_base.numerator * self.origin.denominator
+        self._b = self.origin.numerator * time_base.denominator
+        self._c = time_base.denominator * self.origin.denominator
         rate = stream.average_rate or stream.guessed_rate
         self._default_step = 1 / float(rate) if rate else _FALLBACK_FRAME_S
         self._filled_time = 0.0  # where an item without pts starts: right after the previous one
@@ -32,12 +38,12 @@ class StreamClock:
 
     def seconds(self, pts: int) -> float:
         """Seconds from the stream start at `pts`."""
-        return float(pts * self._time_base - self.origin)
+        return (pts * self._a - self._b) / self._c
 
     def time_of(self, pts: int | None, duration: int | None) -> float:
         """Seconds from the stream start for the next item, with this pts and duration."""
         time = self._filled_time if pts is None else self.seconds(pts)
-        step = float(duration * self._time_base) if duration else self._default_step
+        step = duration * self._tb_num / self._tb_den if duration else self._default_step
         self._filled_time = time + step
         self.end = max(self.end, time + step)
         return time

@@ -85,7 +85,8 @@ class VideoPlan:
     sample_fps: float
     sample_times: tuple[float, ...]
     frame_times: tuple[float, ...] | None  # the pts time of the frame each sample takes
-    sampling: str  # "dense" (one pass), "seek" (keyframe to keyframe) or "plain" (no index)
+    sampling: str  # "dense" (one pass), "seek" (jumps some stretches) or "plain" (no index)
+    num_seeks: int | None  # keyframe seeks past unsampled stretches (None: no packet index)
     pixel_budget: dict[str, int]
     token_grid: tuple[int, int, int]  # (tubelets, h, w) after merging
     tokens_before_evs: int
@@ -143,6 +144,7 @@ def plan_video(pipeline, spec, limits: PlanLimits = PlanLimits()) -> VideoPlan:
         sample_times=probe.sample_times,
         frame_times=probe.frame_times,
         sampling=sampling,
+        num_seeks=probe.num_seeks,
         pixel_budget=media.pixel_budget() if pipeline.family.pixel_budget else {},
         token_grid=grid,
         tokens_before_evs=grid[0] * grid[1] * grid[2],
