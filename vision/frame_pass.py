@@ -182,6 +182,7 @@ def _run_pass(
     work: VisionWork | None,
     emitter: "_Emitter",
 ) -> Iterator[SampledFrame]:
+    """`iter_pass`'s loop: decode, settle picks, hand them to `emitter`, check shortcuts."""
     num_done = emitter.num_handed_out
     start = plan.sample_times[0]
     clock = StreamClock(stream)
