@@ -116,7 +116,8 @@ def encode_windows(
 
 
 class _Sink:
-    """Where windows' embeddings go: kept dense, or through the clip's pruner."""
+    """Where windows' embeddings go: written into the clip's dense tensors (allocated once at
+    their final size, so finishing copies nothing), or through the clip's pruner."""
 
     def __init__(self, grid, prepared, window, pruner: ClipPruner | None) -> None:
         self.grid_thw = grid
@@ -124,7 +125,8 @@ class _Sink:
         self.resized_size = (prepared.resized_height, prepared.resized_width)
         self.display_size = window.display_size
         self.pruner = pruner
-        self.dense: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.dense: list[torch.Tensor | None] = []  # embeds, draft embeds: [clip tokens, dim]
+        self._num_rows = 0  # rows written so far
 
     @classmethod
     def start(
@@ -133,33 +135,36 @@ class _Sink:
         """Size the clip from its plan and its first window; keep it dense if the encoder
         cache can hold it."""
         merge = media.merge_size
-        num_tubelets, height, width = prepared.grid_thw
+        _, height, width = prepared.grid_thw
         frames_high, frames_wide = window.frames.shape[1:3]
         num_tubelets = media.token_grid("video", probe.num_samples, frames_high, frames_wide)[0]
-        tokens_per_tubelet = (height // merge) * (width // merge)
-        row_bytes = embeds.shape[1] * embeds.element_size()
-        if draft is not None:
-            row_bytes += draft[0].shape[1] * draft[0].element_size()
-        dense_bytes = num_tubelets * tokens_per_tubelet * row_bytes
-        grid = (num_tubelets, height, width)
-        if dense_bytes <= pipeline.cache.max_bytes:
-            return cls(grid, prepared, window, None)
-        pruner = ClipPruner(evs, (height // merge, width // merge), num_tubelets)
-        return cls(grid, prepared, window, pruner)
+        num_tokens = num_tubelets * (height // merge) * (width // merge)
+        like = [embeds, None if draft is None else draft[0]]
+        row_bytes = sum(t.shape[1] * t.element_size() for t in like if t is not None)
+        sink = cls((num_tubelets, height, width), prepared, window, None)
+        if num_tokens * row_bytes > pipeline.cache.max_bytes:
+            sink.pruner = ClipPruner(evs, (height // merge, width // merge), num_tubelets)
+            return sink
+        sink.dense = [
+            None if t is None else t.new_empty((num_tokens, t.shape[1])) for t in like
+        ]  # fmt: skip
+        return sink
 
     def push(self, embeds: torch.Tensor, draft: torch.Tensor | None) -> None:
-        if self.pruner is None:
-            self.dense.append((embeds, draft))
-        else:
+        if self.pruner is not None:
             self.pruner.push(embeds, *(() if draft is None else (draft,)))
+            return
+        rows = slice(self._num_rows, self._num_rows + embeds.shape[0])
+        for whole, part in zip(self.dense, (embeds, draft), strict=True):
+            if whole is not None:
+                whole[rows] = part
+        self._num_rows = rows.stop
 
     def finish(self, timestamps: tuple[float, ...], timings: dict) -> WindowedVideo:
         dense = kept = None
         if self.pruner is None:
-            embeds = torch.cat([pair[0] for pair in self.dense])
-            drafts = [pair[1] for pair in self.dense]
-            draft = None if drafts[0] is None else torch.cat(drafts)
-            dense = (embeds, draft)
+            assert self._num_rows == self.dense[0].shape[0], (self._num_rows, self.dense[0].shape)
+            dense = (self.dense[0], self.dense[1])
         else:
             kept = self.pruner.finish()
         return WindowedVideo(
