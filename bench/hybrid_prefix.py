@@ -36,7 +36,7 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
-from stillcut.samples.make_samples import ClipSpec, encode, render_moving_object
+from stillcut.samples.make_samples import ClipSpec, encode, render_steady_motion
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
@@ -62,7 +62,7 @@ def write_clip(folder: Path, round_index: int) -> Path:
     """16 frames of 448x448; each round's crf gives other bytes, so no cache knows them."""
     spec = ClipSpec(f"clip{round_index}", SIZE, SIZE, FPS, NUM_FRAMES, crf=20 + round_index)
     path = folder / f"{spec.name}.mp4"
-    encode(path, spec, render_moving_object(spec))
+    encode(path, spec, render_steady_motion(spec))
     return path
 
 

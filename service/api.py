@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from os import PathLike
 from pathlib import Path
@@ -28,15 +28,22 @@ from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.processor import Prompt
 from stillcut.engine.quantization import stored_bytes
 from stillcut.engine.request import SamplingParams
+from stillcut.kernels.evs import EVSConfig
 from stillcut.service.async_engine import AsyncEngine
 from stillcut.service.evs_default import DEFAULT_EVS, UNSET, EVSChoice, resolve_evs_default
-from stillcut.service.media_budget import MediaBudget, check_media_budget, media_identity
+from stillcut.service.media_budget import (
+    MediaBudget,
+    check_encoded,
+    check_media_budget,
+    media_identity,
+)
 from stillcut.service.narrate_api import Frames, Segment, file_frames, narrate_frames
 from stillcut.service.narrate_options import NarrateOptions
 from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import ImageInput, VideoInput, VideoSource, VisionPipeline
+from stillcut.vision.video_plan import PlanLimits, VideoPlan, plan_video
 
 __all__ = ["DEFAULT_EVS", "DEFAULT_PROMPT", "VideoLLM", "describe_video"]
 DEFAULT_PROMPT = "Describe this video."
@@ -130,6 +137,8 @@ class VideoLLM:
             if budget is not None:
                 check_media_budget(self.pipeline, specs, budget)
             items = self.pipeline.encode(list(distinct.values()))
+        if budget is not None:
+            check_encoded(items, budget)
         return _repeated(specs, dict(zip(distinct, items, strict=True)))
 
     def encode_cached(
@@ -146,6 +155,47 @@ class VideoLLM:
         if budget is not None:
             check_media_budget(self.pipeline, specs, budget)
         return _repeated(specs, dict(zip(distinct, items, strict=True)))
+
+    def plan(
+        self,
+        video: VideoSource,
+        *,
+        evs: EVSChoice = UNSET,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        max_video_tokens: int | None = None,
+        pixels: Mapping[str, int] | None = None,
+        **options,
+    ) -> VideoPlan:
+        """The token plan of a video file before any decoding (`vision.video_plan`): what
+        `describe` with the same options would sample and keep, and whether it fits. Options
+        are `describe_many`'s `fps`, `start`, `end`, `max_frames`, `num_frames`."""
+        spec = video_input(video, self._evs(evs), pixels, **options)
+        scheduler = self.engine.config.scheduler
+        limits = PlanLimits(
+            max_model_len=scheduler.max_model_len,
+            max_visual_tokens=scheduler.max_visual_tokens_per_request,
+            max_video_tokens=max_video_tokens,
+            max_tokens=max_tokens,
+            kv_dtype_bytes=self.kv_dtype_bytes,
+        )
+        return plan_video(self.pipeline, spec, limits)
+
+    def _evs(self, evs: EVSChoice) -> EVSConfig | None:
+        if isinstance(evs, str):
+            if evs != UNSET:
+                raise ValueError(f"evs={evs!r}: give an EVSConfig, None (off) or {UNSET!r}")
+            return self.evs_default.evs
+        return evs
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        """Bytes of one K or V element in the engine's KV pool."""
+        engine = self.engine
+        return engine.weight_format.kv_cache_dtype(engine.config.kv_cache_dtype).itemsize
+
+    def budget(self, max_tokens: int, max_video_tokens: int | None = None) -> MediaBudget:
+        """What a request's media may cost beside an answer of `max_tokens`."""
+        return MediaBudget.of(self.engine.config.scheduler, max_tokens, max_video_tokens)
 
     def start_async(self, *, max_queue: int = 64) -> AsyncEngine:
         """Hand the engine to a background `AsyncEngine`; `describe` is refused from then on."""
@@ -178,19 +228,22 @@ class VideoLLM:
         start: float | None = None,
         end: float | None = None,
         max_frames: int | None = None,
+        num_frames: int | None = None,
+        pixels: Mapping[str, int] | None = None,
+        max_video_tokens: int | None = None,
         frames_fps: float = 2.0,
         timestamps: Sequence[float] | None = None,
         progress: bool = False,
     ) -> list[DescribeResult]:
         """Describe several videos with one prompt; they are encoded one after another and
         generated together. `evs=None` keeps every token; without `evs`, `evs_default`
-        applies. `fps`, `start`, `end` and `max_frames` apply to files; a frame array is taken
-        as sampled at `frames_fps` (or at `timestamps`). `progress` shows bars on stderr."""
+        applies. `fps`, `start`, `end`, `max_frames`, `num_frames` (exactly that many, evenly)
+        and `pixels` (the family's pixel budget, e.g. {"max_pixels": 200704}) apply to files;
+        a frame array is taken as sampled at `frames_fps` (or at `timestamps`). Videos keeping
+        more than `max_video_tokens` in all are refused (before decoding where the plan
+        says so). `progress` shows bars on stderr."""
         arrival = time.monotonic()
-        if isinstance(evs, str):
-            if evs != UNSET:
-                raise ValueError(f"evs={evs!r}: give an EVSConfig, None (off) or {UNSET!r}")
-            evs = self.evs_default.evs
+        evs = self._evs(evs)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -200,20 +253,13 @@ class VideoLLM:
             stop=tuple(stop),
         )
         stamps = None if timestamps is None else tuple(float(t) for t in timestamps)
-        specs = [
-            VideoInput(
-                video,
-                evs=evs,
-                start=start,
-                end=end,
-                fps=fps,
-                max_frames=max_frames,
-                frames_fps=frames_fps,
-                timestamps=stamps,
-            )
-            for video in videos
-        ]
-        items = run_with_bar("decode + encode", lambda: self.encode(specs), enabled=progress)
+        options = {"start": start, "end": end, "fps": fps, "max_frames": max_frames}
+        options |= {"num_frames": num_frames, "frames_fps": frames_fps, "timestamps": stamps}
+        specs = [video_input(video, evs, pixels, **options) for video in videos]
+        budget = self.budget(max_tokens, max_video_tokens)
+        items = run_with_bar(
+            "decode + encode", lambda: self.encode(specs, budget=budget), enabled=progress
+        )
         prompts = [self.processor.build_text(prompt, [item]) for item in items]
         outputs = self._generate(prompts, params, progress=progress)
         setting = "off" if evs is None or evs.is_off else evs.key()
@@ -272,6 +318,13 @@ class VideoLLM:
                     if request_id not in final:
                         self.engine.abort(request_id)
             return [final[request_id] for request_id in request_ids]
+
+
+def video_input(
+    video: VideoSource, evs: EVSConfig | None, pixels: Mapping[str, int] | None, **options
+) -> VideoInput:
+    """A `VideoInput` from the Python API's options (`pixels` as a mapping)."""
+    return VideoInput(video, evs=evs, pixels=tuple(sorted(dict(pixels or {}).items())), **options)
 
 
 def describe_video(

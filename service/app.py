@@ -32,6 +32,7 @@ from stillcut.service.errors import APIError, ClientGone, api_error
 from stillcut.service.metrics import CONTENT_TYPE, ServiceMetrics
 from stillcut.service.middleware import RequestContextMiddleware
 from stillcut.service.page_routes import add_page_routes
+from stillcut.service.plan_route import plan_endpoint
 from stillcut.service.record import RecordObserver
 from stillcut.service.state import ServiceState, record_of
 from stillcut.service.stream_route import stream_endpoint
@@ -74,6 +75,7 @@ def create_app(llm: VideoLLM, config: ServerConfig = ServerConfig()) -> FastAPI:
         stream_endpoint,
         health_endpoint,
         metrics_endpoint,
+        plan_endpoint,
     )
     return add_service_routes(app, config, metrics, endpoints)
 
@@ -88,6 +90,7 @@ class Endpoints:
     stream: Callable  # WebSocket /v1/stream
     health: Callable  # GET /health
     metrics: Callable  # GET /metrics
+    plan: Callable | None = None  # POST /v1/videos/plan (a single server's)
 
 
 def add_service_routes(
@@ -98,6 +101,8 @@ def add_service_routes(
     app.add_api_route("/v1/videos/describe", endpoints.describe, methods=["POST"])
     app.add_api_route("/v1/chat/completions", endpoints.chat, methods=["POST"])
     app.add_api_route("/v1/models", endpoints.models, methods=["GET"])
+    if endpoints.plan is not None:
+        app.add_api_route("/v1/videos/plan", endpoints.plan, methods=["POST"])
     app.add_api_websocket_route("/v1/stream", endpoints.stream)
     app.add_api_route("/health", endpoints.health, methods=["GET"])
     app.add_api_route("/metrics", endpoints.metrics, methods=["GET"])

@@ -3,8 +3,9 @@
 A request's messages become the prompt processor's messages, with each `video_url` /
 `image_url` part replaced by a `{"type": "video"}` / `{"type": "image"}` placeholder and its
 URL collected, in order, for the media loader. Sampling fields map onto `SamplingParams`;
-stillcut's extras (`evs`, `fps`, `max_frames`, `top_k`, `min_p`, `repetition_penalty`) sit
-in the same body, and `chat_template_kwargs` (extra chat-template variables, e.g.
+stillcut's extras (`evs`, the video options of `video_options` such as `fps`, `num_frames`,
+`start`, `end`, `max_pixels`, `max_video_tokens`, and `top_k`, `min_p`, `repetition_penalty`)
+sit in the same body, and `chat_template_kwargs` (extra chat-template variables, e.g.
 `{"enable_thinking": false}`) as in vLLM. Fields we do not support are refused (400), never
 silently ignored.
 """
@@ -22,7 +23,7 @@ from stillcut.service.api import DEFAULT_MAX_TOKENS
 from stillcut.service.errors import bad_request, shown
 from stillcut.service.media import MediaKind
 from stillcut.service.request_limits import JSONRefused, check_stop, loads_json
-from stillcut.vision.decode import DecodeConfig
+from stillcut.service.video_options import VideoOptions, parse_video_options, video_option_names
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MEDIA_PARTS: dict[str, MediaKind] = {"video_url": "video", "image_url": "image"}
@@ -41,7 +42,7 @@ _FIELDS = {
     *_SAMPLING_FIELDS,
     *_IGNORED_FIELDS,
     *("model", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "stream"),
-    *("stream_options", "logprobs", "top_logprobs", "evs", "fps", "max_frames"),
+    *("stream_options", "logprobs", "top_logprobs", "evs", *video_option_names()),
     "chat_template_kwargs",
 }
 _EVS_FIELDS = ("mode", "rate", "threshold", "max_per_tubelet", "floor")
@@ -66,8 +67,7 @@ class ChatRequest:
     media: list[MediaPart]
     params: SamplingParams
     evs: EVSConfig | None
-    fps: float | None
-    max_frames: int | None
+    video: VideoOptions
     stream: bool
     include_usage: bool
     logprobs: bool
@@ -105,9 +105,7 @@ def parse_chat_request(body: bytes, default_evs: EVSConfig | None) -> ChatReques
         media=media,
         params=_sampling_params(data, logprobs),
         evs=parse_evs(data.get("evs", "default"), "evs", default_evs),
-        **check_sampling_rate(
-            _optional(data, "fps", float, None), _optional(data, "max_frames", int, None)
-        ),
+        video=parse_video_options(data),
         stream=stream,
         include_usage=_optional(stream_options, "include_usage", bool, True),
         logprobs=logprobs,
@@ -139,15 +137,17 @@ def parse_evs(value: Any, where: str, default: EVSConfig | None) -> EVSConfig | 
         raise bad_request(f"{where}: {error}", "invalid_evs") from None
 
 
-def check_sampling_rate(fps: float | None, max_frames: int | None) -> dict[str, Any]:
-    """`fps` and `max_frames` as `VideoInput` takes them, checked like `DecodeConfig` does."""
-    pairs = (("fps", fps), ("max_frames", max_frames))
-    given = {name: value for name, value in pairs if value is not None}
+def parse_evs_text(text: str | None, default: EVSConfig | None) -> EVSConfig | None:
+    """`parse_evs` of a form field or query value: JSON text, "off", or absent (`default`)."""
     try:
-        DecodeConfig(**given)
-    except ValueError as error:
-        raise bad_request(str(error).replace("DecodeConfig.", ""), "invalid_parameter") from None
-    return {"fps": fps, "max_frames": max_frames}
+        value = "default" if text is None else "off" if text == "off" else loads_json(text)
+    except JSONRefused as error:
+        raise bad_request(f"evs: {error}", error.code) from None
+    except ValueError:
+        raise bad_request(
+            'evs must be JSON such as {"mode": "rate", "rate": 0.75}, or "off"', "invalid_evs"
+        ) from None
+    return parse_evs(value, "evs", default)
 
 
 def sampling_params(fields: Mapping[str, Any], max_tokens: Any, stop: Any, logprobs: Any):

@@ -21,7 +21,7 @@ from stillcut.service.media import read_body, refuse_gif_image, unsupported_type
 from stillcut.service.media_url import resolve_media_url
 from stillcut.service.openai_format import ChatFormatter
 from stillcut.service.reasoning import ThinkSplitter
-from stillcut.service.request_limits import check_media_count, checked_sampling
+from stillcut.service.request_limits import check_media_count
 from stillcut.service.result import evs_summary
 from stillcut.service.sse import sse_response
 from stillcut.service.state import (
@@ -76,7 +76,8 @@ async def _complete(
 ) -> Response:
     record = record_of(request)
     config = state.config
-    sampling = checked_sampling(chat.fps, chat.max_frames, config, state.llm.pipeline.decode_config)
+    sampling = chat.video.input_options(config, state.llm.pipeline.decode_config)
+    chat.video.check_pixels(state.llm.pipeline)
     sources: dict[tuple[str, str], bytes | Path] = {}
     for part in chat.media:  # a URL given twice is fetched once
         if (part.kind, part.url) not in sources:
@@ -91,7 +92,12 @@ async def _complete(
         else VideoInput(sources[part.kind, part.url], evs=chat.evs, **sampling)
         for part in chat.media
     ]
-    items = await state.encode(inputs, chat.params.max_tokens, record) if inputs else []
+    max_video_tokens = chat.video.max_video_tokens
+    items = (
+        await state.encode(inputs, chat.params.max_tokens, record, max_video_tokens)
+        if inputs
+        else []
+    )
     processor = state.llm.processor
     prompt = await state.build_prompt(
         lambda: processor.build(chat.messages, items, chat.template_kwargs)

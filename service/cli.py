@@ -3,9 +3,10 @@
 `stillcut describe VIDEO` answers a prompt about a video (`cli_describe`); `stillcut serve`
 runs the HTTP service (`cli_serve`); `stillcut narrate VIDEO` prints running commentary
 (`cli_narrate`); `stillcut inspect VIDEO` runs only the vision half of the
-pipeline — decode, preprocess, encode, EVS — and prints what was decoded, the token grid and
-what EVS kept. All use the trained demo checkpoint shipped with the package unless given
-`--model`. Heavy imports wait until a command runs, so `stillcut --help` is instant.
+pipeline — decode, preprocess, encode, EVS — and prints the token plan, what was decoded, the
+token grid and what EVS kept (`--plan`: the plan alone, from the container's index). All use
+the trained demo checkpoint shipped with the package unless given `--model`. Heavy imports
+wait until a command runs, so `stillcut --help` is instant.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_inspect)
     add_video_arguments(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    inspect.add_argument("--plan", action="store_true", help="only the token plan: decode nothing")
     return parser
 
 
@@ -46,7 +48,30 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-frames", type=int, default=64, help="frame cap (default 64)")
     parser.add_argument("--start", type=float, help="start of the range, seconds")
     parser.add_argument("--end", type=float, help="end of the range, seconds")
+    parser.add_argument("--num-frames", type=int, help="exactly this many frames, evenly")
+    parser.add_argument(
+        "--resize",
+        choices=("exact", "fast"),
+        default="exact",
+        help="exact: as the model's processor resizes (default); fast: FFmpeg's scaler at decode",
+    )
+    parser.add_argument("--min-pixels", type=int, help="pixel budget: fewest pixels per frame")
+    parser.add_argument("--max-pixels", type=int, help="pixel budget: most pixels per frame")
+    parser.add_argument(
+        "--max-video-tokens", type=int, help="refuse videos that would keep more tokens"
+    )
     add_evs_arguments(parser)
+
+
+def video_options(args: argparse.Namespace) -> dict:
+    """`VideoInput`'s per-video options from `add_video_arguments`' flags."""
+    budget = {"min_pixels": args.min_pixels, "max_pixels": args.max_pixels}
+    return {
+        "start": args.start,
+        "end": args.end,
+        "num_frames": args.num_frames,
+        "pixels": tuple((name, value) for name, value in budget.items() if value is not None),
+    }
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -196,7 +221,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from stillcut.demo import demo_checkpoint
     from stillcut.service.evs_default import resolve_evs_default
     from stillcut.vision.decode import DecodeConfig, probe_video
-    from stillcut.vision.pipeline import VisionPipeline
+    from stillcut.vision.pipeline import VideoInput, VisionPipeline
+    from stillcut.vision.video_plan import PlanLimits, plan_video
 
     check_arguments(args)
     if not args.video.is_file():
@@ -205,12 +231,20 @@ def _inspect(args: argparse.Namespace) -> int:
     model = args.model or demo_checkpoint()
     started = time.perf_counter()
     pipeline = VisionPipeline(
-        model, decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames)
+        model,
+        decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames, resize=args.resize),
     )
     load_s = time.perf_counter() - started
     evs = resolve_evs_default(pipeline.model_config, choice)
-    item = pipeline.video(args.video, evs=evs.evs, start=args.start, end=args.end)
-    report = _report(args, pipeline, item, evs, load_s)
+    spec = VideoInput(args.video, evs=evs.evs, **video_options(args))
+    started = time.perf_counter()
+    limits = PlanLimits(max_video_tokens=args.max_video_tokens)
+    plan = {**plan_video(pipeline, spec, limits).to_dict(), "plan_s": time.perf_counter() - started}
+    if args.plan:
+        print(json.dumps(plan, indent=2) if args.json else _plan_text(plan))
+        return 0
+    (item,) = pipeline.encode([spec])
+    report = {**_report(args, pipeline, item, evs, load_s), "plan": plan}
     if args.start is not None or args.end is not None:  # the item knows only its range's length
         whole = probe_video(args.video, pipeline.decode_config)
         start = args.start or 0.0
@@ -259,6 +293,24 @@ def _report(args, pipeline, item, evs, load_s: float) -> dict:
             **{k: stats[k] for k in ("decode_s", "preprocess_s", "encode_s", "evs_s")},
         },
     }
+
+
+def _plan_text(plan: dict) -> str:
+    t, h, w = plan["token_grid"]
+    exact = "" if plan["evs_exact"] else f" (at least {plan['tokens_after_evs_min']})"
+    fit = "fits" if plan["fits"] else f"does not fit: {plan['fitting_num_frames']} frames would"
+    return "\n".join(
+        f"{label:<12}{value}"
+        for label, value in (
+            ("range", f"{plan['start_s']:.2f}-{plan['end_s']:.2f} s of {plan['codec']}"),
+            ("sampled", f"{plan['num_frames']} frames at {plan['sample_fps']:.3g} fps"),
+            ("decoding", plan["sampling"]),
+            ("tokens", f"{plan['tokens_before_evs']} = {t} tubelets x {h}x{w} before EVS"),
+            ("EVS", f"{plan['evs']}: at most {plan['tokens_after_evs']}{exact}"),
+            ("KV", f"{plan['kv_bytes'] / 2**20:.1f} MiB (fp32); {fit}"),
+            ("planned in", f"{plan['plan_s']:.3f} s"),
+        )
+    )
 
 
 def _print_report(report: dict) -> None:

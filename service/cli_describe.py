@@ -52,13 +52,14 @@ def run(args: argparse.Namespace) -> int:
         evs_config,
         precision_options,
         speculative_config,
+        video_options,
     )
     from stillcut.vision.decode import DecodeConfig
 
     check_arguments(args)
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
-    decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames)
+    decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames, resize=args.resize)
     started = time.perf_counter()
     engine_config = replace(DEFAULT_ENGINE_CONFIG, speculative=speculative_config(args))
     llm = VideoLLM(
@@ -75,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         seed=args.seed,
-        start=args.start,
-        end=args.end,
+        **video_options(args),
+        max_video_tokens=args.max_video_tokens,
         progress=True,
     )
     memory = llm.engine.memory

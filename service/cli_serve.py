@@ -69,7 +69,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--max-upload-mb", type=float, default=64, help="largest upload or media URL (default 64)"
     )
     parser.add_argument(
-        "--limit-frames", type=int, default=256, help="most frames a video may sample (default 256)"
+        "--limit-frames",
+        type=int,
+        default=4096,
+        help="most frames a video may sample (default 4096)",
     )
     parser.add_argument(
         "--limit-fps", type=float, default=8, help="highest sampling rate asked for (default 8)"

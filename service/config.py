@@ -66,7 +66,7 @@ class ServerConfig:
     fetch_timeout_s: float = 30.0
     retry_after_s: int = 1
     shutdown_timeout_s: float = 10.0
-    limit_frames: int = 256  # frames one video may sample
+    limit_frames: int = 4096  # frames one video may sample (streamed: tokens are the real bound)
     limit_fps: float = 8.0  # sampling rate a request may ask for
     limit_mm_per_prompt: int = 8  # media parts in one request
     max_sessions: int = 4  # live WebSocket sessions at once

@@ -3,7 +3,8 @@
 The form holds `file` (the video) and optionally `prompt`, `model`, `evs` (JSON, as in chat
 requests, or "off"), the sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`,
 `min_p`, `seed`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `stop`, which
-may repeat), the decode fields (`fps`, `max_frames`, `start`, `end`), `stream` and
+may repeat), the video options (`video_options`: `fps`, `max_frames`, `num_frames`, `start`,
+`end`, the model's pixel budget such as `max_pixels`, `max_video_tokens`), `stream` and
 `include_frames` (adds `frames`: base64 JPEG thumbnails of the sampled frames and each
 tubelet's retention mask, for the web page). The answer is the `DescribeResult` as JSON, or
 with `stream=true` server-sent events: `{"type": "token", "text"}` per piece of text, then
@@ -16,7 +17,6 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
@@ -27,11 +27,10 @@ from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_PROMPT
-from stillcut.service.chat_request import check_sampling_rate, parse_evs, sampling_params
+from stillcut.service.chat_request import parse_evs_text, sampling_params
 from stillcut.service.errors import bad_request
 from stillcut.service.frames_view import frames_view, thumbnails
 from stillcut.service.media import check_content_type, read_upload_form
-from stillcut.service.request_limits import JSONRefused, checked_sampling, loads_json
 from stillcut.service.result import describe_result
 from stillcut.service.sse import sse_response
 from stillcut.service.state import (
@@ -41,6 +40,7 @@ from stillcut.service.state import (
     seconds_left,
     until_disconnect,
 )
+from stillcut.service.video_options import VideoOptions, parse_video_options, video_option_names
 from stillcut.vision.pipeline import VideoInput
 
 _NUMBERS = {
@@ -53,12 +53,9 @@ _NUMBERS = {
     "repetition_penalty": float,
     "presence_penalty": float,
     "frequency_penalty": float,
-    "fps": float,
-    "max_frames": int,
-    "start": float,
-    "end": float,
 }
 _FIELDS = {"file", "prompt", "model", "evs", "stop", "stream", "include_frames", *_NUMBERS}
+_FIELDS |= set(video_option_names())
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty")
 _PENALTIES = ("presence_penalty", "frequency_penalty")
 
@@ -72,7 +69,7 @@ class DescribeForm:
     model: str | None
     evs: EVSConfig | None
     params: SamplingParams
-    video: dict[str, Any]  # VideoInput's decode options
+    video: VideoOptions
     stream: bool
     include_frames: bool
 
@@ -88,12 +85,8 @@ async def describe_endpoint(request: Request) -> Response:
         await form.close()
     state.check_model(checked.model)
     decode_defaults = state.llm.pipeline.decode_config
-    video = {
-        **checked.video,
-        **checked_sampling(
-            checked.video["fps"], checked.video["max_frames"], state.config, decode_defaults
-        ),
-    }
+    video = checked.video.input_options(state.config, decode_defaults)
+    checked.video.check_pixels(state.llm.pipeline)
     spec = VideoInput(checked.data, evs=checked.evs, **video)
     setting = "off" if checked.evs is None or checked.evs.is_off else checked.evs.key()
 
@@ -105,7 +98,8 @@ async def describe_endpoint(request: Request) -> Response:
         return {**meta, "created": int(time.time()), **result, **frames}
 
     async def run() -> Response:
-        items = await state.encode([spec], checked.params.max_tokens, record)
+        max_video_tokens = checked.video.max_video_tokens
+        items = await state.encode([spec], checked.params.max_tokens, record, max_video_tokens)
         if checked.include_frames:
             work = state.llm.pipeline.work
             thumbs = await state.encoder.run(
@@ -151,28 +145,13 @@ async def _check_form(form: FormData, default_evs: EVSConfig | None) -> Describe
         name: numbers[name] for name in (*_SAMPLING, *_PENALTIES) if numbers[name] is not None
     }
     params = sampling_params(fields, numbers["max_tokens"], form.getlist("stop") or None, None)
-    evs_text = _text(form, "evs")
-    try:
-        evs = (
-            "default" if evs_text is None else "off" if evs_text == "off" else loads_json(evs_text)
-        )
-    except JSONRefused as error:
-        raise bad_request(f"evs: {error}", error.code) from None
-    except ValueError:
-        raise bad_request(
-            'evs must be JSON such as {"mode": "rate", "rate": 0.75}, or "off"', "invalid_evs"
-        ) from None
     return DescribeForm(
         data=await upload.read(),
         prompt=_text(form, "prompt") or DEFAULT_PROMPT,
         model=_text(form, "model"),
-        evs=parse_evs(evs, "evs", default_evs),
+        evs=parse_evs_text(_text(form, "evs"), default_evs),
         params=params,
-        video={
-            **check_sampling_rate(numbers["fps"], numbers["max_frames"]),
-            "start": numbers["start"],
-            "end": numbers["end"],
-        },
+        video=parse_video_options({name: _text(form, name) for name in video_option_names()}),
         stream=_flag(form, "stream"),
         include_frames=_flag(form, "include_frames"),
     )

@@ -43,7 +43,7 @@ def thumbnails(data: bytes, config: DecodeConfig, video: dict, work: VisionWork)
     """Base64 JPEG thumbnails of the frames `video` (VideoInput's decode options) samples."""
     decoded = decode_video(
         data,
-        config.with_sampling(video["fps"], video["max_frames"]),
+        config.with_sampling(video["fps"], video["max_frames"], video.get("num_frames")),
         start=video["start"],
         end=video["end"],
         resize=_THUMBNAIL_RESIZE,

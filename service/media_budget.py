@@ -14,7 +14,7 @@ to be over what is left of the budget.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,11 +22,10 @@ from PIL import Image
 
 from stillcut.engine.admission import RequestTooLong, TooManyVisualTokens
 from stillcut.engine.config import SchedulerConfig
-from stillcut.kernels.evs import EVSConfig
-from stillcut.kernels.evs.config import num_retained_tokens
 from stillcut.vision.decode import probe_video
 from stillcut.vision.image_file import image_size
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
+from stillcut.vision.video_plan import kept_range, most_frames
 
 MediaInput = VideoInput | ImageInput
 
@@ -38,18 +37,28 @@ class MediaBudget:
     max_visual_tokens: int  # the engine's max_visual_tokens_per_request
     max_model_len: int
     max_tokens: int  # what the answer may add to the context
+    max_video_tokens: int | None = None  # the request's own budget for its videos
 
     @classmethod
-    def of(cls, scheduler: SchedulerConfig, max_tokens: int) -> MediaBudget:
-        return cls(scheduler.max_visual_tokens_per_request, scheduler.max_model_len, max_tokens)
+    def of(
+        cls, scheduler: SchedulerConfig, max_tokens: int, max_video_tokens: int | None = None
+    ) -> MediaBudget:
+        limits = (scheduler.max_visual_tokens_per_request, scheduler.max_model_len)
+        return cls(*limits, max_tokens, max_video_tokens)
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the media may need before one of the two limits is passed."""
-        return min(self.max_visual_tokens, self.max_model_len - self.max_tokens)
+        """Tokens the media may need before one of the limits is passed."""
+        limits = (self.max_visual_tokens, self.max_model_len - self.max_tokens)
+        return min(*limits, self.max_video_tokens or self.max_visual_tokens)
 
     def check(self, num_tokens: int) -> None:
         """Raise the engine's admission error when media needing `num_tokens` cannot fit."""
+        if self.max_video_tokens is not None and num_tokens > self.max_video_tokens:
+            raise TooManyVisualTokens(
+                f"the request's media need at least {num_tokens} visual tokens, over its "
+                f"max_video_tokens={self.max_video_tokens} (known before decoding)"
+            )
         if num_tokens > self.max_visual_tokens:
             raise TooManyVisualTokens(
                 f"the request's media need at least {num_tokens} visual tokens, over "
@@ -63,6 +72,18 @@ class MediaBudget:
             )
 
 
+def check_encoded(items: Sequence, budget: MediaBudget) -> None:
+    """Refuse what encoding kept when it is over the request's own video budget (threshold
+    mode keeps what the content asks for: known only now)."""
+    if budget.max_video_tokens is not None:
+        kept = sum(item.num_tokens for item in items if item.kind == "video")
+        if kept > budget.max_video_tokens:
+            raise TooManyVisualTokens(
+                f"the request's videos kept {kept} tokens, over its "
+                f"max_video_tokens={budget.max_video_tokens}"
+            )
+
+
 def check_media_budget(
     pipeline: VisionPipeline, inputs: Sequence[MediaInput], budget: MediaBudget
 ) -> None:
@@ -70,59 +91,49 @@ def check_media_budget(
     num_tokens = 0
     for spec, count in _counted(inputs):
         left = max(0, budget.num_tokens - num_tokens) // count
-        num_tokens += count * min_kept_tokens(pipeline, spec, left)
-        budget.check(num_tokens)
+        kept, fitting = min_kept_tokens(pipeline, spec, left)
+        num_tokens += count * kept
+        try:
+            budget.check(num_tokens)
+        except (TooManyVisualTokens, RequestTooLong) as error:
+            if fitting is None:
+                raise
+            # the plan that would fit: as many frames as the budget left affords
+            hint = f"; at most {fitting} frames of this video fit (num_frames={fitting})"
+            raise type(error)(f"{error}{hint}" if fitting else str(error)) from None
 
 
-def min_kept_tokens(pipeline: VisionPipeline, spec: MediaInput, affordable: int) -> int:
-    """The fewest tokens `spec` can keep; a clip's packet scan stops once that passes
-    `affordable` (the count returned is then only known to be over it)."""
-    media = pipeline.media
+def min_kept_tokens(
+    pipeline: VisionPipeline, spec: MediaInput, affordable: int
+) -> tuple[int, int | None]:
+    """The fewest tokens `spec` can keep, and for a video file the most frames of it that
+    `affordable` tokens afford; a clip's packet scan stops once the count passes `affordable`
+    (it is then only known to be over it)."""
     if isinstance(spec, ImageInput):
         size = _image_size(spec.source, pipeline.decode_config.max_image_pixels)
         if size is None:
-            return 0  # a file object is read once, by the encoder; the engine still checks it
-        grid = media.token_grid("image", 1, size[1], size[0])
-        return grid[0] * grid[1] * grid[2]  # images are never pruned
+            return 0, None  # a file object is read once, by the encoder; the engine checks it
+        grid = pipeline.media.token_grid("image", 1, size[1], size[0])
+        return grid[0] * grid[1] * grid[2], None  # images are never pruned
+    media = pipeline.media_with(spec.pixels)
 
     def cost(num_frames: int, height: int, width: int) -> int:
-        return _kept(media.token_grid("video", num_frames, height, width), spec.evs)
+        return kept_range(media.token_grid("video", num_frames, height, width), spec.evs)[0]
 
     if isinstance(spec.source, np.ndarray):
-        return cost(*spec.source.shape[:3])  # [T, H, W, 3]
+        return cost(*spec.source.shape[:3]), None  # [T, H, W, 3]
     if not isinstance(spec.source, bytes | str | os.PathLike):
-        return 0  # a file object is read once, by the encoder; the engine still checks it
-    config = pipeline.decode_config.with_sampling(spec.fps, spec.max_frames)
+        return 0, None  # a file object is read once, by the encoder; the engine checks it
+    config = pipeline.decode_options(spec)
 
-    def most_frames(width: int, height: int) -> int:
-        return _most_frames(lambda n: cost(n, height, width), config.max_frames, affordable)
+    def affordable_frames(width: int, height: int) -> int:
+        return most_frames(lambda n: cost(n, height, width), config.max_frames, affordable)
 
     probe = probe_video(
-        spec.source, config, start=spec.start, end=spec.end, max_samples=most_frames
+        spec.source, config, start=spec.start, end=spec.end, max_samples=affordable_frames
     )
-    return cost(probe.num_samples, probe.height, probe.width)
-
-
-def _kept(grid: tuple[int, int, int], evs: EVSConfig | None) -> int:
-    """EVS's fewest kept tokens of a (t, h, w) grid: the first tubelet is always whole."""
-    num_tubelets, tokens_per_tubelet = grid[0], grid[1] * grid[2]
-    if evs is None or evs.is_off:
-        return num_tubelets * tokens_per_tubelet
-    if evs.mode == "rate":
-        return num_retained_tokens(num_tubelets, tokens_per_tubelet, evs.rate)
-    return tokens_per_tubelet + (num_tubelets - 1) * min(evs.floor, tokens_per_tubelet)
-
-
-def _most_frames(cost: Callable[[int], int], max_frames: int, affordable: int) -> int:
-    """The most frames (at most `max_frames`) whose cost fits `affordable`; 0 if none."""
-    low, high = 0, max_frames  # cost grows with the frame count: bisect
-    while low < high:
-        middle = (low + high + 1) // 2
-        if cost(middle) <= affordable:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    fitting = affordable_frames(probe.width, probe.height)
+    return cost(probe.num_samples, probe.height, probe.width), fitting
 
 
 def _image_size(source, max_pixels: int) -> tuple[int, int] | None:

@@ -24,6 +24,7 @@ class EVSSummary:
     tokens_before: int
     tokens_after: int
     kept_per_tubelet: tuple[int, ...]
+    videos: tuple[dict, ...] = ()  # per video: how it was sampled and what each tubelet kept
 
     @property
     def tokens_pruned(self) -> int:
@@ -76,6 +77,7 @@ class DescribeResult:
         data["token_ids"] = list(self.token_ids)
         data["frame_timestamps"] = list(self.frame_timestamps)
         data["evs"]["kept_per_tubelet"] = list(self.evs.kept_per_tubelet)
+        data["evs"]["videos"] = list(self.evs.videos)
         data["usage"]["total_tokens"] = self.usage.total_tokens
         return data
 
@@ -89,7 +91,27 @@ def evs_summary(items: Sequence[MultiModalItem], setting: str) -> EVSSummary:
         tokens_before=sum(item.num_dense_tokens for item in videos),
         tokens_after=sum(item.num_tokens for item in videos),
         kept_per_tubelet=tuple(n for item in videos for n in item.kept_per_tubelet),
+        videos=tuple(video_report(item) for item in videos),
     )
+
+
+_ECHOED_STATS = ("sample_fps", "start", "end", "pixel_budget", "num_seeks")
+
+
+def video_report(item: MultiModalItem) -> dict:
+    """One video as it was fed to the model: the options in force, the frames sampled and
+    their times, the token grid and what EVS kept of each tubelet."""
+    stats = item.stats
+    return {
+        **{name: stats[name] for name in _ECHOED_STATS if name in stats},
+        "num_frames": len(item.timestamps),
+        "timestamps": list(item.timestamps),
+        "resized": [stats.get("resized_width"), stats.get("resized_height")],
+        "token_grid": list(item.llm_grid),
+        "tokens_before": item.num_dense_tokens,
+        "tokens_after": item.num_tokens,
+        "kept_per_tubelet": list(item.kept_per_tubelet),
+    }
 
 
 def media_seconds(items: Sequence[MultiModalItem]) -> tuple[float, float]:

@@ -68,13 +68,17 @@ class ServiceState:
             )
 
     async def encode(
-        self, inputs: list[VideoInput | ImageInput], max_tokens: int, record: RequestRecord
+        self,
+        inputs: list[VideoInput | ImageInput],
+        max_tokens: int,
+        record: RequestRecord,
+        max_video_tokens: int | None = None,
     ) -> list[MultiModalItem]:
         """Encode a request's media, refused from their headers when they cannot fit the
         engine beside an answer of `max_tokens`. Media all in the encoder cache are looked up
         on the prompt worker, so they do not wait behind other requests' encoding; the rest
-        go to the encode worker."""
-        budget = MediaBudget.of(self.llm.engine.config.scheduler, max_tokens)
+        go to the encode worker. `max_video_tokens` is the request's own budget."""
+        budget = MediaBudget.of(self.llm.engine.config.scheduler, max_tokens, max_video_tokens)
         lookup = functools.partial(_timed, self.llm.encode_cached, inputs, budget)
         items, run_s = await self.prompter.run(lookup)
         if items is None:

@@ -1,14 +1,20 @@
 """Video ingestion: open a video with PyAV and sample frames by presentation time.
 
-`decode_video` rejects what it can before decoding (bytes, header pixels, duration), scans the
-packet timestamps and plans the sample times (`sampling`), then decodes the stream once, front
-to back (`frame_pass`), converting only the frames it keeps to upright RGB (`upright`), resized
-as the model family will resize them (`frame_resize`). `probe_video` stops before decoding: what
-a clip will cost (frames, their size) is known from its headers and packet timestamps alone.
+`open_video` rejects what it can before decoding (bytes, header pixels, duration), scans the
+packets (timestamps, keyframes) and plans the sample times (`sampling`); its reader then decodes
+the stream once (`frame_pass`: front to back where samples are dense, seeking from keyframe to
+keyframe where they are sparse), converting only the frames it keeps to upright RGB (`upright`),
+resized as the model family will resize them (`frame_resize`), and hands each out as soon as it
+is settled, so a long clip streams through in bounded memory. `decode_video` collects them.
+`probe_video` stops before decoding: what a clip will cost (frames, their size) is known from
+its headers and packet timestamps alone.
 Every failure caused by the input is a `VideoError` (`errors`); no raw PyAV exception escapes.
 """
 
-from collections.abc import Callable
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,14 +32,29 @@ from stillcut.vision.errors import (
     UnsupportedCodec,
     VideoTooLong,
 )
-from stillcut.vision.frame_pass import PassPlan, SkipPlan, plan_skips, run_pass
+from stillcut.vision.frame_pass import (
+    PassMisfire,
+    PassPlan,
+    SampledFrame,
+    SkipPlan,
+    iter_pass,
+    plan_skips,
+)
 from stillcut.vision.sampling import TIME_EPS_S, SamplePlan, plan_samples
 from stillcut.vision.timeline import declared_clip_end, scan_packets
 from stillcut.vision.upright import display_size
-from stillcut.vision.video_source import IMAGE_DEMUXERS, Source, open_source
+from stillcut.vision.video_source import IMAGE_DEMUXERS, Source, VideoSource, open_source
 from stillcut.vision.work import VisionWork
 
-__all__ = ["DecodeConfig", "DecodedVideo", "VideoProbe", "decode_video", "probe_video"]
+__all__ = [
+    "DecodeConfig",
+    "DecodedVideo",
+    "VideoProbe",
+    "VideoReader",
+    "decode_video",
+    "open_video",
+    "probe_video",
+]
 
 
 @dataclass(frozen=True)
@@ -55,12 +76,17 @@ class DecodedVideo:
         assert len(self.timestamps) == len(self.frames) >= 1
 
     @property
-    def source_indices(self) -> list[int]:
-        """Each sampled frame's index in the stream, counted at its average frame rate (exact
-        for constant-rate streams); empty when the stream declares no rate."""
-        if not self.source_fps:
-            return []
-        return [round(t * self.source_fps) for t in self.timestamps]
+    def source_indices(self) -> tuple[int, ...]:
+        """Each sampled frame's index in the stream (see `source_indices`)."""
+        return source_indices(self.timestamps, self.source_fps)
+
+
+def source_indices(timestamps: Sequence[float], source_fps: float | None) -> tuple[int, ...]:
+    """Each sampled frame's index in the stream, counted at its average frame rate (exact for
+    constant-rate streams); empty when the stream declares no rate."""
+    if not source_fps:
+        return ()
+    return tuple(round(t * source_fps) for t in timestamps)
 
 
 @dataclass(frozen=True)
@@ -72,6 +98,86 @@ class VideoProbe:
     height: int
     duration: float  # seconds of the range (so far, when not `complete`)
     complete: bool  # False: the packet scan stopped once `num_samples` passed `max_samples`
+    sample_times: tuple[float, ...] = ()  # the plan's times (empty when not `complete`)
+    frame_times: tuple[float, ...] | None = None  # the pts time of the frame each one takes
+    sample_fps: float = 0.0
+    source_fps: float | None = None
+    codec: str = ""
+    num_seeks: int | None = None  # seeks past unsampled stretches (None: no packet index)
+    start: float = 0.0  # seconds from the stream start where the range begins
+
+
+class VideoReader:
+    """An open video whose sample plan is known (`probe`); `frames()` decodes it once,
+    handing out each sampled frame as soon as it is settled."""
+
+    def __init__(self, media: VideoSource, container: InputContainer, probe: _Probe) -> None:
+        self._media = media
+        self._container = container
+        self._probe = probe
+
+    @property
+    def probe(self) -> VideoProbe:
+        return self._probe.public()
+
+    def frames(
+        self, *, resize: FrameResize | None = None, work: VisionWork | None = None
+    ) -> Iterator[SampledFrame]:
+        """The sampled frames in order; a pass whose shortcut misfires goes on plainly on a
+        fresh container from the first sample it had not handed out."""
+        probe, config = self._probe, self._probe.config
+        output = {"resize": resize, "work": work}
+        fast = PassPlan(probe.plan.times, seek=True, skip=probe.skip)
+        stream = self._container.streams[probe.stream_index]
+        try:
+            yield from iter_pass(self._container, stream, fast, config, **output)
+            return
+        except PassMisfire as misfire:
+            num_done = misfire.num_emitted
+        plain = PassPlan(probe.plan.times, seek=False, skip=None)
+        with self._media.open_container() as container:
+            stream = container.streams[probe.stream_index]
+            yield from iter_pass(container, stream, plain, config, num_done=num_done, **output)
+
+    def decode(
+        self, *, resize: FrameResize | None = None, work: VisionWork | None = None
+    ) -> DecodedVideo:
+        """Every sampled frame at once (`frames()` collected)."""
+        probe = self.probe
+        frames: np.ndarray | None = None
+        timestamps: list[float] = []
+        for sampled in self.frames(resize=resize, work=work):
+            if frames is None:
+                frames = np.empty((probe.num_samples, *sampled.rgb.shape), np.uint8)
+                display_height, display_width = sampled.display_size
+            frames[len(timestamps) : len(timestamps) + sampled.num_samples] = sampled.rgb
+            timestamps.extend([sampled.time] * sampled.num_samples)
+        assert frames is not None and len(timestamps) == len(frames)  # a pass yields or raises
+        return DecodedVideo(
+            frames=frames,
+            timestamps=timestamps,
+            sample_fps=probe.sample_fps,
+            source_fps=probe.source_fps,
+            duration=probe.duration,
+            codec=probe.codec,
+            width=display_width,
+            height=display_height,
+        )
+
+
+@contextmanager
+def open_video(
+    source: Source,
+    config: DecodeConfig = DecodeConfig(),
+    *,
+    start: float | None = None,
+    end: float | None = None,
+) -> Iterator[VideoReader]:
+    """Open `source`, check its headers and plan its samples over [start, end) seconds, without
+    decoding a frame; the reader's `frames()` then decodes (see `decode_video`)."""
+    _check_time_arguments(start, end)
+    with open_source(source, config.max_bytes) as media, media.open_container() as container:
+        yield VideoReader(media, container, _probe(container, config, start, end))
 
 
 def decode_video(
@@ -91,31 +197,8 @@ def decode_video(
     (never all at display size). Frames out of the decoder count in `work`. Raises a
     `VideoError` subclass for every input-caused failure.
     """
-    _check_time_arguments(start, end)
-    output = {"resize": resize, "work": work}
-    with open_source(source, config.max_bytes) as media:
-        with media.open_container() as container:
-            probe = _probe(container, config, start, end)
-            fast = PassPlan(probe.plan.times, seek=True, skip=probe.skip)
-            stream = container.streams[probe.stream_index]
-            sampled = run_pass(container, stream, fast, config, **output)
-        if sampled is None:  # a shortcut misfired: decode every frame of a fresh container
-            plain = PassPlan(probe.plan.times, seek=False, skip=None)
-            with media.open_container() as container:
-                stream = container.streams[probe.stream_index]
-                sampled = run_pass(container, stream, plain, config, **output)
-    assert sampled is not None  # the plain pass always yields a result
-    height, width = sampled.display_size
-    return DecodedVideo(
-        frames=sampled.frames,
-        timestamps=sampled.timestamps,
-        sample_fps=probe.plan.sample_fps,
-        source_fps=probe.source_fps,
-        duration=probe.range_end - probe.range_start,
-        codec=probe.codec,
-        width=width,
-        height=height,
-    )
+    with open_video(source, config, start=start, end=end) as reader:
+        return reader.decode(resize=resize, work=work)
 
 
 def probe_video(
@@ -135,14 +218,7 @@ def probe_video(
     """
     _check_time_arguments(start, end)
     with open_source(source, config.max_bytes) as media, media.open_container() as container:
-        probe = _probe(container, config, start, end, max_samples)
-    return VideoProbe(
-        num_samples=len(probe.plan.times),
-        width=probe.width,
-        height=probe.height,
-        duration=probe.range_end - probe.range_start,
-        complete=probe.complete,
-    )
+        return _probe(container, config, start, end, max_samples).public()
 
 
 def _check_time_arguments(start: float | None, end: float | None) -> None:
@@ -165,6 +241,23 @@ class _Probe:
     plan: SamplePlan
     skip: SkipPlan | None
     complete: bool
+    config: DecodeConfig
+
+    def public(self) -> VideoProbe:
+        return VideoProbe(
+            num_samples=len(self.plan.times),
+            width=self.width,
+            height=self.height,
+            duration=self.range_end - self.range_start,
+            complete=self.complete,
+            sample_times=self.plan.times if self.complete else (),
+            frame_times=None if self.skip is None else self.skip.expected_timestamps,
+            sample_fps=self.plan.sample_fps,
+            source_fps=self.source_fps,
+            codec=self.codec,
+            num_seeks=None if self.skip is None else self.skip.num_seeks,
+            start=self.range_start,
+        )
 
 
 def _probe(
@@ -196,7 +289,9 @@ def _probe(
         container, stream, config.max_decoded_frames, config.max_duration_s, stop_after_s
     )
     range_start, range_end = _clip_range(start, end, scan.end)
-    plan = plan_samples(range_start, range_end - range_start, config.fps, config.max_frames)
+    plan = plan_samples(
+        range_start, range_end - range_start, config.fps, config.max_frames, config.num_frames
+    )
     rate = stream.average_rate
     return _Probe(
         stream_index=stream.index,
@@ -207,8 +302,9 @@ def _probe(
         range_start=range_start,
         range_end=range_end,
         plan=plan,
-        skip=None if scan.pts is None else plan_skips(stream, scan.pts, plan.times),
+        skip=None if scan.pts is None else plan_skips(stream, scan, plan.times),
         complete=scan.complete,
+        config=config,
     )
 
 
@@ -217,7 +313,7 @@ def _affordable_end(
 ) -> float | None:
     """The stream time past which the plan would take more than `max_samples` frames (None:
     no such time, the frame cap or `end` comes first)."""
-    if max_samples is None or max_samples >= config.max_frames:
+    if max_samples is None or max_samples >= config.max_frames or config.num_frames is not None:
         return None
     # plan_samples takes ceil(duration * fps - eps) frames while under the cap
     affordable_end = (start or 0.0) + (max_samples + TIME_EPS_S) / config.fps

@@ -3,19 +3,22 @@
 decode → preprocess → tower → EVS. The encoder cache sits between the tower and EVS, keyed by
 `media_key` (the model, the media bytes and every decode/preprocess parameter), so changing
 EVS settings never re-runs the encoder. The item's `identifier` adds the EVS setting; that is
-what the prefix cache hashes. Several videos asked for together are encoded in one tower pass.
-What differs by family is read off its registry entry: the tower, the media class that
-preprocesses frames and encodes batches (tubelet patches merged 2x2, or one square per frame),
-and whether its items attend bidirectionally. A tower may give extra feature sets beside the
-embeddings (a media class's `encode` returns `TowerOutput`s); the encoder cache holds them
-before EVS and each item carries them at exactly the tokens EVS kept (`MultiModalItem.features`).
-With a `draft_model` (the engine speculates with a draft model) the draft's own tower encodes
-the same preprocessed input in the same pass, and its output joins the item's features the same
-way (`DRAFT`); the encoder cache then keys and holds both.
+what the prefix cache hashes. Several media asked for together are encoded in one tower pass;
+a video file longer than one window streams through the tower a window at a time instead
+(`video_windows`), holding only a window plus what it keeps. What differs by family is read
+off its registry entry: the tower, the media class that preprocesses frames and encodes
+batches (tubelet patches merged 2x2, or one square per frame), and whether its items attend
+bidirectionally. A tower may give extra feature sets beside the embeddings (a media class's
+`encode` returns `TowerOutput`s); the encoder cache holds them before EVS and each item carries
+them at exactly the tokens EVS kept (`MultiModalItem.features`). With a `draft_model` (the
+engine speculates with a draft model) the draft's own tower encodes the same preprocessed input
+in the same pass, and its output joins the item's features the same way (`DRAFT`); the encoder
+cache then keys and holds both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -33,6 +36,7 @@ from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.multimodal import MultiModalItem, TowerOutput, dense_coords, select_rows
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, prune
+from stillcut.kernels.evs.clip_pruner import ClipKept
 from stillcut.vision.decode_config import DecodeConfig
 from stillcut.vision.draft_tower import DraftTower
 from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache, model_fingerprint
@@ -55,7 +59,9 @@ class VideoInput:
 
     A frame array `[T, H, W, 3]` uint8 is taken as already sampled at `frames_fps`
     (its timestamps default to `k / frames_fps`); files are sampled at `fps` over
-    [start, end) with at most `max_frames` frames (None: the pipeline's decode defaults).
+    [start, end) with at most `max_frames` frames, or exactly `num_frames` evenly (None: the
+    pipeline's decode defaults). `pixels` is a pixel budget as (name, value) pairs, the names
+    the family's entry takes (`ModelFamily.pixel_budget`; Qwen: min_pixels, max_pixels).
     """
 
     source: VideoSource
@@ -66,6 +72,8 @@ class VideoInput:
     max_frames: int | None = None
     frames_fps: float = 2.0
     timestamps: tuple[float, ...] | None = None
+    num_frames: int | None = None
+    pixels: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,11 @@ class VisionPipeline:
         enforce_eager: bool = False,
         max_graph_shapes: int = DEFAULT_MAX_SHAPES,
         draft_model: str | os.PathLike | None = None,
+        window_frames: int = 32,
     ) -> None:
+        if not (isinstance(window_frames, int) and window_frames >= 2 and window_frames % 2 == 0):
+            raise ValueError(f"window_frames must be an even integer >= 2, got {window_frames!r}")
+        self.window_frames = window_frames
         self.path = resolve_checkpoint(model)
         self.model_config = load_model_config(self.path)
         self.family = self.model_config.family
@@ -153,6 +165,9 @@ class VisionPipeline:
     def encode(self, inputs: list[VideoInput | ImageInput]) -> list[MultiModalItem]:
         """Encode several media in order; cache misses share one tower pass."""
         loaded = [self._load(spec) for spec in inputs]
+        for entry in loaded:
+            if entry.streamed and entry.kept is None:
+                self.cache.put(self._cache_key(entry.media_key), entry.encoded)
         misses = [entry for entry in loaded if entry.encoded is None]
         if misses:
             started = time.perf_counter()
@@ -206,22 +221,33 @@ class VisionPipeline:
                 # the frame rate and times set the temporal positions, so they are part of it
                 "frames_fps": spec.frames_fps,
                 "timestamps": spec.timestamps,
-                "preprocess": self.video_preprocess.key(),
+                "preprocess": self._video_preprocess_key(spec),
             }
         else:
             data, spec_source = _video_payload(spec.source, self.decode_config.max_bytes)
             params = {
                 "kind": "video",
-                "decode": self._decode_config(spec).__repr__(),
+                "decode": self.decode_options(spec).__repr__(),
                 "start": spec.start,
                 "end": spec.end,
-                "preprocess": self.video_preprocess.key(),
+                "preprocess": self._video_preprocess_key(spec),
             }
         key = media_key(self.model_key, data, params)
         return key, spec_source if params["kind"] == "video" else data
 
-    def _decode_config(self, spec: VideoInput) -> DecodeConfig:
-        return self.decode_config.with_sampling(spec.fps, spec.max_frames)
+    def _video_preprocess_key(self, spec: VideoInput) -> str:
+        if spec.pixels:
+            return self.media_with(spec.pixels).video_preprocess.key()
+        return self.video_preprocess.key()
+
+    def media_with(self, pixels: tuple[tuple[str, int], ...]):
+        """The family's media object with a video pixel budget (checked by the entry;
+        ValueError names what is wrong)."""
+        return self.family.with_pixel_budget(self.media, dict(pixels)) if pixels else self.media
+
+    def decode_options(self, spec: VideoInput) -> DecodeConfig:
+        """The decode settings `spec` is sampled with."""
+        return self.decode_config.with_sampling(spec.fps, spec.max_frames, spec.num_frames)
 
 
 class _Loaded:
@@ -236,8 +262,82 @@ class _Loaded:
         self._timestamps: tuple[float, ...] = ()
         self._info: dict = {}
         self._source: tuple[tuple[int, ...], float | None] = ((), None)  # frame indices, fps
+        self.streamed = False  # encoded window by window (a clip longer than one window)
+        self.kept: ClipKept | None = None  # what EVS kept, when the dense clip was not held
 
     def prepare(self, pipeline: VisionPipeline, spec: VideoInput | ImageInput, data) -> None:
+        """Preprocess an image, a frame array or a video file of one window (all encoded in one
+        tower pass with the other inputs); a longer video file streams through the tower
+        here, window by window (`video_windows`)."""
+        if isinstance(spec, VideoInput) and not isinstance(spec.source, np.ndarray):
+            self._prepare_file(pipeline, spec, data)
+        else:
+            self._prepare_media(pipeline, spec, data)
+
+    def _prepare_file(self, pipeline: VisionPipeline, spec: VideoInput, data) -> None:
+        # PyAV only for files: frame arrays encode where it is not installed (a GPU box)
+        from stillcut.vision.decode import open_video
+        from stillcut.vision.video_windows import encode_windows
+
+        config = pipeline.decode_options(spec)
+        media = pipeline.media_with(spec.pixels)
+        started = time.perf_counter()
+        with open_video(data, config, start=spec.start, end=spec.end) as reader:
+            probe = reader.probe
+            resize = media.frame_resize
+            if resize is not None and config.resize == "fast":
+                resize = dataclasses.replace(resize, fast=True)
+            if probe.num_samples > pipeline.window_frames:
+                windowed = encode_windows(pipeline, media, reader, spec.evs, resize)
+            else:
+                decoded = reader.decode(resize=resize, work=pipeline.work)
+        self._info = {
+            "codec": probe.codec,
+            "source_fps": probe.source_fps,
+            "sample_fps": probe.sample_fps,
+            "duration": probe.duration,
+            "start": probe.start,
+            "end": probe.start + probe.duration,
+            "num_seeks": probe.num_seeks,
+            **({"pixel_budget": media.pixel_budget()} if spec.pixels else {}),
+        }
+        if probe.num_samples <= pipeline.window_frames:
+            self._set_frames(decoded.timestamps, decoded.source_fps)
+            self._info.update(width=decoded.width, height=decoded.height)
+            decoded_s = time.perf_counter()
+            told = {} if resize is None else resize.prepare_options((decoded.height, decoded.width))
+            self.prepared = media.prepare_video(decoded.frames, decoded.sample_fps, **told)
+            self._set_prepared(started, decoded_s)
+            return
+        self.streamed = True
+        self.timings = windowed.timings
+        self._set_frames(windowed.timestamps, probe.source_fps)
+        height, width = windowed.display_size
+        self._info.update(
+            width=width,
+            height=height,
+            resized_width=windowed.resized_size[1],
+            resized_height=windowed.resized_size[0],
+        )
+        self.kept = windowed.kept
+        self.encoded = self._encoded(
+            windowed.output, windowed.grid_thw, windowed.second_per_grid_ts
+        )
+
+    def _set_frames(self, timestamps, source_fps: float | None) -> None:
+        from stillcut.vision.decode import source_indices
+
+        self._timestamps = tuple(timestamps)
+        self._source = (source_indices(timestamps, source_fps), source_fps)
+
+    def _set_prepared(self, started: float, decoded_s: float) -> None:
+        done = time.perf_counter()
+        self.timings = {"decode_s": decoded_s - started, "preprocess_s": done - decoded_s}
+        self._info.update(
+            resized_width=self.prepared.resized_width, resized_height=self.prepared.resized_height
+        )
+
+    def _prepare_media(self, pipeline: VisionPipeline, spec, data) -> None:
         started = time.perf_counter()
         if isinstance(spec, ImageInput):
             frame = _open_image(data, pipeline)
@@ -247,52 +347,28 @@ class _Loaded:
             )
             decoded_s = time.perf_counter()
             self.prepared = pipeline.media.prepare_image(frame)
-        elif isinstance(spec.source, np.ndarray):
+        else:  # a frame array (files stream through `stream`)
             frames, fps = spec.source, spec.frames_fps
             self._timestamps = spec.timestamps or tuple(k / fps for k in range(len(frames)))
             self._info = {"width": frames.shape[2], "height": frames.shape[1], "sample_fps": fps}
             self._source = (tuple(round(t * fps) for t in self._timestamps), fps)
             decoded_s = time.perf_counter()
             self.prepared = pipeline.media.prepare_video(frames, fps)
-        else:
-            # PyAV only for files: frame arrays encode where it is not installed (a GPU box)
-            from stillcut.vision.decode import decode_video
-
-            config = pipeline._decode_config(spec)
-            decoded = decode_video(
-                data,
-                config,
-                start=spec.start,
-                end=spec.end,
-                resize=pipeline.media.frame_resize,
-                work=pipeline.work,
-            )
-            self._timestamps = tuple(decoded.timestamps)
-            self._source = (tuple(decoded.source_indices), decoded.source_fps)
-            self._info = {
-                "codec": decoded.codec,
-                "width": decoded.width,
-                "height": decoded.height,
-                "source_fps": decoded.source_fps,
-                "sample_fps": decoded.sample_fps,
-                "duration": decoded.duration,
-            }
-            decoded_s = time.perf_counter()
-            self.prepared = pipeline.media.prepare_video(decoded.frames, decoded.sample_fps)
-        done = time.perf_counter()
-        self.timings = {"decode_s": decoded_s - started, "preprocess_s": done - decoded_s}
-        self._info.update(
-            resized_width=self.prepared.resized_width, resized_height=self.prepared.resized_height
-        )
+        self._set_prepared(started, decoded_s)
 
     def finish(self, output: TowerOutput, *, encode_s: float) -> None:
         prepared = self.prepared
         self.timings["encode_s"] = encode_s
+        self.encoded = self._encoded(output, prepared.grid_thw, prepared.second_per_grid_ts)
+
+    def _encoded(
+        self, output: TowerOutput, grid_thw: tuple[int, int, int], second_per_grid_ts: float
+    ) -> EncodedMedia:
         source_indices, source_fps = self._source
-        self.encoded = EncodedMedia(
+        return EncodedMedia(
             output.embeds,
-            prepared.grid_thw,
-            prepared.second_per_grid_ts,
+            grid_thw,
+            second_per_grid_ts,
             self._timestamps,
             self._info,
             source_indices=source_indices,
@@ -309,7 +385,11 @@ class _Loaded:
         evs = spec.evs if isinstance(spec, VideoInput) else None
         started = time.perf_counter()
         embeds, features = encoded.embeds, encoded.features
-        if evs is None or evs.is_off:
+        if self.kept is not None:  # pruned window by window already
+            coords = self.kept.kept_coords
+            kept_per_tubelet = tuple(self.kept.kept_per_tubelet.tolist())
+            identifier = item_identifier(self.media_key, evs)
+        elif evs is None or evs.is_off:
             coords = dense_coords(*grid)
             kept_per_tubelet = (grid[1] * grid[2],) * grid[0]
             identifier = item_identifier(self.media_key, None)

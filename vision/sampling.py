@@ -1,10 +1,11 @@
 """Which decoded frame each sample time gets.
 
 Sample times are `start + k / fps` inside [start, end); a range longer than `max_frames / fps`
-gets `max_frames` evenly spread times instead. Each time takes the last frame whose timestamp is
-at or before it; a time before the first frame takes the first frame. `FrameSelector` applies
-that rule to frames arriving one by one in presentation order, holding only the latest
-candidate, so a whole clip is never in memory and unsampled frames are never converted.
+gets `max_frames` evenly spread times instead, and `num_frames` asks for that many evenly.
+Each time takes the last frame whose timestamp is at or before it; a time before the first
+frame takes the first frame. `FrameSelector` applies that rule to frames arriving one by one
+in presentation order, holding only the latest candidate, so a whole clip is never in memory
+and unsampled frames are never converted.
 """
 
 import math
@@ -26,12 +27,17 @@ class SamplePlan:
     sample_fps: float
 
 
-def plan_samples(start: float, duration: float, fps: float, max_frames: int) -> SamplePlan:
-    """Sample times for the range [start, start + duration); always at least one."""
+def plan_samples(
+    start: float, duration: float, fps: float, max_frames: int, num_frames: int | None = None
+) -> SamplePlan:
+    """Sample times for the range [start, start + duration); always at least one. With
+    `num_frames`, exactly that many, evenly spread (as with a range past `max_frames / fps`)."""
     assert fps > 0 and max_frames >= 1 and duration >= 0, (fps, max_frames, duration)
-    if duration * fps > max_frames:
-        step = duration / max_frames
-        return SamplePlan(tuple(start + k * step for k in range(max_frames)), max_frames / duration)
+    evenly = num_frames if num_frames is not None else max_frames
+    if num_frames is not None or duration * fps > max_frames:
+        step = duration / evenly
+        rate = evenly / duration if duration > 0 else fps
+        return SamplePlan(tuple(start + k * step for k in range(evenly)), rate)
     num_samples = max(1, math.ceil(duration * fps - TIME_EPS_S))
     return SamplePlan(tuple(start + k / fps for k in range(num_samples)), fps)
 

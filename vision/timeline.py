@@ -23,8 +23,14 @@ class StreamClock:
     """Seconds from the stream start for each frame or packet, in arrival order."""
 
     def __init__(self, stream: VideoStream) -> None:
-        self._time_base = stream.time_base
-        self.origin = Fraction(stream.start_time or 0) * self._time_base  # seconds
+        time_base = Fraction(stream.time_base)
+        self.origin = Fraction(stream.start_time or 0) * time_base  # seconds
+        # Integer arithmetic (an hour of packets is timed per plan): int / int rounds exactly
+        # as float(Fraction) does. seconds = (pts * tb - origin) = (pts * a - b) / c.
+        self._tb_num, self._tb_den = time_base.numerator, time_base.denominator
+        self._a = time_base.numerator * self.origin.denominator
+        self._b = self.origin.numerator * time_base.denominator
+        self._c = time_base.denominator * self.origin.denominator
         rate = stream.average_rate or stream.guessed_rate
         self._default_step = 1 / float(rate) if rate else _FALLBACK_FRAME_S
         self._filled_time = 0.0  # where an item without pts starts: right after the previous one
@@ -32,12 +38,12 @@ class StreamClock:
 
     def seconds(self, pts: int) -> float:
         """Seconds from the stream start at `pts`."""
-        return float(pts * self._time_base - self.origin)
+        return (pts * self._a - self._b) / self._c
 
     def time_of(self, pts: int | None, duration: int | None) -> float:
         """Seconds from the stream start for the next item, with this pts and duration."""
         time = self._filled_time if pts is None else self.seconds(pts)
-        step = float(duration * self._time_base) if duration else self._default_step
+        step = duration * self._tb_num / self._tb_den if duration else self._default_step
         self._filled_time = time + step
         self.end = max(self.end, time + step)
         return time
@@ -55,11 +61,14 @@ def declared_clip_end(container: InputContainer, stream: VideoStream) -> float |
 
 @dataclass(frozen=True)
 class PacketScan:
-    """What demuxing a stream (without decoding it) tells: where it ends, and every frame's pts."""
+    """What demuxing a stream (without decoding it) tells: where it ends, every packet's pts in
+    file order, which packets are keyframes and which an edit list discards."""
 
     end: float  # seconds from the stream start to the end of the last frame
     pts: tuple[int, ...] | None  # per packet, in file order; None when some packet has none
     complete: bool = True  # False: the scan stopped at `stop_after_s`, `end` is a lower bound
+    keyframes: tuple[int, ...] = ()  # file positions (indices into `pts`) of keyframe packets
+    discarded: frozenset[int] = frozenset()  # file positions of packets the decoder drops
 
 
 def scan_packets(
@@ -73,35 +82,43 @@ def scan_packets(
 
     The end it finds is the last packet's pts plus duration, which, unlike the headers, stays
     right for variable frame rate files with B-frames (MP4 muxers derive the declared duration
-    from decode timestamps, which then fall short). With `stop_after_s`, the scan ends early
-    (`complete=False`) once the stream is known to run past it.
+    from decode timestamps, which then fall short). Packets an edit list discards (their
+    frames never leave the decoder) do not extend the end. With `stop_after_s`, the scan ends
+    early (`complete=False`) once the stream is known to run past it.
     """
     clock = StreamClock(stream)
     all_pts: list[int] = []
+    keyframes: list[int] = []
+    discarded: set[int] = set()
     has_every_pts = True
-    num_packets = 0
     try:
         for packet in container.demux(stream):
             if packet.size == 0:  # the demuxer's end-of-stream marker
                 continue
-            num_packets += 1
-            if num_packets > max_packets:
+            position = len(all_pts)
+            if position >= max_packets:
                 raise TooManyFrames(
                     f"the stream has more than max_decoded_frames={max_packets} frames"
                 )
-            clock.time_of(packet.pts, packet.duration)
+            if packet.is_discard:
+                discarded.add(position)
+            else:
+                clock.time_of(packet.pts, packet.duration)
             if clock.end > max_duration_s:
                 raise VideoTooLong(
                     f"the video runs past {clock.end:g} s, over max_duration_s={max_duration_s:g}"
                 )
             if stop_after_s is not None and clock.end > stop_after_s:
                 return PacketScan(clock.end, None, complete=False)
+            if packet.is_keyframe:
+                keyframes.append(position)
             if packet.pts is None:
                 has_every_pts = False
-            else:
-                all_pts.append(packet.pts)
+            all_pts.append(packet.pts)
     except av.error.FFmpegError as e:
         raise CorruptVideo(
             f"the container is corrupt near {clock.end:.2f} s ({reason_of(e)})"
         ) from e
-    return PacketScan(clock.end, tuple(all_pts) if has_every_pts else None)
+    if not has_every_pts:
+        return PacketScan(clock.end, None)
+    return PacketScan(clock.end, tuple(all_pts), True, tuple(keyframes), frozenset(discarded))

@@ -18,6 +18,9 @@ from av.video.stream import VideoStream
 
 from stillcut.vision.errors import FrameTooLarge
 
+# swscale's filter when it also resizes (`FrameResize.fast`); with no resize it only converts
+FAST_SCALER = "BILINEAR"
+
 
 @dataclass(frozen=True)
 class UprightLayout:
@@ -43,9 +46,14 @@ class UprightLayout:
             return self.width, self.height
         return self.height, self.width
 
-    def to_rgb(self, frame: VideoFrame) -> np.ndarray:
-        """[H, W, 3] uint8 upright RGB; a view, possibly strided."""
-        rgb = frame.to_ndarray(format="rgb24", width=self.width, height=self.height)  # [h, w, 3]
+    def to_rgb(self, frame: VideoFrame, size: tuple[int, int] | None = None) -> np.ndarray:
+        """[H, W, 3] uint8 upright RGB, at `size` (height, width; upright) when given, scaled
+        by FFmpeg as it converts; a view, possibly strided."""
+        scale = {"width": self.width, "height": self.height}
+        if size is not None:  # the size before turning
+            height, width = size if self.quarter_turns % 2 == 0 else size[::-1]
+            scale = {"width": width, "height": height, "interpolation": FAST_SCALER}
+        rgb = frame.to_ndarray(format="rgb24", **scale)  # [h, w, 3]
         rgb = np.rot90(rgb, self.quarter_turns)
         return rgb[:, ::-1] if self.mirror else rgb
 

@@ -80,6 +80,10 @@ class ModelFamily:
     then follows as its own one-tubelet video between the vision markers; None: the family
     does not narrate. `checkpoints` ("module:attribute", None: the family builds none) names
     the family's `factory.recipe.CheckpointRecipe`, which writes its tiny test checkpoints.
+    `pixel_budget` names the per-request video pixel options the family's
+    processor takes (Qwen2.5-VL: `min_pixels`, `max_pixels`); its media class then has
+    `pixel_budget()` (the values in force) and `with_pixel_budget(**values)` (a media with a
+    request's values, ValueError naming one out of range). Empty: none.
     """
 
     model_type: str
@@ -97,6 +101,7 @@ class ModelFamily:
     narration_timestamp: str | None = None
     weight_prefixes: Mapping[str, str] = field(default_factory=dict)
     checkpoints: str | None = None
+    pixel_budget: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model_type:
@@ -114,6 +119,8 @@ class ModelFamily:
             raise ValueError("live sessions append video placeholders: they need a video token")
         if self.narration_timestamp is not None and not self.live_sessions:
             raise ValueError("narration appends tubelets as live sessions do: it needs those")
+        if not all(isinstance(name, str) and name for name in self.pixel_budget):
+            raise ValueError(f"pixel_budget={self.pixel_budget!r} must name options as strings")
         object.__setattr__(self, "weight_prefixes", MappingProxyType(dict(self.weight_prefixes)))
 
     @property
@@ -144,6 +151,18 @@ class ModelFamily:
         from stillcut.engine.factory.checkpoints import build_checkpoint
 
         return build_checkpoint(folder, preset, seed=seed, family=self.model_type, **overrides)
+
+    def with_pixel_budget(self, media: Any, budget: Mapping[str, int]) -> Any:
+        """`media` (this family's media object) with a request's pixel budget, checked: a name
+        the family does not take is a ValueError that lists the ones it does."""
+        unknown = sorted(set(budget) - set(self.pixel_budget))
+        if unknown:
+            allowed = ", ".join(self.pixel_budget) or "none"
+            raise ValueError(
+                f"{', '.join(unknown)}: not a pixel budget option of {self.model_type} "
+                f"(allowed: {allowed})"
+            )
+        return media.with_pixel_budget(**budget) if budget else media
 
 
 class FamilyRegistry:

@@ -115,7 +115,7 @@ def test_media_and_max_tokens_over_the_context_are_refused_before_decoding(main_
 
 @pytest.mark.parametrize(
     ("fields", "phrase"),
-    [({"max_frames": "2000"}, "limit_frames=256"), ({"fps": "10"}, "limit_fps=8")],
+    [({"max_frames": "5000"}, "limit_frames=4096"), ({"fps": "10"}, "limit_fps=8")],
 )
 def test_asking_past_a_ceiling_is_refused(main_server, fields, phrase):
     _refused_without_work(

@@ -1,6 +1,7 @@
 """The decoding pass's shortcuts: skipping frames nobody samples, seeking to a late start, and
 falling back to a plain pass when either misfires. Results must equal decoding everything."""
 
+import dataclasses
 from fractions import Fraction
 
 import numpy as np
@@ -9,7 +10,6 @@ import pytest
 import stillcut.vision.decode as decode_module
 import stillcut.vision.frame_pass as frame_pass
 from stillcut.vision.decode import DecodeConfig, decode_video
-from stillcut.vision.frame_pass import SkipPlan
 from stillcut.vision.synthetic import gray_frames, near_lossless_h264, write_video
 
 
@@ -32,18 +32,18 @@ def _frame_indices(video):
 def pass_log(monkeypatch):
     """Records, per pass, the plan it ran with and how many frames the decoder produced."""
     log = []
-    run_pass, decoded_frames = frame_pass.run_pass, frame_pass._decoded_frames
+    iter_pass, decoded_frames = frame_pass.iter_pass, frame_pass._decoded_frames
 
-    def logged_run_pass(container, stream, plan, config, **output):
+    def logged_iter_pass(container, stream, plan, config, **output):
         log.append({"plan": plan, "decoded": 0})
-        return run_pass(container, stream, plan, config, **output)
+        yield from iter_pass(container, stream, plan, config, **output)
 
     def counted_decoded_frames(*args):
         for item in decoded_frames(*args):
             log[-1]["decoded"] += 1
             yield item
 
-    monkeypatch.setattr(decode_module, "run_pass", logged_run_pass)
+    monkeypatch.setattr(decode_module, "iter_pass", logged_iter_pass)
     monkeypatch.setattr(frame_pass, "_decoded_frames", counted_decoded_frames)
     return log
 
@@ -66,9 +66,10 @@ def test_skipping_gives_the_same_frames_as_decoding_everything(b_frame_clip, mon
 
 
 def test_a_wrong_skip_prediction_falls_back_to_a_plain_pass(b_frame_clip, monkeypatch, pass_log):
-    def plan_nothing_wanted(stream, packet_pts, sample_times):
-        expected = frame_pass.plan_skips(stream, packet_pts, sample_times).expected_timestamps
-        return SkipPlan(frozenset(), expected)  # every non-reference frame would be skipped
+    def plan_nothing_wanted(stream, scan, sample_times):
+        planned = frame_pass.plan_skips(stream, scan, sample_times)
+        # every non-reference frame would be skipped
+        return dataclasses.replace(planned, wanted_pts=frozenset())
 
     monkeypatch.setattr(decode_module, "plan_skips", plan_nothing_wanted)
     video = decode_video(b_frame_clip, DecodeConfig(fps=2))
@@ -79,12 +80,13 @@ def test_a_wrong_skip_prediction_falls_back_to_a_plain_pass(b_frame_clip, monkey
 def test_a_seek_that_lands_after_start_falls_back_to_a_plain_pass(
     b_frame_clip, monkeypatch, pass_log
 ):
-    seek = frame_pass._seek_before
+    seek = frame_pass._seek_to
 
     def seek_too_far(container, stream, clock, time):
         return seek(container, stream, clock, time + 2.0)  # an imprecise demuxer
 
-    monkeypatch.setattr(frame_pass, "_seek_before", seek_too_far)
+    monkeypatch.setattr(decode_module, "plan_skips", lambda *args: None)  # no packet index
+    monkeypatch.setattr(frame_pass, "_seek_to", seek_too_far)
     video = decode_video(b_frame_clip, DecodeConfig(fps=2), start=1.25, end=2.5)
     assert _frame_indices(video) == [12, 17, 22]  # times 1.25, 1.75, 2.25
     assert [entry["plan"].seek for entry in pass_log] == [True, False]

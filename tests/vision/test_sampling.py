@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from stillcut.vision.decode_config import DecodeConfig
 from stillcut.vision.sampling import FrameSelector, plan_samples, predict_picks
 
 
@@ -79,3 +80,16 @@ def test_selector_emits_each_frame_once_with_a_count():
 
 def test_selector_without_frames_picks_nothing():
     assert FrameSelector([0.0, 1.0]).finish() is None
+
+
+@pytest.mark.parametrize(("duration", "num_frames"), [(10.0, 4), (1.0, 5), (0.0, 3)])
+def test_num_frames_takes_exactly_that_many_evenly(duration, num_frames):
+    plan = plan_samples(2.0, duration, fps=2.0, max_frames=64, num_frames=num_frames)
+    assert len(plan.times) == num_frames
+    assert plan.times == pytest.approx([2.0 + k * duration / num_frames for k in range(num_frames)])
+
+
+def test_num_frames_is_checked_and_raises_max_frames():
+    assert DecodeConfig().with_sampling(None, None, 100).max_frames == 100
+    with pytest.raises(ValueError, match=r"num_frames must be an integer in \[1, max_frames=8\]"):
+        DecodeConfig(max_frames=8, num_frames=9)

@@ -43,6 +43,7 @@ QWEN2_5_VL = ModelFamily(
     live_sessions=True,
     narration_timestamp="<{t:.1f}s>",
     weight_prefixes=QWEN_WEIGHT_PREFIXES,
+    pixel_budget=("min_pixels", "max_pixels"),
     checkpoints="stillcut.engine.models.qwen2_vl.checkpoint:QWEN2_5_VL_CHECKPOINTS",
 )
 QWEN2_VL = dataclasses.replace(

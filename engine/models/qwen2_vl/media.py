@@ -7,6 +7,8 @@ tower encodes every input of a batch in one pass and merges 2x2 patches into one
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +26,18 @@ from stillcut.engine.models.qwen2_vl.preprocess import (
 )
 from stillcut.engine.models.qwen2_vl.tower import Qwen2VLVisionTower
 
+# The bounds a request may set: one merged token (28 x 28) to Qwen's own largest image.
+MIN_PIXELS = 28 * 28
+MAX_PIXELS = 16384 * 28 * 28
+
+
+def _frame_resize(config: VideoPreprocessConfig) -> FrameResize:
+    return FrameResize(
+        lambda h, w: smart_resize(h, w, config.factor, config.min_pixels, config.max_pixels),
+        Image.Resampling.BICUBIC,
+        prepare_knows_source=True,
+    )
+
 
 class QwenMedia:
     """Preprocessing and batched encoding for a Qwen2-VL / Qwen2.5-VL checkpoint."""
@@ -32,11 +46,32 @@ class QwenMedia:
         self.video_preprocess = VideoPreprocessConfig.from_checkpoint(path, "video")
         self.image_preprocess = VideoPreprocessConfig.from_checkpoint(path, "image")
         self.merge_size = model_config.vision.spatial_merge_size
+        self.frame_resize = _frame_resize(self.video_preprocess)
+
+    def pixel_budget(self) -> dict[str, int]:
+        """The video pixel budget in force (the family entry's `pixel_budget` names)."""
         config = self.video_preprocess
-        self.frame_resize = FrameResize(
-            lambda h, w: smart_resize(h, w, config.factor, config.min_pixels, config.max_pixels),
-            Image.Resampling.BICUBIC,
-        )
+        return {"min_pixels": config.min_pixels, "max_pixels": config.max_pixels}
+
+    def with_pixel_budget(self, **budget: int) -> QwenMedia:
+        """This media with a request's `min_pixels` / `max_pixels` for videos, as the
+        processor takes them: a bound given alone moves the other where it would cross it."""
+        config = self.video_preprocess
+        for name, value in budget.items():
+            if not (isinstance(value, int) and MIN_PIXELS <= value <= MAX_PIXELS):
+                raise ValueError(
+                    f"{name} must be an integer in [{MIN_PIXELS}, {MAX_PIXELS}], got {value!r}"
+                )
+        low = budget.get("min_pixels", config.min_pixels)
+        high = budget.get("max_pixels", max(config.max_pixels, low))
+        if "min_pixels" not in budget:
+            low = min(low, high)
+        if low > high:
+            raise ValueError(f"min_pixels={low} must be <= max_pixels={high}")
+        media = copy.copy(self)
+        media.video_preprocess = dataclasses.replace(config, min_pixels=low, max_pixels=high)
+        media.frame_resize = _frame_resize(media.video_preprocess)
+        return media
 
     def token_grid(
         self, kind: str, num_frames: int, height: int, width: int
@@ -48,9 +83,12 @@ class QwenMedia:
         num_tubelets = -(-num_frames // config.temporal_patch_size)
         return num_tubelets, resized[0] // config.factor, resized[1] // config.factor
 
-    def prepare_video(self, frames: np.ndarray, sample_fps: float) -> PreprocessedVideo:
-        """Frames [T, H, W, 3] uint8 sampled at `sample_fps` -> tubelet patches."""
-        return preprocess_video(frames, sample_fps, self.video_preprocess)
+    def prepare_video(
+        self, frames: np.ndarray, sample_fps: float, source_size: tuple[int, int] | None = None
+    ) -> PreprocessedVideo:
+        """Frames [T, H, W, 3] uint8 sampled at `sample_fps` -> tubelet patches (`source_size`:
+        the frames were resized at decode from that (height, width))."""
+        return preprocess_video(frames, sample_fps, self.video_preprocess, source_size)
 
     def prepare_image(self, image: np.ndarray) -> PreprocessedVideo:
         """One image [H, W, 3] uint8 -> the patches of a one-frame tubelet."""

@@ -165,11 +165,14 @@ def preprocess_video(
     frames: np.ndarray,
     sample_fps: float,
     config: VideoPreprocessConfig = DEFAULT_CONFIG,
+    source_size: tuple[int, int] | None = None,
 ) -> PreprocessedVideo:
-    """Turn frames [T, H, W, 3] uint8 RGB, sampled at ``sample_fps``, into tubelet patches."""
+    """Turn frames [T, H, W, 3] uint8 RGB, sampled at ``sample_fps``, into tubelet patches.
+    `source_size` (height, width): the frames were resized at decode from that size, and the
+    target is smart resize's of it (frames already there are left as they are)."""
     if not (isinstance(sample_fps, float | int) and 0 < sample_fps < math.inf):
         raise ValueError(f"sample_fps must be a positive finite number, got {sample_fps!r}")
-    return _preprocess(frames, config, config.temporal_patch_size / sample_fps)
+    return _preprocess(frames, config, config.temporal_patch_size / sample_fps, source_size)
 
 
 def preprocess_image(
@@ -185,10 +188,14 @@ def preprocess_image(
 
 
 def _preprocess(
-    frames: np.ndarray, config: VideoPreprocessConfig, second_per_grid_ts: float
+    frames: np.ndarray,
+    config: VideoPreprocessConfig,
+    second_per_grid_ts: float,
+    source_size: tuple[int, int] | None = None,
 ) -> PreprocessedVideo:
     check_frames(frames)
-    num_frames, height, width, _ = frames.shape
+    num_frames = frames.shape[0]
+    height, width = source_size or frames.shape[1:3]
     resized_height, resized_width = smart_resize(
         height, width, config.factor, config.min_pixels, config.max_pixels
     )

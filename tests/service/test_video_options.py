@@ -1,0 +1,143 @@
+"""Per-request video options are honoured and echoed by every route: the Python API, the
+describe form, chat completions (through the `openai` client), the CLI, and the token plan
+(`POST /v1/videos/plan`, `stillcut inspect --plan`) says beforehand what they then do."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from stillcut.service import cli
+
+from .conftest import assert_error, data_url
+
+MAX_TOKENS = 3
+# 4 frames evenly over [0.5, 2.75) s of the 4 fps clip: times 0.5, 1.0625, 1.625, 2.1875 take
+# the frames shown at 0.5, 1.0, 1.5 and 2.0 s; frames of at most 12 merged tokens.
+OPTIONS = {"num_frames": 4, "start": 0.5, "end": 2.75, "max_pixels": 12 * 28 * 28}
+EXPECTED_TIMES = [0.5, 1.0, 1.5, 2.0]
+EVS = {"mode": "rate", "rate": 0.5}
+
+
+@pytest.fixture(scope="module")
+def python_video(reference_llm, tiny_clip):
+    """The Python API's answer: the reference the routes must equal."""
+    from stillcut.kernels.evs import EVSConfig
+
+    options = {k: v for k, v in OPTIONS.items() if k != "max_pixels"}
+    result = reference_llm.describe(
+        tiny_clip,
+        evs=EVSConfig(**EVS),
+        max_tokens=MAX_TOKENS,
+        pixels={"max_pixels": OPTIONS["max_pixels"]},
+        **options,
+    )
+    (video,) = result.to_dict()["evs"]["videos"]
+    return video
+
+
+def test_python_api_honours_and_echoes_the_options(python_video, reference_llm, tiny_clip):
+    from stillcut.kernels.evs import EVSConfig
+
+    video = python_video
+    options = {k: v for k, v in OPTIONS.items() if k != "max_pixels"}
+    pixels = {"max_pixels": OPTIONS["max_pixels"]}
+    plan = reference_llm.plan(tiny_clip, evs=EVSConfig(**EVS), pixels=pixels, **options)
+    assert list(plan.frame_times) == EXPECTED_TIMES
+    assert plan.tokens_after_evs == video["tokens_after"] and plan.fits
+    assert video["timestamps"] == EXPECTED_TIMES and video["num_frames"] == 4
+    assert (video["start"], video["end"]) == (0.5, 2.75)
+    assert video["pixel_budget"]["max_pixels"] == OPTIONS["max_pixels"]
+    width, height = video["resized"]
+    assert width * height <= OPTIONS["max_pixels"]
+    assert len(video["kept_per_tubelet"]) == 2 == video["token_grid"][0]
+    assert sum(video["kept_per_tubelet"]) == video["tokens_after"] < video["tokens_before"]
+
+
+def test_describe_form_echoes_the_same(main_server, python_video):
+    fields = {**OPTIONS, "max_tokens": MAX_TOKENS, "evs": json.dumps(EVS)}
+    files = {"file": ("clip.mp4", main_server.clip, "video/mp4")}
+    response = httpx.post(f"{main_server.url}/v1/videos/describe", files=files, data=fields)
+    assert response.status_code == 200, response.text
+    assert response.json()["evs"]["videos"] == [python_video]
+
+
+def test_chat_echoes_the_same(main_server, python_video):
+    client = openai.OpenAI(api_key="unused", base_url=f"{main_server.url}/v1", max_retries=0)
+    parts = [{"type": "video_url", "video_url": {"url": data_url(main_server.clip)}}]
+    completion = client.chat.completions.create(
+        model=main_server.llm.name,
+        messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What?"}]}],
+        max_tokens=MAX_TOKENS,
+        extra_body={**OPTIONS, "evs": EVS},
+    )
+    assert completion.model_extra["evs"]["videos"] == [python_video]
+
+
+def test_plan_route_says_beforehand_what_describe_does(main_server, python_video):
+    query = {**OPTIONS, "evs": json.dumps(EVS)}
+    response = httpx.post(
+        f"{main_server.url}/v1/videos/plan",
+        params=query,
+        content=main_server.clip,
+        headers={"content-type": "video/mp4"},
+    )
+    assert response.status_code == 200, response.text
+    plan = response.json()
+    assert plan["object"] == "video.plan" and plan["num_frames"] == 4
+    assert plan["frame_times"] == EXPECTED_TIMES
+    assert plan["tokens_before_evs"] == python_video["tokens_before"]
+    assert plan["evs_exact"] and plan["tokens_after_evs"] == python_video["tokens_after"]
+    assert plan["fits"] and plan["kv_bytes"] > 0
+    url = f"{main_server.http_url}/clip.mp4"
+    by_url = httpx.post(f"{main_server.url}/v1/videos/plan", params={**query, "url": url})
+    assert by_url.status_code == 200, by_url.text
+    assert by_url.json()["frame_times"] == EXPECTED_TIMES
+
+
+def test_plan_over_the_limits_says_how_many_frames_fit(main_server):
+    query = {"fps": 4, "max_video_tokens": 40, "evs": "off"}
+    response = httpx.post(
+        f"{main_server.url}/v1/videos/plan", params=query, content=main_server.clip
+    )
+    plan = response.json()
+    assert not plan["fits"] and 0 < plan["fitting_num_frames"] < plan["num_frames"]
+    files = {"file": ("clip.mp4", main_server.clip, "video/mp4")}
+    refused = httpx.post(
+        f"{main_server.url}/v1/videos/describe", files=files, data={**query, "max_tokens": 2}
+    )
+    fitting = plan["fitting_num_frames"]
+    assert_error(refused, 400, "too_many_visual_tokens", f"at most {fitting} frames")
+
+
+@pytest.mark.parametrize(
+    ("query", "phrase"),
+    [
+        ({"num_frames": "0"}, "num_frames must be >= 1"),
+        ({"fps": "fast"}, "fps='fast' must be float"),
+        ({"max_pixels": "5"}, "max_pixels must be an integer in [784, "),
+        ({"start": "2", "end": "1"}, "end must be after start"),
+        ({"frames": "3"}, "unknown query field(s): frames"),
+    ],
+)
+def test_bad_options_are_400s(main_server, query, phrase):
+    response = httpx.post(
+        f"{main_server.url}/v1/videos/plan", params=query, content=main_server.clip
+    )
+    assert response.status_code == 400 and phrase in response.json()["error"]["message"]
+
+
+def test_cli_describe_and_inspect_honour_the_options(tiny_checkpoint, tiny_clip, tmp_path, capsys):
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(tiny_clip)
+    flags = ["--num-frames", "4", "--start", "0.5", "--end", "2.75", "--max-pixels", "9408"]
+    argv = ["describe", str(path), "--model", str(tiny_checkpoint), "--json", *flags]
+    assert cli.main([*argv, "--max-tokens", "2", "--evs-rate", "0.5"]) == 0
+    (video,) = json.loads(capsys.readouterr().out)["evs"]["videos"]
+    assert video["timestamps"] == EXPECTED_TIMES and video["pixel_budget"]["max_pixels"] == 9408
+    inspect = ["inspect", str(path), "--model", str(tiny_checkpoint), "--json", *flags]
+    assert cli.main([*inspect, "--evs-rate", "0.5", "--plan"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["frame_times"] == EXPECTED_TIMES
+    assert plan["tokens_after_evs"] == video["tokens_after"]
