@@ -99,6 +99,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "int8")
 QUANTIZATION_SKIPS = ("lm_head",)
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -176,12 +177,15 @@ class EngineConfig:
     """Everything an `LLMEngine` needs besides the checkpoint.
 
     `dtype` is the format weights are stored in ("auto": the checkpoint's own); on CPU
-    activations and sums are float32 whatever it is (products widen the stored weights), on
+    activations are float32 whatever it is (decode's products widen the stored weights), on
     CUDA it is also the compute dtype. `quantization="int8"` stores every matrix as int8 with a
     scale per output channel (`engine.quantization`); `quantization_skip=("lm_head",)` keeps
     the LM head (a tied embedding with it) in `dtype`. `kv_cache_dtype` is the K/V pool's
     dtype ("auto": float32 on CPU, the model's dtype on CUDA); bfloat16 halves its bytes per
-    block. On CUDA, decode steps replay one CUDA graph per batch bucket (`engine.cuda_graphs`),
+    block. `compute_dtype` is the arithmetic of prefill batches and the vision tower
+    (`engine.arithmetic`; "auto": bfloat16 for bfloat16 weights on a CPU with bfloat16 dot
+    products, else float32); decode's native CPU step keeps its own. On CUDA, decode steps
+    replay one CUDA graph per batch bucket (`engine.cuda_graphs`),
     captured at start; `enforce_eager` runs every step eagerly instead (no capture time, no
     graph memory, slower small-batch decodes). Ignored on CPU.
     """
@@ -194,6 +198,7 @@ class EngineConfig:
     quantization: str | None = None
     quantization_skip: tuple[str, ...] = ()
     kv_cache_dtype: str = "auto"
+    compute_dtype: str = "auto"
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -215,6 +220,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}"
+            )
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"compute_dtype={self.compute_dtype!r} must be one of {COMPUTE_DTYPES}"
             )
         if self.quantization is not None and not self.device.startswith("cpu"):
             raise ValueError(

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=_inspect)
     add_video_arguments(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    add_compute_dtype_argument(inspect)
     return parser
 
 
@@ -56,8 +57,8 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="format weights are stored in (default auto: the checkpoint's own); on CPU every "
-        "product still computes in float32",
+        help="format weights are stored in (default auto: the checkpoint's own); on CPU "
+        "activations stay float32 (see --compute-dtype)",
     )
     parser.add_argument(
         "--quantization",
@@ -77,6 +78,20 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="K/V pool dtype (default auto: float32 on CPU; bfloat16 holds twice the tokens)",
     )
+    add_compute_dtype_argument(parser)
+
+
+def add_compute_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """`--compute-dtype`: the arithmetic of prefill and the vision tower."""
+    from stillcut.engine.config import COMPUTE_DTYPES
+
+    parser.add_argument(
+        "--compute-dtype",
+        choices=COMPUTE_DTYPES,
+        default="auto",
+        help="arithmetic of prefill and the vision tower (default auto: bfloat16 for bfloat16 "
+        "weights on a CPU with avx512_bf16 or amx_bf16, else float32; decode keeps its own)",
+    )
 
 
 def precision_options(args: argparse.Namespace) -> dict:
@@ -86,6 +101,7 @@ def precision_options(args: argparse.Namespace) -> dict:
         "quantization": args.quantization,
         "quantization_skip": tuple(args.quantization_skip),
         "kv_cache_dtype": args.kv_cache_dtype,
+        "compute_dtype": args.compute_dtype,
     }
 
 
@@ -165,6 +181,7 @@ def evs_config(args: argparse.Namespace):
 
 def _inspect(args: argparse.Namespace) -> int:
     from stillcut.demo import demo_checkpoint
+    from stillcut.engine.quantization import WeightFormat
     from stillcut.service.evs_default import resolve_evs_default
     from stillcut.vision.decode import DecodeConfig
     from stillcut.vision.pipeline import VisionPipeline
@@ -175,7 +192,9 @@ def _inspect(args: argparse.Namespace) -> int:
     model = args.model or demo_checkpoint()
     started = time.perf_counter()
     pipeline = VisionPipeline(
-        model, decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames)
+        model,
+        weight_format=WeightFormat.for_engine("auto", None, (), "cpu", args.compute_dtype),
+        decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames),
     )
     load_s = time.perf_counter() - started
     evs = resolve_evs_default(pipeline.model_config, choice)
@@ -196,6 +215,7 @@ def _report(args, pipeline, item, evs, load_s: float) -> dict:
     return {
         "video": str(args.video),
         "model": str(pipeline.path),
+        "arithmetic": pipeline.weight_format.arithmetic.to_dict(),
         "source": {
             "codec": stats.get("codec"),
             "width": stats.get("width"),
@@ -237,6 +257,7 @@ def _print_report(report: dict) -> None:
     lines = [
         ("video", report["video"]),
         ("model", report["model"]),
+        ("arithmetic", f"{report['arithmetic']['dtype']} ({report['arithmetic']['reason']})"),
         (
             "source",
             f"{source['codec']} {source['width']}x{source['height']}, {fps}"

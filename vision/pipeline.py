@@ -114,7 +114,7 @@ class VisionPipeline:
         self.decode_config = decode_config
         self.cache = EncoderCache(cache_bytes)
         # the weights as stored shape the embeddings: a format is part of the model's identity
-        self.model_key = model_fingerprint(self.path, self.weight_format.describe())
+        self.model_key = model_fingerprint(self.path, self.weight_format.embedding_key())
         self.work = VisionWork()
 
     def encode_prepared(self, prepared: list) -> tuple[list[torch.Tensor], list | None]:
@@ -122,10 +122,15 @@ class VisionPipeline:
         one of the draft's): each input's dense embeddings [tokens, hidden], and the draft
         tower's [tokens, draft hidden] (None without a draft)."""
         with torch.inference_mode():
-            embeds = self.media.encode(self.tower, prepared, self.device)
+            # EVS and the language model read them in the activations' dtype (float32 on
+            # CPU, whatever the tower's arithmetic): EVS's dissimilarities are not rounded
+            dtype = self.weight_format.compute_dtype
+            embeds = [
+                embed.to(dtype) for embed in self.media.encode(self.tower, prepared, self.device)
+            ]
             if self.draft is None:
                 return embeds, None
-            draft_embeds = self.draft.encode(prepared, self.device)
+            draft_embeds = [embed.to(dtype) for embed in self.draft.encode(prepared, self.device)]
         for ours, theirs in zip(embeds, draft_embeds, strict=True):
             assert ours.shape[0] == theirs.shape[0], "check_draft keeps the token grids equal"
         return embeds, draft_embeds
