@@ -196,9 +196,8 @@ def prepare_matrices(model: nn.Module) -> None:
     """Prepare each decoder layer's projections and the model's `head_matrices` (for one row,
     and for several: a gemm over many narrow bands packs less of the head at once; a head in
     panels has no bands, and one prepared matrix serves both), long batches computing in the
-    arithmetic of the model's `weight_format` (when it has one)."""
-    weight_format = getattr(model, "weight_format", None)
-    arithmetic = None if weight_format is None else weight_format.product_dtype
+    model's `prefill_dtype`."""
+    arithmetic = model.prefill_dtype
     for layer in model.layers:
         layer.prepare_projections(arithmetic)
     head, scale = model.lm_head, scale_of(model, "lm_head")

@@ -80,6 +80,7 @@ def prefill_logits(model, prompt) -> torch.Tensor:
         max_query_len=num_tokens,
         max_seq_len=num_tokens,
         mm_ranges=torch.tensor(ranges, dtype=torch.int32) if ranges else None,
+        prefill_dtype=model.prefill_dtype,
     )
     kv_caches = [torch.zeros(model.kv_cache_shape(num_blocks, block_size)) for _ in model.layers]
     embeds = torch.cat([item.embeds for item in prompt.items]) if prompt.items else None
