@@ -24,7 +24,7 @@ from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 from stillcut.vision.pipeline import VisionPipeline
 
-from .reference import prefill_logits
+from .reference import hf_greedy_with_margins, prefill_logits
 from .test_precision_parity import FAMILIES, _build, _rounded_to_bf16
 
 NUM_NEW_TOKENS = 16
@@ -72,24 +72,6 @@ def _spread(reference, inputs: dict) -> float:
     return (_hf_logits(bf16, inputs) - _hf_logits(reference, inputs)).abs().max().item()
 
 
-def _hf_greedy_with_margins(reference, inputs: dict) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and each step's top-2 logit margin."""
-    with torch.inference_mode():
-        out = reference.generate(
-            **inputs,
-            max_new_tokens=NUM_NEW_TOKENS,
-            min_new_tokens=NUM_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    margins = [float(step[0].topk(2).values.diff().abs()) for step in out.logits]
-    return tokens, margins
-
-
 def test_prefill_and_tower_compute_in_bfloat16(setup):
     engine, pipeline, _, _, _ = setup
     assert engine.memory.arithmetic.dtype == torch.bfloat16
@@ -110,7 +92,7 @@ def test_bf16_prefill_within_twice_transformers_bf16_spread(setup, case):
     print(f"{case}: max |ours - fp32 reference| {error:.4g}, bound {bound:.4g}")
     assert 0 < error <= bound, (error, bound)
 
-    tokens, margins = _hf_greedy_with_margins(reference, hf_inputs)
+    tokens, margins = hf_greedy_with_margins(reference, hf_inputs, NUM_NEW_TOKENS)
     (generated,) = engine.generate([prompt], GREEDY)
     for step, (mine, their, margin) in enumerate(
         zip(generated.token_ids, tokens, margins, strict=True)
