@@ -127,3 +127,24 @@ def test_a_cpu_without_bf16_keeps_the_float32_path(monkeypatch):
     auto, fp32 = _engine(path, "auto"), _engine(path, "float32")
     prompt = auto.processor.build([{"role": "user", "content": PROMPTS["text"]}], [])
     assert torch.equal(prefill_logits(auto.model, prompt), prefill_logits(fp32.model, prompt))
+
+
+def test_a_hybrid_model_in_bf16_keeps_its_recurrent_states_fp32():
+    """Nemotron's Mamba layers and RADIO tower under bf16 arithmetic: the tower computes in
+    bf16, the prefill's products too, and the recurrent states stay float32."""
+    from stillcut.vision.pipeline import VideoInput
+
+    path = cached_checkpoint("tiny", seed=1, family="nemotron_h_omni")
+    engine = _engine(path, "bfloat16")
+    pipeline = VisionPipeline(path, weight_format=engine.weight_format)
+    assert {p.dtype for p in pipeline.tower.parameters()} == {torch.bfloat16}
+    states = [t for tensors in engine.runner.recurrent_states.values() for t in tensors]
+    assert states and all(t.dtype == torch.float32 for t in states)
+    clip = torch.randint(0, 256, (4, 64, 64, 3), dtype=torch.uint8).numpy()
+    items = pipeline.encode([VideoInput(clip, frames_fps=2.0)])
+    assert items[0].embeds.dtype == torch.float32
+    parts = [{"type": "video"}, {"type": "text", "text": STORY * 2}]
+    prompt = engine.processor.build([{"role": "user", "content": parts}], items)
+    (generated,) = engine.generate([prompt], GREEDY)
+    assert len(generated.token_ids) == NUM_NEW_TOKENS
+    assert all(t.dtype == torch.float32 for t in states)
