@@ -79,4 +79,5 @@ def resolve_arithmetic(name: str, stored: torch.dtype, quantization: str | None)
 def salted(cache_salt: str | None, arithmetic: Arithmetic) -> str:
     """A request's prefix-cache salt with the arithmetic its KV was computed in: blocks
     prefilled in bfloat16 are never reused as float32 ones (or the other way)."""
-    return f"{cache_salt or ''}\0compute={arithmetic.name}"
+    own = f"compute={arithmetic.name}"
+    return own if cache_salt is None else f"{own}\0{cache_salt}"
