@@ -61,12 +61,12 @@ def _proc_cpu_flags() -> frozenset[str]:
 
 def resolve_arithmetic(name: str, stored: torch.dtype, quantization: str | None) -> Arithmetic:
     """The CPU arithmetic `EngineConfig.compute_dtype` `name` asks for, with weights stored
-    as `stored` (matrices quantized by `quantization`: "int8" keeps its weight-only float32
-    products under "auto")."""
+    as `stored` (matrices quantized by `quantization`: those keep their own products, and
+    "auto" keeps float32 for the rest)."""
     if name != "auto":
         return Arithmetic(COMPUTE_DTYPES[name], "set by compute_dtype")
     if quantization is not None:
-        return Arithmetic(torch.float32, f"auto: {quantization} weights widen to float32")
+        return Arithmetic(torch.float32, f"auto: {quantization} matrices, float32 elsewhere")
     if stored != torch.bfloat16:
         stored_name = str(stored).removeprefix("torch.")
         return Arithmetic(torch.float32, f"auto: weights stored in {stored_name}, not bfloat16")

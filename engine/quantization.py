@@ -31,7 +31,7 @@ from torch import nn
 
 from stillcut.engine.arithmetic import Arithmetic, resolve_arithmetic
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8")
 SKIPPABLE = ("lm_head",)
 INT8_MAX = 127
 # Tensors are converted a block of rows at a time, at most this many float32 bytes of them:
@@ -101,6 +101,12 @@ class WeightFormat:
         """The dtype long products compute in (a resolved format's `arithmetic`)."""
         assert self.arithmetic is not None, "resolve the format against its checkpoint first"
         return self.arithmetic.dtype
+
+    @property
+    def matrix_dtype(self) -> torch.dtype:
+        """The dtype a long batch's matrix products compute in: int8 under "w8a8" (rows
+        quantized per token, `models.w8a8`), else `product_dtype`."""
+        return torch.int8 if self.quantization == "w8a8" else self.product_dtype
 
     def for_tower(self) -> WeightFormat:
         """This resolved format as a vision tower computes: everything in its arithmetic."""

@@ -63,7 +63,8 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         choices=[name for name in QUANTIZATIONS if name],
-        help="store every matrix in int8 with a scale per output channel (CPU)",
+        help="store every matrix in int8 with a scale per output channel (CPU); w8a8: "
+        "prefill's activations quantized per token too, summed in integers",
     )
     parser.add_argument(
         "--quantization-skip",

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from stillcut.engine.models.w8a8 import quantized_rows, scaled_sums
 from stillcut.engine.quantization import dense
 from stillcut.kernels.cpu_decode import NativeMatrix, native_matrix
 from stillcut.kernels.cpu_decode_stack import (
@@ -157,6 +158,8 @@ def stored_matrix(
     for a float32 `[in, out]` weight (not packed, not panels), `band_count` bands of it (see
     `bands`) too; long batches computing in `arithmetic`."""
     native = native_matrix(weight, scale) if weight.is_cpu else None
+    if arithmetic == torch.int8 and scale is None:  # W8A8 of an unquantized matrix (a kept head)
+        arithmetic = None
     if weight.dtype == torch.float32 and scale is None and weight.dim() == 2:
         return StoredMatrix(
             weight, bands=bands(weight, band_count), native=native, arithmetic=arithmetic
@@ -196,8 +199,9 @@ def prepare_matrices(model: nn.Module) -> None:
     """Prepare each decoder layer's projections and the model's `head_matrices` (for one row,
     and for several: a gemm over many narrow bands packs less of the head at once; a head in
     panels has no bands, and one prepared matrix serves both), long batches computing in the
-    model's `prefill_dtype`."""
-    arithmetic = model.prefill_dtype
+    `matrix_dtype` of the model's `weight_format` (None without one: their input's)."""
+    weight_format = model.weight_format
+    arithmetic = None if weight_format is None else weight_format.matrix_dtype
     for layer in model.layers:
         layer.prepare_projections(arithmetic)
     head, scale = model.lm_head, scale_of(model, "lm_head")
@@ -277,29 +281,46 @@ def _widened_product(
     x: torch.Tensor, matrix: StoredMatrix, add: torch.Tensor | None
 ) -> torch.Tensor:
     """`linear` of a narrow (or packed) weight, or of a long batch computing in another
-    dtype than `x`'s: `x` rounded to the matrix's arithmetic (by default `x`'s dtype) and the
-    weight widened or rounded to it `WIDEN_BYTES` at a time (a packed one's in whole tiles; a
-    weight stored in the arithmetic is only read), so no full-precision copy of a large weight
-    (an LM head) ever exists. The result, and `add`, in `x`'s dtype."""
+    dtype than `x`'s: `x` rounded to the matrix's arithmetic (by default `x`'s dtype; int8:
+    quantized per row, see `w8a8`) and the weight widened or rounded to it `WIDEN_BYTES` at a
+    time (a packed one's in whole tiles; a weight stored in the arithmetic is only read), so no
+    full-precision copy of a large weight (an LM head) ever exists. The result, and `add`, in
+    `x`'s dtype."""
     weight, scale = matrix.weight, matrix.scale
     dtype = matrix.arithmetic if x.is_cpu and x.shape[0] > NATIVE_MAX_ROWS else None
-    rows = x if dtype in (None, x.dtype) else x.to(dtype)
     num_in, num_out = head_shape(weight)  # (any layout's)
     width = max(1, WIDEN_BYTES // (4 * num_in))
     if weight.dim() != 2:  # whole tiles or panels
         width = max(PACK_COLUMNS, width // PACK_COLUMNS * PACK_COLUMNS)
+    if dtype in (None, x.dtype) and width >= num_out:
+        widened = dense(_columns(weight, slice(0, num_out)), scale, 1, x.dtype)
+        return x @ widened if add is None else torch.addmm(add, x, widened)
+    product = _column_product(x, weight, scale, dtype)
     if width >= num_out:
-        widened = dense(_columns(weight, slice(0, num_out)), scale, 1, rows.dtype)
-        if rows is x:
-            return x @ widened if add is None else torch.addmm(add, x, widened)
-        product = (rows @ widened).to(x.dtype)
-        return product if add is None else product.add_(add)
+        result = product(slice(0, num_out)).to(x.dtype)
+        return result if add is None else result.add_(add)
     out = torch.empty(x.shape[0], num_out, dtype=x.dtype, device=x.device)
     for start in range(0, num_out, width):
         columns = slice(start, min(start + width, num_out))
-        part = None if scale is None else scale[columns]
-        out[:, columns] = rows @ dense(_columns(weight, columns), part, 1, rows.dtype)
+        out[:, columns] = product(columns)
     return out if add is None else out.add_(add)
+
+
+def _column_product(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype | None
+):
+    """A function of a slice of columns: `x` times those columns of `weight` computed in
+    `dtype` (None: `x`'s; int8 with an int8 weight: W8A8)."""
+    if dtype == torch.int8 and scale is not None:
+        rows = quantized_rows(x)
+        return lambda columns: scaled_sums(rows, _columns(weight, columns), scale[columns])
+    rows = x if dtype in (None, x.dtype) else x.to(dtype)
+
+    def product(columns: slice) -> torch.Tensor:
+        part = None if scale is None else scale[columns]
+        return rows @ dense(_columns(weight, columns), part, 1, rows.dtype)
+
+    return product
 
 
 def _columns(weight: torch.Tensor, columns: slice) -> torch.Tensor:
