@@ -10,13 +10,14 @@ of a text prompt. Modes:
   bf16 widened   bfloat16 weights widened to float32 for each product (compute_dtype=float32)
   bf16           bfloat16 weights, bfloat16 arithmetic (compute_dtype=bfloat16)
   int8           int8 weights (per output channel), widened to float32
+  w8a8           int8 weights, rows quantized per token, int32 sums (torch's `_int_mm`)
 
 Beside each mode, "linear share" is the time torch's own GEMMs take for the model's linear
 layers at that many rows, in that mode's arithmetic (x @ w of every projection's shape, the
 LM head of the last row aside), over the measured prefill: the part of it that is GEMM, and
 1.0 is a prefill doing nothing but torch's GEMMs. The target at 4,096 tokens is >= 0.8 (the
 rest is attention, norms and the runner). Where the CPU has no bfloat16 dot products, bf16
-prints "skipped".
+prints "skipped"; without integer dot products (avx512_vnni, avx_vnni, amx_int8), w8a8 does.
 
 llama.cpp (`--llama-bench PATH --gguf NAME=FILE ...`): its `llama-bench -p N -n 0` runs on each
 GGUF named, for the same prompt lengths and threads. To build one: `pip download --no-binary
@@ -26,7 +27,7 @@ GGUF named, for the same prompt lengths and threads. To build one: `pip download
 model.
 
     python bench/prefill.py [--preset lm180m] [--tokens 512,4096] [--rounds 3]
-        [--modes fp32,bf16,int8] [--llama-bench PATH --gguf BF16=model-bf16.gguf ...]
+        [--modes fp32,bf16,int8,w8a8] [--llama-bench PATH --gguf BF16=model-bf16.gguf ...]
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ MODES = {
     "bf16 widened": {"dtype": "bfloat16", "compute_dtype": "float32"},
     "bf16": {"dtype": "bfloat16", "compute_dtype": "bfloat16"},
     "int8": {"quantization": "int8", "compute_dtype": "float32"},
+    "w8a8": {"quantization": "w8a8", "compute_dtype": "float32"},
 }
+NEEDS = {"bf16": BF16_FLAGS, "w8a8": ("avx512_vnni", "avx_vnni", "amx_int8")}
 ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 
 
@@ -91,11 +94,12 @@ def gemm_seconds(shapes: list[tuple[int, int]], num_rows: int, dtype: torch.dtyp
     for num_in, num_out in sorted(set(shapes)):
         x = torch.randn(num_rows, num_in).to(dtype)
         w = torch.randn(num_in, num_out).to(dtype)
-        x @ w
+        product = torch._int_mm if dtype == torch.int8 else torch.mm
+        product(x, w)
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            x @ w
+            product(x, w)
             times.append(time.perf_counter() - start)
         total += statistics.median(times) * shapes.count((num_in, num_out))
     return total
@@ -122,9 +126,10 @@ def main() -> None:
     args = parser.parse_args()
     lengths = [int(n) for n in args.tokens.split(",")]
     modes = args.modes.split(",")
-    if "bf16" in modes and not cpu_flags().intersection(BF16_FLAGS):
-        print(f"bf16: skipped (no {' or '.join(BF16_FLAGS)} in this CPU's flags)")
-        modes.remove("bf16")
+    for mode, flags in NEEDS.items():
+        if mode in modes and not cpu_flags().intersection(flags):
+            print(f"{mode}: skipped (no {' or '.join(flags)} in this CPU's flags)")
+            modes.remove(mode)
     path = cached_checkpoint(args.preset, dtype="bfloat16")
     engines = {mode: make_engine(path, mode, max(lengths)) for mode in modes}
     print(f"{args.preset}: {torch.get_num_threads()} threads, {args.rounds} interleaved rounds")
@@ -139,7 +144,7 @@ def main() -> None:
     for n in lengths:
         for mode, engine in engines.items():
             median = statistics.median(seconds[mode, n])
-            arithmetic = engine.weight_format.product_dtype
+            arithmetic = engine.weight_format.matrix_dtype
             share = gemm_seconds(linear_shapes(engine), n, arithmetic) / median
             print(f"{mode:14} {n:7} {n / median:10.1f} {share:13.2f}")
     if args.llama_bench:
