@@ -10,6 +10,16 @@ once (its VmHWM, or ru_maxrss without /proc), so neither side's allocations colo
 other's.
 
     python bench/vision.py [--frames 32] [--size 448] [--runs 5]
+
+`--compute` compares arithmetic instead, on the checkpoint saved in bfloat16: stillcut's tower
+computing in float32 (the bf16 weights widened) and in bfloat16 (`compute_dtype`), and
+transformers' bf16 tower, interleaved, medians; then EVS at rate 0.75 after a bf16 and an fp32
+tower (the tiny bf16 checkpoint, every clip in samples/, EVS itself in fp32 on each tower's
+output) and how many kept-token decisions agree (target >= 99 %). `--released` gives the tower
+the released Qwen2.5-VL shape (32 blocks of width 1280; targets: bf16 >= 2x its fp32 and >= 1.0x
+transformers' bf16). Where the CPU has no bfloat16 dot products it prints "skipped".
+
+    python bench/vision.py --compute [--released] [--frames 8] [--size 448] [--runs 3]
 """
 
 from __future__ import annotations
@@ -36,6 +46,16 @@ VISION = {
     "fullatt_block_indexes": [3, 7],
     "initializer_range": 0.1,
 }
+RELEASED = {  # Qwen2.5-VL's released tower (3B/7B: the same tower, out width aside)
+    "depth": 32,
+    "hidden_size": 1280,
+    "num_heads": 16,
+    "intermediate_size": 3420,
+    "out_hidden_size": 2048,
+    "window_size": 112,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+    "initializer_range": 0.02,
+}
 TEXT = {  # the smallest language model the config allows; only the tower is measured
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -49,12 +69,12 @@ TEXT = {  # the smallest language model the config allows; only the tower is mea
 }
 
 
-def save_checkpoint(folder: Path) -> None:
+def save_checkpoint(folder: Path, vision: dict = VISION, dtype=torch.float32) -> None:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
-    config = Qwen2_5_VLConfig(vision_config=VISION, text_config=TEXT)
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(folder)
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=TEXT)
+    Qwen2_5_VLForConditionalGeneration(config).to(dtype).save_pretrained(folder)
 
 
 def clip_inputs(frames: int, size: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -65,16 +85,18 @@ def clip_inputs(frames: int, size: int) -> tuple[torch.Tensor, tuple[int, int, i
     return patches, grid
 
 
-def load_encoder(side: str, folder: Path):
-    """A function patches, grid -> merged embeddings [tokens, out_hidden] for one side."""
+def load_encoder(side: str, folder: Path, compute: str = "float32"):
+    """A function patches, grid -> merged embeddings [tokens, out_hidden] for one side
+    (stillcut's computing in `compute`; transformers' in the checkpoint's dtype)."""
     if side == "stillcut":
+        from stillcut.engine.quantization import WeightFormat
         from stillcut.vision.towers import load_vision_tower
 
-        tower = load_vision_tower(folder)
+        tower = load_vision_tower(folder, WeightFormat(compute=compute))
         return lambda patches, grid: tower.encode([patches], [grid])[0]
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder).eval()
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype="auto").eval()
     return lambda patches, grid: model.model.get_video_features(
         patches, torch.tensor([grid])
     ).pooler_output[0]
@@ -125,8 +147,75 @@ def measure_rss(side: str, folder: Path, args: argparse.Namespace) -> float:
     return float(result.stdout.split()[-1])
 
 
+def compare_arithmetic(args: argparse.Namespace) -> None:
+    """`--compute`: see the module docstring."""
+    from stillcut.engine.arithmetic import BF16_FLAGS, cpu_flags
+
+    if not cpu_flags().intersection(BF16_FLAGS):
+        print(f"skipped (no {' or '.join(BF16_FLAGS)} in this CPU's flags)")
+        return
+    vision = RELEASED if args.released else VISION
+    patches, grid = clip_inputs(args.frames, args.size)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(Path(tmp), vision, torch.bfloat16)
+        sides = {
+            "stillcut fp32": load_encoder("stillcut", Path(tmp), "float32"),
+            "stillcut bf16": load_encoder("stillcut", Path(tmp), "bfloat16"),
+            "transformers bf16": load_encoder("transformers", Path(tmp)),
+        }
+    print(
+        f"Qwen2.5-VL-shaped tower {vision['depth']} blocks, width {vision['hidden_size']}; "
+        f"{args.frames} frames at {args.size}x{args.size} -> {grid}; "
+        f"{torch.get_num_threads()} threads, {args.runs} interleaved runs"
+    )
+    seconds: dict[str, list[float]] = {side: [] for side in sides}
+    with torch.inference_mode():
+        for encode in sides.values():
+            encode(patches, grid)  # warm-up
+        for _ in range(args.runs):
+            for side, encode in sides.items():
+                start = time.perf_counter()
+                encode(patches, grid)
+                seconds[side].append(time.perf_counter() - start)
+    medians = {side: statistics.median(times) for side, times in seconds.items()}
+    for side, median in medians.items():
+        print(f"{side:18} median {median:8.3f} s")
+    bf16 = medians["stillcut bf16"]
+    print(f"stillcut bf16 vs its fp32: {medians['stillcut fp32'] / bf16:.2f}x (target >= 2)")
+    print(f"stillcut bf16 vs transformers bf16: {medians['transformers bf16'] / bf16:.2f}x")
+    evs_agreement()
+
+
+def evs_agreement(rate: float = 0.75) -> None:
+    """EVS's kept tokens after a bf16 and an fp32 tower over the samples, and their agreement."""
+    from stillcut.engine.factory import cached_checkpoint
+    from stillcut.engine.quantization import WeightFormat
+    from stillcut.kernels.evs.api import prune
+    from stillcut.kernels.evs.config import EVSConfig
+    from stillcut.vision.pipeline import VisionPipeline
+
+    path = cached_checkpoint("tiny", seed=1, dtype="bfloat16")
+    pipelines = {
+        name: VisionPipeline(path, weight_format=WeightFormat(compute=name))
+        for name in ("float32", "bfloat16")
+    }
+    agree = total = 0
+    config = EVSConfig(mode="rate", rate=rate)
+    for clip in sorted(Path(__file__).parent.parent.joinpath("samples").glob("*.mp4")):
+        masks = []
+        for pipeline in pipelines.values():
+            item = pipeline.video(clip, evs=None)
+            masks.append(prune(item.embeds.float(), item.llm_grid, config).mask)
+        agree += int((masks[0] == masks[1]).sum())
+        total += masks[0].numel()
+        print(f"{clip.name:24} {int((masks[0] == masks[1]).sum())}/{masks[0].numel()} agree")
+    print(f"EVS rate {rate} kept-token decisions, bf16 vs fp32 tower: {agree / total:.2%} agree")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compute", action="store_true", help="bf16 vs fp32 arithmetic")
+    parser.add_argument("--released", action="store_true", help="the released tower's shape")
     parser.add_argument("--frames", type=int, default=32)
     parser.add_argument("--size", type=int, default=448, help="frame side in px, multiple of 28")
     parser.add_argument("--runs", type=int, default=5)
@@ -135,6 +224,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         peak_rss_child(args.child, args.folder, args.frames, args.size)
+        return
+    if args.compute:
+        compare_arithmetic(args)
         return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

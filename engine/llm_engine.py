@@ -29,6 +29,7 @@ from os import PathLike
 import torch
 
 from stillcut.engine.admission import BidirectionalItemTooLong
+from stillcut.engine.arithmetic import Arithmetic, salted
 from stillcut.engine.cache_groups import (
     kv_bytes_per_block,
     num_blocks_for_budget,
@@ -80,10 +81,12 @@ class EngineMemory:
     kv_cache_dtype: str
     kv_cache_bytes: int
     kv_blocks: int
+    arithmetic: Arithmetic
 
     def __str__(self) -> str:
         return (
             f"language model weights: {self.weight_format}, {self.weight_bytes / 2**20:.1f} MiB; "
+            f"prefill and tower arithmetic: {self.arithmetic.name} ({self.arithmetic.reason}); "
             f"KV pool: {self.kv_cache_dtype}, {self.kv_blocks} blocks, "
             f"{self.kv_cache_bytes / 2**20:.1f} MiB"
         )
@@ -112,7 +115,11 @@ class LLMEngine:
             check_speculation_allowed(bool(recurrent_groups(self.cache_groups)))
         model_class = family.language_model_class()
         self.weight_format = WeightFormat.for_engine(
-            config.dtype, config.quantization, config.quantization_skip, config.device
+            config.dtype,
+            config.quantization,
+            config.quantization_skip,
+            config.device,
+            config.compute_dtype,
         ).resolved(self.path)
         self.model = model_class.from_checkpoint(
             self.path, self.weight_format, device=config.device
@@ -177,6 +184,7 @@ class LLMEngine:
             str(kv_dtype).removeprefix("torch."),
             sum(cache.numel() * cache.element_size() for cache in self.runner.kv_caches),
             num_blocks,
+            self.weight_format.arithmetic,
         )
         log.info("%s", self.memory)
         if no_graphs:
@@ -225,7 +233,7 @@ class LLMEngine:
             mm_items=items,
             mm_positions=positions,
             sampling_params=params,
-            cache_salt=cache_salt,
+            cache_salt=salted(cache_salt, self.weight_format.arithmetic),
             eos_token_ids=self.eos_token_ids,
             hold=hold,
             streaming=streaming,

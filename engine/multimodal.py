@@ -36,6 +36,11 @@ class TowerOutput:
         """A media class's output for one input, as a `TowerOutput`."""
         return output if isinstance(output, TowerOutput) else cls(output)
 
+    def to(self, dtype: torch.dtype) -> TowerOutput:
+        """The embeddings and every feature set in `dtype`."""
+        features = {name: tensor.to(dtype) for name, tensor in self.features.items()}
+        return TowerOutput(self.embeds.to(dtype), features)
+
     def with_draft(self, draft: TowerOutput) -> TowerOutput:
         """This output with the draft tower's output of the same input among its features."""
         assert draft.embeds.shape[0] == self.embeds.shape[0], "check_draft keeps the grids equal"

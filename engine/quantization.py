@@ -2,8 +2,9 @@
 
 A `WeightFormat` says how a model's weights live in memory: floating tensors in `dtype`
 (None: the checkpoint's own), the matrices a model multiplies by optionally quantized to int8,
-and the dtype activations are computed in (float32 on CPU, whatever the weights; the weights'
-dtype on CUDA). On CPU only the matrices stay narrow — products widen them in registers
+the dtype activations are computed in (float32 on CPU, whatever the weights; the weights'
+dtype on CUDA), and the arithmetic of long products (prefill batches, the vision tower:
+`engine.arithmetic`). On CPU only the matrices stay narrow — products widen them in registers
 (`kernels/cpu_linear.h`) — while norms, biases, position tables and the like, a small share of
 the bytes, are rounded to `dtype` and kept in the compute dtype, so the model computes exactly
 what an fp32 model with every tensor rounded to `dtype` computes.
@@ -28,7 +29,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
+from stillcut.engine.arithmetic import Arithmetic, resolve_arithmetic
+
+QUANTIZATIONS = ("int8", "w8a8")
 SKIPPABLE = ("lm_head",)
 INT8_MAX = 127
 # Tensors are converted a block of rows at a time, at most this many float32 bytes of them:
@@ -45,21 +48,32 @@ STORED_DTYPES = {
 class WeightFormat:
     """How a model's weights are stored (see the module docstring). `dtype` None means the
     checkpoint's own, `compute_dtype` None the stored dtype (CUDA's way): `resolved` sets
-    both; `skip` names parts left unquantized."""
+    both; `skip` names parts left unquantized. `compute` is `EngineConfig.compute_dtype`, the
+    arithmetic of long products (prefill batches, the vision tower; see `engine.arithmetic`),
+    which `resolved` settles as `arithmetic` for `device`."""
 
     dtype: torch.dtype | None = None
     compute_dtype: torch.dtype | None = torch.float32
     quantization: str | None = None
     skip: tuple[str, ...] = ()
+    compute: str = "float32"
+    device: str = "cpu"
+    arithmetic: Arithmetic | None = None
 
     @classmethod
     def for_engine(
-        cls, dtype: str, quantization: str | None, skip: tuple[str, ...], device: str
+        cls,
+        dtype: str,
+        quantization: str | None,
+        skip: tuple[str, ...],
+        device: str,
+        compute: str = "float32",
     ) -> WeightFormat:
-        """The format `EngineConfig`'s fields ask for: on CPU every product is float32."""
+        """The format `EngineConfig`'s fields ask for: on CPU activations are float32, and
+        long products compute in `compute`."""
         stored = None if dtype == "auto" else STORED_DTYPES[dtype]
-        compute = torch.float32 if torch.device(device).type == "cpu" else None
-        return cls(stored, compute, quantization, tuple(skip))
+        activations = torch.float32 if torch.device(device).type == "cpu" else None
+        return cls(stored, activations, quantization, tuple(skip), compute, device)
 
     def __post_init__(self) -> None:
         allowed = tuple(STORED_DTYPES.values())
@@ -72,15 +86,41 @@ class WeightFormat:
             raise ValueError(f"skip={self.skip}: unknown {sorted(unknown)}; allowed {SKIPPABLE}")
 
     def resolved(self, folder: str | Path) -> WeightFormat:
-        """This format with `dtype` (the checkpoint's own when None) and `compute_dtype` (the
-        stored one when None) set."""
+        """This format with `dtype` (the checkpoint's own when None), `compute_dtype` (the
+        stored one when None) and `arithmetic` set."""
         dtype = self.dtype if self.dtype is not None else checkpoint_dtype(folder)
-        return replace(self, dtype=dtype, compute_dtype=self.compute_dtype or dtype)
+        compute_dtype = self.compute_dtype or dtype
+        arithmetic = self.arithmetic
+        if arithmetic is None and torch.device(self.device).type != "cpu":
+            arithmetic = Arithmetic(compute_dtype, f"{self.device} computes in the weights' dtype")
+        arithmetic = arithmetic or resolve_arithmetic(self.compute, dtype, self.quantization)
+        return replace(self, dtype=dtype, compute_dtype=compute_dtype, arithmetic=arithmetic)
+
+    @property
+    def product_dtype(self) -> torch.dtype:
+        """The dtype long products compute in (a resolved format's `arithmetic`)."""
+        assert self.arithmetic is not None, "resolve the format against its checkpoint first"
+        return self.arithmetic.dtype
+
+    @property
+    def matrix_dtype(self) -> torch.dtype:
+        """The dtype a long batch's matrix products compute in: int8 under "w8a8" (rows
+        quantized per token, `models.w8a8`), else `product_dtype`."""
+        return torch.int8 if self.quantization == "w8a8" else self.product_dtype
+
+    def for_tower(self) -> WeightFormat:
+        """This resolved format as a vision tower computes: everything in its arithmetic."""
+        return replace(self, compute_dtype=self.product_dtype)
 
     def kv_cache_dtype(self, name: str) -> torch.dtype:
         """The K/V pool's dtype for `EngineConfig.kv_cache_dtype` `name` ("auto": the compute
         dtype, float32 on CPU) of a resolved format."""
         return self.compute_dtype if name == "auto" else STORED_DTYPES[name]
+
+    def embedding_key(self) -> str:
+        """What of a resolved format shapes a tower's embeddings: the stored format and the
+        arithmetic (part of the encoder cache's key)."""
+        return f"{self.describe()}; arithmetic {self.arithmetic.name}"
 
     def quantizes(self, part: str | None = None) -> bool:
         """Whether matrices (of `part`, e.g. "lm_head") are quantized."""
@@ -200,10 +240,13 @@ def dense(
 
 
 def widened(module: nn.Module, name: str = "weight", axis: int = 0) -> torch.Tensor:
-    """`module.<name>` (and its int8 `<name>_scale`) in the dtype it computes in: float32 on
-    CPU, the weight's own dtype elsewhere; `axis` is its output channels' (see `dense`)."""
+    """`module.<name>` (and its int8 `<name>_scale`) in the dtype it computes in: the
+    module's `compute_dtype` where its loader set one (a vision tower's arithmetic), else
+    float32 on CPU and the weight's own dtype elsewhere; `axis` is its output channels' (see
+    `dense`)."""
     weight = getattr(module, name)
     dtype = torch.float32 if weight.is_cpu else weight.dtype
+    dtype = getattr(module, "compute_dtype", dtype)
     return dense(weight, getattr(module, f"{name}_scale", None), axis, dtype)
 
 

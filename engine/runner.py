@@ -354,6 +354,7 @@ class ModelRunner:
         )
         metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), len(items.ranges))
         metadata.recurrent = recurrent
+        metadata.prefill_dtype = self.model.prefill_dtype
         input_ids, positions, _, _, mm_mask = self.buffers.token_views(query_start[-1])
         return _Batch(
             input_ids=input_ids,

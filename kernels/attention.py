@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 Backend = Literal["auto", "torch", "triton"]
 BACKENDS = ("auto", "torch", "triton")
 QUERY_TILE = 256  # query rows per SDPA call when a chunk needs an explicit mask
+# A prefill chunk of more query rows attends in `AttentionMetadata.prefill_dtype`; fewer rows
+# (verify steps, short chunks) are decode-like and keep float32, as the products do
+# (`matmul.NATIVE_MAX_ROWS`).
+LONG_QUERY_ROWS = 32
 
 
 @dataclass
@@ -53,6 +57,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None
     # For models with recurrent layers: each request's state row and whether it starts fresh.
     recurrent: RecurrentMetadata | None = None
+    # The dtype CPU prefill chunks longer than LONG_QUERY_ROWS attend in (the model's
+    # arithmetic, `engine.arithmetic`); None: float32.
+    prefill_dtype: torch.dtype | None = None
     # What the torch backend derives from this metadata once and every layer reuses: each
     # request's bidirectional items ("items"), and per window and cache shape the decode batch
     # and the prefill chunks.
@@ -149,7 +156,8 @@ def paged_attention_torch(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """The torch backend of `paged_attention` (same arguments); fp32 math on CPU."""
+    """The torch backend of `paged_attention` (same arguments); fp32 math on CPU but for
+    long prefill chunks, which attend in `metadata.prefill_dtype` when it is set."""
     starts = metadata.query_start_loc_cpu
     starts = metadata.query_start_loc.tolist() if starts is None else starts
     seq_lens = metadata.seq_lens_cpu
@@ -182,7 +190,9 @@ def paged_attention_torch(
         ]
     for chunk in metadata.plans[key]:
         rows = slice(chunk.start, chunk.end)
-        _prefill_chunk(query[rows].to(dtype), kv_cache, chunk, attend, out[rows])
+        long_chunk = chunk.end - chunk.start > LONG_QUERY_ROWS and metadata.prefill_dtype
+        chunk_dtype = metadata.prefill_dtype if long_chunk and query.is_cpu else dtype
+        _prefill_chunk(query[rows].to(chunk_dtype), kv_cache, chunk, attend, out[rows])
     if plan is not None:
         q = query.index_select(0, plan.rows).to(dtype)  # [num_decodes, num_heads, head_dim]
         out.index_copy_(0, plan.rows, _decode(q, kv_cache, plan, attend).to(out.dtype))

@@ -53,7 +53,13 @@ DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 # A bounded KV pool: the engine's own default takes half the free memory, too much for a tool.
 DEFAULT_ENGINE_CONFIG = EngineConfig(cache=CacheConfig(kv_cache_memory=DEFAULT_KV_CACHE_BYTES))
 DEMO_MODEL_NAME = "stillcut-demo"
-PRECISION_OPTIONS = ("dtype", "quantization", "quantization_skip", "kv_cache_dtype")
+PRECISION_OPTIONS = (
+    "dtype",
+    "quantization",
+    "quantization_skip",
+    "kv_cache_dtype",
+    "compute_dtype",
+)
 log = logging.getLogger(__name__)
 
 
@@ -97,8 +103,9 @@ class VideoLLM:
         with the package. `name` is the id the server reports (default: the folder name). `evs`
         is the EVS setting of requests that name none (None: off; default: the checkpoint's own
         rate, else rate 0.75). `precision` overrides `engine_config`'s `dtype`,
-        `quantization`, `quantization_skip` and `kv_cache_dtype` (see `EngineConfig`); the
-        vision tower stores its weights in the same format. With a draft model
+        `quantization`, `quantization_skip`, `kv_cache_dtype` and `compute_dtype` (see
+        `EngineConfig`); the vision tower stores its weights in the same format and computes
+        in the same arithmetic. With a draft model
         (`engine_config.speculative`), the pipeline encodes media with its tower too."""
         from stillcut.demo import demo_checkpoint
 
@@ -336,13 +343,14 @@ def describe_video(
     quantization: str | None = None,
     quantization_skip: Sequence[str] | None = None,
     kv_cache_dtype: str | None = None,
+    compute_dtype: str | None = None,
     **options,
 ) -> DescribeResult:
     """Describe a video with the model `model` (None: the demo checkpoint), loaded on first use
     (its weights stored as `dtype`, `quantization`, `quantization_skip` and `kv_cache_dtype`
-    say, see `EngineConfig`) and kept for later calls. Options are those of
-    `VideoLLM.describe_many`."""
-    precision = (dtype, quantization, tuple(quantization_skip or ()), kv_cache_dtype)
+    say, computing in `compute_dtype`, see `EngineConfig`) and kept for later calls. Options
+    are those of `VideoLLM.describe_many`."""
+    precision = (dtype, quantization, tuple(quantization_skip or ()), kv_cache_dtype, compute_dtype)
     llm = _cached_llm(None if model is None else os.fspath(model), precision)
     return llm.describe(video, prompt, **options)
 

@@ -127,7 +127,8 @@ async def health_endpoint(request: Request) -> Response:
 
 def service_health(state: ServiceState) -> dict:
     """The server's health: "ok" while its engine loop runs, else "unavailable"; the stored
-    formats and bytes of the weights and the KV pool, the pool, the queues and the live
+    formats and bytes of the weights and the KV pool, the arithmetic prefill and the tower
+    compute in (and why), the pool, the queues and the live
     sessions."""
     stats = state.engine.stats
     running = state.engine.is_running
@@ -136,6 +137,7 @@ def service_health(state: ServiceState) -> dict:
         "status": "ok" if running else "unavailable",
         "model": state.llm.name,
         "weight_format": memory.weight_format,
+        "arithmetic": memory.arithmetic.to_dict(),
         "weight_bytes": memory.weight_bytes,
         "vision_weight_bytes": state.llm.vision_weight_bytes,
         "kv_cache_dtype": memory.kv_cache_dtype,

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_video_arguments(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
     inspect.add_argument("--plan", action="store_true", help="only the token plan: decode nothing")
+    add_compute_dtype_argument(inspect)
     return parser
 
 
@@ -82,13 +83,14 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="format weights are stored in (default auto: the checkpoint's own); on CPU every "
-        "product still computes in float32",
+        help="format weights are stored in (default auto: the checkpoint's own); on CPU "
+        "activations stay float32 (see --compute-dtype)",
     )
     parser.add_argument(
         "--quantization",
         choices=[name for name in QUANTIZATIONS if name],
-        help="store every matrix in int8 with a scale per output channel (CPU)",
+        help="store every matrix in int8 with a scale per output channel (CPU); w8a8: "
+        "prefill's activations quantized per token too, summed in integers",
     )
     parser.add_argument(
         "--quantization-skip",
@@ -103,6 +105,20 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="K/V pool dtype (default auto: float32 on CPU; bfloat16 holds twice the tokens)",
     )
+    add_compute_dtype_argument(parser)
+
+
+def add_compute_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """`--compute-dtype`: the arithmetic of prefill and the vision tower."""
+    from stillcut.engine.config import COMPUTE_DTYPES
+
+    parser.add_argument(
+        "--compute-dtype",
+        choices=COMPUTE_DTYPES,
+        default="auto",
+        help="arithmetic of prefill and the vision tower (default auto: bfloat16 for bfloat16 "
+        "weights on a CPU with avx512_bf16 or amx_bf16, else float32; decode keeps its own)",
+    )
 
 
 def precision_options(args: argparse.Namespace) -> dict:
@@ -112,6 +128,7 @@ def precision_options(args: argparse.Namespace) -> dict:
         "quantization": args.quantization,
         "quantization_skip": tuple(args.quantization_skip),
         "kv_cache_dtype": args.kv_cache_dtype,
+        "compute_dtype": args.compute_dtype,
     }
 
 
@@ -219,6 +236,7 @@ def evs_config(args: argparse.Namespace):
 
 def _inspect(args: argparse.Namespace) -> int:
     from stillcut.demo import demo_checkpoint
+    from stillcut.engine.quantization import WeightFormat
     from stillcut.service.evs_default import resolve_evs_default
     from stillcut.vision.decode import DecodeConfig, probe_video
     from stillcut.vision.pipeline import VideoInput, VisionPipeline
@@ -232,6 +250,7 @@ def _inspect(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     pipeline = VisionPipeline(
         model,
+        weight_format=WeightFormat.for_engine("auto", None, (), "cpu", args.compute_dtype),
         decode_config=DecodeConfig(fps=args.fps, max_frames=args.max_frames, resize=args.resize),
     )
     load_s = time.perf_counter() - started
@@ -265,6 +284,7 @@ def _report(args, pipeline, item, evs, load_s: float) -> dict:
     return {
         "video": str(args.video),
         "model": str(pipeline.path),
+        "arithmetic": pipeline.weight_format.arithmetic.to_dict(),
         "source": {
             "codec": stats.get("codec"),
             "width": stats.get("width"),
@@ -324,6 +344,7 @@ def _print_report(report: dict) -> None:
     lines = [
         ("video", report["video"]),
         ("model", report["model"]),
+        ("arithmetic", f"{report['arithmetic']['dtype']} ({report['arithmetic']['reason']})"),
         (
             "source",
             f"{source['codec']} {source['width']}x{source['height']}, {fps}"

@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         report = {"video": str(args.video), "model": llm.name, "load_model_s": load_s}
         weights = {"weight_format": memory.weight_format, "weight_bytes": memory.weight_bytes}
+        weights["arithmetic"] = memory.arithmetic.to_dict()
         report["memory"] = {
             **weights,
             "vision_weight_bytes": llm.vision_weight_bytes,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_evs_arguments
+    from stillcut.service.cli import add_compute_dtype_argument, add_evs_arguments
 
     parser = commands.add_parser("narrate", help="narrate a video as it plays")
     parser.set_defaults(run=run)
@@ -33,6 +33,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "skips to the newest (default queue)",
     )
     parser.add_argument("--realtime", action="store_true", help="pace frames at their times")
+    add_compute_dtype_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.no_evs or args.evs_threshold is not None:  # else the live default threshold
         options["threshold"] = None if args.no_evs else args.evs_threshold
-    llm = VideoLLM(args.model)
+    llm = VideoLLM(args.model, compute_dtype=args.compute_dtype)
     if llm.is_random_demo:
         print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)
     prompt = args.prompt or DEFAULT_NARRATE_PROMPT

@@ -11,6 +11,9 @@ import tempfile
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("STILLCUT_CACHE", tempfile.mkdtemp(prefix="stillcut-test-cache-"))
+# Results must not depend on the machine: "auto" compute dtypes see a CPU without bfloat16
+# dot products (float32 products) unless a test names its flags.
+os.environ.setdefault("STILLCUT_CPU_FLAGS", "")
 
 from pathlib import Path  # noqa: E402
 

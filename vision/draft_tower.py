@@ -56,7 +56,7 @@ class DraftTower:
             path, resolved, device, enforce_eager, max_graph_shapes, role="draft vision encoder"
         )
         media = config.family.media_class()(path, config)
-        return cls(path, tower, media, model_fingerprint(path, resolved.describe()))
+        return cls(path, tower, media, model_fingerprint(path, resolved.embedding_key()))
 
     def encode(self, prepared: list, device: torch.device) -> list:
         """The draft tower's output for preprocessed inputs, as its media class's `encode`

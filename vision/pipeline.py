@@ -128,7 +128,7 @@ class VisionPipeline:
         self.decode_config = decode_config
         self.cache = EncoderCache(cache_bytes)
         # the weights as stored shape the embeddings: a format is part of the model's identity
-        self.model_key = model_fingerprint(self.path, self.weight_format.describe())
+        self.model_key = model_fingerprint(self.path, self.weight_format.embedding_key())
         self.work = VisionWork()
 
     def encode_prepared(self, prepared: list) -> list[TowerOutput]:
@@ -136,14 +136,18 @@ class VisionPipeline:
         one of the draft's): each input's dense embeddings [tokens, hidden] and extra feature
         sets, the draft tower's output among them (`TowerOutput.with_draft`)."""
         with torch.inference_mode():
+            # EVS and the language model read them in the activations' dtype (float32 on
+            # CPU, whatever the tower's arithmetic): EVS's dissimilarities are not rounded
+            dtype = self.weight_format.compute_dtype
             outputs = [
-                TowerOutput.of(o) for o in self.media.encode(self.tower, prepared, self.device)
+                TowerOutput.of(o).to(dtype)
+                for o in self.media.encode(self.tower, prepared, self.device)
             ]
             if self.draft is None:
                 return outputs
             drafts = self.draft.encode(prepared, self.device)
         return [
-            ours.with_draft(TowerOutput.of(theirs))
+            ours.with_draft(TowerOutput.of(theirs).to(dtype))
             for ours, theirs in zip(outputs, drafts, strict=True)
         ]
 

@@ -6,9 +6,11 @@ replaces anyway; `load_weights` then assigns the checkpoint's tensors. An encode
 `unused_tensors()`: prefixes of stored parts it never reads (skipped at load, as transformers'
 own model never reads them), and `matmul_parameters()`: bare parameters it multiplies by (name
 -> output-channel axis), stored and quantized like its linear layers. Weights are stored as the
-`WeightFormat` says; on CPU the tower computes in float32, so its linear layers whose weights
-are stored narrower become `WideningLinear`s (the weight widened for each product, one layer at
-a time) and its patch embeddings widen theirs the same way (`quantization.widened`).
+`WeightFormat` says; the tower computes in the format's arithmetic (`WeightFormat.for_tower`:
+float32, or bfloat16 on a CPU with bfloat16 dot products), so its linear layers whose weights
+are stored otherwise become `WideningLinear`s (the weight widened for each product, one layer
+at a time) and its patch embeddings widen theirs the same way (`quantization.widened`, which
+reads the `compute_dtype` every module of the tower is given).
 """
 
 from __future__ import annotations
@@ -45,9 +47,13 @@ def load_vision_tower(
     tower = build_vision_tower(model_config, device="meta")
     unused = getattr(tower, "unused_tensors", lambda: ())()
     extra = getattr(tower, "matmul_parameters", dict)()
-    formats = plan_formats(tower, weight_format.resolved(path), matmul_weights(tower, extra))
+    tower_format = weight_format.resolved(path).for_tower()
+    formats = plan_formats(tower, tower_format, matmul_weights(tower, extra))
     load_weights(tower, path, VISION_PREFIX, device=device, unused=unused, formats=formats)
-    _widen_linears(tower)
+    compute_dtype = tower_format.compute_dtype
+    _widen_linears(tower, compute_dtype)
+    for module in tower.modules():
+        module.compute_dtype = compute_dtype
     return tower.eval()
 
 
@@ -66,18 +72,13 @@ class WideningLinear(nn.Module):
         return F.linear(x, widened(self), self.bias)
 
 
-def _widen_linears(module: nn.Module) -> None:
-    """Make every `nn.Linear` under `module` whose weight is not what it computes in a
-    `WideningLinear`."""
+def _widen_linears(module: nn.Module, compute_dtype: torch.dtype) -> None:
+    """Make every `nn.Linear` under `module` whose weight is not stored in `compute_dtype` (an
+    int8 one, or a narrower one in a float32 tower) a `WideningLinear`."""
     for name, child in module.named_children():
-        if isinstance(child, nn.Linear) and _stored_narrow(child):
+        if isinstance(child, nn.Linear) and (
+            hasattr(child, "weight_scale") or child.weight.dtype != compute_dtype
+        ):
             setattr(module, name, WideningLinear(child))
         else:
-            _widen_linears(child)
-
-
-def _stored_narrow(linear: nn.Linear) -> bool:
-    """Whether `linear` computes in another dtype than its weight is stored in (on CPU every
-    product is float32)."""
-    weight = linear.weight
-    return hasattr(linear, "weight_scale") or (weight.is_cpu and weight.dtype != torch.float32)
+            _widen_linears(child, compute_dtype)

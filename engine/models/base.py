@@ -70,6 +70,12 @@ class PagedLanguageModel(nn.Module):
     # (hidden states, their logits) of the last native step, made in the same call
     step_logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def prefill_dtype(self) -> torch.dtype | None:
+        """The arithmetic of long prefill batches, their products and attention
+        (`engine.arithmetic`); None without a `weight_format`: their input's."""
+        return None if self.weight_format is None else self.weight_format.product_dtype
+
     def extend_positions(
         self,
         cursor: LinearCursor | None,

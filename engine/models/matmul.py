@@ -6,6 +6,9 @@ few rows go through it, and stored in the memory order that reads fastest. Weigh
 their stored format (`engine.quantization`): on CPU a bfloat16, float16 or int8 weight
 (`<name>_scale` beside an int8 `<name>`) meets float32 activations in the native kernel's
 product for a few rows, and is widened a slice of columns at a time for longer batches.
+Longer batches (prefill) compute in the model's arithmetic (`engine.arithmetic`): in bfloat16,
+their rows are rounded to bfloat16 and meet a bfloat16 weight as stored in a bfloat16 GEMM
+(torch's oneDNN path, float32 sums), the result back in float32.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from stillcut.engine.models.w8a8 import quantized_rows, scaled_sums
 from stillcut.engine.quantization import dense
 from stillcut.kernels.cpu_decode import NativeMatrix, native_matrix
 from stillcut.kernels.cpu_decode_stack import (
@@ -134,24 +138,33 @@ class StoredMatrix(NamedTuple):
     """A weight `[in, out]` as `linear` multiplies by it: the tensor in its stored format, an
     int8 weight's per-column `scale` `[out]`, and what is made from it once: `bands` (float32:
     the banded views of a few-row product) or `native` (other formats on CPU: the kernel's
-    product; None without a kernel)."""
+    product; None without a kernel). `arithmetic`: the dtype a long batch's product computes
+    in on CPU (None: its input's)."""
 
     weight: torch.Tensor
     scale: torch.Tensor | None = None
     bands: Bands | None = None
     native: NativeMatrix | None = None
+    arithmetic: torch.dtype | None = None
 
 
 def stored_matrix(
-    weight: torch.Tensor, scale: torch.Tensor | None = None, band_count: int | None = None
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    band_count: int | None = None,
+    arithmetic: torch.dtype | None = None,
 ) -> StoredMatrix:
     """`weight` (with its int8 `scale`) prepared for `linear`: the native product on CPU and,
     for a float32 `[in, out]` weight (not packed, not panels), `band_count` bands of it (see
-    `bands`) too."""
+    `bands`) too; long batches computing in `arithmetic`."""
     native = native_matrix(weight, scale) if weight.is_cpu else None
+    if arithmetic == torch.int8 and scale is None:  # W8A8 of an unquantized matrix (a kept head)
+        arithmetic = None
     if weight.dtype == torch.float32 and scale is None and weight.dim() == 2:
-        return StoredMatrix(weight, bands=bands(weight, band_count), native=native)
-    return StoredMatrix(weight, scale, native=native)
+        return StoredMatrix(
+            weight, bands=bands(weight, band_count), native=native, arithmetic=arithmetic
+        )
+    return StoredMatrix(weight, scale, native=native, arithmetic=arithmetic)
 
 
 def scale_of(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -169,11 +182,11 @@ class ProjectingModule(nn.Module):
         super().__init__()
         self.matrices: dict[str, StoredMatrix] = {}
 
-    def prepare_projections(self) -> None:
-        """Prepare every projection for `linear` (kept beside the weights: on a weight itself,
-        a view would keep it alive)."""
+    def prepare_projections(self, arithmetic: torch.dtype | None = None) -> None:
+        """Prepare every projection for `linear`, long batches computing in `arithmetic`
+        (kept beside the weights: on a weight itself, a view would keep it alive)."""
         self.matrices = {
-            name: stored_matrix(getattr(self, name), scale_of(self, name))
+            name: stored_matrix(getattr(self, name), scale_of(self, name), arithmetic=arithmetic)
             for name in self.projections
         }
 
@@ -185,12 +198,17 @@ class ProjectingModule(nn.Module):
 def prepare_matrices(model: nn.Module) -> None:
     """Prepare each decoder layer's projections and the model's `head_matrices` (for one row,
     and for several: a gemm over many narrow bands packs less of the head at once; a head in
-    panels has no bands, and one prepared matrix serves both)."""
+    panels has no bands, and one prepared matrix serves both), long batches computing in the
+    `matrix_dtype` of the model's `weight_format` (None without one: their input's)."""
+    weight_format = model.weight_format
+    arithmetic = None if weight_format is None else weight_format.matrix_dtype
     for layer in model.layers:
-        layer.prepare_projections()
+        layer.prepare_projections(arithmetic)
     head, scale = model.lm_head, scale_of(model, "lm_head")
-    one_row = stored_matrix(head, scale)
-    several = one_row if head.dim() != 2 else stored_matrix(head, scale, HEAD_BANDS_FOR_ROWS)
+    one_row = stored_matrix(head, scale, arithmetic=arithmetic)
+    several = (
+        one_row if head.dim() != 2 else stored_matrix(head, scale, HEAD_BANDS_FOR_ROWS, arithmetic)
+    )
     model.head_matrices = (one_row, several)
 
 
@@ -210,13 +228,17 @@ def linear(
     which streams the weight once for all rows, is faster still (5 rows through a 150k head:
     27 ms against the bands' 50). Longer batches are plain gemms. A weight stored narrower
     than `x` (on CPU) is read by the native product for up to `NATIVE_MAX_ROWS` rows, and
-    widened a slice of columns at a time for more.
+    widened a slice of columns at a time for more. More rows than that compute in the
+    matrix's `arithmetic` (see the module docstring).
     """
     if isinstance(matrix, torch.Tensor):
         matrix = StoredMatrix(matrix)
     weight = matrix.weight
+    long_batch = x.is_cpu and x.shape[0] > NATIVE_MAX_ROWS
+    if long_batch and matrix.arithmetic not in (None, x.dtype):
+        return _widened_product(x, matrix, add)
     if weight.dim() != 2 or (x.is_cpu and (weight.dtype != x.dtype or matrix.scale is not None)):
-        if x.is_cpu and matrix.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+        if x.is_cpu and matrix.native is not None and not long_batch:
             return matrix.native(x, add)
         return _widened_product(x, matrix, add)
     if (
@@ -258,23 +280,47 @@ NATIVE_MAX_ROWS = 32
 def _widened_product(
     x: torch.Tensor, matrix: StoredMatrix, add: torch.Tensor | None
 ) -> torch.Tensor:
-    """`linear` of a narrow (or packed) weight: widened to `x`'s dtype `WIDEN_BYTES` at a time
-    (a packed one's in whole tiles), so no full-precision copy of a large weight (an LM head)
-    ever exists."""
+    """`linear` of a narrow (or packed) weight, or of a long batch computing in another
+    dtype than `x`'s: `x` rounded to the matrix's arithmetic (by default `x`'s dtype; int8:
+    quantized per row, see `w8a8`) and the weight widened or rounded to it `WIDEN_BYTES` at a
+    time (a packed one's in whole tiles; a weight stored in the arithmetic is only read), so no
+    full-precision copy of a large weight (an LM head) ever exists. The result, and `add`, in
+    `x`'s dtype."""
     weight, scale = matrix.weight, matrix.scale
+    dtype = matrix.arithmetic if x.is_cpu and x.shape[0] > NATIVE_MAX_ROWS else None
     num_in, num_out = head_shape(weight)  # (any layout's)
     width = max(1, WIDEN_BYTES // (4 * num_in))
     if weight.dim() != 2:  # whole tiles or panels
         width = max(PACK_COLUMNS, width // PACK_COLUMNS * PACK_COLUMNS)
-    if width >= num_out:
+    if dtype in (None, x.dtype) and width >= num_out:
         widened = dense(_columns(weight, slice(0, num_out)), scale, 1, x.dtype)
         return x @ widened if add is None else torch.addmm(add, x, widened)
+    product = _column_product(x, weight, scale, dtype)
+    if width >= num_out:
+        result = product(slice(0, num_out)).to(x.dtype)
+        return result if add is None else result.add_(add)
     out = torch.empty(x.shape[0], num_out, dtype=x.dtype, device=x.device)
     for start in range(0, num_out, width):
         columns = slice(start, min(start + width, num_out))
-        part = None if scale is None else scale[columns]
-        out[:, columns] = x @ dense(_columns(weight, columns), part, 1, x.dtype)
+        out[:, columns] = product(columns)
     return out if add is None else out.add_(add)
+
+
+def _column_product(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype | None
+):
+    """A function of a slice of columns: `x` times those columns of `weight` computed in
+    `dtype` (None: `x`'s; int8 with an int8 weight: W8A8)."""
+    if dtype == torch.int8 and scale is not None:
+        rows = quantized_rows(x)
+        return lambda columns: scaled_sums(rows, _columns(weight, columns), scale[columns])
+    rows = x if dtype in (None, x.dtype) else x.to(dtype)
+
+    def product(columns: slice) -> torch.Tensor:
+        part = None if scale is None else scale[columns]
+        return rows @ dense(_columns(weight, columns), part, 1, rows.dtype)
+
+    return product
 
 
 def _columns(weight: torch.Tensor, columns: slice) -> torch.Tensor:

@@ -11,6 +11,13 @@ from stillcut.kernels.attention import AttentionMetadata
 
 def hf_greedy(reference, inputs: dict, num_new_tokens: int) -> list[int]:
     """transformers' `generate`: exactly `num_new_tokens` greedy tokens, EOS not stopping it."""
+    return hf_greedy_with_margins(reference, inputs, num_new_tokens)[0]
+
+
+def hf_greedy_with_margins(
+    reference, inputs: dict, num_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """`hf_greedy`'s tokens and the top-2 logit margin of each step."""
     with torch.inference_mode():
         out = reference.generate(
             **inputs,
@@ -19,8 +26,11 @@ def hf_greedy(reference, inputs: dict, num_new_tokens: int) -> list[int]:
             do_sample=False,
             eos_token_id=None,
             pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens, [float(step[0].topk(2).values.diff().abs()) for step in out.logits]
 
 
 def qwen_hf_inputs(pipeline, prompt, specs, family: str) -> dict:
@@ -80,6 +90,7 @@ def prefill_logits(model, prompt) -> torch.Tensor:
         max_query_len=num_tokens,
         max_seq_len=num_tokens,
         mm_ranges=torch.tensor(ranges, dtype=torch.int32) if ranges else None,
+        prefill_dtype=model.prefill_dtype,
     )
     kv_caches = [torch.zeros(model.kv_cache_shape(num_blocks, block_size)) for _ in model.layers]
     embeds = torch.cat([item.embeds for item in prompt.items]) if prompt.items else None

@@ -272,6 +272,22 @@ def test_half_precision(backend, dtype):
     check(batch, backend, atol=2e-2 if dtype == torch.bfloat16 else 3e-3, window=7)
 
 
+def test_long_prefill_chunks_attend_in_the_prefill_dtype():
+    """A chunk past LONG_QUERY_ROWS attends in `prefill_dtype`: its rows are bf16 values, as
+    close to float64 as bf16 attention is (`test_half_precision`'s bound); the short chunk and
+    the decode beside it keep float32."""
+    long_rows = attention.LONG_QUERY_ROWS + 8
+    batch = make_batch([(long_rows + 5, long_rows), (12, 6), (9, 1)], block_size=16)
+    batch.metadata.prefill_dtype = torch.bfloat16
+    out = run(batch, "torch")
+    expected = reference(batch, batch.query.shape[-1] ** -0.5)
+    long, short = slice(0, long_rows), slice(long_rows, None)
+    torch.testing.assert_close(out[short].double(), expected[short], rtol=0, atol=2e-5)
+    torch.testing.assert_close(out[long].double(), expected[long], rtol=0, atol=2e-2)
+    assert torch.equal(out[long], out[long].bfloat16().float())
+    assert not torch.equal(out[short], out[short].bfloat16().float())
+
+
 @NEEDS_TRITON
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 def test_split_kv_decode_matches_torch(monkeypatch, dtype, atol):

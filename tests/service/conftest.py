@@ -135,12 +135,14 @@ def assert_error(response: httpx.Response, status: int, code: str, phrase: str) 
 
 
 def assert_healthy(server: BackgroundServer, headers: dict | None = None) -> None:
-    """/health answers 200 with what the weights and the KV pool are stored in and take, and,
-    once the engine settles, every KV block is back."""
+    """/health answers 200 with what the weights and the KV pool are stored in and take, the
+    arithmetic of prefill and the tower (and why), and, once the engine settles, every KV
+    block is back."""
     response = httpx.get(f"{server.url}/health", headers=headers)
     assert response.status_code == 200
     body = response.json()
     assert body["weight_format"] and body["kv_cache_dtype"] in ("float32", "bfloat16")
+    assert body["arithmetic"]["dtype"] in ("float32", "bfloat16") and body["arithmetic"]["reason"]
     assert min(body["weight_bytes"], body["vision_weight_bytes"], body["kv_cache_bytes"]) > 0
     assert settled_pool_state(server) == (True, 0)
 

@@ -36,16 +36,30 @@ def test_describe_json_with_threshold_evs(tiny_checkpoint, clip_path, capsys):
     argv = [
         *("describe", str(clip_path), "--model", str(tiny_checkpoint), "--json"),
         *("--evs-threshold", "0.05", "--max-tokens", "2", "--prompt", "What moves?"),
-        *("--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"),
+        *("--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16", "--compute-dtype", "bfloat16"),
     ]
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     memory = report["memory"]
     assert (memory["weight_format"], memory["kv_cache_dtype"]) == ("bfloat16", "bfloat16")
+    assert memory["arithmetic"] == {"dtype": "bfloat16", "reason": "set by compute_dtype"}
     assert 0 < memory["vision_weight_bytes"] < memory["weight_bytes"]
     assert report["evs"]["setting"].startswith("evs:threshold:tau=0.05")
     assert report["usage"]["completion_tokens"] == 2
     assert len(report["frame_timestamps"]) == report["evs"]["frames"] == 6
+
+
+def test_inspect_says_which_arithmetic_its_tower_ran(
+    tiny_checkpoint, clip_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("STILLCUT_CPU_FLAGS", "avx512_bf16")  # float32 weights: auto is float32
+    argv = ["inspect", str(clip_path), "--model", str(tiny_checkpoint)]
+    assert cli.main(argv) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line}
+    assert "float32 (auto: weights stored in float32, not bfloat16)" in lines["arithmetic"]
+    assert cli.main([*argv, "--json", "--compute-dtype", "bfloat16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["arithmetic"] == {"dtype": "bfloat16", "reason": "set by compute_dtype"}
 
 
 def test_describe_reports_bad_input(tmp_path, capsys):

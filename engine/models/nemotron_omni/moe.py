@@ -63,12 +63,15 @@ class MoEBlock(NemotronBlock):
             self.latent_in_bias = frozen(mixer.fc1_latent_proj.bias)
             self.latent_out_bias = frozen(mixer.fc2_latent_proj.bias)
 
-    def prepare_projections(self) -> None:
-        """The shared projections and every expert's pair, prepared for `linear`."""
-        super().prepare_projections()
+    def prepare_projections(self, arithmetic: torch.dtype | None = None) -> None:
+        """The shared projections and every expert's pair, prepared for `linear`, long
+        batches computing in `arithmetic`."""
+        super().prepare_projections(arithmetic)
         self.expert_matrices = [
             tuple(
-                stored_matrix(weights[e], None if scales is None else scales[e])
+                stored_matrix(
+                    weights[e], None if scales is None else scales[e], arithmetic=arithmetic
+                )
                 for weights, scales in (
                     (self.experts_up, scale_of(self, "experts_up")),
                     (self.experts_down, scale_of(self, "experts_down")),

@@ -1,0 +1,155 @@
+"""Prefill speed: tokens/s of one long prompt per compute mode, against torch's own GEMM rate.
+
+One random checkpoint of a factory preset (default `lm180m`, stored in bfloat16) is loaded
+once per mode; each round prefills a prompt of each length once per mode, in turn (A, B, C,
+A, B, C ...), and the table gives medians. A prefill is `generate` of one token from a fresh
+prompt (prefix caching off, the whole prompt in one step), so it is the time to first token
+of a text prompt. Modes:
+
+  fp32           float32 weights, float32 arithmetic
+  bf16 widened   bfloat16 weights widened to float32 for each product (compute_dtype=float32)
+  bf16           bfloat16 weights, bfloat16 arithmetic (compute_dtype=bfloat16)
+  int8           int8 weights (per output channel), widened to float32
+  w8a8           int8 weights, rows quantized per token, int32 sums (torch's `_int_mm`)
+
+Beside each mode, "linear share" is the time torch's own GEMMs take for the model's linear
+layers at that many rows, in that mode's arithmetic (x @ w of every projection's shape, the
+LM head of the last row aside), over the measured prefill: the part of it that is GEMM, and
+1.0 is a prefill doing nothing but torch's GEMMs. The target at 4,096 tokens is >= 0.8 (the
+rest is attention, norms and the runner). Where the CPU has no bfloat16 dot products, bf16
+prints "skipped"; without integer dot products (avx512_vnni, avx_vnni, amx_int8), w8a8 does.
+
+llama.cpp (`--llama-bench PATH --gguf NAME=FILE ...`): its `llama-bench -p N -n 0` runs on each
+GGUF named, for the same prompt lengths and threads. To build one: `pip download --no-binary
+:all: llama-cpp-python` fetches a source archive that vendors llama.cpp (`vendor/llama.cpp`:
+`cmake -B build && cmake --build build --target llama-bench`), and its
+`convert_hf_to_gguf.py CHECKPOINT --outtype f32|bf16|q8_0` converts our checkpoint's language
+model.
+
+    python bench/prefill.py [--preset lm180m] [--tokens 512,4096] [--rounds 3]
+        [--modes fp32,bf16,int8,w8a8] [--llama-bench PATH --gguf BF16=model-bf16.gguf ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import time
+
+import torch
+
+from stillcut.engine.arithmetic import BF16_FLAGS, cpu_flags
+from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.factory import cached_checkpoint
+from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.request import SamplingParams
+
+MODES = {
+    "fp32": {"dtype": "float32", "compute_dtype": "float32"},
+    "bf16 widened": {"dtype": "bfloat16", "compute_dtype": "float32"},
+    "bf16": {"dtype": "bfloat16", "compute_dtype": "bfloat16"},
+    "int8": {"quantization": "int8", "compute_dtype": "float32"},
+    "w8a8": {"quantization": "w8a8", "compute_dtype": "float32"},
+}
+NEEDS = {"bf16": BF16_FLAGS, "w8a8": ("avx512_vnni", "avx_vnni", "amx_int8")}
+ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def make_engine(path, mode: str, max_tokens: int) -> LLMEngine:
+    config = EngineConfig(
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_tokens, max_model_len=max_tokens + 1, max_num_seqs=1
+        ),
+        cache=CacheConfig(num_blocks=2 * (max_tokens // 16 + 2), enable_prefix_caching=False),
+        **MODES[mode],
+    )
+    return LLMEngine(path, config)
+
+
+def prefill_seconds(engine: LLMEngine, num_tokens: int, seed: int) -> float:
+    generator = torch.Generator().manual_seed(seed)
+    vocab = engine.model.config.vocab_size
+    prompt = torch.randint(0, vocab, (num_tokens,), generator=generator).tolist()
+    start = time.perf_counter()
+    engine.generate([prompt], ONE_TOKEN)
+    return time.perf_counter() - start
+
+
+def linear_shapes(engine: LLMEngine) -> list[tuple[int, int]]:
+    """`[in, out]` of every projection of every layer (as stored, any layout)."""
+    from stillcut.engine.models.matmul import head_shape
+
+    return [
+        head_shape(matrix.weight)
+        for layer in engine.model.layers
+        for matrix in layer.matrices.values()
+    ]
+
+
+def gemm_seconds(shapes: list[tuple[int, int]], num_rows: int, dtype: torch.dtype) -> float:
+    """torch's own time for `x @ w` of every shape at `num_rows` rows in `dtype` (median of
+    3, after a warm-up)."""
+    total = 0.0
+    for num_in, num_out in sorted(set(shapes)):
+        x = torch.randn(num_rows, num_in).to(dtype)
+        w = torch.randn(num_in, num_out).to(dtype)
+        product = torch._int_mm if dtype == torch.int8 else torch.mm
+        product(x, w)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            product(x, w)
+            times.append(time.perf_counter() - start)
+        total += statistics.median(times) * shapes.count((num_in, num_out))
+    return total
+
+
+def run_llama_bench(path: str, ggufs: list[str], lengths: list[int]) -> None:
+    for named in ggufs:
+        name, _, gguf = named.partition("=")
+        command = [path, "-m", gguf, "-p", ",".join(map(str, lengths)), "-n", "0"]
+        command += ["-t", str(torch.get_num_threads())]
+        result = subprocess.run(command, capture_output=True, text=True, check=True)
+        print(f"llama.cpp {name}:")
+        print(result.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="lm180m")
+    parser.add_argument("--tokens", default="512,4096")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--llama-bench", help="path of llama.cpp's llama-bench")
+    parser.add_argument("--gguf", action="append", default=[], help="NAME=FILE, repeated")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.tokens.split(",")]
+    modes = args.modes.split(",")
+    for mode, flags in NEEDS.items():
+        if mode in modes and not cpu_flags().intersection(flags):
+            print(f"{mode}: skipped (no {' or '.join(flags)} in this CPU's flags)")
+            modes.remove(mode)
+    path = cached_checkpoint(args.preset, dtype="bfloat16")
+    engines = {mode: make_engine(path, mode, max(lengths)) for mode in modes}
+    print(f"{args.preset}: {torch.get_num_threads()} threads, {args.rounds} interleaved rounds")
+    seconds = {(mode, n): [] for mode in modes for n in lengths}
+    for round_index in range(args.rounds + 1):  # the first round warms up
+        for n in lengths:
+            for mode, engine in engines.items():
+                elapsed = prefill_seconds(engine, n, seed=round_index)
+                if round_index:
+                    seconds[mode, n].append(elapsed)
+    print(f"{'mode':14} {'tokens':>7} {'tokens/s':>10} {'linear share':>13}")
+    for n in lengths:
+        for mode, engine in engines.items():
+            median = statistics.median(seconds[mode, n])
+            arithmetic = engine.weight_format.matrix_dtype
+            share = gemm_seconds(linear_shapes(engine), n, arithmetic) / median
+            print(f"{mode:14} {n:7} {n / median:10.1f} {share:13.2f}")
+    if args.llama_bench:
+        run_llama_bench(args.llama_bench, args.gguf, lengths)
+
+
+if __name__ == "__main__":
+    main()
