@@ -264,9 +264,12 @@ class VideoLLM:
         options |= {"num_frames": num_frames, "frames_fps": frames_fps, "timestamps": stamps}
         specs = [video_input(video, evs, pixels, **options) for video in videos]
         budget = self.budget(max_tokens, max_video_tokens)
-        items = run_with_bar(
-            "decode + encode", lambda: self.encode(specs, budget=budget), enabled=progress
-        )
+
+        def encode_each() -> list[MultiModalItem]:
+            # each video is a request of its own: the budget holds for each, not for their sum
+            return [self.encode([spec], budget=budget)[0] for spec in specs]
+
+        items = run_with_bar("decode + encode", encode_each, enabled=progress)
         prompts = [self.processor.build_text(prompt, [item]) for item in items]
         outputs = self._generate(prompts, params, progress=progress)
         setting = "off" if evs is None or evs.is_off else evs.key()

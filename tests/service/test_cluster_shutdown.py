@@ -54,7 +54,7 @@ def test_sigterm_ends_every_process_the_cluster_started(tiny_checkpoint, tmp_pat
                 server.wait(timeout=GONE_WITHIN_S)
                 while alive(started) and time.monotonic() - stopped_at < GONE_WITHIN_S:
                     time.sleep(0.2)
-                left = alive(started)
+                left = [(pid, _command(pid)) for pid, _ in alive(started)]
             finally:
                 if server.poll() is None:
                     server.kill()

@@ -145,7 +145,7 @@ def _ws_start_error(main_server, start: dict) -> tuple[dict, int]:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("top_k", HUGE), ("max_tokens", HUGE), ("seed", 2**64), ("temperature", 1e-320)],
+    [("top_k", HUGE), ("max_tokens", HUGE), ("seed", 2**64), ("temperature", 1e308)],
 )
 def test_sampling_options_past_their_range_are_refused_at_every_entry_point(
     main_server, option, value
