@@ -1,0 +1,193 @@
+"""Qwen3-VL configs: the vision tower's shape, the media token ids, the Qwen3 text model.
+
+transformers 5.x nests the language model's fields in `text_config` and the tower's in
+`vision_config`; missing optional fields take transformers' defaults (`configuration_qwen3_vl`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from stillcut.engine.cache_groups import AttentionGroup
+from stillcut.engine.model_config import CheckpointError, ModelConfig
+from stillcut.engine.models.qwen2_vl.config import _token_ids
+from stillcut.engine.models.registry import FamilyConfig
+
+_VISION_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "gelu_pytorch_tanh",
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": (8, 16, 24),
+}
+_VISION_POSITIVE = (
+    "depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
+    "temporal_patch_size", "spatial_merge_size", "in_channels", "num_position_embeddings",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Qwen3VisionConfig:
+    """A Qwen3-VL vision tower's shape: full attention within each frame in every block, a
+    learned `num_position_embeddings` (a square) position table interpolated to each grid, and
+    one DeepStack merger per block in `deepstack_visual_indexes`."""
+
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int
+    hidden_act: str
+    deepstack_visual_indexes: tuple[int, ...]
+    num_position_embeddings: int = 2304
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+    tokens_per_second: None = None  # each tubelet is its own item: no time scale
+
+    def __post_init__(self) -> None:
+        for name in _VISION_POSITIVE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.hidden_size % (4 * self.num_heads):
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be a multiple of 4 * num_heads="
+                f"{4 * self.num_heads} (2-D rotary splits each head in four)"
+            )
+        side = self.position_side
+        if side * side != self.num_position_embeddings:
+            raise ValueError(
+                f"num_position_embeddings={self.num_position_embeddings} must be a square"
+            )
+        indexes = self.deepstack_visual_indexes
+        if any(not 0 <= i < self.depth for i in indexes) or len(set(indexes)) != len(indexes):
+            raise ValueError(
+                f"deepstack_visual_indexes={indexes} must be distinct blocks in [0, {self.depth})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened patch: channels * frames * pixels * pixels."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def position_side(self) -> int:
+        """Side of the learned position table's square grid."""
+        return int(self.num_position_embeddings**0.5)
+
+
+def read_qwen3_vl(raw: Mapping[str, Any]) -> FamilyConfig:
+    """Qwen3-VL's vision config (either language model) and media token ids."""
+    fields = {**_VISION_DEFAULTS, **raw["vision_config"]}
+    positive = {name: int(fields[name]) for name in _VISION_POSITIVE}
+    vision = Qwen3VisionConfig(
+        hidden_act=str(fields["hidden_act"]),
+        deepstack_visual_indexes=tuple(int(i) for i in fields["deepstack_visual_indexes"]),
+        rope_theta=float((fields.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        **positive,
+    )
+    return FamilyConfig(vision, _token_ids(raw))
+
+
+_TEXT_POSITIVE = (
+    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    "intermediate_size",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Qwen3TextConfig:
+    """The Qwen3 language model's shape: GQA attention with RMSNorm on each q and k head, no
+    q/k/v bias, interleaved M-RoPE, SwiGLU MLP; `num_deepstack` is how many of the first layers
+    add the tower's DeepStack features at the visual positions.
+
+    `mrope_section` (t, h, w) counts rotary frequencies per axis; interleaved, frequency j
+    turns with h when j % 3 == 1 and j < 3 * h_section, with w likewise for j % 3 == 2, and
+    with t otherwise.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    mrope_section: tuple[int, int, int]
+    num_deepstack: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 5e5
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in _TEXT_POSITIVE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
+            )
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) * 2 != self.head_dim:
+            raise ValueError(
+                f"mrope_section={self.mrope_section} must be three sizes summing to "
+                f"head_dim / 2 = {self.head_dim / 2}"
+            )
+        if not 0 <= self.num_deepstack <= self.num_layers:
+            raise ValueError(
+                f"num_deepstack={self.num_deepstack} must lie in [0, num_layers={self.num_layers}]"
+            )
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ValueError(
+                f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0"
+            )
+
+
+def text_config(config: ModelConfig) -> Qwen3TextConfig:
+    """The language model's config from a checkpoint; CheckpointError for what is missing or
+    what the model does not implement (another activation, q/k/v bias, another rotary type)."""
+    text = config.text
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if text.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"text hidden_act={text['hidden_act']!r}; supported: 'silu'")
+    if text.get("attention_bias"):
+        raise CheckpointError("text attention_bias=true is not supported")
+    if rope_type != "default":
+        raise CheckpointError(f"text rope type {rope_type!r}; supported: 'default'")
+    try:
+        num_heads = int(text["num_attention_heads"])
+        hidden = int(text["hidden_size"])
+        return Qwen3TextConfig(
+            vocab_size=int(text["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(text["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(text.get("num_key_value_heads") or num_heads),
+            head_dim=int(text.get("head_dim") or 128),
+            intermediate_size=int(text["intermediate_size"]),
+            mrope_section=tuple(int(s) for s in rope.get("mrope_section", (24, 20, 20))),
+            num_deepstack=len(config.vision.deepstack_visual_indexes),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 5e5))),
+            tie_word_embeddings=config.tie_word_embeddings,
+        )
+    except KeyError as error:
+        raise CheckpointError(f"text config field {error} is missing") from error
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(f"text config: {error}") from error
+
+
+def qwen3_cache_groups(config: ModelConfig) -> tuple[AttentionGroup, ...]:
+    """Every layer pages its K/V with the same heads: one group."""
+    text = text_config(config)
+    return (AttentionGroup(tuple(range(text.num_layers)), text.num_kv_heads, text.head_dim),)
