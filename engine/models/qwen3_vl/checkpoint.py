@@ -19,12 +19,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from stillcut.engine.factory.recipe import Fields, Preset, random_marks
+from stillcut.engine.factory.recipe import Fields, Preset
 from stillcut.engine.models.qwen2_vl.checkpoint import (
-    IMAGE_TOKEN_ID,
-    VIDEO_TOKEN_ID,
-    VISION_END_TOKEN_ID,
-    VISION_START_TOKEN_ID,
     VOCAB_SIZE,
     ProcessorSpec,
     QwenCheckpoints,
@@ -32,7 +28,6 @@ from stillcut.engine.models.qwen2_vl.checkpoint import (
 
 if TYPE_CHECKING:
     from torch import nn
-    from transformers import PreTrainedConfig
 
     from stillcut.engine.factory.checkpoints import CheckpointSpec
 
@@ -131,20 +126,6 @@ class Qwen3VLCheckpoints(QwenCheckpoints):
                 f"vision out_hidden_size={spec.vision['out_hidden_size']} must equal text "
                 f"hidden_size={spec.text['hidden_size']}"
             )
-
-    def hf_config(self, spec: CheckpointSpec) -> PreTrainedConfig:
-        import transformers
-
-        return getattr(transformers, self.config_class)(
-            text_config=dict(spec.text),
-            vision_config=dict(spec.vision),
-            tie_word_embeddings=spec.tie_word_embeddings,
-            image_token_id=IMAGE_TOKEN_ID,
-            video_token_id=VIDEO_TOKEN_ID,
-            vision_start_token_id=VISION_START_TOKEN_ID,
-            vision_end_token_id=VISION_END_TOKEN_ID,
-            **random_marks(spec),
-        )
 
     def processor_files(self, spec: CheckpointSpec) -> dict[str, dict[str, Any]]:
         budget = ProcessorSpec(**spec.options["processor"])

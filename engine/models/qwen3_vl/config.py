@@ -12,7 +12,7 @@ from typing import Any
 
 from stillcut.engine.cache_groups import AttentionGroup
 from stillcut.engine.model_config import CheckpointError, ModelConfig
-from stillcut.engine.models.qwen2_vl.config import _token_ids
+from stillcut.engine.models.qwen2_vl.config import VisionConfig, _common_vision_fields, _token_ids
 from stillcut.engine.models.registry import FamilyConfig
 
 _VISION_DEFAULTS: dict[str, Any] = {
@@ -24,61 +24,34 @@ _VISION_DEFAULTS: dict[str, Any] = {
     "num_position_embeddings": 2304,
     "deepstack_visual_indexes": (8, 16, 24),
 }
-_VISION_POSITIVE = (
-    "depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
-    "temporal_patch_size", "spatial_merge_size", "in_channels", "num_position_embeddings",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
-class Qwen3VisionConfig:
-    """A Qwen3-VL vision tower's shape: full attention within each frame in every block, a
-    learned `num_position_embeddings` (a square) position table interpolated to each grid, and
-    one DeepStack merger per block in `deepstack_visual_indexes`."""
+class Qwen3VisionConfig(VisionConfig):
+    """A Qwen3-VL vision tower's shape: Qwen2-VL's with full attention within each frame in
+    every block (`fullatt_block_indexes` all of them, no windows), a learned
+    `num_position_embeddings` (a square) position table interpolated to each grid, and one
+    DeepStack merger per block in `deepstack_visual_indexes`."""
 
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    out_hidden_size: int
-    hidden_act: str
-    deepstack_visual_indexes: tuple[int, ...]
     num_position_embeddings: int = 2304
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    rope_theta: float = 10000.0
-    tokens_per_second: None = None  # each tubelet is its own item: no time scale
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in _VISION_POSITIVE:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.hidden_size % (4 * self.num_heads):
+        super().__post_init__()
+        if self.has_windows:
             raise ValueError(
-                f"hidden_size={self.hidden_size} must be a multiple of 4 * num_heads="
-                f"{4 * self.num_heads} (2-D rotary splits each head in four)"
+                f"fullatt_block_indexes={self.fullatt_block_indexes} must hold every block"
             )
         side = self.position_side
-        if side * side != self.num_position_embeddings:
+        if self.num_position_embeddings < 1 or side * side != self.num_position_embeddings:
             raise ValueError(
-                f"num_position_embeddings={self.num_position_embeddings} must be a square"
+                f"num_position_embeddings={self.num_position_embeddings} must be a square >= 1"
             )
         indexes = self.deepstack_visual_indexes
         if any(not 0 <= i < self.depth for i in indexes) or len(set(indexes)) != len(indexes):
             raise ValueError(
                 f"deepstack_visual_indexes={indexes} must be distinct blocks in [0, {self.depth})"
             )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Length of one flattened patch: channels * frames * pixels * pixels."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def position_side(self) -> int:
@@ -89,12 +62,15 @@ class Qwen3VisionConfig:
 def read_qwen3_vl(raw: Mapping[str, Any]) -> FamilyConfig:
     """Qwen3-VL's vision config (either language model) and media token ids."""
     fields = {**_VISION_DEFAULTS, **raw["vision_config"]}
-    positive = {name: int(fields[name]) for name in _VISION_POSITIVE}
+    common = _common_vision_fields(fields)
     vision = Qwen3VisionConfig(
-        hidden_act=str(fields["hidden_act"]),
+        hidden_size=int(fields["hidden_size"]),
+        intermediate_size=int(fields["intermediate_size"]),
+        out_hidden_size=int(fields["out_hidden_size"]),
+        fullatt_block_indexes=tuple(range(common["depth"])),
+        num_position_embeddings=int(fields["num_position_embeddings"]),
         deepstack_visual_indexes=tuple(int(i) for i in fields["deepstack_visual_indexes"]),
-        rope_theta=float((fields.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-        **positive,
+        **common,
     )
     return FamilyConfig(vision, _token_ids(raw))
 

@@ -20,7 +20,7 @@ from stillcut.engine.models.qwen2_vl.tower import (
     NORM_EPS,
     Grid,
     Qwen2VLVisionTower,
-    VisionAttention,
+    VisionBlock,
     frame_cu_seqlens,
     patch_positions,
     rotary_cos_sin,
@@ -63,23 +63,6 @@ class VisionMLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class VisionBlock(nn.Module):
-    """Pre-LayerNorm block: frame attention with 2-D rotary positions, then the MLP."""
-
-    def __init__(self, config: Qwen3VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=NORM_EPS)
-        self.attn = VisionAttention(config)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=NORM_EPS)
-        self.mlp = VisionMLP(config)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
-        return x + self.mlp(self.norm2(x))
-
-
 class PatchMerger(nn.Module):
     """LayerNorm (per patch, or over the concatenated 2x2 group when `after_concat`), then
     linear_fc1, GELU, linear_fc2 to the language model's width."""
@@ -98,6 +81,11 @@ class PatchMerger(nn.Module):
         else:
             normed = self.norm(x).view(-1, self.merged_width)
         return self.linear_fc2(F.gelu(self.linear_fc1(normed)))  # [N / 4, out_hidden]
+
+
+def layer_norm(dim: int) -> nn.Module:
+    """The blocks' norm."""
+    return nn.LayerNorm(dim, eps=NORM_EPS)
 
 
 def position_table(table: torch.Tensor, grids: list[Grid], merge_size: int) -> torch.Tensor:
@@ -122,7 +110,9 @@ class Qwen3VLVisionTower(nn.Module):
         self.config = config
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.blocks = nn.ModuleList(
+            VisionBlock(config, layer_norm, VisionMLP(config)) for _ in range(config.depth)
+        )
         self.merger = PatchMerger(config, after_concat=False)
         self.deepstack_merger_list = nn.ModuleList(
             PatchMerger(config, after_concat=True) for _ in config.deepstack_visual_indexes
