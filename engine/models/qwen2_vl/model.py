@@ -131,11 +131,15 @@ class Qwen2DecoderLayer(ProjectingModule):
         hidden = linear(attended, self.matrix("o_weight"), hidden)
 
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
+        return self.feed_forward(normed, hidden)
+
+    def feed_forward(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual` + the SwiGLU MLP of `normed` [N, hidden]."""
         gate_up = linear(normed, self.matrix("gate_up_weight"))  # [N, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
         # In place on our own temporary: the decode step allocates nothing more for SwiGLU.
         activated = F.silu(gate, inplace=True).mul_(up)  # [N, intermediate]
-        return linear(activated, self.matrix("down_weight"), hidden)  # [N, hidden]
+        return linear(activated, self.matrix("down_weight"), residual)  # [N, hidden]
 
 
 class Qwen2LanguageModel(PagedLanguageModel):

@@ -59,6 +59,24 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
         ),
     }
 )
+_TINY = PRESETS["tiny"]
+MOE_PRESETS: Mapping[str, Preset] = MappingProxyType(
+    {
+        # The tiny dense shape with four experts, two per token, in every layer but the second
+        # (`mlp_only_layers`): both kinds of MLP in one model.
+        "tiny": dataclasses.replace(
+            _TINY,
+            text={
+                **_TINY.text,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [1],
+            },
+        ),
+    }
+)
 
 # Pixel budgets in Qwen3-VL's 32-pixel tokens, cheap on two CPU cores: at most 512 merged
 # tokens per image and 2048 per clip.
@@ -77,15 +95,19 @@ def mrope_section(head_dim: int) -> list[int]:
 
 
 class Qwen3VLCheckpoints(QwenCheckpoints):
-    """The recipe of `qwen3_vl`; its option is `processor` (`ProcessorSpec` fields, the
-    video bounds counting the whole clip's pixels)."""
+    """The recipe of `qwen3_vl` or `qwen3_vl_moe` (each with its `presets`); its option is
+    `processor` (`ProcessorSpec` fields, the video bounds counting the whole clip's pixels)."""
 
-    presets = PRESETS
+    def __init__(
+        self, model_type: str, model_class: str, config_class: str, presets: Mapping[str, Preset]
+    ) -> None:
+        super().__init__(model_type, model_class, config_class)
+        self.presets = presets
 
     def resolve(self, preset: str, text: Fields, vision: Fields, options: Fields) -> dict[str, Any]:
         """M-RoPE sections follow 24:20:20 unless overridden; the vision output width follows
         the text hidden size."""
-        base = PRESETS[preset]
+        base = self.presets[preset]
         resolved_text = {"vocab_size": VOCAB_SIZE, **base.text, **text}
         resolved_text.setdefault(
             "rope_parameters",
@@ -174,5 +196,8 @@ class Qwen3VLCheckpoints(QwenCheckpoints):
 
 
 QWEN3_VL_CHECKPOINTS = Qwen3VLCheckpoints(
-    "qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLConfig"
+    "qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLConfig", PRESETS
+)
+QWEN3_VL_MOE_CHECKPOINTS = Qwen3VLCheckpoints(
+    "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeConfig", MOE_PRESETS
 )

@@ -104,6 +104,11 @@ class Qwen3TextConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 5e5
     tie_word_embeddings: bool = False
+    # Qwen3-MoE: the layers whose MLP is the softmax-routed mixture (none: a dense model)
+    sparse_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         for name in _TEXT_POSITIVE:
@@ -126,6 +131,38 @@ class Qwen3TextConfig:
             raise ValueError(
                 f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0"
             )
+        if any(not 0 <= i < self.num_layers for i in self.sparse_layers):
+            raise ValueError(
+                f"sparse_layers={self.sparse_layers} must lie in [0, {self.num_layers})"
+            )
+        if self.sparse_layers and not (
+            1 <= self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size >= 1
+        ):
+            raise ValueError(
+                f"num_experts={self.num_experts}, num_experts_per_tok="
+                f"{self.num_experts_per_tok}, moe_intermediate_size="
+                f"{self.moe_intermediate_size}: need 1 <= num_experts_per_tok <= num_experts "
+                "and moe_intermediate_size >= 1"
+            )
+
+
+def num_text_experts(text: Mapping[str, Any]) -> int:
+    """Experts per MoE layer; transformers saves `num_experts` as `num_local_experts`."""
+    return int(text.get("num_local_experts") or text.get("num_experts") or 0)
+
+
+def sparse_layers(text: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers whose MLP is the mixture of experts, as transformers' Qwen3-VL-MoE decoder
+    layer decides: not in `mlp_only_layers`, experts present, and (i + 1) a multiple of
+    `decoder_sparse_step`."""
+    num_experts = num_text_experts(text)
+    dense = set(text.get("mlp_only_layers") or ())
+    step = int(text.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise CheckpointError(f"text decoder_sparse_step={step} must be >= 1")
+    return tuple(
+        i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0
+    )
 
 
 def text_config(config: ModelConfig) -> Qwen3TextConfig:
@@ -142,11 +179,11 @@ def text_config(config: ModelConfig) -> Qwen3TextConfig:
         raise CheckpointError(f"text rope type {rope_type!r}; supported: 'default'")
     try:
         num_heads = int(text["num_attention_heads"])
-        hidden = int(text["hidden_size"])
+        num_layers = int(text["num_hidden_layers"])
         return Qwen3TextConfig(
             vocab_size=int(text["vocab_size"]),
-            hidden_size=hidden,
-            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(text.get("num_key_value_heads") or num_heads),
             head_dim=int(text.get("head_dim") or 128),
@@ -156,6 +193,10 @@ def text_config(config: ModelConfig) -> Qwen3TextConfig:
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 5e5))),
             tie_word_embeddings=config.tie_word_embeddings,
+            sparse_layers=sparse_layers(text, num_layers),
+            num_experts=num_text_experts(text),
+            num_experts_per_tok=int(text.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(text.get("moe_intermediate_size") or 0),
         )
     except KeyError as error:
         raise CheckpointError(f"text config field {error} is missing") from error

@@ -1,7 +1,10 @@
-"""The registry entry of Qwen3-VL (`qwen3_vl`): the dense Qwen3 language model with DeepStack,
-the Qwen3-VL tower, whole-clip preprocessing and the timestamped per-tubelet prompt."""
+"""The registry entries of Qwen3-VL: `qwen3_vl` (the dense Qwen3 language model) and
+`qwen3_vl_moe` (Qwen3-MoE), both with DeepStack, the Qwen3-VL tower, whole-clip
+preprocessing and the timestamped per-tubelet prompt."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from stillcut.engine.models.qwen2_vl.entry import QWEN_WEIGHT_PREFIXES
 from stillcut.engine.models.qwen3_vl.config import qwen3_cache_groups, read_qwen3_vl
@@ -19,4 +22,10 @@ QWEN3_VL = ModelFamily(
     positions="mrope",
     weight_prefixes=QWEN_WEIGHT_PREFIXES,
     checkpoints="stillcut.engine.models.qwen3_vl.checkpoint:QWEN3_VL_CHECKPOINTS",
+)
+QWEN3_VL_MOE = dataclasses.replace(
+    QWEN3_VL,
+    model_type="qwen3_vl_moe",
+    language_model="stillcut.engine.models.qwen3_vl.moe_model:Qwen3MoeLanguageModel",
+    checkpoints="stillcut.engine.models.qwen3_vl.checkpoint:QWEN3_VL_MOE_CHECKPOINTS",
 )

@@ -128,8 +128,12 @@ class Qwen3LanguageModel(Qwen2LanguageModel):
 
     @staticmethod
     def fill_layer(layer: nn.Module, stored: nn.Module) -> None:
-        """Fused projections, the two layer norms and the q / k head norms."""
-        fuse_projections(layer, stored)
+        """Fused projections, the two layer norms and the q / k head norms; a layer whose
+        checkpoint MLP is experts (Qwen3-MoE) takes them with `use_experts`."""
+        sparse = hasattr(stored.mlp, "experts")
+        fuse_projections(layer, stored, mlp=not sparse)
+        if sparse:
+            layer.use_experts(stored.mlp)
         for name in ("input_layernorm", "post_attention_layernorm"):
             set_weight(layer, name, getattr(stored, name).weight)
         set_weight(layer, "q_norm", stored.self_attn.q_norm.weight)

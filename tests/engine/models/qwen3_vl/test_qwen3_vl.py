@@ -1,6 +1,6 @@
 """Qwen3-VL against transformers: the tower (with its DeepStack features) and greedy answers.
 
-A tiny random `qwen3_vl` checkpoint built with transformers' own classes. The reference runs
+Tiny random `qwen3_vl` and `qwen3_vl_moe` checkpoints built with transformers' own classes. The reference runs
 transformers' `Qwen3VLForConditionalGeneration`: `get_video_features` for the tower and
 `generate` for the answers, fed pixels built here as transformers' video processor builds them
 (rescale, normalise with 0.5 / 0.5, pad an odd frame count with the last frame, patchify) from
@@ -33,17 +33,19 @@ def _config(max_num_batched_tokens: int = 512, prefix_caching: bool = True) -> E
     )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen3_vl") / "checkpoint"
-    return FAMILIES.get("qwen3_vl").build_checkpoint(folder, seed=1)
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def checkpoint(request, tmp_path_factory):
+    """A tiny checkpoint of the dense family, then of the MoE one (experts in two of its three
+    layers)."""
+    folder = tmp_path_factory.mktemp(request.param) / "checkpoint"
+    return FAMILIES.get(request.param).build_checkpoint(folder, seed=1)
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(checkpoint).eval()
+    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
     model.generation_config.eos_token_id = None  # the engine ignores EOS: so does the reference
     return model
 
