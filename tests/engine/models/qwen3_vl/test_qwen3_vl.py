@@ -1,14 +1,13 @@
 """Qwen3-VL against transformers: the tower (with its DeepStack features) and greedy answers.
 
-Tiny random `qwen3_vl` and `qwen3_vl_moe` checkpoints built with transformers' own classes. The reference runs
-transformers' `Qwen3VLForConditionalGeneration`: `get_video_features` for the tower and
-`generate` for the answers, fed pixels built here as transformers' video processor builds them
-(rescale, normalise with 0.5 / 0.5, pad an odd frame count with the last frame, patchify) from
-frames already at the clip's target size, and the engine's prompt ids with their modality
-types. The prompt's per-tubelet timestamps are checked as text.
+Tiny random `qwen3_vl` and `qwen3_vl_moe` checkpoints built with transformers' own classes.
+The reference runs transformers' `Qwen3VLForConditionalGeneration` (and its MoE twin):
+`get_video_features` for the tower and `generate` for the answers (tokens and the first one's
+logits), fed pixels built as transformers' video processor builds them (`qwen3_reference`)
+and the engine's prompt ids with their modality types. The prompt's per-tubelet timestamps
+are checked as text.
 """
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,6 +16,8 @@ from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.models.families import FAMILIES
 from stillcut.engine.request import SamplingParams
 from stillcut.vision.pipeline import VisionPipeline
+
+from .qwen3_reference import engine_answer, hand_pixels, random_frames
 
 BLOCK = 16
 MAX_TOKENS = 8
@@ -60,26 +61,6 @@ def pipeline(checkpoint):
     return VisionPipeline(checkpoint)
 
 
-def _frames(count: int, height: int, width: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, height, width, 3), np.uint8)
-
-
-def _hand_pixels(frames: np.ndarray, patch: int = 16, merge: int = 2, temporal: int = 2):
-    """transformers' Qwen3-VL video processor on frames at their target size: rescale and
-    normalise (mean = std = 0.5), pad to whole tubelets with the last frame, patchify."""
-    video = torch.from_numpy(frames).permute(0, 3, 1, 2).float()  # [T, C, H, W]
-    video = (video * (1 / 255) - 0.5) / 0.5
-    if pad := -video.shape[0] % temporal:
-        video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
-    num_frames, channels, height, width = video.shape
-    grid = (num_frames // temporal, height // patch, width // patch)
-    patches = video.view(
-        grid[0], temporal, channels, grid[1] // merge, merge, patch, grid[2] // merge, merge, patch
-    )
-    patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return patches.reshape(grid[0] * grid[1] * grid[2], -1), grid
-
-
 def _reference_answer(reference, prompt, engine, **media) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens after `prompt` and the logits of the first one."""
     ids = torch.tensor([prompt.token_ids])
@@ -99,18 +80,6 @@ def _reference_answer(reference, prompt, engine, **media) -> tuple[list[int], to
     return out.sequences[0, ids.shape[1] :].tolist(), out.logits[0][0]
 
 
-def _engine_answer(engine, prompt):
-    """The engine's output for `prompt` (greedy) and the logits it sampled the first from."""
-    seen = []
-    compute = engine.model.compute_logits
-    engine.model.compute_logits = lambda hidden: seen.append(compute(hidden)) or seen[-1]
-    try:
-        (output,) = engine.generate([prompt], GREEDY)
-    finally:
-        del engine.model.compute_logits
-    return output, seen[0][-1]
-
-
 def _assert_same(answer, expected) -> None:
     """The engine's (output, first logits) equal the reference's (tokens, first logits)."""
     output, logits = answer
@@ -119,14 +88,14 @@ def _assert_same(answer, expected) -> None:
 
 
 def _video_media(frames):
-    patches, grid = _hand_pixels(frames)
+    patches, grid = hand_pixels(frames)
     return {"pixel_values_videos": patches, "video_grid_thw": torch.tensor([grid])}
 
 
 def test_the_tower_and_its_deepstack_features_equal_transformers(reference, pipeline):
-    frames = _frames(5, 128, 160, seed=0)
+    frames = random_frames(5, 128, 160, seed=0)
     item = pipeline.video(frames, frames_fps=FPS)
-    patches, grid = _hand_pixels(frames)
+    patches, grid = hand_pixels(frames)
     assert item.grid_thw == grid
     with torch.inference_mode():
         expected = reference.model.get_video_features(
@@ -139,7 +108,7 @@ def test_the_tower_and_its_deepstack_features_equal_transformers(reference, pipe
 
 
 def test_a_video_is_written_one_timestamped_tubelet_at_a_time(engine, pipeline):
-    item = pipeline.video(_frames(5, 128, 160, seed=0), frames_fps=FPS)
+    item = pipeline.video(random_frames(5, 128, 160, seed=0), frames_fps=FPS)
     prompt = engine.processor.build_text("What happens?", [item])
     text = engine.processor.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
     tokens = 4 * 5  # 128 x 160 px: 4 x 5 merged tokens a tubelet
@@ -151,26 +120,26 @@ def test_a_video_is_written_one_timestamped_tubelet_at_a_time(engine, pipeline):
 
 
 def test_a_video_answer_equals_transformers_generate(engine, pipeline, reference):
-    frames = _frames(5, 128, 160, seed=0)
+    frames = random_frames(5, 128, 160, seed=0)
     prompt = engine.processor.build_text("What happens?", [pipeline.video(frames, frames_fps=FPS)])
     expected = _reference_answer(reference, prompt, engine, **_video_media(frames))
-    _assert_same(_engine_answer(engine, prompt), expected)
+    _assert_same(engine_answer(engine, prompt), expected)
 
 
 def test_an_image_answer_equals_transformers_generate(engine, pipeline, reference):
-    image = _frames(1, 96, 128, seed=2)
+    image = random_frames(1, 96, 128, seed=2)
     prompt = engine.processor.build_text("Describe it.", [pipeline.image(image[0])])
-    patches, grid = _hand_pixels(image)  # one frame repeated to a tubelet, as for images
+    patches, grid = hand_pixels(image)  # one frame repeated to a tubelet, as for images
     media = {"pixel_values": patches, "image_grid_thw": torch.tensor([grid])}
     _assert_same(
-        _engine_answer(engine, prompt), _reference_answer(reference, prompt, engine, **media)
+        engine_answer(engine, prompt), _reference_answer(reference, prompt, engine, **media)
     )
 
 
 def test_chunks_that_split_a_tubelet_and_a_prefix_hit_leave_the_answer_unchanged(
     checkpoint, engine, pipeline, reference
 ):
-    frames = _frames(6, 128, 160, seed=3)
+    frames = random_frames(6, 128, 160, seed=3)
     item = pipeline.video(frames, frames_fps=FPS)
 
     def ask(question):
@@ -182,11 +151,11 @@ def test_chunks_that_split_a_tubelet_and_a_prefix_hit_leave_the_answer_unchanged
     chunked = LLMEngine(checkpoint, _config(max_num_batched_tokens=7, prefix_caching=False))
     prompt = ask("What happens?")
     _assert_same(
-        _engine_answer(chunked, prompt), _reference_answer(reference, prompt, engine, **media)
+        engine_answer(chunked, prompt), _reference_answer(reference, prompt, engine, **media)
     )
 
     engine.generate([prompt], GREEDY)
     second = ask("Which colours?")
-    answer = _engine_answer(engine, second)
+    answer = engine_answer(engine, second)
     assert answer[0].metrics.num_cached_tokens > second.mm_positions[0].offset  # hit in the video
     _assert_same(answer, _reference_answer(reference, second, engine, **media))
