@@ -159,3 +159,20 @@ def test_chunks_that_split_a_tubelet_and_a_prefix_hit_leave_the_answer_unchanged
     answer = engine_answer(engine, second)
     assert answer[0].metrics.num_cached_tokens > second.mm_positions[0].offset  # hit in the video
     _assert_same(answer, _reference_answer(reference, second, engine, **media))
+
+
+def test_two_videos_in_one_prompt_equal_transformers_generate(engine, pipeline, reference):
+    first, second = random_frames(4, 128, 160, seed=6), random_frames(3, 96, 128, seed=7)
+    items = [pipeline.video(frames, frames_fps=FPS) for frames in (first, second)]
+    parts = [{"type": "video"}, {"type": "text", "text": "and"}, {"type": "video"}]
+    parts.append({"type": "text", "text": "What changed?"})
+    prompt = engine.processor.build([{"role": "user", "content": parts}], items)
+    assert len(prompt.items) == 2 + 2  # each video's tubelets
+    (patches, grid), (more, other) = hand_pixels(first), hand_pixels(second)
+    media = {
+        "pixel_values_videos": torch.cat([patches, more]),
+        "video_grid_thw": torch.tensor([grid, other]),
+    }
+    _assert_same(
+        engine_answer(engine, prompt), _reference_answer(reference, prompt, engine, **media)
+    )
