@@ -7,10 +7,13 @@ sections), and DeepStack: after each of the first `num_deepstack` layers, the to
 set `deepstack.k` is added to the hidden states at the visual positions. The runner hands those
 rows in `mm_features` for exactly the item tokens a step computes (`PagedLanguageModel`).
 
-Decode runs the torch ops: the native CPU decode step has no per-head q/k norm.
+Decode steps of the dense model run in the native CPU decode step (its attention kind has the
+per-head q/k norm; M-RoPE's interleaving is its section table).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -45,27 +48,20 @@ class InterleavedMRoPE(MRoPE):
 
 
 class Qwen3DecoderLayer(Qwen2DecoderLayer):
-    """Qwen2's layer without q/k/v bias, with RMSNorm weights `q_norm` / `k_norm` [head_dim]
-    applied to every q and k head."""
+    """Qwen2's layer without q/k/v bias, with RMSNorm scales `qk_norm` [Hq + Hkv, D] (the
+    checkpoint's `q_norm` for every q head, then its `k_norm` for every k head)."""
 
     def __init__(
         self, config: Qwen3TextConfig, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__(config, dtype, device)
         self.qkv_bias = None
-        self.q_norm = empty_weight(config.head_dim, dtype=dtype, device=device)
-        self.k_norm = empty_weight(config.head_dim, dtype=dtype, device=device)
+        heads = config.num_heads + config.num_kv_heads
+        self.qk_norm = empty_weight(heads, config.head_dim, dtype=dtype, device=device)
 
     def qk_transform(self, qk: torch.Tensor) -> torch.Tensor:
-        """The q heads then the k heads [N, Hq + Hkv, D], each RMS-normed with its weight."""
-        head_dim = qk.shape[-1]
-        weight = torch.cat(
-            [
-                self.q_norm.expand(self.num_heads, head_dim),
-                self.k_norm.expand(self.num_kv_heads, head_dim),
-            ]
-        )  # [Hq + Hkv, D]
-        return F.rms_norm(qk, (head_dim,), None, self.eps) * weight
+        """The q heads then the k heads [N, Hq + Hkv, D], each RMS-normed with its scales."""
+        return F.rms_norm(qk, qk.shape[-1:], None, self.eps) * self.qk_norm
 
 
 class Qwen3LanguageModel(Qwen2LanguageModel):
@@ -136,9 +132,26 @@ class Qwen3LanguageModel(Qwen2LanguageModel):
             layer.use_experts(stored.mlp)
         for name in ("input_layernorm", "post_attention_layernorm"):
             set_weight(layer, name, getattr(stored, name).weight)
-        set_weight(layer, "q_norm", stored.self_attn.q_norm.weight)
-        set_weight(layer, "k_norm", stored.self_attn.k_norm.weight)
+        attn = stored.self_attn
+        qk_norm = torch.cat(
+            [
+                attn.q_norm.weight.expand(layer.num_heads, -1),
+                attn.k_norm.weight.expand(layer.num_kv_heads, -1),
+            ]
+        )  # [Hq + Hkv, D]
+        set_weight(layer, "qk_norm", qk_norm)
 
     def native_stack(self) -> Stack | None:
-        """None: the native decode step's attention has no per-head q/k norm."""
-        return None
+        """Qwen2's stack with each attention's q / k head norms; the interleaved section table
+        is the rotary's own. None where a layer's MLP is a mixture of experts: the native
+        step has no softmax-routed SwiGLU kind."""
+        if self.config.sparse_layers:
+            return None
+        stack = super().native_stack()
+        blocks = list(stack.blocks)
+        for index, layer in enumerate(self.layers):
+            attention = blocks[2 * index]  # each layer is an attention block, then its MLP's
+            blocks[2 * index] = replace(
+                attention, mixer=replace(attention.mixer, qk_norm=layer.qk_norm)
+            )
+        return replace(stack, blocks=blocks)
