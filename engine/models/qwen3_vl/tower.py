@@ -19,8 +19,8 @@ from torch import nn
 from stillcut.engine.models.qwen2_vl.tower import (
     NORM_EPS,
     Grid,
-    Qwen2VLVisionTower,
     VisionBlock,
+    check_patches,
     frame_cu_seqlens,
     patch_positions,
     rotary_cos_sin,
@@ -125,7 +125,7 @@ class Qwen3VLVisionTower(nn.Module):
         """patches [N, patch_dim], grid_thw [num_inputs, 3] -> the merged embeddings of all
         inputs [N / 4, out_hidden] and the DeepStack features, one [N / 4, out_hidden] each."""
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
-        Qwen2VLVisionTower._check_inputs(self, patches, grids)
+        check_patches(self.config, patches, grids)
         merge = self.config.spatial_merge_size
         x = self.patch_embed(patches)  # [N, hidden]
         x = x + position_table(self.pos_embed.weight, grids, merge).to(x.dtype)
