@@ -1,7 +1,8 @@
-"""Qwen3-VL behind the server: the official `openai` client with a `video_url`, plain and
-streamed, gets transformers' greedy answer (EVS off). The reference is fed the frames the
-server sampled (decoded here with the same settings) as transformers' video processor builds
-pixels from them: the clip is 224 x 224, a multiple of 32, so no resize comes between."""
+"""Qwen3-VL, dense and MoE, behind the server: the official `openai` client with a
+`video_url`, plain and streamed, gets transformers' greedy answer (EVS off). The reference is
+fed the frames the server sampled (decoded here with the same settings) as transformers' video
+processor builds pixels from them: the clip is 224 x 224, a multiple of 32, so no resize comes
+between."""
 
 import shutil
 
@@ -23,11 +24,11 @@ DECODE = DecodeConfig(fps=2.0, max_frames=5)
 QUESTION = "What happens in this video?"
 
 
-@pytest.fixture(scope="module")
-def served(samples_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+def served(request, samples_dir, tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
-    checkpoint = cached_checkpoint("tiny", seed=1, family="qwen3_vl")
+    checkpoint = cached_checkpoint("tiny", seed=1, family=request.param)
     media_dir = tmp_path_factory.mktemp("qwen3-media")
     shutil.copy(samples_dir / "motion_mask.mp4", media_dir / "clip.mp4")
     engine_config = EngineConfig(
