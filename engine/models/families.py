@@ -17,6 +17,8 @@ BUILT_IN = MappingProxyType(
         "qwen2_5_vl": "stillcut.engine.models.qwen2_vl.entry:QWEN2_5_VL",
         "qwen2_vl": "stillcut.engine.models.qwen2_vl.entry:QWEN2_VL",
         "gemma3": "stillcut.engine.models.gemma3.entry:GEMMA3",
+        "qwen3_vl": "stillcut.engine.models.qwen3_vl.entry:QWEN3_VL",
+        "qwen3_vl_moe": "stillcut.engine.models.qwen3_vl.entry:QWEN3_VL_MOE",
         "nemotron_h_omni": "stillcut.engine.models.nemotron_omni.entry:NEMOTRON_H_OMNI",
     }
 )

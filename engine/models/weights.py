@@ -123,17 +123,16 @@ def fused_weight(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
     return weight, None if scales[0] is None else torch.cat(scales)
 
 
-def fuse_projections(layer: nn.Module, stored: nn.Module) -> None:
+def fuse_projections(layer: nn.Module, stored: nn.Module, mlp: bool = True) -> None:
     """Set `layer`'s fused `[in, out]` weights (and int8 scales) from a checkpoint-named layer:
-    `qkv_weight` (q, k, v columns side by side), `o_weight`, `gate_up_weight` (gate, up) and
-    `down_weight`. The stored layer's linear weights are dropped (its biases stay)."""
-    attn, mlp = stored.self_attn, stored.mlp
-    parts = {
-        "qkv_weight": [attn.q_proj, attn.k_proj, attn.v_proj],
-        "o_weight": [attn.o_proj],
-        "gate_up_weight": [mlp.gate_proj, mlp.up_proj],
-        "down_weight": [mlp.down_proj],
-    }
+    `qkv_weight` (q, k, v columns side by side), `o_weight`, and unless `mlp` is False (a
+    mixture-of-experts layer) `gate_up_weight` (gate, up) and `down_weight`. The stored
+    layer's linear weights are dropped (its biases stay)."""
+    attn = stored.self_attn
+    parts = {"qkv_weight": [attn.q_proj, attn.k_proj, attn.v_proj], "o_weight": [attn.o_proj]}
+    if mlp:
+        parts["gate_up_weight"] = [stored.mlp.gate_proj, stored.mlp.up_proj]
+        parts["down_weight"] = [stored.mlp.down_proj]
     for name, linears in parts.items():
         set_weight(layer, name, *fused_weight(linears))
         for part in linears:  # released as soon as fused: one projection's copy at a time

@@ -14,7 +14,7 @@ in the compute dtype, which is the dtype of everything the layers compute.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from os import PathLike
 
 import torch
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
+from stillcut.engine.model_config import ModelConfig
 from stillcut.engine.models.base import PagedLanguageModel
 from stillcut.engine.models.matmul import (
     PROJECTIONS,
@@ -83,6 +84,8 @@ class Qwen2DecoderLayer(ProjectingModule):
     """Pre-norm attention and SwiGLU MLP with fused weights, all `[in, out]` in shape."""
 
     projections = PROJECTIONS
+    # a function of the q and k heads [N, Hq + Hkv, D] before rotary (Qwen3's per-head norm)
+    qk_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, config: TextConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -115,16 +118,28 @@ class Qwen2DecoderLayer(ProjectingModule):
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.input_layernorm, self.eps)
         qkv = linear(normed, self.matrix("qkv_weight"), self.qkv_bias)  # [N, (Hq + 2 Hkv) * D]
         attended = fused_qkv_attention(
-            qkv, self.num_heads, self.num_kv_heads, cos, sin, kv_cache, metadata, scale=self.scale
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            cos,
+            sin,
+            kv_cache,
+            metadata,
+            qk_transform=self.qk_transform,
+            scale=self.scale,
         )  # [N, Hq * D]
         hidden = linear(attended, self.matrix("o_weight"), hidden)
 
         normed = F.rms_norm(hidden, hidden.shape[-1:], self.post_attention_layernorm, self.eps)
+        return self.feed_forward(normed, hidden)
+
+    def feed_forward(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual` + the SwiGLU MLP of `normed` [N, hidden]."""
         gate_up = linear(normed, self.matrix("gate_up_weight"))  # [N, 2 * intermediate]
         gate, up = gate_up.chunk(2, dim=-1)
         # In place on our own temporary: the decode step allocates nothing more for SwiGLU.
         activated = F.silu(gate, inplace=True).mul_(up)  # [N, intermediate]
-        return linear(activated, self.matrix("down_weight"), hidden)  # [N, hidden]
+        return linear(activated, self.matrix("down_weight"), residual)  # [N, hidden]
 
 
 class Qwen2LanguageModel(PagedLanguageModel):
@@ -139,6 +154,9 @@ class Qwen2LanguageModel(PagedLanguageModel):
 
     num_position_rows = 3  # M-RoPE: temporal, height, width
     bidirectional_item_tokens = 0  # images have no fixed size: admission checks each item
+    # what a subclass of the same build (Qwen3) replaces: its layers and its rotary tables
+    layer_class: type[nn.Module] = Qwen2DecoderLayer
+    rotary_class: type[nn.Module] = MRoPE
 
     def __init__(
         self,
@@ -157,11 +175,11 @@ class Qwen2LanguageModel(PagedLanguageModel):
             else empty_weight(config.vocab_size, config.hidden_size, **new)
         )
         self.layers = nn.ModuleList(
-            Qwen2DecoderLayer(config, dtype, device) for _ in range(config.num_layers)
+            self.layer_class(config, dtype, device) for _ in range(config.num_layers)
         )
         self.norm = empty_weight(config.hidden_size, **new)
         self.lm_head = empty_weight(config.hidden_size, config.vocab_size, **new)
-        self.rotary = MRoPE(config, device)
+        self.rotary = self.rotary_class(config, device)
 
     def run_layers(
         self,
@@ -226,14 +244,14 @@ class Qwen2LanguageModel(PagedLanguageModel):
         """
         folder = resolve_checkpoint(path)
         model_config = load_model_config(folder)
-        config = text_config(model_config)
+        config = cls.read_text_config(model_config)
         weight_format = weight_format.resolved(folder)
         rope_spec = MRopeSpec(
             model_config.image_token_id,
             model_config.video_token_id,
             tokens_per_second=model_config.vision.tokens_per_second,  # None: Qwen2-VL's steps
         )
-        stored = _checkpoint_layout(config)
+        stored = cls.checkpoint_layout(config)
         load_weights(
             stored,
             folder,
@@ -244,7 +262,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
         model = cls(config, rope_spec, dtype=weight_format.compute_dtype, device=device)
         model.weight_format = weight_format
         for layer in model.layers:
-            _fuse_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
+            cls.fill_layer(layer, stored.layers.pop(0))  # pop: frees each stored layer once fused
         set_weight(model, "norm", stored.norm.weight)
         table = stored.embed_tokens
         if config.tie_word_embeddings:
@@ -256,7 +274,22 @@ class Qwen2LanguageModel(PagedLanguageModel):
         model.prepare_weights()
         return model.eval()
 
-    def native_stack(self) -> Stack:
+    @staticmethod
+    def read_text_config(model_config: ModelConfig) -> TextConfig:
+        """The language model's config from the checkpoint's."""
+        return text_config(model_config)
+
+    @staticmethod
+    def checkpoint_layout(config: TextConfig) -> nn.Module:
+        """Meta-device modules named like the checkpoint's `language_model.*` tensors."""
+        return _checkpoint_layout(config)
+
+    @staticmethod
+    def fill_layer(layer: nn.Module, stored: nn.Module) -> None:
+        """Fill one decoder layer from its checkpoint-named layer."""
+        _fuse_layer(layer, stored)
+
+    def native_stack(self) -> Stack | None:
         """Each layer as two blocks for the native CPU decode step: biased attention, SiLU
         gated MLP; the embedding is the tied head's rows when there is no table of its own."""
         config = self.config

@@ -172,7 +172,9 @@ def preprocess_video(
     target is smart resize's of it (frames already there are left as they are)."""
     if not (isinstance(sample_fps, float | int) and 0 < sample_fps < math.inf):
         raise ValueError(f"sample_fps must be a positive finite number, got {sample_fps!r}")
-    return _preprocess(frames, config, config.temporal_patch_size / sample_fps, source_size)
+    return patchify_frames(
+        frames, config, config.temporal_patch_size / sample_fps, source_size=source_size
+    )
 
 
 def preprocess_image(
@@ -184,19 +186,23 @@ def preprocess_image(
     time, and M-RoPE never scales the temporal index of an image.
     """
     check_image(image)
-    return _preprocess(image[None], config, 0.0)
+    return patchify_frames(image[None], config, 0.0)
 
 
-def _preprocess(
+def patchify_frames(
     frames: np.ndarray,
     config: VideoPreprocessConfig,
     second_per_grid_ts: float,
+    resized: tuple[int, int] | None = None,
     source_size: tuple[int, int] | None = None,
 ) -> PreprocessedVideo:
+    """Frames [T, H, W, 3] uint8 resized to `resized` (height, width; by default the smart
+    resize of one frame, or of `source_size` when the frames were resized at decode from that
+    size), normalised and cut into tubelet patches."""
     check_frames(frames)
     num_frames = frames.shape[0]
     height, width = source_size or frames.shape[1:3]
-    resized_height, resized_width = smart_resize(
+    resized_height, resized_width = resized or smart_resize(
         height, width, config.factor, config.min_pixels, config.max_pixels
     )
     tp, ps, ms = config.temporal_patch_size, config.patch_size, config.merge_size

@@ -67,6 +67,19 @@ def frame_cu_seqlens(grids: list[Grid]) -> torch.Tensor:
     return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
+def check_patches(config: VisionConfig, patches: torch.Tensor, grids: list[Grid]) -> None:
+    """Raise ValueError unless `patches` are the flattened patches of `grids` for `config`."""
+    merge = config.spatial_merge_size
+    if any(t < 1 or h < 1 or w < 1 or h % merge or w % merge for t, h, w in grids):
+        raise ValueError(f"grids {grids}: t, h, w must be >= 1, h and w multiples of {merge}")
+    num_patches = sum(t * h * w for t, h, w in grids)
+    if patches.shape != (num_patches, config.patch_dim):
+        raise ValueError(
+            f"patches shape {tuple(patches.shape)}; the grids need "
+            f"({num_patches}, {config.patch_dim})"
+        )
+
+
 class PatchEmbed(nn.Module):
     """A Conv3d whose stride equals its kernel, applied as one matmul over flattened patches."""
 
@@ -169,7 +182,7 @@ class Qwen2VLVisionTower(nn.Module):
         Returns the merged embeddings of all inputs, concatenated: [N / 4, out_hidden_size].
         """
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
-        self._check_inputs(patches, grids)
+        check_patches(self.config, patches, grids)
         group = self.config.spatial_merge_size**2
         order, block_cu_seqlens = self.attention_layout(grids)
         x = self.patch_embed(patches)  # [N, hidden]
@@ -198,14 +211,3 @@ class Qwen2VLVisionTower(nn.Module):
         merged = self.forward(patches, torch.tensor(grids))
         group = self.config.spatial_merge_size**2
         return list(merged.split([t * h * w // group for t, h, w in grids]))
-
-    def _check_inputs(self, patches: torch.Tensor, grids: list[Grid]) -> None:
-        merge = self.config.spatial_merge_size
-        if any(t < 1 or h < 1 or w < 1 or h % merge or w % merge for t, h, w in grids):
-            raise ValueError(f"grids {grids}: t, h, w must be >= 1, h and w multiples of {merge}")
-        num_patches = sum(t * h * w for t, h, w in grids)
-        if patches.shape != (num_patches, self.config.patch_dim):
-            raise ValueError(
-                f"patches shape {tuple(patches.shape)}; the grids need "
-                f"({num_patches}, {self.config.patch_dim})"
-            )
