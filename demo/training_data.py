@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from stillcut.demo.clips import clip_bytes
-from stillcut.demo.scenes import Scene, sample_scene
+from stillcut.demo.scenes import Scene, SceneMix, sample_scene
 from stillcut.demo.token_labels import token_labels
 from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, smart_resize
 from stillcut.vision.decode import DecodeConfig, decode_video
@@ -52,12 +52,17 @@ def model_frames(data: bytes, config: VideoPreprocessConfig) -> np.ndarray:
 
 
 def training_clips(
-    seeds: Sequence[int], config: VideoPreprocessConfig, *, log_every: int = 500
+    seeds: Sequence[int],
+    config: VideoPreprocessConfig,
+    *,
+    mix: SceneMix = SceneMix(),
+    log_every: int = 500,
 ) -> list[TrainingClip]:
-    """The training scenes of `seeds`, filmed at the sampling rate and prepared for the model."""
+    """The training scenes of `seeds` in `mix`, filmed at the sampling rate and prepared for
+    the model."""
     clips, started = [], time.perf_counter()
     for index, seed in enumerate(seeds):
-        scene = sample_scene(seed, fps=round(SAMPLE_FPS))
+        scene = sample_scene(seed, fps=round(SAMPLE_FPS), mix=mix)
         frames = model_frames(clip_bytes(scene), config)
         times = [k / SAMPLE_FPS for k in range(len(frames))]  # every frame is a sampled one
         grid = (frames.shape[1] // config.factor, frames.shape[2] // config.factor)
