@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from stillcut.demo.narration import NARRATION_FPS, change_between
 from stillcut.demo.questions import (
     DIRECTION_PHRASES,
@@ -27,6 +29,7 @@ from stillcut.demo.questions import (
 from stillcut.demo.scenes import COLOURS, SHAPES, Scene
 
 THEN = "; then "
+CHUNK_SECONDS = (2, 3, 4)  # a chunk's length, whole seconds: whole tubelets at 2 fps
 _STATES = ("still", "nothing")
 
 
@@ -49,6 +52,27 @@ class ScenePart:
         """The scene times of the part's frames sampled at `fps`."""
         first, stop = round(self.start_s * fps), round(self.end_s * fps)
         return [k / fps for k in range(first, stop)]
+
+
+def draw_chunk(rng: np.random.Generator, duration_s: float) -> tuple[float, float]:
+    """A chunk of 2-4 whole seconds in two scenes of `duration_s` played back to back, as
+    (start_s, end_s) from the first scene's start: half inside the first scene, half across
+    the cut with at least a second of each."""
+    length, first_end = int(rng.choice(CHUNK_SECONDS)), int(duration_s)
+    if rng.random() < 0.5:
+        start = int(rng.integers(first_end - length + 1, first_end))
+    else:
+        start = int(rng.integers(0, first_end - length + 1))
+    return float(start), float(start + length)
+
+
+def chunk_parts(first: Scene, second: Scene, start_s: float, end_s: float) -> list[ScenePart]:
+    """The parts of the chunk from `start_s` to `end_s` of `first` played before `second`."""
+    cut = first.duration_s
+    parts = [ScenePart(first, start_s, min(end_s, cut))] if start_s < cut else []
+    if end_s > cut:
+        parts.append(ScenePart(second, max(start_s, cut) - cut, end_s - cut))
+    return parts
 
 
 def clause(part: ScenePart) -> str:

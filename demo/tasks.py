@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from stillcut.demo.captions import ScenePart, chunk_caption, summary
+from stillcut.demo.captions import (
+    CHUNK_SECONDS,
+    ScenePart,
+    chunk_caption,
+    chunk_parts,
+    draw_chunk,
+    summary,
+)
 from stillcut.demo.chunk_prompts import TimedCaption, aggregation_messages, chunk_caption_messages
 from stillcut.demo.narration import segment
 from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, answer
@@ -31,7 +38,6 @@ from stillcut.engine.processor import PromptProcessor
 from stillcut.service.api import DEFAULT_NARRATE_PROMPT
 
 TASKS = ("questions", "narration", "caption", "summary")
-CHUNK_TUBELETS = (2, 3, 4)  # a chunk's length: 2-4 s at the sampling rate of 2 fps
 MAX_OFFSET_SCENES = 10  # a sequence of scenes starts up to this many scenes into its video
 SUMMARY_SCENES = (2, 3)
 
@@ -122,27 +128,20 @@ class TaskSequences:
 
     def caption(self, first: ClipView, second: ClipView, rng: np.random.Generator) -> Sequence:
         """A chunk of `first` played before `second`: inside `first` or across the cut."""
-        num_tubelets, seconds = first.grid_thw[0], first.second_per_grid_ts
-        length = int(rng.choice(CHUNK_TUBELETS))
-        if rng.random() < 0.5:  # across the cut: at least one tubelet of each
-            start = int(rng.integers(num_tubelets - length + 1, num_tubelets))
-        else:
-            start = int(rng.integers(0, num_tubelets - length + 1))
-        end = start + length
-        parts = [ScenePart(first.scene, start * seconds, min(end, num_tubelets) * seconds)]
-        if end > num_tubelets:
-            parts.append(ScenePart(second.scene, 0.0, (end - num_tubelets) * seconds))
-        tokens = first.embeds.shape[0] // num_tubelets
+        start_s, end_s = draw_chunk(rng, first.scene.duration_s)
+        parts = chunk_parts(first.scene, second.scene, start_s, end_s)
+        seconds = first.second_per_grid_ts  # per tubelet
+        start, end = round(start_s / seconds), round(end_s / seconds)
+        tokens = first.embeds.shape[0] // first.grid_thw[0]
         embeds = torch.cat([first.embeds, second.embeds])[start * tokens : end * tokens]
-        grid_thw = (length, *first.grid_thw[1:])
-        item = self._item(embeds, grid_thw, seconds, rng)
+        item = self._item(embeds, (end - start, *first.grid_thw[1:]), seconds, rng)
         offset = int(rng.integers(0, MAX_OFFSET_SCENES)) * first.scene.duration_s
-        messages = chunk_caption_messages(offset + start * seconds, offset + end * seconds)
+        messages = chunk_caption_messages(offset + start_s, offset + end_s)
         return self._answer(self.processor.build(messages, [item]), chunk_caption(parts))
 
     def summary(self, scenes: list[Scene], rng: np.random.Generator) -> Sequence:
         """The summary of `scenes` played one after another, captioned in equal chunks."""
-        length = float(rng.choice(CHUNK_TUBELETS))  # seconds: a tubelet is 1 s at 2 fps
+        length = float(rng.choice(CHUNK_SECONDS))
         offset = int(rng.integers(0, MAX_OFFSET_SCENES)) * scenes[0].duration_s
         starts = np.cumsum([0.0] + [s.duration_s for s in scenes])  # each scene's start
         captions, start = [], 0.0
