@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def held_out_set(count: int) -> list[tuple[Scene, bytes]]:
 
 def narration_set(count: int) -> list[tuple[Scene, Path]]:
     """The first `count` held-out scenes of the narration mix and their clips' paths."""
-    folder = CLIP_DIR / "narration"
+    folder = CLIP_DIR / f"narration-{zlib.crc32(repr(NARRATION_MIX).encode()):08x}"  # per mix
     folder.mkdir(parents=True, exist_ok=True)
     clips = []
     for seed in held_out_seeds(count):

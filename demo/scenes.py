@@ -51,13 +51,15 @@ _COLOUR_JITTER = 12  # per channel, so a colour is a range, not one exact value
 @dataclass(frozen=True)
 class SceneMix:
     """How often each kind of scene is drawn (`moving`, `changing`: the subject only appears
-    or disappears, `still`: nothing changes), and how often a moving subject also appears or
-    disappears (`moving_event`)."""
+    or disappears, `still`: nothing changes), how often a moving subject also appears or
+    disappears (`moving_event`), and whether the time of an appearance or a departure is
+    rounded to a whole multiple of `event_step_s` seconds (None: it is not)."""
 
     moving: float = 0.7
     changing: float = 0.15
     still: float = 0.15
     moving_event: float = 0.3
+    event_step_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("moving", "changing", "still", "moving_event"):
@@ -67,11 +69,15 @@ class SceneMix:
             raise ValueError(
                 f"moving + changing + still = {self.moving + self.changing + self.still}: must be 1"
             )
+        if self.event_step_s is not None and not 0 < self.event_step_s <= 1.0:
+            raise ValueError(f"event_step_s={self.event_step_s}: allowed None or (0, 1]")
 
 
 # Narration's segments: a moving subject gives a "moves" segment every tubelet, an appearance
-# or a departure one segment per scene, so those scenes are drawn far more often.
-NARRATION_MIX = SceneMix(moving=0.2, changing=0.6, still=0.2, moving_event=0.5)
+# or a departure one segment per scene, so those scenes are drawn far more often. Their times
+# fall on tubelet boundaries (1 s at 2 fps): a change part-way through a tubelet makes EVS keep
+# the next one too, whose "Nothing changes." would crowd out the changes.
+NARRATION_MIX = SceneMix(moving=0.3, changing=0.6, still=0.1, moving_event=1.0, event_step_s=1.0)
 
 
 @dataclass(frozen=True)
@@ -158,7 +164,7 @@ def sample_scene(seed: int, fps: int = FPS, mix: SceneMix = SceneMix()) -> Scene
     event: Event = "none"
     if kind == "changing" or (kind == "moving" and rng.random() < mix.moving_event):
         event = str(rng.choice(["appears", "disappears"]))
-    objects = _place_objects(rng, colours, shapes, motion, event)
+    objects = _place_objects(rng, colours, shapes, motion, event, mix.event_step_s)
     ground: Ground = str(rng.choice(["flat", "textured"]))
     low, high = _muted(rng, 40, 130), _muted(rng, 120, 210)
     return Scene(
@@ -184,7 +190,9 @@ def mirrored(scene: Scene) -> Scene:
     return replace(scene, objects=objects, motion=swap.get(scene.motion, scene.motion))
 
 
-def _place_objects(rng, colours, shapes, motion: Motion, event: Event) -> tuple[SceneObject, ...]:
+def _place_objects(
+    rng, colours, shapes, motion: Motion, event: Event, event_step_s: float | None
+) -> tuple[SceneObject, ...]:
     """The subject (first) on a path inside the frame, then bystanders clear of its path."""
     objects: list[SceneObject] = []
     boxes: list[tuple[float, float, float, float]] = []  # (x0, y0, x1, y1) ever covered
@@ -199,7 +207,7 @@ def _place_objects(rng, colours, shapes, motion: Motion, event: Event) -> tuple[
                 raise AssertionError("the subject always fits in an empty frame")
             break
         if index == 0 and event != "none":
-            candidate = _with_event(rng, candidate, event)
+            candidate = _with_event(rng, candidate, event, event_step_s)
         objects.append(candidate)
         boxes.append(box)
     return tuple(objects)
@@ -226,10 +234,14 @@ def _draw_object(rng, colour: str, shape: str, motion: Motion) -> SceneObject:
     return SceneObject(colour, shape, rgb, size, float(x), float(y), vx, vy)
 
 
-def _with_event(rng, subject: SceneObject, event: Event) -> SceneObject:
+def _with_event(rng, subject: SceneObject, event: Event, step_s: float | None) -> SceneObject:
+    low, high = _APPEAR_RANGE_S if event == "appears" else _DISAPPEAR_RANGE_S
+    at = float(rng.uniform(low, high))
+    if step_s is not None:  # the nearest whole step inside the range
+        at = min(max(round(at / step_s) * step_s, math.ceil(low / step_s) * step_s), high)
     if event == "appears":
-        return replace(subject, shown_from=float(rng.uniform(*_APPEAR_RANGE_S)))
-    return replace(subject, shown_until=float(rng.uniform(*_DISAPPEAR_RANGE_S)))
+        return replace(subject, shown_from=at)
+    return replace(subject, shown_until=at)
 
 
 def _swept_box(obj: SceneObject) -> tuple[float, float, float, float]:
