@@ -16,11 +16,11 @@ token shows, through a linear head used only in training (`token_labels`): colou
 tens of steps, motion in a few hundred, shape in about a thousand, and answers cannot be learned
 before the tower sees them (with the answers alone, a tower trained from scratch collapsed to
 one constant embedding). Then the tower is frozen and every clip is encoded once, as filmed and
-mirrored, so the second stage runs only the language model: it learns the answers of a few
-random question types per clip, each sequence pruned by EVS its own way (`sequences`), at a
-fraction of a tower step's cost, which buys the many steps reading shape takes. Each clip of an
-answer step serves one task (`tasks`): questions, its narration (threshold EVS as a live
-narration prunes), a chunk caption, or a summary of timed captions. The answer stage also
+mirrored, so the second stage runs only the language model, at a fraction of a tower step's
+cost, which buys the many steps reading shape takes. Each clip of an answer step serves one
+task (`tasks`): a few random question types about it, its narration (threshold EVS as a live
+narration prunes), a chunk caption, or a summary of timed captions, each sequence pruned by EVS
+its own way (`sequences`). The answer stage also
 encodes clips drawn from the narration mix (`scenes.NARRATION_MIX`, seeds of their own), so
 that appearances and departures are common among the narrations; the tower stage sees only
 the first set. The result is saved in bf16 with `save_pretrained`: a Hugging Face checkpoint
