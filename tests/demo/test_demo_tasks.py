@@ -24,6 +24,7 @@ from stillcut.demo.train import DemoTrainer, TrainConfig
 from stillcut.demo.training_data import training_clips
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_NARRATE_PROMPT
+from stillcut.service.narrate_options import NarrateOptions
 
 CONFIG = TrainConfig(num_clips=2, num_narration_clips=2, clips_per_step=4, questions_per_clip=2)
 
@@ -111,3 +112,14 @@ def test_a_narration_sequence_is_what_a_live_narration_runs(setup):
     assert tokens <= num_video < dense.input_ids.count(trainer.rope_spec.video_token_id)
     said = _predicted_text(trainer, pruned)
     assert said.startswith(segments[0]) and said.count("\n") <= num_tubelets
+
+
+def test_a_segment_ends_at_its_last_token_as_a_narration_stops(setup):
+    trainer, views = setup
+    processor = trainer.processor
+    ends = processor.segment_end_token_ids(NarrateOptions(prompt="x").segment_end)
+    for view in views:
+        for index in range(view.grid_thw[0]):
+            ids = processor.encode(segment(view.scene, index))
+            assert [i in ends for i in ids] == [False] * (len(ids) - 1) + [True]
+    assert len(processor.encode("Nothing changes.\n")) <= 3  # a still scene costs little
