@@ -60,7 +60,9 @@ from stillcut.demo.sequences import IGNORE, EVSSchedule, Sequence
 from stillcut.demo.tasks import ClipView, TaskMix, TaskSequences
 from stillcut.demo.token_labels import (
     COLOUR_CLASSES,
+    GROUND_CLASSES,
     MOTION_CLASSES,
+    NUM_LABELS,
     SHAPE_CLASSES,
     mirrored_labels,
 )
@@ -73,15 +75,16 @@ from stillcut.engine.models.qwen2_vl.tower_2_5 import Qwen2_5_VLVisionTower
 from stillcut.engine.processor import PromptProcessor
 
 TASK_VERSION = 3  # bump when the task or its answers change (the recipe is stored beside)
-AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES)
+AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES, GROUND_CLASSES)
 # Most tokens show only ground, and few the moving object: class weights make up for it.
 AUX_WEIGHTS = (
     torch.tensor([1.0] * (COLOUR_CLASSES - 1) + [0.25]),
     torch.tensor([1.0] * (SHAPE_CLASSES - 1) + [0.25]),
     torch.tensor([4.0, 4.0, 4.0, 4.0, 1.0, 0.25]),  # left, right, up, down, still, none
+    torch.tensor([1.0, 1.0]),  # flat, textured
 )
 # Colour is learned in tens of steps and motion in hundreds, shape last: its loss counts double.
-AUX_LOSS_WEIGHTS = (1.0, 2.0, 1.0)
+AUX_LOSS_WEIGHTS = (1.0, 2.0, 1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -279,9 +282,9 @@ class DemoTrainer:
         return self.tower(torch.cat([p.patches for p in prepared]), grids), prepared
 
     def _token_loss(self, embeds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the auxiliary head's colour, shape and motion guesses per token;
-        `embeds` [num_tokens, hidden], `labels` [..., 3] as many tokens."""
-        labels = labels.view(-1, 3)
+        """Cross-entropy of the auxiliary head's colour, shape, motion and ground guesses per
+        token; `embeds` [num_tokens, hidden], `labels` [..., NUM_LABELS] as many tokens."""
+        labels = labels.view(-1, NUM_LABELS)
         parts = self.aux_head(embeds).split(AUX_CLASSES, dim=-1)
         return sum(
             loss_weight * F.cross_entropy(part, labels[:, k], weight=class_weights)

@@ -30,7 +30,7 @@ SAMPLE_FPS = DecodeConfig().fps  # what describe samples at
 @dataclass(frozen=True)
 class TrainingClip:
     """One scene, its sampled frames [T, H, W, 3] uint8 at the model's input size, and what
-    each of its merged video tokens shows ([t, h, w, 3], `token_labels`)."""
+    each of its merged video tokens shows ([t, h, w, 4], `token_labels`)."""
 
     scene: Scene
     frames: np.ndarray

@@ -162,3 +162,23 @@ def test_evs_schedule_mixes_unpruned_and_pruned_sequences():
         EVSSchedule(max_value=1.0)
     with pytest.raises(ValueError, match="evs must be"):
         TrainConfig(evs=narration)
+
+
+def test_token_labels_name_the_ground_of_every_token_and_mirror_left_and_right():
+    from stillcut.demo.scenes import MOTIONS
+    from stillcut.demo.token_labels import GROUNDS, NUM_LABELS, mirrored_labels, token_labels
+
+    seeds = (0, 4, 7)  # flat moving down, textured and still, moving left
+    for seed in seeds:
+        scene = sample_scene(seed, fps=2)
+        labels = token_labels(scene, [k / 2 for k in range(12)], (6, 8))
+        assert labels.shape == (6, 6, 8, NUM_LABELS)
+        assert (labels[..., 3] == GROUNDS.index(scene.ground)).all()
+        flipped = mirrored_labels(labels)
+        np.testing.assert_array_equal(flipped[..., 3], labels[..., 3])
+        np.testing.assert_array_equal(flipped[..., :2], labels[:, :, ::-1, :2])
+        if scene.motion in ("left", "right"):
+            moving = labels[..., 2] == MOTIONS.index(scene.motion)
+            assert moving.any()
+            assert (flipped[:, :, ::-1][..., 2][moving] != MOTIONS.index(scene.motion)).all()
+    assert {sample_scene(seed).ground for seed in seeds} == set(GROUNDS)
