@@ -9,23 +9,49 @@ the fraction of video tokens kept. Then, for the long near-static sample clip, i
 tokens kept for growing lengths: a threshold's cost should grow far slower than the clip, a
 rate's grows with it.
 
-    python bench/evs_accuracy.py [--model PATH] [--clips 500]
+Narration: held-out scenes of the narration mix (`scenes.NARRATION_MIX`, the held-out seeds)
+narrated as `stillcut narrate` does (lag `queue`), with threshold EVS at the narration default
+and off; each segment is right when it names its tubelet's true change and no other
+(`narration.segment_is_correct`), counted per change (a change's share is of the judged
+segments). Captions: pairs of held-out scenes rendered back to back into one clip, one chunk
+of 2-4 s from each (half across the cut) captioned with the chunk prompt
+(`chunk_prompts.chunk_caption_messages`), EVS off and at describe's default; a caption is
+right when each scene part's clause names what happens there, in order
+(`captions.caption_is_correct`).
+
+    python bench/evs_accuracy.py [--model PATH] [--clips 500] [--narration-clips 200]
+        [--caption-chunks 200] [--only questions|narration|captions]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
+import zlib
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from stillcut.demo import demo_checkpoint
-from stillcut.demo.clips import clip_bytes, held_out_seeds
+from stillcut.demo.captions import ScenePart, caption_is_correct, chunk_parts, draw_chunk
+from stillcut.demo.chunk_prompts import chunk_caption_messages
+from stillcut.demo.clips import TASK_X264_PARAMS, clip_bytes, encode_h264, held_out_seeds
+from stillcut.demo.narration import (
+    CHANGES,
+    FRAMES_PER_TUBELET,
+    NARRATION_FPS,
+    segment_is_correct,
+    tubelet_change,
+)
 from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, is_correct
-from stillcut.demo.scenes import Scene, sample_scene
+from stillcut.demo.render import frames
+from stillcut.demo.scenes import NARRATION_MIX, Scene, sample_scene
 from stillcut.demo.train import TASK_VERSION
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig, prune
 from stillcut.service.api import DEFAULT_KV_CACHE_BYTES, VideoLLM
 from stillcut.vision.decode import DecodeConfig
@@ -58,6 +84,69 @@ def held_out_set(count: int) -> list[tuple[Scene, bytes]]:
             path.write_bytes(clip_bytes(scene))
         clips.append((scene, path.read_bytes()))
     return clips
+
+
+def narration_set(count: int) -> list[tuple[Scene, Path]]:
+    """The first `count` held-out scenes of the narration mix and their clips' paths."""
+    folder = CLIP_DIR / f"narration-{zlib.crc32(repr(NARRATION_MIX).encode()):08x}"  # per mix
+    folder.mkdir(parents=True, exist_ok=True)
+    clips = []
+    for seed in held_out_seeds(count):
+        scene, path = sample_scene(seed, mix=NARRATION_MIX), folder / f"{seed}.mp4"
+        if not path.is_file():
+            path.write_bytes(clip_bytes(scene))
+        clips.append((scene, path))
+    return clips
+
+
+def caption_set(count: int) -> list[tuple[list[ScenePart], Path, float, float]]:
+    """`count` chunks, one from each pair of held-out scenes played back to back: the chunk's
+    scene parts, the pair's clip and the chunk's start and end (s)."""
+    folder = CLIP_DIR / "pairs"
+    folder.mkdir(parents=True, exist_ok=True)
+    seeds = iter(held_out_seeds(2 * count))
+    chunks = []
+    for first_seed, second_seed in zip(seeds, seeds, strict=True):
+        first, second = sample_scene(first_seed), sample_scene(second_seed)
+        path = folder / f"{first_seed}-{second_seed}.mp4"
+        if not path.is_file():
+            images = itertools.chain(frames(first), frames(second))
+            with path.open("wb") as out:
+                encode_h264(out, images, first.fps, crf=first.crf, x264_params=TASK_X264_PARAMS)
+        start, end = draw_chunk(np.random.default_rng(first_seed), first.duration_s)
+        chunks.append((chunk_parts(first, second, start, end), path, start, end))
+    return chunks
+
+
+def narration_row(llm: VideoLLM, clips: list, threshold: str) -> str:
+    """Segments judged, accuracy, and per change its accuracy and share, for one setting."""
+    options = {"threshold": None} if threshold == "off" else {}
+    judged, right = Counter(), Counter()
+    for scene, path in clips:
+        for segment in llm.narrate(path, lag="queue", **options):
+            index = round(segment.t[0] * NARRATION_FPS) // FRAMES_PER_TUBELET
+            change = tubelet_change(scene, index)
+            judged[change] += 1
+            right[change] += segment_is_correct(scene, index, segment.text)
+    total = sum(judged.values())
+    cells = "".join(
+        f"{right[c] / max(1, judged[c]):>10.1%}{judged[c] / max(1, total):>7.0%}" for c in CHANGES
+    )
+    return f"{threshold:<22}{total:>9}{sum(right.values()) / max(1, total):>10.1%}{cells}"
+
+
+def caption_row(llm: VideoLLM, chunks: list, evs: EVSConfig | None) -> float:
+    """The share of chunks captioned right under one EVS setting."""
+    processor, prompts = llm.engine.processor, []
+    for _, path, start, end in chunks:
+        item = llm.pipeline.video(path, evs=evs, start=start, end=end)
+        prompts.append(processor.build(chunk_caption_messages(start, end), [item]))
+    outputs = llm.engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    right = sum(
+        caption_is_correct(parts, output.text)
+        for (parts, _, _, _), output in zip(chunks, outputs, strict=True)
+    )
+    return right / len(chunks)
 
 
 def settings() -> list[tuple[str, EVSConfig | None]]:
@@ -103,27 +192,57 @@ def long_clip_rows(llm: VideoLLM) -> None:
         print(f"{end:>8g}" + "".join(f"{count:>14}" for count in counts))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="checkpoint (default: the trained demo)")
-    parser.add_argument("--clips", type=int, default=500, help="held-out clips (default 500)")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
-    started = time.perf_counter()
-    clips = held_out_set(args.clips)
-    print(f"{len(clips)} held-out clips rendered in {time.perf_counter() - started:.0f} s")
-    llm = VideoLLM(
-        args.model or demo_checkpoint(),
-        engine_config=ENGINE_CONFIG,
-        decode_config=DecodeConfig(max_frames=10_000),
-    )
+def question_rows(llm: VideoLLM, count: int) -> None:
+    clips = held_out_set(count)
     header = f"{'EVS':<22}{'kept':>6}" + "".join(f"{kind:>10}" for kind in QUESTION_TYPES)
-    print(header)
+    print(f"{len(clips)} held-out clips\n{header}")
     for name, evs in settings():
         kept, accuracy = accuracy_row(llm, clips, evs)
         cells = "".join(f"{accuracy[kind]:>10.1%}" for kind in QUESTION_TYPES)
         print(f"{name:<22}{kept:>6.1%}{cells}", flush=True)
     long_clip_rows(llm)
+
+
+def narration_rows(llm: VideoLLM, count: int) -> None:
+    clips = narration_set(count)
+    print(f"\nnarration of {len(clips)} held-out clips (lag queue): accuracy, then per change")
+    print(
+        f"{'EVS':<22}{'segments':>9}{'right':>10}"
+        + "".join(f"{c:>10}{'share':>7}" for c in CHANGES)
+    )
+    for threshold in ("threshold default", "off"):
+        print(narration_row(llm, clips, threshold), flush=True)
+
+
+def caption_rows(llm: VideoLLM, count: int) -> None:
+    chunks = caption_set(count)
+    across = sum(len(parts) == 2 for parts, _, _, _ in chunks)
+    print(f"\ncaptions of {len(chunks)} chunks ({across} across a cut)")
+    for name, evs in (("off", None), (llm.evs_default.setting, llm.evs_default.evs)):
+        print(f"{name:<22}{caption_row(llm, chunks, evs):>10.1%}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="checkpoint (default: the trained demo)")
+    parser.add_argument("--clips", type=int, default=500, help="held-out clips (default 500)")
+    parser.add_argument("--narration-clips", type=int, default=200, help="(default 200)")
+    parser.add_argument("--caption-chunks", type=int, default=200, help="(default 200)")
+    parser.add_argument("--only", choices=("questions", "narration", "captions"))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    started = time.perf_counter()
+    llm = VideoLLM(
+        args.model or demo_checkpoint(),
+        engine_config=ENGINE_CONFIG,
+        decode_config=DecodeConfig(max_frames=10_000),
+    )
+    if args.only in (None, "questions"):
+        question_rows(llm, args.clips)
+    if args.only in (None, "narration"):
+        narration_rows(llm, args.narration_clips)
+    if args.only in (None, "captions"):
+        caption_rows(llm, args.caption_chunks)
     print(f"\n{time.perf_counter() - started:.0f} s in all")
 
 

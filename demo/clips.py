@@ -24,6 +24,7 @@ from stillcut.demo.render import frames
 from stillcut.demo.scenes import Scene
 
 HELD_OUT_START = 1_000_000  # training scenes take seeds below it, held-out scenes from it on
+NARRATION_TRAINING_START = 500_000  # the narration mix's training scenes take seeds from here
 NUM_HELD_OUT = 500
 TASK_PRESET = "veryfast"
 TASK_X264_PARAMS = "mbtree=0"
@@ -36,9 +37,17 @@ def held_out_seeds(count: int = NUM_HELD_OUT) -> range:
 
 def training_seeds(count: int) -> range:
     """Seeds of `count` training scenes."""
-    if not 1 <= count <= HELD_OUT_START:
-        raise ValueError(f"count={count}: allowed 1..{HELD_OUT_START} training scenes")
+    if not 1 <= count <= NARRATION_TRAINING_START:
+        raise ValueError(f"count={count}: allowed 1..{NARRATION_TRAINING_START} training scenes")
     return range(count)
+
+
+def narration_training_seeds(count: int) -> range:
+    """Seeds of `count` training scenes of the narration mix (0 is allowed: none)."""
+    limit = HELD_OUT_START - NARRATION_TRAINING_START
+    if not 0 <= count <= limit:
+        raise ValueError(f"count={count}: allowed 0..{limit} narration training scenes")
+    return range(NARRATION_TRAINING_START, NARRATION_TRAINING_START + count)
 
 
 def encode_h264(

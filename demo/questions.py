@@ -5,7 +5,9 @@ objects there are, whether anything changes, and a one-sentence description (the
 `stillcut describe`'s default prompt). Each type has a canonical prompt, the one the accuracy
 bench asks, and a few rewordings that training draws from. Answers are templates filled in from
 the scene. Scoring reads keywords: an answer is right when it holds every true keyword and no
-wrong one of the same kind ("It is red or blue." is a wrong colour answer).
+wrong one of the same kind ("It is red or blue." is a wrong colour answer). A description must
+name every object's colour and shape, what the subject does, that the others stand still, and
+the ground, and nothing the scene does not hold.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ PROMPTS: dict[str, tuple[str, ...]] = {
 }
 DIRECTIONS = ("left", "right", "up", "down")
 NUMBERS = ("one", "two", "three")
-_EVENTS = ("appears", "disappears")
-_DIRECTION_PHRASES = {"left": "to the left", "right": "to the right", "up": "up", "down": "down"}
+EVENTS = ("appears", "disappears")
+GROUNDS = ("flat", "textured")
+DIRECTION_PHRASES = {"left": "to the left", "right": "to the right", "up": "up", "down": "down"}
 NOTHING_MOVES = "Nothing moves."
 
 
@@ -64,7 +67,7 @@ def answer(scene: Scene, question_type: str) -> str:
     if question_type == "shape":
         return f"It is a {subject.shape}." if moving else NOTHING_MOVES
     if question_type == "direction":
-        return f"It moves {_DIRECTION_PHRASES[scene.motion]}." if moving else NOTHING_MOVES
+        return f"It moves {DIRECTION_PHRASES[scene.motion]}." if moving else NOTHING_MOVES
     if question_type == "count":
         count = len(scene.objects)
         verb, noun = ("is", "object") if count == 1 else ("are", "objects")
@@ -78,11 +81,15 @@ def answer(scene: Scene, question_type: str) -> str:
 
 def is_correct(scene: Scene, question_type: str, text: str) -> bool:
     """Whether `text` answers the question right: every true keyword, no wrong one."""
-    words = set(re.findall(r"[a-z]+", text.lower()))
     if question_type == "change":
         first = re.match(r"\W*([a-z]+)", text.lower())
         return first is not None and first.group(1) == ("no" if scene.subject is None else "yes")
-    required, kinds = _keywords(scene, question_type)
+    return keywords_match(text, *_keywords(scene, question_type))
+
+
+def keywords_match(text: str, required: set[str], kinds: list[tuple[str, ...]]) -> bool:
+    """Whether `text` holds every word of `required` and no other word of any of `kinds`."""
+    words = set(re.findall(r"[a-z]+", text.lower()))
     wrong = {word for kind in kinds for word in kind} - required
     return required <= words and not words & wrong
 
@@ -101,19 +108,22 @@ def _keywords(scene: Scene, question_type: str) -> tuple[set[str], list[tuple[st
         return {word}, [kind, ("nothing",)]
     if question_type != "describe":
         raise ValueError(f"question_type={question_type!r}: allowed {QUESTION_TYPES}")
+    required = {scene.ground, *(o.colour for o in scene.objects), *(o.shape for o in scene.objects)}
     if subject is None:
-        return {"still", "nothing", *(o.colour for o in scene.objects)}, [DIRECTIONS, _EVENTS]
-    required = {subject.colour, subject.shape}
-    required |= {scene.motion} if moving else set()
-    required |= {scene.event} if scene.event != "none" else set()
-    return required, [DIRECTIONS, _EVENTS, ("nothing",)]
+        required |= {"still", "nothing"}
+    else:
+        required |= {scene.motion} if moving else set()
+        required |= {scene.event} if scene.event != "none" else set()
+        required |= {"still"} if scene.bystanders else set()
+    kinds = [tuple(COLOURS), SHAPES, GROUNDS, DIRECTIONS, EVENTS, ("still",), ("nothing",)]
+    return required, kinds
 
 
 def _happening(scene: Scene, article: str) -> str:
     """What the subject does: "the red circle moves up", "a blue cross appears", ..."""
     subject = scene.subject_object
-    name = _named(subject, "a" if scene.event == "appears" else article)
-    motion = f"moves {_DIRECTION_PHRASES[scene.motion]}" if scene.motion != "none" else ""
+    name = named(subject, "a" if scene.event == "appears" else article)
+    motion = f"moves {DIRECTION_PHRASES[scene.motion]}" if scene.motion != "none" else ""
     if scene.event == "appears":
         return f"{name} appears" + (f" and {motion}" if motion else "")
     if scene.event == "disappears":
@@ -124,26 +134,29 @@ def _happening(scene: Scene, article: str) -> str:
 def _description(scene: Scene) -> str:
     ground = f"on a {scene.ground} background"
     if scene.subject is None:
-        names = _listed([_named(o, "a") for o in scene.bystanders])
+        names = listed([named(o, "a") for o in scene.bystanders])
         verb = "stands" if len(scene.objects) == 1 else "stand"
-        return _capitalised(f"{names} {verb} still {ground}; nothing changes.")
+        return capitalised(f"{names} {verb} still {ground}; nothing changes.")
     sentence = f"{_happening(scene, 'a')} {ground}"
     bystanders = scene.bystanders
     if bystanders:
         verb = "stays" if len(bystanders) == 1 else "stay"
-        sentence += f"; {_listed([_named(o, 'a') for o in bystanders])} {verb} still"
-    return _capitalised(sentence + ".")
+        sentence += f"; {listed([named(o, 'a') for o in bystanders])} {verb} still"
+    return capitalised(sentence + ".")
 
 
-def _named(obj: SceneObject, article: str) -> str:
+def named(obj: SceneObject, article: str) -> str:
+    """ "a red circle", "an orange cross", "the blue square"."""
     if article == "a" and obj.colour[0] in "aeiou":
         article = "an"
     return f"{article} {obj.colour} {obj.shape}"
 
 
-def _listed(names: list[str]) -> str:
+def listed(names: list[str]) -> str:
+    """ "a", "a and b", "a, b and c"."""
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
-def _capitalised(text: str) -> str:
+def capitalised(text: str) -> str:
+    """`text` with its first letter upper case."""
     return text[0].upper() + text[1:]

@@ -4,7 +4,10 @@ A scene is one 6 s, 320x240 clip. Its objects have distinct colours and distinct
 most one of them, the subject, does something: it moves left, right, up or down, and it may
 appear or disappear part-way through; the others stand still the whole time. A still scene has
 no subject at all: nothing changes. `sample_scene(seed)` draws every choice from the seed, so a
-seed names a scene; the training set and the held-out set are disjoint seed ranges.
+seed names a scene; the training set and the held-out set are disjoint seed ranges. A
+`SceneMix` sets how often each kind of scene is drawn: narration's mix (`NARRATION_MIX`) draws
+appearances and departures far more often, so that every kind of change is common among its
+segments.
 
 Objects never overlap, not even along the subject's path, so every object is fully visible
 whenever it is shown. Grounds are muted (a flat colour or a noise texture) and objects
@@ -43,8 +46,38 @@ _SIZE_RANGE = (28.0, 36.0)  # half the object's extent, px: 3-4 patches across a
 _TRAVEL = {"horizontal": (150.0, 230.0), "vertical": (100.0, 150.0)}  # px over the clip
 _APPEAR_RANGE_S, _DISAPPEAR_RANGE_S = (1.5, 4.0), (2.0, 4.5)
 _COLOUR_JITTER = 12  # per channel, so a colour is a range, not one exact value
-# Kinds of scene and how often each is drawn.
-_KINDS = {"moving": 0.7, "changing": 0.15, "still": 0.15}
+
+
+@dataclass(frozen=True)
+class SceneMix:
+    """How often each kind of scene is drawn (`moving`, `changing`: the subject only appears
+    or disappears, `still`: nothing changes), how often a moving subject also appears or
+    disappears (`moving_event`), and whether the time of an appearance or a departure is
+    rounded to a whole multiple of `event_step_s` seconds (None: it is not)."""
+
+    moving: float = 0.7
+    changing: float = 0.15
+    still: float = 0.15
+    moving_event: float = 0.3
+    event_step_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("moving", "changing", "still", "moving_event"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)}: allowed [0, 1]")
+        if abs(self.moving + self.changing + self.still - 1.0) > 1e-9:
+            raise ValueError(
+                f"moving + changing + still = {self.moving + self.changing + self.still}: must be 1"
+            )
+        if self.event_step_s is not None and not 0 < self.event_step_s <= 1.0:
+            raise ValueError(f"event_step_s={self.event_step_s}: allowed None or (0, 1]")
+
+
+# Narration's segments: a moving subject gives a "moves" segment every tubelet, an appearance
+# or a departure one segment per scene, so those scenes are drawn far more often. Their times
+# fall on tubelet boundaries (1 s at 2 fps): a change part-way through a tubelet makes EVS keep
+# the next one too, whose "Nothing changes." would crowd out the changes.
+NARRATION_MIX = SceneMix(moving=0.3, changing=0.6, still=0.1, moving_event=1.0, event_step_s=1.0)
 
 
 @dataclass(frozen=True)
@@ -118,19 +151,20 @@ class Scene:
         return tuple(sorted(still, key=lambda o: o.x))
 
 
-def sample_scene(seed: int, fps: int = FPS) -> Scene:
-    """The scene that `seed` names: kind, objects, path, timing, ground, noise and quality.
-    `fps` changes only how densely the same motion is filmed."""
+def sample_scene(seed: int, fps: int = FPS, mix: SceneMix = SceneMix()) -> Scene:
+    """The scene that `seed` names in `mix`: kind, objects, path, timing, ground, noise and
+    quality. `fps` changes only how densely the same motion is filmed."""
     rng = np.random.default_rng(seed)
-    kind = str(rng.choice(list(_KINDS), p=list(_KINDS.values())))
+    kinds = {"moving": mix.moving, "changing": mix.changing, "still": mix.still}
+    kind = str(rng.choice(list(kinds), p=list(kinds.values())))
     num_objects = int(rng.integers(1, MAX_OBJECTS + 1))
     colours = rng.choice(list(COLOURS), num_objects, replace=False)
     shapes = rng.choice(SHAPES, num_objects, replace=False)
     motion: Motion = "none" if kind != "moving" else str(rng.choice(MOTIONS[:4]))
     event: Event = "none"
-    if kind == "changing" or (kind == "moving" and rng.random() < 0.3):
+    if kind == "changing" or (kind == "moving" and rng.random() < mix.moving_event):
         event = str(rng.choice(["appears", "disappears"]))
-    objects = _place_objects(rng, colours, shapes, motion, event)
+    objects = _place_objects(rng, colours, shapes, motion, event, mix.event_step_s)
     ground: Ground = str(rng.choice(["flat", "textured"]))
     low, high = _muted(rng, 40, 130), _muted(rng, 120, 210)
     return Scene(
@@ -156,7 +190,9 @@ def mirrored(scene: Scene) -> Scene:
     return replace(scene, objects=objects, motion=swap.get(scene.motion, scene.motion))
 
 
-def _place_objects(rng, colours, shapes, motion: Motion, event: Event) -> tuple[SceneObject, ...]:
+def _place_objects(
+    rng, colours, shapes, motion: Motion, event: Event, event_step_s: float | None
+) -> tuple[SceneObject, ...]:
     """The subject (first) on a path inside the frame, then bystanders clear of its path."""
     objects: list[SceneObject] = []
     boxes: list[tuple[float, float, float, float]] = []  # (x0, y0, x1, y1) ever covered
@@ -171,7 +207,7 @@ def _place_objects(rng, colours, shapes, motion: Motion, event: Event) -> tuple[
                 raise AssertionError("the subject always fits in an empty frame")
             break
         if index == 0 and event != "none":
-            candidate = _with_event(rng, candidate, event)
+            candidate = _with_event(rng, candidate, event, event_step_s)
         objects.append(candidate)
         boxes.append(box)
     return tuple(objects)
@@ -198,10 +234,14 @@ def _draw_object(rng, colour: str, shape: str, motion: Motion) -> SceneObject:
     return SceneObject(colour, shape, rgb, size, float(x), float(y), vx, vy)
 
 
-def _with_event(rng, subject: SceneObject, event: Event) -> SceneObject:
+def _with_event(rng, subject: SceneObject, event: Event, step_s: float | None) -> SceneObject:
+    low, high = _APPEAR_RANGE_S if event == "appears" else _DISAPPEAR_RANGE_S
+    at = float(rng.uniform(low, high))
+    if step_s is not None:  # the nearest whole step inside the range
+        at = min(max(round(at / step_s) * step_s, math.ceil(low / step_s) * step_s), high)
     if event == "appears":
-        return replace(subject, shown_from=float(rng.uniform(*_APPEAR_RANGE_S)))
-    return replace(subject, shown_until=float(rng.uniform(*_DISAPPEAR_RANGE_S)))
+        return replace(subject, shown_from=at)
+    return replace(subject, shown_until=at)
 
 
 def _swept_box(obj: SceneObject) -> tuple[float, float, float, float]:

@@ -1,7 +1,8 @@
 """Train the demo checkpoint from scratch on the synthetic task, on the CPU.
 
     python -m stillcut.demo.train --out DIR [--seed 0] [--vision-steps N]
-        [--steps N] [--schedule-steps N] [--clips N] [--clips-per-step N] [--threads 2]
+        [--steps N] [--schedule-steps N] [--clips N] [--narration-clips N]
+        [--clips-per-step N] [--threads 2]
 
 The model is a transformers `Qwen2_5_VLForConditionalGeneration` (`architecture`); the vision
 tower runs as stillcut's own `Qwen2_5_VLVisionTower` (the same parameters under the same names,
@@ -15,10 +16,15 @@ token shows, through a linear head used only in training (`token_labels`): colou
 tens of steps, motion in a few hundred, shape in about a thousand, and answers cannot be learned
 before the tower sees them (with the answers alone, a tower trained from scratch collapsed to
 one constant embedding). Then the tower is frozen and every clip is encoded once, as filmed and
-mirrored, so the second stage runs only the language model: it learns the answers of a few
-random question types per clip, each sequence pruned by EVS its own way (`sequences`), at a
-fraction of a tower step's cost, which buys the many steps reading shape takes. The result is
-saved in bf16 with `save_pretrained`: a Hugging Face checkpoint like any other.
+mirrored, so the second stage runs only the language model, at a fraction of a tower step's
+cost, which buys the many steps reading shape takes. Each clip of an answer step serves one
+task (`tasks`): a few random question types about it, its narration (threshold EVS as a live
+narration prunes), a chunk caption, or a summary of timed captions, each sequence pruned by EVS
+its own way (`sequences`). The answer stage also
+encodes clips drawn from the narration mix (`scenes.NARRATION_MIX`, seeds of their own), so
+that appearances and departures are common among the narrations; the tower stage sees only
+the first set. The result is saved in bf16 with `save_pretrained`: a Hugging Face checkpoint
+like any other.
 
 Given its seed, training is deterministic on one torch build, thread count and instruction set:
 the data comes from seeded numpy, single-threaded x264 and PIL, and the steps from seeded torch
@@ -46,14 +52,17 @@ import torch
 import torch.nn.functional as F
 
 from stillcut.demo import architecture
-from stillcut.demo.clips import training_seeds
+from stillcut.demo.clips import narration_training_seeds, training_seeds
 from stillcut.demo.patch_init import init_patch_embedding
-from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, answer
-from stillcut.demo.scenes import Scene, mirrored
-from stillcut.demo.sequences import EVSSchedule, Sequence, build_sequence
+from stillcut.demo.questions import QUESTION_TYPES
+from stillcut.demo.scenes import NARRATION_MIX, Scene, mirrored
+from stillcut.demo.sequences import IGNORE, EVSSchedule, Sequence
+from stillcut.demo.tasks import ClipView, TaskMix, TaskSequences
 from stillcut.demo.token_labels import (
     COLOUR_CLASSES,
+    GROUND_CLASSES,
     MOTION_CLASSES,
+    NUM_LABELS,
     SHAPE_CLASSES,
     mirrored_labels,
 )
@@ -65,16 +74,17 @@ from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, pr
 from stillcut.engine.models.qwen2_vl.tower_2_5 import Qwen2_5_VLVisionTower
 from stillcut.engine.processor import PromptProcessor
 
-TASK_VERSION = 2  # bump when the task or its answers change (the recipe is stored beside)
-AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES)
+TASK_VERSION = 3  # bump when the task or its answers change (the recipe is stored beside)
+AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES, GROUND_CLASSES)
 # Most tokens show only ground, and few the moving object: class weights make up for it.
 AUX_WEIGHTS = (
     torch.tensor([1.0] * (COLOUR_CLASSES - 1) + [0.25]),
     torch.tensor([1.0] * (SHAPE_CLASSES - 1) + [0.25]),
     torch.tensor([4.0, 4.0, 4.0, 4.0, 1.0, 0.25]),  # left, right, up, down, still, none
+    torch.tensor([1.0, 1.0]),  # flat, textured
 )
 # Colour is learned in tens of steps and motion in hundreds, shape last: its loss counts double.
-AUX_LOSS_WEIGHTS = (1.0, 2.0, 1.0)
+AUX_LOSS_WEIGHTS = (1.0, 2.0, 1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,7 @@ class TrainConfig:
 
     seed: int = 0
     num_clips: int = 1200
+    num_narration_clips: int = 600  # from the narration mix, for the answer stage only
     vision_steps: int = 800  # first the tower alone learns what each token shows
     steps: int = 1000  # then the language model learns the answers, the tower frozen
     # The answer stage's learning-rate schedule spans this many steps (None: `steps`), so a
@@ -94,7 +105,11 @@ class TrainConfig:
     warmup_steps: int = 100
     weight_decay: float = 0.01
     threads: int = 2
+    tasks: TaskMix = field(default_factory=TaskMix)
     evs: EVSSchedule = field(default_factory=EVSSchedule)
+    narration_evs: EVSSchedule = field(
+        default_factory=lambda: EVSSchedule(unpruned_share=0.2, max_value=0.3, mode="threshold")
+    )
     log_every: int = 50
 
     def __post_init__(self) -> None:
@@ -103,8 +118,11 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         if self.schedule_steps is not None and self.schedule_steps < self.steps:
             raise ValueError(f"schedule_steps={self.schedule_steps}: must be >= steps={self.steps}")
-        if self.vision_steps < 0:
-            raise ValueError(f"vision_steps={self.vision_steps}: must be >= 0")
+        for name in ("vision_steps", "num_narration_clips"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if self.evs.mode != "rate" or self.narration_evs.mode != "threshold":
+            raise ValueError("evs must be a rate schedule and narration_evs a threshold one")
         if not 1 <= self.questions_per_clip <= len(QUESTION_TYPES):
             raise ValueError(
                 f"questions_per_clip={self.questions_per_clip}: allowed 1..{len(QUESTION_TYPES)}"
@@ -151,12 +169,21 @@ class DemoTrainer:
         init_patch_embedding(self.tower.patch_embed.proj.weight)
         self.language_model = self.model.model.language_model
         self.aux_head = torch.nn.Linear(model_config.vision.out_hidden_size, sum(AUX_CLASSES))
+        self.tasks = TaskSequences(
+            self.processor,
+            self.rope_spec,
+            config.tasks,
+            config.questions_per_clip,
+            config.evs,
+            config.narration_evs,
+        )
 
-    def train(self, clips: list[TrainingClip]) -> None:
-        """Both stages over `clips`: the tower alone, then the language model on its output."""
+    def train(self, clips: list[TrainingClip], narration_clips: list[TrainingClip]) -> None:
+        """Both stages: the tower alone over `clips`, then the language model on its output
+        for `clips` and `narration_clips`."""
         rng = np.random.default_rng([self.config.seed, 2])
         self.train_tower(clips, rng)
-        self.train_answers(self.encode(clips), rng)
+        self.train_answers(self.encode(clips + narration_clips), rng)
 
     def train_tower(self, clips: list[TrainingClip], rng: np.random.Generator) -> None:
         """The tower and the token head learn what each token shows."""
@@ -202,27 +229,17 @@ class DemoTrainer:
         return {"token loss": self._token_loss(embeds, torch.from_numpy(np.stack(labels)))}
 
     def answer_step(self, clips: list[EncodedClip], rng: np.random.Generator) -> dict:
-        """The answers' loss on a few questions about each of a batch of randomly mirrored
-        clips."""
-        sequences = []
-        for clip, flip in zip(clips, rng.random(len(clips)) < 0.5, strict=True):
-            scene = mirrored(clip.scene) if flip else clip.scene
-            kinds = rng.choice(QUESTION_TYPES, self.config.questions_per_clip, replace=False)
-            for kind in map(str, kinds):
-                prompts = PROMPTS[kind]
-                sequences.append(
-                    build_sequence(
-                        self.processor,
-                        self.rope_spec,
-                        clip.mirrored_embeds if flip else clip.embeds,
-                        clip.grid_thw,
-                        clip.second_per_grid_ts,
-                        prompts[int(rng.integers(len(prompts)))],
-                        answer(scene, kind),
-                        self.config.evs.draw(rng),
-                    )
-                )
-        return {"answer loss": self._answer_loss(sequences)}
+        """The answers' loss on one task for each of a batch of randomly mirrored clips."""
+        views = [
+            ClipView(
+                mirrored(clip.scene) if flip else clip.scene,
+                clip.mirrored_embeds if flip else clip.embeds,
+                clip.grid_thw,
+                clip.second_per_grid_ts,
+            )
+            for clip, flip in zip(clips, rng.random(len(clips)) < 0.5, strict=True)
+        ]
+        return {"answer loss": self._answer_loss(self.tasks.for_batch(views, rng))}
 
     def _stage(self, name, steps, schedule_steps, clips, rng, optimizer, step) -> None:
         started, logged = time.perf_counter(), []
@@ -265,9 +282,9 @@ class DemoTrainer:
         return self.tower(torch.cat([p.patches for p in prepared]), grids), prepared
 
     def _token_loss(self, embeds: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the auxiliary head's colour, shape and motion guesses per token;
-        `embeds` [num_tokens, hidden], `labels` [..., 3] as many tokens."""
-        labels = labels.view(-1, 3)
+        """Cross-entropy of the auxiliary head's colour, shape, motion and ground guesses per
+        token; `embeds` [num_tokens, hidden], `labels` [..., NUM_LABELS] as many tokens."""
+        labels = labels.view(-1, NUM_LABELS)
         parts = self.aux_head(embeds).split(AUX_CLASSES, dim=-1)
         return sum(
             loss_weight * F.cross_entropy(part, labels[:, k], weight=class_weights)
@@ -277,20 +294,19 @@ class DemoTrainer:
         )
 
     def _answer_loss(self, sequences: list[Sequence]) -> torch.Tensor:
-        """Mean cross-entropy of every answer token, the batch padded on the right."""
+        """Mean cross-entropy of every predicted token, the batch padded on the right."""
         length = max(len(s.input_ids) for s in sequences)
         batch = len(sequences)
         input_ids = torch.zeros(batch, length, dtype=torch.long)
         positions = torch.zeros(3, batch, length, dtype=torch.long)
         attention = torch.zeros(batch, length, dtype=torch.long)
-        target_ids = torch.full((batch, length), -100, dtype=torch.long)
+        target_ids = torch.full((batch, length), IGNORE, dtype=torch.long)
         for row, s in enumerate(sequences):
             n = len(s.input_ids)
             input_ids[row, :n] = torch.tensor(s.input_ids)
             positions[:, row, :n] = s.positions
             attention[row, :n] = 1
-            first = s.num_prompt_tokens - 1  # the last prompt token predicts the first answer
-            target_ids[row, first : first + len(s.targets)] = torch.tensor(s.targets)
+            target_ids[row, :n] = torch.tensor(s.labels)
         text = self.language_model.embed_tokens(input_ids)  # [batch, length, hidden]
         is_video = (input_ids == self.rope_spec.video_token_id)[..., None]
         video = torch.cat([s.video_embeds for s in sequences])  # [num_video_tokens, hidden]
@@ -298,7 +314,7 @@ class DemoTrainer:
         hidden = self.language_model(
             inputs_embeds=inputs, attention_mask=attention, position_ids=positions
         ).last_hidden_state
-        scored = target_ids != -100
+        scored = target_ids != IGNORE
         logits = self.model.lm_head(hidden[scored])  # [num_answer_tokens, vocab]
         return F.cross_entropy(logits, target_ids[scored])
 
@@ -317,11 +333,16 @@ def train_checkpoint(out: str | Path, config: TrainConfig = TrainConfig()) -> di
     with _reproducible(config.threads), atomic_folder(folder, exist_ok=False) as partial:
         architecture.write_skeleton(partial, metadata)
         trainer = DemoTrainer(partial, config)
-        print(f"rendering {config.num_clips} training clips", flush=True)
+        print(f"rendering {config.num_clips} + {config.num_narration_clips} clips", flush=True)
         clips = training_clips(training_seeds(config.num_clips), trainer.preprocess)
+        narration_clips = training_clips(
+            narration_training_seeds(config.num_narration_clips),
+            trainer.preprocess,
+            mix=NARRATION_MIX,
+        )
         data_wall, data_cpu = time.perf_counter() - wall, time.process_time() - cpu
         print(f"training {config.vision_steps} + {config.steps} steps", flush=True)
-        trainer.train(clips)
+        trainer.train(clips, narration_clips)
         trainer.save(partial)
     timings = {
         "data_wall_s": data_wall,
@@ -377,9 +398,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="a new or empty folder")
     defaults = TrainConfig()
-    names = ("seed", "vision_steps", "steps", "schedule_steps", "num_clips", "clips_per_step")
-    for name in (*names, "threads"):
-        flag = "--clips" if name == "num_clips" else f"--{name.replace('_', '-')}"
+    names = ("seed", "vision_steps", "steps", "schedule_steps", "num_clips", "num_narration_clips")
+    for name in (*names, "clips_per_step", "threads"):
+        flag = f"--{name.removeprefix('num_').replace('_', '-')}"
         parser.add_argument(flag, dest=name, type=int, default=getattr(defaults, name))
     args = parser.parse_args()
     overrides = {k: v for k, v in vars(args).items() if k != "out"}

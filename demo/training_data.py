@@ -19,7 +19,7 @@ import numpy as np
 from PIL import Image
 
 from stillcut.demo.clips import clip_bytes
-from stillcut.demo.scenes import Scene, sample_scene
+from stillcut.demo.scenes import Scene, SceneMix, sample_scene
 from stillcut.demo.token_labels import token_labels
 from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, smart_resize
 from stillcut.vision.decode import DecodeConfig, decode_video
@@ -30,7 +30,7 @@ SAMPLE_FPS = DecodeConfig().fps  # what describe samples at
 @dataclass(frozen=True)
 class TrainingClip:
     """One scene, its sampled frames [T, H, W, 3] uint8 at the model's input size, and what
-    each of its merged video tokens shows ([t, h, w, 3], `token_labels`)."""
+    each of its merged video tokens shows ([t, h, w, 4], `token_labels`)."""
 
     scene: Scene
     frames: np.ndarray
@@ -52,12 +52,17 @@ def model_frames(data: bytes, config: VideoPreprocessConfig) -> np.ndarray:
 
 
 def training_clips(
-    seeds: Sequence[int], config: VideoPreprocessConfig, *, log_every: int = 500
+    seeds: Sequence[int],
+    config: VideoPreprocessConfig,
+    *,
+    mix: SceneMix = SceneMix(),
+    log_every: int = 500,
 ) -> list[TrainingClip]:
-    """The training scenes of `seeds`, filmed at the sampling rate and prepared for the model."""
+    """The training scenes of `seeds` in `mix`, filmed at the sampling rate and prepared for
+    the model."""
     clips, started = [], time.perf_counter()
     for index, seed in enumerate(seeds):
-        scene = sample_scene(seed, fps=round(SAMPLE_FPS))
+        scene = sample_scene(seed, fps=round(SAMPLE_FPS), mix=mix)
         frames = model_frames(clip_bytes(scene), config)
         times = [k / SAMPLE_FPS for k in range(len(frames))]  # every frame is a sampled one
         grid = (frames.shape[1] // config.factor, frames.shape[2] // config.factor)

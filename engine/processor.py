@@ -45,6 +45,9 @@ _VISION_TOKEN_FIELDS = (
     "vision_end_token_id",
 )
 
+# The instruction a narration starts with unless given one (the demo model is trained on it).
+DEFAULT_NARRATE_PROMPT = "Narrate what happens, one short line at a time."
+
 
 class PromptError(ValueError):
     """Messages or items that cannot form a prompt; the message says what was wrong."""

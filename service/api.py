@@ -25,7 +25,7 @@ from pathlib import Path
 from stillcut.engine.config import CacheConfig, EngineConfig
 from stillcut.engine.llm_engine import LLMEngine, RequestOutput
 from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.processor import Prompt
+from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT, Prompt
 from stillcut.engine.quantization import stored_bytes
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
@@ -47,7 +47,6 @@ from stillcut.vision.video_plan import PlanLimits, VideoPlan, plan_video
 
 __all__ = ["DEFAULT_EVS", "DEFAULT_PROMPT", "VideoLLM", "describe_video"]
 DEFAULT_PROMPT = "Describe this video."
-DEFAULT_NARRATE_PROMPT = "Narrate what happens, one short line at a time."
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 # A bounded KV pool: the engine's own default takes half the free memory, too much for a tool.

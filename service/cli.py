@@ -184,6 +184,17 @@ def speculative_config(args: argparse.Namespace):
     )
 
 
+def note_outside_demo_task(args: argparse.Namespace) -> None:
+    """With the demo model (no `--model`), say on stderr when the video is one of the EVS and
+    speed samples, which lie outside the demo's task."""
+    if args.model is None:
+        from stillcut.demo.sample_clips import outside_task_notice
+
+        notice = outside_task_notice(args.video)
+        if notice is not None:
+            print(notice, file=sys.stderr)
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad values of the video, EVS and sampling flags a command has, naming the flag,
     before anything loads (a model takes seconds)."""

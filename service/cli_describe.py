@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         RANDOM_WEIGHTS_NOTICE,
         check_arguments,
         evs_config,
+        note_outside_demo_task,
         precision_options,
         speculative_config,
         video_options,
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
+    note_outside_demo_task(args)
     decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames, resize=args.resize)
     started = time.perf_counter()
     engine_config = replace(DEFAULT_ENGINE_CONFIG, speculative=speculative_config(args))

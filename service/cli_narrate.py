@@ -38,11 +38,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import DEFAULT_NARRATE_PROMPT, VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, check_arguments
+    from stillcut.service.cli import (
+        RANDOM_WEIGHTS_NOTICE,
+        check_arguments,
+        note_outside_demo_task,
+    )
 
     check_arguments(args)
     if not args.video.is_file():
         raise FileNotFoundError(f"{args.video} is not a file")
+    note_outside_demo_task(args)
     options = {
         "fps": args.fps,
         "lag": args.lag,

@@ -139,3 +139,40 @@ def test_answers_name_what_the_scene_holds():
         )
         == 0
     )
+
+
+def test_a_description_must_name_every_object_and_the_ground_and_nothing_else():
+    scene = next(
+        s for s in HELD_OUT if s.motion == "right" and s.event == "none" and len(s.objects) == 3
+    )
+    true = answer(scene, "describe")
+    assert is_correct(scene, "describe", true)
+    subject, (first, second) = scene.subject_object, scene.bystanders
+    absent_colour = next(c for c in COLOURS if c not in {o.colour for o in scene.objects})
+    absent_shape = next(s for s in SHAPES if s not in {o.shape for o in scene.objects})
+    other_ground = "flat" if scene.ground == "textured" else "textured"
+    wrong = [
+        true.replace(
+            f" and a{'n' if second.colour == 'orange' else ''} {second.colour} {second.shape}", ""
+        ),  # a bystander left out
+        true.replace(f"{first.colour} {first.shape}", f"{first.colour} {absent_shape}"),
+        true.replace(f"{first.colour} {first.shape}", f"{absent_colour} {first.shape}"),
+        true.replace(scene.ground, other_ground),
+        true.replace(f" on a {scene.ground} background", ""),  # the ground left out
+        true.replace(" stay still", ""),  # what the others do left out
+        true.rstrip(".") + f"; a {absent_colour} {absent_shape} appears.",  # an invented object
+        f"A {subject.colour} {subject.shape} moves to the right.",
+    ]
+    for text in wrong:
+        assert text != true
+        assert not is_correct(scene, "describe", text), text
+
+
+def test_a_still_scenes_description_names_each_object_and_that_nothing_changes():
+    scene = next(s for s in HELD_OUT if s.subject is None and len(s.objects) == 2)
+    true = answer(scene, "describe")
+    assert is_correct(scene, "describe", true)
+    assert not is_correct(scene, "describe", true.replace("; nothing changes", ""))
+    assert not is_correct(scene, "describe", true.replace("still", "up"))
+    obj = scene.objects[0]
+    assert not is_correct(scene, "describe", true.replace(obj.shape, "blob"))

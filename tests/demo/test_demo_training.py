@@ -29,7 +29,13 @@ from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.pipeline import VisionPipeline
 
 FEW_STEPS = TrainConfig(
-    num_clips=6, vision_steps=2, steps=3, clips_per_step=2, questions_per_clip=2, log_every=1
+    num_clips=6,
+    num_narration_clips=2,
+    vision_steps=2,
+    steps=3,
+    clips_per_step=2,
+    questions_per_clip=2,
+    log_every=1,
 )
 
 
@@ -141,13 +147,38 @@ def test_training_frames_patchify_like_the_service_preprocessing(trained):
     assert torch.equal(ours.patches, service.patches)
 
 
-def test_evs_schedule_mixes_unpruned_and_rate_pruned_sequences():
+def test_evs_schedule_mixes_unpruned_and_pruned_sequences():
     rng = np.random.default_rng(0)
-    draws = [EVSSchedule(unpruned_share=0.3, max_rate=0.95).draw(rng) for _ in range(2000)]
+    draws = [EVSSchedule(unpruned_share=0.3, max_value=0.95).draw(rng) for _ in range(2000)]
     unpruned = sum(d is None for d in draws) / len(draws)
     rates = [d.rate for d in draws if d is not None]
     assert 0.25 < unpruned < 0.35
     assert all(d.mode == "rate" for d in draws if d is not None)
     assert min(rates) < 0.05 and 0.9 < max(rates) < 0.95
-    with pytest.raises(ValueError, match="max_rate"):
-        EVSSchedule(max_rate=1.0)
+    narration = EVSSchedule(unpruned_share=0.2, max_value=0.3, mode="threshold")
+    taus = [d.threshold for d in (narration.draw(rng) for _ in range(500)) if d is not None]
+    assert 0.25 < max(taus) < 0.3 and len(taus) < 450
+    with pytest.raises(ValueError, match="max_value"):
+        EVSSchedule(max_value=1.0)
+    with pytest.raises(ValueError, match="evs must be"):
+        TrainConfig(evs=narration)
+
+
+def test_token_labels_name_the_ground_of_every_token_and_mirror_left_and_right():
+    from stillcut.demo.scenes import MOTIONS
+    from stillcut.demo.token_labels import GROUNDS, NUM_LABELS, mirrored_labels, token_labels
+
+    seeds = (0, 4, 7)  # flat moving down, textured and still, moving left
+    for seed in seeds:
+        scene = sample_scene(seed, fps=2)
+        labels = token_labels(scene, [k / 2 for k in range(12)], (6, 8))
+        assert labels.shape == (6, 6, 8, NUM_LABELS)
+        assert (labels[..., 3] == GROUNDS.index(scene.ground)).all()
+        flipped = mirrored_labels(labels)
+        np.testing.assert_array_equal(flipped[..., 3], labels[..., 3])
+        np.testing.assert_array_equal(flipped[..., :2], labels[:, :, ::-1, :2])
+        if scene.motion in ("left", "right"):
+            moving = labels[..., 2] == MOTIONS.index(scene.motion)
+            assert moving.any()
+            assert (flipped[:, :, ::-1][..., 2][moving] != MOTIONS.index(scene.motion)).all()
+    assert {sample_scene(seed).ground for seed in seeds} == set(GROUNDS)

@@ -1,0 +1,163 @@
+"""The answer stage's tasks: the training sequences a batch of encoded clips gives.
+
+Each clip of a batch serves one task, drawn by `TaskMix`: a few questions about it, its
+narration, the caption of a chunk cut from it and the next clip of the batch played after it
+(half the chunks straddle the cut between the two), or the summary of the timed captions of a
+few clips played one after another (text only: the true captions, as a long-video summary
+would pass the model's own). Every prompt is the one stillcut sends (`sequences`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from stillcut.demo.captions import (
+    CHUNK_SECONDS,
+    ScenePart,
+    chunk_caption,
+    chunk_parts,
+    draw_chunk,
+    summary,
+)
+from stillcut.demo.chunk_prompts import TimedCaption, aggregation_messages, chunk_caption_messages
+from stillcut.demo.narration import segment
+from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, answer
+from stillcut.demo.scenes import Scene
+from stillcut.demo.sequences import (
+    EVSSchedule,
+    Sequence,
+    answer_sequence,
+    narration_sequence,
+    video_item,
+)
+from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
+from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT, PromptProcessor
+
+TASKS = ("questions", "narration", "caption", "summary")
+MAX_OFFSET_SCENES = 10  # a sequence of scenes starts up to this many scenes into its video
+SUMMARY_SCENES = (2, 3)
+
+
+@dataclass(frozen=True)
+class TaskMix:
+    """How often a clip of a batch serves each task (relative weights)."""
+
+    questions: float = 0.5
+    narration: float = 0.3
+    caption: float = 0.15
+    summary: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in TASKS:
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        if not sum(getattr(self, name) for name in TASKS) > 0:
+            raise ValueError("TaskMix: at least one task needs a weight > 0")
+
+    def draw(self, rng: np.random.Generator) -> str:
+        weights = np.array([getattr(self, name) for name in TASKS])
+        return TASKS[int(rng.choice(len(TASKS), p=weights / weights.sum()))]
+
+
+@dataclass(frozen=True)
+class ClipView:
+    """An encoded clip as one step sees it (perhaps mirrored): its scene and the tower's
+    embeddings [t*h*w, hidden] of its frames, patch grid `grid_thw`."""
+
+    scene: Scene
+    embeds: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    second_per_grid_ts: float
+
+
+@dataclass(frozen=True)
+class TaskSequences:
+    """Builds each task's sequences with the checkpoint's processor."""
+
+    processor: PromptProcessor
+    rope_spec: MRopeSpec
+    mix: TaskMix
+    questions_per_clip: int
+    evs: EVSSchedule  # rate mode: questions and chunks
+    narration_evs: EVSSchedule  # threshold mode
+
+    def for_batch(self, views: list[ClipView], rng: np.random.Generator) -> list[Sequence]:
+        """The sequences of one step: one task per clip, the next clip its partner."""
+        sequences = []
+        for index, view in enumerate(views):
+            partner = views[(index + 1) % len(views)]
+            task = self.mix.draw(rng)
+            if task == "questions":
+                sequences += self.questions(view, rng)
+            elif task == "narration":
+                sequences.append(self.narration(view, rng))
+            elif task == "caption":
+                sequences.append(self.caption(view, partner, rng))
+            else:
+                count = min(len(views), int(rng.choice(SUMMARY_SCENES)))
+                chosen = rng.choice(len(views), count, replace=False)
+                sequences.append(self.summary([views[i].scene for i in chosen], rng))
+        return sequences
+
+    def questions(self, view: ClipView, rng: np.random.Generator) -> list[Sequence]:
+        kinds = rng.choice(QUESTION_TYPES, self.questions_per_clip, replace=False)
+        sequences = []
+        for kind in map(str, kinds):
+            item = self._item(view.embeds, view.grid_thw, view.second_per_grid_ts, rng)
+            question = PROMPTS[kind][int(rng.integers(len(PROMPTS[kind])))]
+            prompt = self.processor.build_text(question, [item])
+            sequences.append(self._answer(prompt, answer(view.scene, kind)))
+        return sequences
+
+    def narration(self, view: ClipView, rng: np.random.Generator) -> Sequence:
+        num_tubelets = view.grid_thw[0]
+        return narration_sequence(
+            self.processor,
+            self.rope_spec,
+            DEFAULT_NARRATE_PROMPT,
+            view.embeds,
+            view.grid_thw,
+            [i * view.second_per_grid_ts for i in range(num_tubelets)],
+            [segment(view.scene, i) for i in range(num_tubelets)],
+            self.narration_evs.draw(rng),
+        )
+
+    def caption(self, first: ClipView, second: ClipView, rng: np.random.Generator) -> Sequence:
+        """A chunk of `first` played before `second`: inside `first` or across the cut."""
+        start_s, end_s = draw_chunk(rng, first.scene.duration_s)
+        parts = chunk_parts(first.scene, second.scene, start_s, end_s)
+        seconds = first.second_per_grid_ts  # per tubelet
+        start, end = round(start_s / seconds), round(end_s / seconds)
+        tokens = first.embeds.shape[0] // first.grid_thw[0]
+        embeds = torch.cat([first.embeds, second.embeds])[start * tokens : end * tokens]
+        item = self._item(embeds, (end - start, *first.grid_thw[1:]), seconds, rng)
+        offset = int(rng.integers(0, MAX_OFFSET_SCENES)) * first.scene.duration_s
+        messages = chunk_caption_messages(offset + start_s, offset + end_s)
+        return self._answer(self.processor.build(messages, [item]), chunk_caption(parts))
+
+    def summary(self, scenes: list[Scene], rng: np.random.Generator) -> Sequence:
+        """The summary of `scenes` played one after another, captioned in equal chunks."""
+        length = float(rng.choice(CHUNK_SECONDS))
+        offset = int(rng.integers(0, MAX_OFFSET_SCENES)) * scenes[0].duration_s
+        starts = np.cumsum([0.0] + [s.duration_s for s in scenes])  # each scene's start
+        captions, start = [], 0.0
+        while start < starts[-1]:
+            end = min(start + length, starts[-1])
+            parts = [
+                ScenePart(scene, max(start, s0) - s0, min(end, s1) - s0)
+                for scene, s0, s1 in zip(scenes, starts[:-1], starts[1:], strict=True)
+                if s0 < end and start < s1
+            ]
+            captions.append(TimedCaption(offset + start, offset + end, chunk_caption(parts)))
+            start = end
+        prompt = self.processor.build(aggregation_messages(captions))
+        return self._answer(prompt, summary([c.text for c in captions]))
+
+    def _item(self, embeds, grid_thw, second_per_grid_ts, rng):
+        return video_item(embeds, grid_thw, second_per_grid_ts, self.evs.draw(rng))
+
+    def _answer(self, prompt, text: str) -> Sequence:
+        return answer_sequence(self.processor, self.rope_spec, prompt, text)
