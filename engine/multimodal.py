@@ -3,7 +3,7 @@
 An item is one video or image after encoding (and, for videos, EVS pruning). It carries only
 the kept embeddings, the post-merge (t, h, w) coordinates of each, the two identities the caches
 use, and named extra feature sets of the same tokens (`features`): what a tower hands the
-language model beside the embeddings (Qwen3-VL's DeepStack: one set per injected decoder layer)
+language model beside the embeddings (DeepStack: one set per injected decoder layer)
 and, when the engine speculates with a draft model, the draft's own tower's embeddings (`DRAFT`)
 and extra features (`DRAFT/<name>`). Every feature set is kept by the same EVS mask as the
 embeddings, row for row, so it sits at the same coordinates and prompt positions. This module

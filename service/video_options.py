@@ -1,7 +1,7 @@
 """A request's video options, the same on every route (chat body, describe form, plan query).
 
 `fps`, `max_frames`, `num_frames` (exactly that many, evenly), `start`, `end`, the pixel budget
-the model family's processor takes (its entry's `pixel_budget` names; Qwen2.5-VL:
+the model family's processor takes (its entry's `pixel_budget` names, such as
 `min_pixels`, `max_pixels`) and `max_video_tokens` (a total for the request's videos). Values
 arrive typed (JSON) or as text (forms, query strings); each is checked where it is parsed,
 with a 400 that names it, and the sampling ones under the server's ceilings.

@@ -49,6 +49,15 @@ def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     packages = {name.split("/")[0] for name in names if name.endswith(".py")}
     assert packages == {"stillcut"}, packages  # never bare `vision`, `engine`, ...
+    # every package folder of the tree ships (pyproject's list is written by hand)
+    folders = {
+        init.parent.relative_to(ROOT).parts
+        for init in ROOT.glob("**/__init__.py")
+        if init.relative_to(ROOT).parts[0] not in ("tests", "bench", "samples", "build")
+        and not init.relative_to(ROOT).parts[0].startswith(".")
+    }
+    shipped = {tuple(name.split("/")[1:-1]) for name in names if name.endswith("/__init__.py")}
+    assert folders == shipped, folders ^ shipped
     assert not any(name.startswith(("stillcut/tests/", "stillcut/bench/")) for name in names)
 
     # A fresh environment that sees this one's dependencies (a .pth naming its site folders:
@@ -69,7 +78,14 @@ def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
     )
     found = json.loads(result.stdout.splitlines()[-1])
     assert found["package"].startswith(str(site_folder)), found["package"]
-    assert set(found["families"]) == {"qwen2_5_vl", "qwen2_vl", "gemma3", "nemotron_h_omni"}
+    assert set(found["families"]) == {
+        "qwen2_5_vl",
+        "qwen2_vl",
+        "gemma3",
+        "nemotron_h_omni",
+        "qwen3_vl",
+        "qwen3_vl_moe",
+    }
     for modules in found["families"].values():
         assert all(module.startswith("stillcut.engine.models.") for module in modules), modules
     assert {"cpu_decode.c", "cpu_linear.h", "cpu_hybrid_kinds.h"} <= set(found["c_sources"])

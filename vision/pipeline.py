@@ -61,7 +61,7 @@ class VideoInput:
     (its timestamps default to `k / frames_fps`); files are sampled at `fps` over
     [start, end) with at most `max_frames` frames, or exactly `num_frames` evenly (None: the
     pipeline's decode defaults). `pixels` is a pixel budget as (name, value) pairs, the names
-    the family's entry takes (`ModelFamily.pixel_budget`; Qwen: min_pixels, max_pixels).
+    the family's entry takes (`ModelFamily.pixel_budget`, such as min_pixels, max_pixels).
     """
 
     source: VideoSource

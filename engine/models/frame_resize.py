@@ -28,7 +28,7 @@ class FrameResize:
     resample: Image.Resampling
     fast: bool = False  # FFmpeg's scaler at conversion instead of PIL afterwards
     # the family's `prepare_video` takes `source_size=`: frames may then be held at the target
-    # even where the size rule is not idempotent (Qwen's smart resize can land under min_pixels)
+    # even where the size rule is not idempotent (a smart resize can land under its min_pixels)
     prepare_knows_source: bool = False
 
     def target(self, height: int, width: int) -> tuple[int, int]:

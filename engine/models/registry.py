@@ -81,7 +81,7 @@ class ModelFamily:
     does not narrate. `checkpoints` ("module:attribute", None: the family builds none) names
     the family's `factory.recipe.CheckpointRecipe`, which writes its tiny test checkpoints.
     `pixel_budget` names the per-request video pixel options the family's
-    processor takes (Qwen2.5-VL: `min_pixels`, `max_pixels`); its media class then has
+    processor takes (such as `min_pixels`, `max_pixels`); its media class then has
     `pixel_budget()` (the values in force) and `with_pixel_budget(**values)` (a media with a
     request's values, ValueError naming one out of range). Empty: none.
     """

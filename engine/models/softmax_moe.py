@@ -1,13 +1,14 @@
-"""The softmax-routed SwiGLU mixture of experts of Qwen3-MoE (Qwen3-VL-MoE, Qwen3.5-MoE).
+"""A softmax-routed SwiGLU mixture of experts, as several families' MoE language models have it.
 
-Routing as transformers' `Qwen3VLMoeTextTopKRouter`: router logits `x @ W.T` in the compute
+Routing as transformers' top-k routers of that kind: router logits `x @ W.T` in the compute
 dtype, a float32 softmax over all experts, the top `num_experts_per_tok` taken and renormalised
 to sum 1 over the chosen ones, then cast back to the compute dtype. Each expert is a SwiGLU MLP,
-`down(silu(gate(x)) * up(x))`; there is no shared expert (unlike NemotronH's sigmoid-routed,
-group-limited relu² block in `nemotron_omni.moe`). Checkpoints store the experts as 3-D
-tensors, `gate_up_proj` `[E, 2I, H]` (gate rows then up rows) and `down_proj` `[E, H, I]`; they
-are kept here as `[in, out]` per expert for `linear`. Tokens are grouped by expert once per step,
-so each expert runs one product over all of its tokens and only routed experts' weights are read.
+`down(silu(gate(x)) * up(x))`; there is no shared expert (unlike the sigmoid-routed, group-
+limited relu² kind a hybrid family keeps in its own folder). Checkpoints store the experts as
+3-D tensors, `gate_up_proj` `[E, 2I, H]` (gate rows then up rows) and `down_proj` `[E, H, I]`;
+they are kept here as `[in, out]` per expert for `linear`. Tokens are grouped by expert once per
+step, so each expert runs one product over all of its tokens and only routed experts' weights
+are read.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from ray.serve.config import HTTPOptions, RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
 from stillcut.service.cluster.ingress import Ingress
-from stillcut.service.cluster.processes import Process, descendants, reap
+from stillcut.service.cluster.processes import Process, descendants, reap, start_watcher
 from stillcut.service.cluster.replica import EngineReplica, ReplicaSpec
 from stillcut.service.cluster.router import DEFAULT_MARGIN, MediaAffinityRouter
 from stillcut.service.config import ServerConfig
@@ -39,7 +39,7 @@ APP_NAME = "stillcut"
 REPLICA_DEPLOYMENT = "EngineReplica"
 HEALTH_CHECK_PERIOD_S = 2.0
 PROXY_GRACE_S = 5.0
-ORPHAN_GRACE_S = 10.0  # after Ray's own shutdown: then what it left running is killed
+ORPHAN_GRACE_S = 5.0  # after Ray's own shutdown: then what it left running is killed
 logger = logging.getLogger("stillcut.service")
 
 
@@ -100,33 +100,48 @@ def deploy(
     serve.run(_application(spec, cluster), name=APP_NAME, route_prefix="/")
 
 
-def shutdown(cluster: ClusterConfig, existing: list[Process] = ()) -> None:
+def shutdown(
+    cluster: ClusterConfig, existing: list[Process] = (), deployed: list[Process] = ()
+) -> None:
     """Remove the service; a local Ray instance goes too, with every process of this one's
-    started since `existing` were noted; a cluster keeps running."""
+    started since `existing` were noted; a cluster keeps running. `deployed` are this
+    process's descendants noted once the service was up: a signal may have ended the raylet
+    (orphaning its agents, which then are no descendants) before this runs."""
     local = cluster.ray_address is None
-    started = [p for p in descendants(os.getpid()) if p not in existing] if local else []
-    if local:
-        serve.shutdown()
-    else:
-        serve.delete(APP_NAME)
-    ray.shutdown()
-    left = reap(started, ORPHAN_GRACE_S)
-    if left:
-        logger.warning("killed %d process(es) Ray left running: %s", len(left), left)
+    now = descendants(os.getpid()) if local else []
+    started = [p for p in dict.fromkeys([*deployed, *now]) if p not in existing]
+    try:
+        if local:
+            serve.shutdown()
+        else:
+            serve.delete(APP_NAME)
+        ray.shutdown()
+    finally:  # a shutdown that fails part-way leaves the most orphans behind
+        left = reap(started, ORPHAN_GRACE_S)
+        if left:
+            logger.warning("killed %d process(es) Ray left running: %s", len(left), left)
 
 
 def serve_cluster(spec: ReplicaSpec, cluster: ClusterConfig, *, host: str, port: int) -> None:
     """`stillcut serve --replicas N`: serve until interrupted (Ctrl-C or SIGTERM)."""
     stop = threading.Event()
+    existing = descendants(os.getpid())
+    if cluster.ray_address is None:  # what a local Ray instance starts goes with this process
+        start_watcher(existing, ORPHAN_GRACE_S)
+    try:
+        deploy(spec, cluster, host=host, port=port)
+    except BaseException:
+        shutdown(cluster, existing)
+        raise
+    deployed = descendants(os.getpid())
+    # after `ray.init`, which sets its own SIGTERM handler (an exit at any point)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    existing = descendants(os.getpid())
-    deploy(spec, cluster, host=host, port=port)
     try:
         logger.info("serving on http://%s:%d with %d replicas", host, port, cluster.num_replicas)
         stop.wait()
     finally:
-        shutdown(cluster, existing)
+        shutdown(cluster, existing, deployed)
 
 
 @contextmanager
@@ -136,11 +151,13 @@ def running_cluster(spec: ReplicaSpec, cluster: ClusterConfig) -> Iterator[str]:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     existing = descendants(os.getpid())
+    deployed: list[Process] = []
     try:
         deploy(spec, cluster, host="127.0.0.1", port=port, log_to_driver=False)
+        deployed = descendants(os.getpid())
         yield f"http://127.0.0.1:{port}"
     finally:
-        shutdown(cluster, existing)
+        shutdown(cluster, existing, deployed)
 
 
 def _application(spec: ReplicaSpec, cluster: ClusterConfig):

@@ -9,13 +9,17 @@ only; elsewhere nothing is noted and Ray's own shutdown is all there is.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 PROC = Path("/proc")
 _POLL_S = 0.1
+_WATCH_S = 0.5  # how often the watcher looks for its parent
 
 Process = tuple[int, str]  # (pid, start time in clock ticks): a pid is reused, this pair is not
 
@@ -60,6 +64,10 @@ def alive(processes: list[Process]) -> list[Process]:
     return running
 
 
+def _here() -> Process:
+    return (os.getpid(), _stat(os.getpid())[19])
+
+
 def _stat(pid: int) -> list[str] | None:
     """Fields of /proc/PID/stat after the command: [state, ppid, ..., starttime at 19]."""
     try:
@@ -75,3 +83,29 @@ def _signal(processes: list[Process], signum: int) -> None:
             os.kill(pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def start_watcher(existing: list[Process], grace_s: float) -> subprocess.Popen:
+    """A small process that notes every descendant of this one (but `existing`) while this one
+    runs, and reaps them once it is gone, however it ended: Ray's native signal handler may end
+    a driver on SIGTERM before any Python cleanup runs, even before the service is deployed."""
+    argv = [sys.executable, "-m", __name__, json.dumps(_here()), str(grace_s), json.dumps(existing)]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _watch(parent: Process, grace_s: float, existing: list[Process]) -> None:
+    noted: dict[Process, None] = {}  # insertion-ordered set
+    while alive([parent]):
+        for process in descendants(parent[0]):
+            if process not in existing and process[0] != os.getpid():
+                noted[process] = None
+        time.sleep(_WATCH_S)
+    reap(list(noted), grace_s)
+
+
+if __name__ == "__main__":
+    _watch(
+        tuple(json.loads(sys.argv[1])),
+        float(sys.argv[2]),
+        [tuple(p) for p in json.loads(sys.argv[3])],
+    )

@@ -107,10 +107,11 @@ def test_sharded_bf16_checkpoint_keeps_its_matrices_in_bf16(tiny, patches, tmp_p
 
 
 def test_computing_in_the_stored_dtype_keeps_every_tensor_in_it(tiny, tmp_path):
-    """CUDA's way (compute dtype None: the stored one): an fp16 checkpoint stays all fp16."""
+    """CUDA's way (a GPU computes in the stored dtype): an fp16 checkpoint stays all fp16 (the
+    tower is built on the CPU here; only the format's device decides its arithmetic)."""
     model, _ = tiny
     copy.deepcopy(model).to(torch.float16).save_pretrained(tmp_path)
-    tower = load_vision_tower(tmp_path, WeightFormat(None, compute_dtype=None))
+    tower = load_vision_tower(tmp_path, WeightFormat(None, compute_dtype=None, device="cuda"))
     assert {p.dtype for p in tower.parameters()} == {torch.float16}
 
 
