@@ -9,6 +9,7 @@ tokenizer. Nothing here knows a family.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ class Preset:
         object.__setattr__(self, "vision", MappingProxyType(dict(self.vision)))
 
 
-class CheckpointRecipe:
+class CheckpointRecipe(ABC):
     """One family's test checkpoints. A subclass sets the class attributes and implements
     `resolve`, `hf_config`, `processor_files`, `tokenizer_name` and `write_tokenizer`.
 
@@ -64,21 +65,23 @@ class CheckpointRecipe:
     generation_ids: Mapping[str, Any] = MappingProxyType({})
     tokenizer: TrainedTokenizer | None = None
 
+    @abstractmethod
     def resolve(self, preset: str, text: Fields, vision: Fields, options: Fields) -> dict[str, Any]:
         """The spec's full `text`, `vision` and `options` of `preset` with the caller's
         overrides (option names already checked against `option_names`)."""
-        raise NotImplementedError
 
     def check(self, spec: CheckpointSpec) -> None:
-        """Raise ValueError, naming the field, for a spec transformers or we cannot use."""
+        """Raise ValueError, naming the field, for a spec transformers or we cannot use (an
+        optional hook: by default every spec is usable)."""
+        return
 
+    @abstractmethod
     def hf_config(self, spec: CheckpointSpec) -> PreTrainedConfig:
         """The transformers config of `spec`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def processor_files(self, spec: CheckpointSpec) -> dict[str, dict[str, Any]]:
         """File name -> contents of the checkpoint's processor configs."""
-        raise NotImplementedError
 
     def tokenizer_name(self) -> str:
         """A name that changes whenever the tokenizer files `write_tokenizer` writes would (by
@@ -92,6 +95,7 @@ class CheckpointRecipe:
     def randomize(self, model: nn.Module) -> None:
         """Redraw, from torch's seeded global RNG, weights transformers initialises to constants
         (so that a norm or bias left out shows); by default nothing."""
+        return
 
 
 def random_marks(spec: CheckpointSpec) -> dict[str, Any]:
