@@ -13,9 +13,11 @@ other's.
 
 `--compute` compares arithmetic instead, on the checkpoint saved in bfloat16: stillcut's tower
 computing in float32 (the bf16 weights widened) and in bfloat16 (`compute_dtype`), and
-transformers' bf16 tower, interleaved, medians; then EVS at rate 0.75 after a bf16 and an fp32
-tower (the tiny bf16 checkpoint, every clip in samples/, EVS itself in fp32 on each tower's
-output) and how many kept-token decisions agree (target >= 99 %). `--released` gives the tower
+transformers' bf16 tower, interleaved, medians; then EVS (rate 0.75 and threshold 0.1) after a
+bf16 and an fp32 tower (the tiny bf16 checkpoint and the trained demo's, every clip in samples/,
+EVS itself in fp32 on each tower's output) and how many kept-token decisions agree (target
+>= 99 %), over all decisions and over those the rounding noise cannot decide (`--agreement`
+runs only this). `--released` gives the tower
 the released Qwen2.5-VL shape (32 blocks of width 1280; targets: bf16 >= 2x its fp32 and >= 1.0x
 transformers' bf16). Where the CPU has no bfloat16 dot products it prints "skipped".
 
@@ -34,6 +36,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from stillcut.kernels.evs import EVSConfig, prune
+from stillcut.kernels.evs.config import MAX_DISSIMILARITY
 
 PATCH = 14
 VISION = {
@@ -186,35 +191,87 @@ def compare_arithmetic(args: argparse.Namespace) -> None:
     evs_agreement()
 
 
-def evs_agreement(rate: float = 0.75) -> None:
-    """EVS's kept tokens after a bf16 and an fp32 tower over the samples, and their agreement."""
+def evs_agreement() -> None:
+    """EVS's kept tokens after a bf16 and an fp32 tower over the samples, and their agreement.
+
+    Both the tiny random bf16 checkpoint and the trained demo's tower (stored in bf16) encode
+    every sample; EVS runs in fp32 on each output, rate 0.75 and threshold 0.1. A decision is
+    a tie when the fp32 dissimilarity lies within the clip's rounding noise (the largest
+    |bf16 - fp32| dissimilarity difference) of the cut that decides it: rate mode's cut is the
+    last kept token's dissimilarity, threshold mode's the threshold. Which of two tied tokens
+    is kept is arbitrary in either arithmetic; the agreement over the other decisions is what
+    rounding must not change.
+    """
+    from stillcut.demo import demo_checkpoint
     from stillcut.engine.factory import cached_checkpoint
+
+    checkpoints = {
+        "tiny random": cached_checkpoint("tiny", seed=1, dtype="bfloat16"),
+        "trained demo": demo_checkpoint(),
+    }
+    for name, path in checkpoints.items():
+        for config in (
+            EVSConfig(mode="rate", rate=0.75),
+            EVSConfig(mode="threshold", threshold=0.1),
+        ):
+            counts = agreement_on_samples(path, config)
+            value = config.rate if config.mode == "rate" else config.threshold
+            label = f"{name}, {config.mode} {value}"
+            for clip, (agree, total, tie_agree, ties) in counts.items():
+                print(
+                    f"  {label:30} {clip:24} {agree}/{total} agree, {ties} ties ({tie_agree} agree)"
+                )
+            agree, total, tie_agree, ties = (sum(c[i] for c in counts.values()) for i in range(4))
+            beyond = (agree - tie_agree) / max(total - ties, 1)
+            print(
+                f"{label:30} all decisions {agree / total:.2%} agree; "
+                f"beyond rounding ties {beyond:.2%} agree (target >= 99 %); "
+                f"{ties / total:.2%} are ties"
+            )
+
+
+def agreement_on_samples(path: Path, config: EVSConfig) -> dict[str, tuple[int, int, int, int]]:
+    """Per sample clip: (agreeing decisions, decisions, agreeing ties, ties) bf16 vs fp32."""
     from stillcut.engine.quantization import WeightFormat
-    from stillcut.kernels.evs.api import prune
-    from stillcut.kernels.evs.config import EVSConfig
     from stillcut.vision.pipeline import VisionPipeline
 
-    path = cached_checkpoint("tiny", seed=1, dtype="bfloat16")
-    pipelines = {
-        name: VisionPipeline(path, weight_format=WeightFormat(compute=name))
-        for name in ("float32", "bfloat16")
-    }
-    agree = total = 0
-    config = EVSConfig(mode="rate", rate=rate)
+    pipelines = [
+        VisionPipeline(path, weight_format=WeightFormat(compute=dtype))
+        for dtype in ("float32", "bfloat16")
+    ]
+    counts = {}
     for clip in sorted(Path(__file__).parent.parent.joinpath("samples").glob("*.mp4")):
-        masks = []
-        for pipeline in pipelines.values():
+        results = []
+        for pipeline in pipelines:
             item = pipeline.video(clip, evs=None)
-            masks.append(prune(item.embeds.float(), item.llm_grid, config).mask)
-        agree += int((masks[0] == masks[1]).sum())
-        total += masks[0].numel()
-        print(f"{clip.name:24} {int((masks[0] == masks[1]).sum())}/{masks[0].numel()} agree")
-    print(f"EVS rate {rate} kept-token decisions, bf16 vs fp32 tower: {agree / total:.2%} agree")
+            results.append(prune(item.embeds.float(), item.llm_grid, config))
+        fp32, bf16 = results
+        later = fp32.dissimilarity < MAX_DISSIMILARITY  # the first tubelet is always kept
+        noise = (bf16.dissimilarity - fp32.dissimilarity)[later].abs().max()
+        kept_later = fp32.dissimilarity[fp32.mask & later]
+        if config.mode == "rate" and kept_later.numel():
+            cut = kept_later.min()
+        elif config.mode == "rate":
+            cut = fp32.dissimilarity[later].max()
+        else:
+            cut = torch.tensor(config.threshold)
+        tie = later & ((fp32.dissimilarity - cut).abs() <= noise)
+        same = fp32.mask == bf16.mask
+        counts[clip.name] = (
+            int(same.sum()),
+            same.numel(),
+            int((same & tie).sum()),
+            int(tie.sum()),
+        )
+    return counts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compute", action="store_true", help="bf16 vs fp32 arithmetic")
+    parser.add_argument(
+        "--agreement", action="store_true", help="only the EVS agreement of --compute"
+    )
     parser.add_argument("--released", action="store_true", help="the released tower's shape")
     parser.add_argument("--frames", type=int, default=32)
     parser.add_argument("--size", type=int, default=448, help="frame side in px, multiple of 28")
@@ -224,6 +281,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         peak_rss_child(args.child, args.folder, args.frames, args.size)
+        return
+    if args.agreement:
+        evs_agreement()
         return
     if args.compute:
         compare_arithmetic(args)
