@@ -3,12 +3,15 @@ describe form, chat completions (through the `openai` client), the CLI, and the 
 (`POST /v1/videos/plan`, `stillcut inspect --plan`) says beforehand what they then do."""
 
 import json
+from fractions import Fraction
 
 import httpx
 import openai
 import pytest
+import torch
 
 from stillcut.service import cli
+from stillcut.vision.synthetic import moving_texture, write_video
 
 from .conftest import assert_error, data_url
 
@@ -61,6 +64,35 @@ def test_describe_form_echoes_the_same(main_server, python_video):
     response = httpx.post(f"{main_server.url}/v1/videos/describe", files=files, data=fields)
     assert response.status_code == 200, response.text
     assert response.json()["evs"]["videos"] == [python_video]
+
+
+@pytest.fixture(scope="module")
+def resized_clip(tmp_path_factory) -> bytes:
+    """A clip the model resizes at decode (320x180 to 308x168: smaller, in 28-pixel patches)."""
+    path = tmp_path_factory.mktemp("resized") / "clip.mp4"
+    write_video(path, moving_texture(4, 320, 180, seed=8), time_base=Fraction(1, 2))
+    return path.read_bytes()
+
+
+def test_describe_form_takes_the_resize_mode(main_server, reference_llm, resized_clip):
+    """`resize` reaches decoding (fast and exact embed differently) and is echoed; the
+    form's answer equals the Python API's with the same mode."""
+    files = {"file": ("clip.mp4", resized_clip, "video/mp4")}
+    for mode in ("fast", "exact"):
+        fields = {"resize": mode, "evs": "off", "max_tokens": 1}
+        response = httpx.post(f"{main_server.url}/v1/videos/describe", files=files, data=fields)
+        assert response.status_code == 200, response.text
+        (video,) = response.json()["evs"]["videos"]
+        python = reference_llm.describe(resized_clip, evs=None, max_tokens=1, resize=mode)
+        assert video == python.to_dict()["evs"]["videos"][0] and video["resize"] == mode
+    fast, exact = (
+        reference_llm.pipeline.video(resized_clip, resize=mode).embeds for mode in ("fast", "exact")
+    )
+    assert fast.shape == exact.shape and not torch.equal(fast, exact)
+    refused = httpx.post(
+        f"{main_server.url}/v1/videos/describe", files=files, data={"resize": "quick"}
+    )
+    assert_error(refused, 400, "invalid_parameter", "resize='quick' must be 'exact' or 'fast'")
 
 
 def test_chat_echoes_the_same(main_server, python_video):
@@ -119,6 +151,7 @@ def test_plan_over_the_limits_says_how_many_frames_fit(main_server):
         ({"max_pixels": "5"}, "max_pixels must be an integer in [784, "),
         ({"start": "2", "end": "1"}, "end must be after start"),
         ({"frames": "3"}, "unknown query field(s): frames"),
+        ({"resize": "FAST"}, "resize='FAST' must be 'exact' or 'fast'"),
     ],
 )
 def test_bad_options_are_400s(main_server, query, phrase):
