@@ -17,8 +17,8 @@ from .conftest import assert_error, data_url
 
 MAX_TOKENS = 3
 # 4 frames evenly over [0.5, 2.75) s of the 4 fps clip: times 0.5, 1.0625, 1.625, 2.1875 take
-# the frames shown at 0.5, 1.0, 1.5 and 2.0 s; frames of at most 12 merged tokens.
-OPTIONS = {"num_frames": 4, "start": 0.5, "end": 2.75, "max_pixels": 12 * 28 * 28}
+# the frames shown at 0.5, 1.0, 1.5 and 2.0 s; frames of at most 12 merged tokens, fast resize.
+OPTIONS = {"num_frames": 4, "start": 0.5, "end": 2.75, "max_pixels": 12 * 28 * 28, "resize": "fast"}
 EXPECTED_TIMES = [0.5, 1.0, 1.5, 2.0]
 EVS = {"mode": "rate", "rate": 0.5}
 
@@ -52,6 +52,7 @@ def test_python_api_honours_and_echoes_the_options(python_video, reference_llm, 
     assert video["timestamps"] == EXPECTED_TIMES and video["num_frames"] == 4
     assert (video["start"], video["end"]) == (0.5, 2.75)
     assert video["pixel_budget"]["max_pixels"] == OPTIONS["max_pixels"]
+    assert video["resize"] == "fast"
     width, height = video["resized"]
     assert width * height <= OPTIONS["max_pixels"]
     assert len(video["kept_per_tubelet"]) == 2 == video["token_grid"][0]
