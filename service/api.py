@@ -37,7 +37,7 @@ from stillcut.service.media_budget import (
     check_media_budget,
     media_identity,
 )
-from stillcut.service.narrate_api import Frames, Segment, file_frames, narrate_frames
+from stillcut.service.narrate_api import Frames, Segment, file_frames, for_file, narrate_frames
 from stillcut.service.narrate_options import NarrateOptions
 from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
@@ -291,10 +291,12 @@ class VideoLLM:
         """Narrate a video file (a path) or an iterator of (timestamp, [H, W, 3] uint8 frame),
         yielding segments as they come. Options are the WebSocket's narrate options
         (`NarrateOptions`; here `lag` defaults to "queue"); `realtime` paces frames at their
-        timestamps. The engine is busy with it until the iterator ends or is closed."""
+        timestamps. A file streams (`narrate_api.file_frames`) under this `VideoLLM`'s decode
+        caps. The engine is busy with it until the iterator ends or is closed."""
         narrate_options = NarrateOptions(prompt=prompt, **{"lag": "queue", **options})
         if isinstance(source, str | PathLike):
-            source = file_frames(source, narrate_options.fps)
+            narrate_options = for_file(narrate_options, self.pipeline.decode_config)
+            source = file_frames(source, narrate_options.fps, self.pipeline.decode_config)
         with self._engine_lock:
             if self._async_engine is not None:
                 raise RuntimeError(
