@@ -129,19 +129,69 @@ def test_plan_route_says_beforehand_what_describe_does(main_server, python_video
     assert by_url.json()["frame_times"] == EXPECTED_TIMES
 
 
-def test_plan_over_the_limits_says_how_many_frames_fit(main_server):
+def test_plan_over_the_limits_says_how_many_frames_fit(
+    main_server, reference_llm, tiny_checkpoint, tmp_path, capsys
+):
+    """`max_video_tokens` is honoured on every route: each refuses, before decoding, with the
+    number of frames the plan says would fit."""
     query = {"fps": 4, "max_video_tokens": 40, "evs": "off"}
     response = httpx.post(
         f"{main_server.url}/v1/videos/plan", params=query, content=main_server.clip
     )
     plan = response.json()
     assert not plan["fits"] and 0 < plan["fitting_num_frames"] < plan["num_frames"]
+    hint = f"at most {plan['fitting_num_frames']} frames"
     files = {"file": ("clip.mp4", main_server.clip, "video/mp4")}
     refused = httpx.post(
         f"{main_server.url}/v1/videos/describe", files=files, data={**query, "max_tokens": 2}
     )
-    fitting = plan["fitting_num_frames"]
-    assert_error(refused, 400, "too_many_visual_tokens", f"at most {fitting} frames")
+    assert_error(refused, 400, "too_many_visual_tokens", hint)
+    parts = [{"type": "video_url", "video_url": {"url": data_url(main_server.clip)}}]
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2, **query}
+    refused = httpx.post(f"{main_server.url}/v1/chat/completions", json=body)
+    assert_error(refused, 400, "too_many_visual_tokens", hint)
+    with pytest.raises(ValueError, match=hint):
+        reference_llm.describe(main_server.clip, evs=None, max_tokens=2, fps=4, max_video_tokens=40)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(main_server.clip)
+    argv = ["describe", str(path), "--model", str(tiny_checkpoint), "--fps", "4", "--no-evs"]
+    assert cli.main([*argv, "--max-video-tokens", "40", "--max-tokens", "2"]) == 2
+    assert hint in capsys.readouterr().err
+
+
+# 12 samples at 4 fps over the 3 s clip, capped at 5: spread evenly at 0, 0.6, 1.2, 1.8 and
+# 2.4 s, they take the frames shown at these times
+RATE = {"fps": 4, "max_frames": 5}
+RATE_TIMES = [0.0, 0.5, 1.0, 1.75, 2.25]
+
+
+def test_fps_and_max_frames_are_honoured_on_every_route(
+    main_server, reference_llm, tiny_checkpoint, tmp_path, capsys
+):
+    python = reference_llm.describe(main_server.clip, evs=None, max_tokens=1, **RATE)
+    (video,) = python.to_dict()["evs"]["videos"]
+    assert video["timestamps"] == RATE_TIMES and video["sample_fps"] == pytest.approx(5 / 3)
+    files = {"file": ("clip.mp4", main_server.clip, "video/mp4")}
+    fields = {**RATE, "evs": "off", "max_tokens": 1}
+    described = httpx.post(f"{main_server.url}/v1/videos/describe", files=files, data=fields)
+    assert described.json()["evs"]["videos"] == [video]
+    client = openai.OpenAI(api_key="unused", base_url=f"{main_server.url}/v1", max_retries=0)
+    parts = [{"type": "video_url", "video_url": {"url": data_url(main_server.clip)}}]
+    completion = client.chat.completions.create(
+        model=main_server.llm.name,
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=1,
+        extra_body={**RATE, "evs": "off"},
+    )
+    assert completion.model_extra["evs"]["videos"] == [video]
+    planned = httpx.post(f"{main_server.url}/v1/videos/plan", params=RATE, content=main_server.clip)
+    assert planned.json()["frame_times"] == RATE_TIMES
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(main_server.clip)
+    argv = ["describe", str(path), "--model", str(tiny_checkpoint), "--json", "--no-evs"]
+    assert cli.main([*argv, "--fps", "4", "--max-frames", "5", "--max-tokens", "1"]) == 0
+    (video,) = json.loads(capsys.readouterr().out)["evs"]["videos"]
+    assert video["timestamps"] == RATE_TIMES
 
 
 @pytest.mark.parametrize(
