@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from stillcut.service import cli
+from stillcut.service.api import VideoLLM
 from stillcut.vision.synthetic import moving_texture, write_video
 
-from .conftest import assert_error, data_url
+from .conftest import ENGINE_CONFIG, assert_error, data_url
 
 MAX_TOKENS = 3
 # 4 frames evenly over [0.5, 2.75) s of the 4 fps clip: times 0.5, 1.0625, 1.625, 2.1875 take
@@ -225,3 +226,22 @@ def test_cli_describe_and_inspect_honour_the_options(tiny_checkpoint, tiny_clip,
     plan = json.loads(capsys.readouterr().out)
     assert plan["frame_times"] == EXPECTED_TIMES
     assert plan["tokens_after_evs"] == video["tokens_after"]
+
+
+def test_a_twenty_minute_file_is_described_or_refused_with_the_plan_that_fits(
+    tiny_checkpoint, tmp_path
+):
+    """No duration cap refuses it (at the default decode settings): sampled at the defaults it
+    is described, 64 frames spread over it; asked at 2 fps it is refused, before decoding, with
+    the frames that would fit."""
+    path = tmp_path / "long.mp4"  # 121 frames, one every 10 s
+    write_video(path, moving_texture(121, 112, 84, seed=13), time_base=Fraction(10))
+    llm = VideoLLM(tiny_checkpoint, engine_config=ENGINE_CONFIG)
+    (video,) = llm.describe(path, max_tokens=1).to_dict()["evs"]["videos"]
+    assert video["num_frames"] == 64 and video["end"] >= 1200
+    assert video["timestamps"][-1] > 1150 and video["tokens_after"] < video["tokens_before"]
+    plan = llm.plan(path, evs=None, fps=2, max_frames=2400)
+    assert not plan.fits and plan.fitting_num_frames
+    with pytest.raises(ValueError, match=f"at most {plan.fitting_num_frames} frames") as refused:
+        llm.describe(path, evs=None, max_tokens=1, fps=2, max_frames=2400)
+    assert "max_duration_s" not in str(refused.value)
