@@ -1,58 +1,21 @@
-"""Narrating a file streams it: frames are decoded as the narration takes them, so a long file
-costs no more memory than a short one, and the segments are those of narrating the whole file
-decoded up front (what narration did before it streamed).
-
-Memory is measured as the loading test measures it: `stillcut narrate` runs in a child process
-while this one samples the child's anonymous memory (`RssAnon`), on a short and a long clip of
-the same frames; frames held whole would add 1.4 MB per second of the long clip. The duration
-cap narration had (600 s) is gone: a longer file is narrated."""
+"""Narrating a file streams it: frames are decoded as the narration takes them (its memory:
+`test_long_video_memory`), and the segments are those of narrating the whole file decoded up
+front (what narration did before it streamed). The duration cap narration had (600 s) is gone:
+a longer file is narrated."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from fractions import Fraction
 
 import numpy as np
 import pytest
 
-from stillcut.engine.anon_memory import PeakWatcher, rss_anon
 from stillcut.service.api import VideoLLM
 from stillcut.service.narrate_api import file_frames
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.synthetic import moving_texture, write_video
 
 from .conftest import ENGINE_CONFIG, make_llm
-
-SHORT_S, LONG_S = 10, 100
-FPS = 2
-WIDTH, HEIGHT = 640, 360  # 0.69 MB a frame as RGB
-MAX_GROWTH_BYTES = 40 * 2**20  # the long clip's frames held whole: 125 MB more
-
-
-def _moving_square(num_frames: int) -> list[np.ndarray]:
-    """A still ground of gradients with a square crossing it (EVS keeps the square's tokens)."""
-    rows, columns = np.mgrid[:HEIGHT, :WIDTH]
-    ground = np.stack([rows * 255 // HEIGHT, columns * 255 // WIDTH, (rows + columns) % 256], -1)
-    ground = ground.astype(np.uint8)
-    frames = []
-    for k in range(num_frames):
-        pixels = ground.copy()
-        x = 24 * k % (WIDTH - 48)
-        pixels[100:148, x : x + 48] = 255
-        frames.append(pixels)
-    return frames
-
-
-@pytest.fixture(scope="module")
-def clips(tmp_path_factory) -> dict:
-    folder = tmp_path_factory.mktemp("narrate-file")
-    paths = {}
-    for name, seconds in (("short", SHORT_S), ("long", LONG_S)):
-        paths[name] = folder / f"{name}.mp4"
-        frames = _moving_square(seconds * FPS)
-        write_video(paths[name], frames, time_base=Fraction(1, FPS))
-    return paths
 
 
 @pytest.mark.parametrize("fps", [2.0, 5.0], ids=["each-frame", "frames-repeated"])
@@ -77,26 +40,6 @@ def test_a_streamed_file_narrates_as_the_whole_file_decoded_up_front(
     assert [(s.t, s.text, s.kept_tokens, s.prefill_tokens) for s in ours] == [
         (s.t, s.text, s.kept_tokens, s.prefill_tokens) for s in theirs
     ]
-
-
-def _narrate_peak(checkpoint, path) -> tuple[int, int]:
-    """(segments printed, peak anonymous bytes) of `stillcut narrate` on `path`."""
-    argv = [sys.executable, "-m", "stillcut.service.cli", "narrate", str(path)]
-    argv += ["--model", str(checkpoint), "--max-tokens-per-segment", "1"]
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with PeakWatcher(child.pid) as watcher:
-        out, err = child.communicate(timeout=600)
-    assert child.returncode == 0, err
-    return len(out.splitlines()), watcher.peak
-
-
-@pytest.mark.skipif(rss_anon() is None, reason="RssAnon is read from Linux's /proc")
-def test_narrating_a_long_file_takes_no_more_memory_than_a_short_one(tiny_checkpoint, clips):
-    short_segments, short_peak = _narrate_peak(tiny_checkpoint, clips["short"])
-    long_segments, long_peak = _narrate_peak(tiny_checkpoint, clips["long"])
-    assert (short_segments, long_segments) == (SHORT_S * FPS // 2, LONG_S * FPS // 2)
-    growth = long_peak - short_peak
-    assert growth < MAX_GROWTH_BYTES, f"{growth / 2**20:.0f} MB more for a {LONG_S} s clip"
 
 
 def test_a_file_longer_than_ten_minutes_is_narrated(tiny_checkpoint, tmp_path):
