@@ -37,7 +37,7 @@ from stillcut.vision.pipeline import VisionPipeline
 from stillcut.vision.prefetch import prefetched
 
 Frames = Iterable[tuple[float, np.ndarray]]  # (timestamp s, [H, W, 3] uint8 RGB)
-FEED_AHEAD_TUBELETS = 4
+FEED_AHEAD_TUBELETS = 4  # a feed without `realtime` waits while this many wait to be spoken
 _DONE = object()
 
 
