@@ -37,7 +37,7 @@ from stillcut.service.media_budget import (
     check_media_budget,
     media_identity,
 )
-from stillcut.service.narrate_api import Frames, Segment, file_frames, narrate_frames
+from stillcut.service.narrate_api import Frames, Segment, file_frames, for_file, narrate_frames
 from stillcut.service.narrate_options import NarrateOptions
 from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
@@ -174,7 +174,7 @@ class VideoLLM:
     ) -> VideoPlan:
         """The token plan of a video file before any decoding (`vision.video_plan`): what
         `describe` with the same options would sample and keep, and whether it fits. Options
-        are `describe_many`'s `fps`, `start`, `end`, `max_frames`, `num_frames`."""
+        are `describe_many`'s `fps`, `start`, `end`, `max_frames`, `num_frames`, `resize`."""
         spec = video_input(video, self._evs(evs), pixels, **options)
         scheduler = self.engine.config.scheduler
         limits = PlanLimits(
@@ -237,14 +237,16 @@ class VideoLLM:
         num_frames: int | None = None,
         pixels: Mapping[str, int] | None = None,
         max_video_tokens: int | None = None,
+        resize: str | None = None,
         frames_fps: float = 2.0,
         timestamps: Sequence[float] | None = None,
         progress: bool = False,
     ) -> list[DescribeResult]:
         """Describe several videos with one prompt; they are encoded one after another and
         generated together. `evs=None` keeps every token; without `evs`, `evs_default`
-        applies. `fps`, `start`, `end`, `max_frames`, `num_frames` (exactly that many, evenly)
-        and `pixels` (the family's pixel budget, e.g. {"max_pixels": 200704}) apply to files;
+        applies. `fps`, `start`, `end`, `max_frames`, `num_frames` (exactly that many, evenly),
+        `pixels` (the family's pixel budget, e.g. {"max_pixels": 200704}) and `resize`
+        ("exact" or "fast", see `DecodeConfig.resize`; None: the `VideoLLM`'s) apply to files;
         a frame array is taken as sampled at `frames_fps` (or at `timestamps`). Videos keeping
         more than `max_video_tokens` in all are refused (before decoding where the plan
         says so). `progress` shows bars on stderr."""
@@ -261,6 +263,7 @@ class VideoLLM:
         stamps = None if timestamps is None else tuple(float(t) for t in timestamps)
         options = {"start": start, "end": end, "fps": fps, "max_frames": max_frames}
         options |= {"num_frames": num_frames, "frames_fps": frames_fps, "timestamps": stamps}
+        options["resize"] = resize
         specs = [video_input(video, evs, pixels, **options) for video in videos]
         budget = self.budget(max_tokens, max_video_tokens)
 
@@ -288,10 +291,12 @@ class VideoLLM:
         """Narrate a video file (a path) or an iterator of (timestamp, [H, W, 3] uint8 frame),
         yielding segments as they come. Options are the WebSocket's narrate options
         (`NarrateOptions`; here `lag` defaults to "queue"); `realtime` paces frames at their
-        timestamps. The engine is busy with it until the iterator ends or is closed."""
+        timestamps. A file streams (`narrate_api.file_frames`) under this `VideoLLM`'s decode
+        caps. The engine is busy with it until the iterator ends or is closed."""
         narrate_options = NarrateOptions(prompt=prompt, **{"lag": "queue", **options})
         if isinstance(source, str | PathLike):
-            source = file_frames(source, narrate_options.fps)
+            narrate_options = for_file(narrate_options, self.pipeline.decode_config)
+            source = file_frames(source, narrate_options.fps, self.pipeline.decode_config)
         with self._engine_lock:
             if self._async_engine is not None:
                 raise RuntimeError(

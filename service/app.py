@@ -90,7 +90,7 @@ class Endpoints:
     stream: Callable  # WebSocket /v1/stream
     health: Callable  # GET /health
     metrics: Callable  # GET /metrics
-    plan: Callable | None = None  # POST /v1/videos/plan (a single server's)
+    plan: Callable  # POST /v1/videos/plan
 
 
 def add_service_routes(
@@ -101,8 +101,7 @@ def add_service_routes(
     app.add_api_route("/v1/videos/describe", endpoints.describe, methods=["POST"])
     app.add_api_route("/v1/chat/completions", endpoints.chat, methods=["POST"])
     app.add_api_route("/v1/models", endpoints.models, methods=["GET"])
-    if endpoints.plan is not None:
-        app.add_api_route("/v1/videos/plan", endpoints.plan, methods=["POST"])
+    app.add_api_route("/v1/videos/plan", endpoints.plan, methods=["POST"])
     app.add_api_websocket_route("/v1/stream", endpoints.stream)
     app.add_api_route("/health", endpoints.health, methods=["GET"])
     app.add_api_route("/metrics", endpoints.metrics, methods=["GET"])

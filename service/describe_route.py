@@ -4,8 +4,8 @@ The form holds `file` (the video) and optionally `prompt`, `model`, `evs` (JSON,
 requests, or "off"), the sampling fields (`max_tokens`, `temperature`, `top_p`, `top_k`,
 `min_p`, `seed`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `stop`, which
 may repeat), the video options (`video_options`: `fps`, `max_frames`, `num_frames`, `start`,
-`end`, the model's pixel budget such as `max_pixels`, `max_video_tokens`), `stream` and
-`include_frames` (adds `frames`: base64 JPEG thumbnails of the sampled frames and each
+`end`, the model's pixel budget such as `max_pixels`, `max_video_tokens`, `resize`), `stream`
+and `include_frames` (adds `frames`: base64 JPEG thumbnails of the sampled frames and each
 tubelet's retention mask, for the web page). The answer is the `DescribeResult` as JSON, or
 with `stream=true` server-sent events: `{"type": "token", "text"}` per piece of text, then
 `{"type": "result", ...}` with the whole result.

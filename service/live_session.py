@@ -137,7 +137,7 @@ class LiveSession:
             item, pruner = await self._tubelet(frames, (first.timestamp, timestamp))
             await self._commit(item)
             self._pruner = pruner
-            index, total = len(self._items) - 1, item.stats["tokens_total"]
+            index, total = pruner.num_tubelets - 1, item.stats["tokens_total"]
             return TubeletEvent(first.timestamp, index, item.num_tokens, total)
 
     async def ask(self, prompt: str) -> AsyncIterator[RequestOutput]:

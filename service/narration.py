@@ -11,9 +11,11 @@ token) and how long
 after its tubelet's last frame arrived its first token came (`lag_s`).
 Under lag `queue` every tubelet is appended in order; under `latest` the speaker skips to the
 newest and reports how many it skipped. A tubelet EVS emptied is not appended. When the next
-append would pass `max_context_tokens`, the request is replaced by a fresh one holding the
-instruction and the last `keep_last_s` seconds of tubelets, cut to half the context so that a
-rollover is followed by room for many tubelets (a `rollover` message).
+append would pass `max_context_tokens` or the engine's `max_visual_tokens_per_request`, the
+request is replaced by a fresh one holding the instruction and the last `keep_last_s` seconds
+of tubelets, cut to half the context and half the visual tokens so that a rollover is followed
+by room for many tubelets (a `rollover` message). So a narration goes on however long its
+stream, and nothing it holds grows with it.
 
 An engine error ends the narration: it is reported (`error`), its request is freed, `drain`
 returns, and `failure` is set for the session to end; later frames are not spoken about.
@@ -84,6 +86,7 @@ class Narration(LiveSession):
             raise ValueError(f"{pipeline.model_config.family.model_type!r} models do not narrate")
         max_model_len = engine.engine.config.scheduler.max_model_len
         self._max_context = min(options.max_context_tokens or max_model_len, max_model_len)
+        self._max_visual = engine.engine.config.scheduler.max_visual_tokens_per_request
         if options.max_tokens_per_segment >= self._max_context:
             raise LiveLimitExceeded(
                 f"max_tokens_per_segment={options.max_tokens_per_segment} leaves no room in a "
@@ -102,6 +105,7 @@ class Narration(LiveSession):
         self._stream = None  # the streaming request's outputs
         self._request_id: str | None = None
         self._num_tokens = 0  # in the streaming request's sequence
+        self._num_visual = 0  # video tokens in it
         self._num_requests = 0
         self._params = None  # built on first use: finding segment-end tokens takes a second
         self.failure: asyncio.Future[NarrationFailed] = asyncio.get_running_loop().create_future()
@@ -110,6 +114,11 @@ class Narration(LiveSession):
         """As a live session's; the time it arrives is when its tubelet's lag starts."""
         self._frame_arrived_at = time.monotonic()
         return await super().add_frame(timestamp, image)
+
+    @property
+    def num_ready(self) -> int:
+        """Tubelets waiting to be spoken about."""
+        return len(self._ready)
 
     async def drain(self) -> None:
         """Wait until every ready tubelet has been spoken about (or skipped), or the narration
@@ -127,7 +136,7 @@ class Narration(LiveSession):
         return replace(item, coords=coords, grid_thw=(1, *item.grid_thw[1:])), pruner
 
     async def _commit(self, item: MultiModalItem) -> None:
-        self._items.append(item)
+        # no list of every tubelet: what outlives speaking is the rollover window (`_kept`)
         self._chain = item.identifier
         if not item.num_tokens or self.failure.done():
             return  # nothing changed enough to show, or nothing more is said
@@ -210,7 +219,11 @@ class Narration(LiveSession):
         new_ids = processor.narration_input(item, item.timestamps[0])
         self._keep_window(item)
         room = self._max_context - self.options.max_tokens_per_segment
-        if self._request_id is None or self._num_tokens + len(new_ids) > room:
+        fits = (
+            self._num_tokens + len(new_ids) <= room
+            and self._num_visual + item.num_tokens <= self._max_visual
+        )
+        if self._request_id is None or not fits:
             if self._request_id is not None:
                 await self._end_request()
                 await self._emit({"type": "rollover"})
@@ -218,6 +231,7 @@ class Narration(LiveSession):
             return
         await self._engine.append_input(self._request_id, new_ids, [item])
         self._num_tokens += len(new_ids)
+        self._num_visual += item.num_tokens
 
     def _keep_window(self, item: MultiModalItem) -> None:
         """Remember `item` and forget tubelets that start over `keep_last_s` before it ends
@@ -229,9 +243,13 @@ class Narration(LiveSession):
 
     async def _start_request(self) -> None:
         """A fresh streaming request: the instruction and the kept tubelets (the oldest
-        dropped while they and a segment pass half the context)."""
+        dropped while they and a segment pass half the context, or they pass half the visual
+        tokens a request may hold)."""
         prompt = self._window_prompt()
-        while len(self._kept) > 1 and self._tokens_with_segment(prompt) > self._max_context // 2:
+        while len(self._kept) > 1 and (
+            self._tokens_with_segment(prompt) > self._max_context // 2
+            or _num_visual(prompt) > self._max_visual // 2
+        ):
             self._kept.popleft()
             prompt = self._window_prompt()
         if self._tokens_with_segment(prompt) > self._max_context:
@@ -246,6 +264,7 @@ class Narration(LiveSession):
         self._num_requests += 1
         self._request_id = f"{self.session_id}-narrate-{self._num_requests}"
         self._num_tokens = len(prompt.token_ids)
+        self._num_visual = _num_visual(prompt)
         self._stream = self._engine.generate(
             prompt, self._params, request_id=self._request_id, streaming=True
         )
@@ -287,3 +306,7 @@ class Narration(LiveSession):
         stream, self._stream, self._request_id = self._stream, None, None
         if stream is not None:
             await stream.aclose()  # leaving the stream aborts the request, freeing its blocks
+
+
+def _num_visual(prompt: Prompt) -> int:
+    return sum(item.num_tokens for item in prompt.items)

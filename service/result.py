@@ -95,7 +95,7 @@ def evs_summary(items: Sequence[MultiModalItem], setting: str) -> EVSSummary:
     )
 
 
-_ECHOED_STATS = ("sample_fps", "start", "end", "pixel_budget", "num_seeks")
+_ECHOED_STATS = ("sample_fps", "start", "end", "pixel_budget", "resize", "num_seeks")
 
 
 def video_report(item: MultiModalItem) -> dict:

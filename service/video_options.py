@@ -2,7 +2,8 @@
 
 `fps`, `max_frames`, `num_frames` (exactly that many, evenly), `start`, `end`, the pixel budget
 the model family's processor takes (its entry's `pixel_budget` names, such as
-`min_pixels`, `max_pixels`) and `max_video_tokens` (a total for the request's videos). Values
+`min_pixels`, `max_pixels`), `max_video_tokens` (a total for the request's videos) and
+`resize` ("exact", as the model's processor resizes; "fast", FFmpeg's scaler at decode). Values
 arrive typed (JSON) or as text (forms, query strings); each is checked where it is parsed,
 with a 400 that names it, and the sampling ones under the server's ceilings.
 """
@@ -16,9 +17,10 @@ from typing import Any
 
 from stillcut.engine.models.families import FAMILIES
 from stillcut.service.config import ServerConfig
-from stillcut.service.errors import bad_request
+from stillcut.service.errors import bad_request, shown
 from stillcut.service.request_limits import checked_sampling
 from stillcut.vision.decode import DecodeConfig
+from stillcut.vision.decode_config import RESIZE_MODES
 
 SAMPLING_OPTIONS: dict[str, type] = {
     "fps": float,
@@ -37,7 +39,7 @@ def pixel_option_names() -> tuple[str, ...]:
 
 
 def video_option_names() -> tuple[str, ...]:
-    return (*SAMPLING_OPTIONS, *pixel_option_names())
+    return (*SAMPLING_OPTIONS, *pixel_option_names(), "resize")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class VideoOptions:
     end: float | None = None
     max_video_tokens: int | None = None
     pixels: tuple[tuple[str, int], ...] = ()
+    resize: str | None = None
 
     def input_options(self, config: ServerConfig, defaults: DecodeConfig) -> dict[str, Any]:
         """`VideoInput`'s keyword arguments, under the server's fps and frame ceilings."""
@@ -69,6 +72,7 @@ class VideoOptions:
             "start": self.start,
             "end": self.end,
             "pixels": self.pixels,
+            "resize": self.resize,
         }
 
     def check_pixels(self, pipeline) -> None:
@@ -97,7 +101,16 @@ def parse_video_options(values: Mapping[str, Any], where: str = "") -> VideoOpti
     if "fps" in typed and typed["fps"] <= 0:
         raise bad_request(f"{where}fps must be > 0", "invalid_parameter")
     pixels = tuple((name, typed.pop(name)) for name in pixel_option_names() if name in typed)
-    return VideoOptions(**typed, pixels=pixels)
+    return VideoOptions(**typed, pixels=pixels, resize=_resize(values.get("resize"), where))
+
+
+def _resize(value: Any, where: str) -> str | None:
+    if value in (None, ""):
+        return None
+    if value not in RESIZE_MODES:
+        allowed = " or ".join(repr(mode) for mode in RESIZE_MODES)
+        raise bad_request(f"{where}resize={shown(value)} must be {allowed}", "invalid_parameter")
+    return value
 
 
 def _typed(value: Any, kind: type, name: str) -> int | float:

@@ -62,6 +62,7 @@ class VideoInput:
     [start, end) with at most `max_frames` frames, or exactly `num_frames` evenly (None: the
     pipeline's decode defaults). `pixels` is a pixel budget as (name, value) pairs, the names
     the family's entry takes (`ModelFamily.pixel_budget`, such as min_pixels, max_pixels).
+    `resize` is "exact" or "fast" (`DecodeConfig.resize`; None: the pipeline's).
     """
 
     source: VideoSource
@@ -74,6 +75,7 @@ class VideoInput:
     timestamps: tuple[float, ...] | None = None
     num_frames: int | None = None
     pixels: tuple[tuple[str, int], ...] = ()
+    resize: str | None = None
 
 
 @dataclass(frozen=True)
@@ -250,8 +252,9 @@ class VisionPipeline:
         return self.family.with_pixel_budget(self.media, dict(pixels)) if pixels else self.media
 
     def decode_options(self, spec: VideoInput) -> DecodeConfig:
-        """The decode settings `spec` is sampled with."""
-        return self.decode_config.with_sampling(spec.fps, spec.max_frames, spec.num_frames)
+        """The decode settings `spec` is sampled and resized with."""
+        config = self.decode_config.with_sampling(spec.fps, spec.max_frames, spec.num_frames)
+        return config if spec.resize is None else dataclasses.replace(config, resize=spec.resize)
 
 
 class _Loaded:
@@ -303,6 +306,7 @@ class _Loaded:
             "start": probe.start,
             "end": probe.start + probe.duration,
             "num_seeks": probe.num_seeks,
+            "resize": "fast" if resize is not None and resize.fast else "exact",
             **({"pixel_budget": media.pixel_budget()} if spec.pixels else {}),
         }
         if probe.num_samples <= pipeline.window_frames:

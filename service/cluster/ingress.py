@@ -2,11 +2,12 @@
 
 It is built by the same `add_service_routes` as a single server, so the paths, the page, the
 Host and Origin checks, the API key, the body deadline, the request ids, the error shapes and
-the access log are the same. A describe or chat request's body is read here within the
-service's limits (413 past them; 408 past the body deadline), keyed (`affinity`), and sent
-with what is left of its deadline to the replica the router picks; the answer is relayed as
-it streams. `/health` and `/metrics` ask every replica. The ingress runs in a Ray Serve
-replica of its own behind Ray's HTTP proxy and reserves no CPU.
+the access log are the same. A describe, chat or plan request's body is read here within the
+service's limits (413 past them; 408 past the body deadline), keyed (`affinity`; a plan warms
+no cache, so it has no key and goes to the less loaded of two replicas), and sent with what is
+left of its deadline to the replica the router picks; the answer is relayed as it streams.
+`/health` and `/metrics` ask every replica. The ingress runs in a Ray Serve replica of its own
+behind Ray's HTTP proxy and reserves no CPU.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def create_ingress_app(state: IngressState) -> FastAPI:
     app = FastAPI(title="stillcut", docs_url=None, redoc_url=None)
     app.state.service = state
     endpoints = Endpoints(
-        forward_describe, forward_chat, forward_models, relay_session, health, metrics
+        forward_describe, forward_chat, forward_models, relay_session, health, metrics, forward_plan
     )
     add_service_routes(app, state.config, state.metrics, endpoints)
     app.add_middleware(_ProxyEchoesRequestId)
@@ -95,6 +96,12 @@ async def forward_chat(request: Request) -> Response:
 
 async def forward_models(request: Request) -> Response:
     return await forward(request, b"", None)
+
+
+async def forward_plan(request: Request) -> Response:
+    config = request.app.state.service.config
+    body = await read_body(request, config.max_upload_bytes, "the video")
+    return await forward(request, body, None)
 
 
 async def forward(request: Request, body: bytes, key: bytes | None) -> Response:

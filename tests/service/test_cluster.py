@@ -212,6 +212,30 @@ def test_answers_equal_a_single_server(cluster, main_server, tiny_clip):
     assert described[0].json()["id"] == described[0].headers["x-request-id"]
 
 
+def test_a_plan_through_the_ingress_equals_a_single_servers(cluster, main_server, tiny_clip):
+    """The token plan answers at the ingress as on one process, the video sent as the body
+    or named by a URL; a body over the upload limit is refused at the ingress."""
+    query = {"num_frames": 4, "evs": json.dumps({"mode": "rate", "rate": 0.5})}
+    headers = {"content-type": "video/mp4"}
+    plans = [
+        httpx.post(f"{url}/v1/videos/plan", params=query, content=tiny_clip, headers=headers)
+        for url in (cluster, main_server.url)
+    ]
+    assert [response.status_code for response in plans] == [200, 200], plans[0].text
+    ours, theirs = (response.json() for response in plans)
+    assert ours["id"] == plans[0].headers["x-request-id"] and ours["object"] == "video.plan"
+    assert len(ours["frame_times"]) == 4
+    for varying in ("id", "created", "model"):
+        del ours[varying], theirs[varying]
+    assert ours == theirs
+    by_url = httpx.post(f"{cluster}/v1/videos/plan", params={**query, "url": data_url(tiny_clip)})
+    assert by_url.status_code == 200, by_url.text
+    assert by_url.json()["frame_times"] == ours["frame_times"]
+    too_big = b"\0" * (MAX_UPLOAD_BYTES + 1)
+    response = httpx.post(f"{cluster}/v1/videos/plan", content=too_big, headers=headers)
+    assert_error(response, 413, "payload_too_large", "exceeds the limit")
+
+
 def test_a_second_question_meets_its_videos_caches_on_the_same_replica(cluster):
     clip = _clip(31)
     first_replica, first_affinity, _ = _served_by(cluster, lambda: _ask(cluster, clip))

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve.config import RequestRouterConfig
 from starlette.datastructures import Headers
 
+from stillcut.service.app import create_app
 from stillcut.service.cluster.affinity import (
     TEXT_KEY_CHARS,
     chat_key,
@@ -22,8 +23,9 @@ from stillcut.service.cluster.affinity import (
     upload_key,
 )
 from stillcut.service.cluster.cluster_metrics import IngressMetrics
-from stillcut.service.cluster.ingress import cluster_health
+from stillcut.service.cluster.ingress import IngressState, cluster_health, create_ingress_app
 from stillcut.service.cluster.router import MediaAffinityRouter, place, rendezvous_order
+from stillcut.service.config import ServerConfig
 from stillcut.service.record import RequestRecord
 
 SLOTS = {f"replica-{n}": f"rank-{n}" for n in range(4)}
@@ -213,3 +215,16 @@ def test_cluster_health_counts_replicas_up_and_is_unavailable_only_with_none():
     assert (one_missing["status"], one_missing["replicas_up"]) == ("degraded", 1)
     none = cluster_health([], 2)
     assert (none["status"], none["replicas_up"], none["kv_blocks_total"]) == ("unavailable", 0, 0)
+
+
+def test_the_ingress_answers_every_path_a_single_server_answers(reference_llm):
+    def paths(app) -> set[tuple[str, frozenset]]:
+        return {
+            (route.path, frozenset(getattr(route, "methods", None) or ())) for route in app.routes
+        }
+
+    config = ServerConfig()
+    ingress = create_ingress_app(IngressState(config, None, 2, IngressMetrics()))
+    single = paths(create_app(reference_llm, config))
+    assert ("/v1/videos/plan", frozenset({"POST"})) in single
+    assert paths(ingress) == single
