@@ -7,13 +7,15 @@ answer is the times of the chunks whose captions say it. So an answer is as good
 captions and as precise as a chunk (an answer's times are its chunks' start and end).
 
 How a question is read: after "when" and its auxiliary ("does", "is", ...) and without
-articles, the question's words are the subject, the longest run of them that some caption
-holds word for word (the red square), then what it does (appear, move to the left). Presence
-verbs (appear, show up, enter, is visible, ...) ask for every mention of the subject, the
-first one being when it appears; any other words narrow the mentions to the captions that
-also hold them (disappears, moves left), in the same clause (clauses end at ".", ";", "!",
-"?"). Words are compared by a small stem ("moves", "moving", "move"). The answer lists the
-spans of consecutive matching chunks; a subject no caption names gets an answer that says so.
+articles, the subject is the words up to the first verb or preposition of a small list (the
+red square), the last word standing for the verb when none is listed; what follows is what it
+does (appear, move to the left). Presence verbs (appear, show up, enter, be visible, ...) ask
+for every mention of the subject, the first one being when it appears; other words narrow the
+mentions to the captions that also hold them (disappears, moves left), in the same clause
+(clauses end at ".", ";", "!", "?"); the subject must be there word for word (a red square
+beside a blue circle is no red circle). Words are compared by a small stem ("moves", "moving",
+"move"). The answer lists the spans of consecutive matching chunks; a subject no caption
+names, or an event none says, is answered as such.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ _AUXILIARIES = {"does", "do", "did", "is", "are", "was", "were", "will", "would"
 _ARTICLES = {"a", "an", "the"}
 _LINKS = {"to", "of", "in", "on", "at", "from", "into", "onto", "with", "by", "and", "it"}
 _PRESENCE = {"appear", "show", "visible", "seen", "present", "enter", "arrive", "come", "start"}
+_VERBS = _PRESENCE | {
+    "move", "go", "leave", "disappear", "vanish", "exit", "stop", "turn", "fall", "rise",
+    "jump", "run", "walk", "stand", "change", "happen", "open", "close", "begin", "end", "pass",
+}  # fmt: skip
 _CLAUSE_END = re.compile(r"[.;!?]")
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -60,15 +66,15 @@ def answer_when(timeline: Sequence[TimedCaption], question: str) -> TemporalAnsw
     ValueError for a question that does not ask when."""
     words = _question_words(question)
     clauses = [(entry, _clause_words(entry.text)) for entry in timeline]
-    start, length = _subject(words, [c for _, found in clauses for c in found])
-    if not length:
-        named = " ".join(w for w in words if _stem(w) not in _PRESENCE_STEMS)
+    length = _subject_length(words)
+    subject = words[:length]
+    mentions = [e for e, found in clauses if any(_holds(c, subject) for c in found)]
+    if not mentions:
+        named = " ".join(subject)
         return TemporalAnswer(question, named, "", (), f'No caption names "{named}".')
-    subject = words[start : start + length]
-    event = [w for w in words[start + length :] if w not in _LINKS]
+    event = [w for w in words[length:] if w not in _LINKS]
     if event and _stem(event[0]) in _PRESENCE_STEMS:
         event = []
-    mentions = [e for e, found in clauses if any(_holds(c, subject) for c in found)]
     matches = [
         e for e, found in clauses if any(_holds(c, subject) and _has(c, event) for c in found)
     ]
@@ -106,15 +112,13 @@ def _clause_words(text: str) -> list[list[str]]:
     return [[w for w in clause if w not in _ARTICLES] for clause in clauses if clause]
 
 
-def _subject(words: list[str], clauses: list[list[str]]) -> tuple[int, int]:
-    """(start, length) of the longest run of `words` (the earliest of equal length) some
-    clause holds in a row, its first word not a link word; length 0 when there is none."""
-    for length in range(len(words), 0, -1):
-        for start in range(len(words) - length + 1):
-            run = words[start : start + length]
-            if run[0] not in _LINKS and any(_holds(clause, run) for clause in clauses):
-                return start, length
-    return 0, 0
+def _subject_length(words: list[str]) -> int:
+    """How many of `words` name the subject: those before the first listed verb or link word
+    after the first word, else all but the last (the verb)."""
+    for index, word in enumerate(words[1:], start=1):
+        if word in _LINKS or _stem(word) in _VERB_STEMS:
+            return index
+    return max(1, len(words) - 1)
 
 
 def _holds(clause: list[str], run: list[str]) -> bool:
@@ -154,3 +158,4 @@ def _listed(spans: Sequence[tuple[float, float]]) -> str:
 
 
 _PRESENCE_STEMS = frozenset(_stem(word) for word in _PRESENCE)
+_VERB_STEMS = frozenset(_stem(word) for word in _VERBS)
