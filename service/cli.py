@@ -201,6 +201,15 @@ def note_outside_demo_task(args: argparse.Namespace) -> None:
             print(notice, file=sys.stderr)
 
 
+def check_video_command(args: argparse.Namespace) -> None:
+    """A video command's checks before anything loads: its flags (`check_arguments`), that the
+    video is a file, and the demo model's notice for a sample outside its task."""
+    check_arguments(args)
+    if not args.video.is_file():
+        raise FileNotFoundError(f"{args.video} is not a file")
+    note_outside_demo_task(args)
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuse bad values of the video, EVS and sampling flags a command has, naming the flag,
     before anything loads (a model takes seconds)."""

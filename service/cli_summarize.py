@@ -53,18 +53,14 @@ def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import VideoLLM
     from stillcut.service.cli import (
         RANDOM_WEIGHTS_NOTICE,
-        check_arguments,
+        check_video_command,
         evs_config,
-        note_outside_demo_task,
         precision_options,
         video_options,
     )
     from stillcut.vision.decode import DecodeConfig
 
-    check_arguments(args)
-    if not args.video.is_file():
-        raise FileNotFoundError(f"{args.video} is not a file")
-    note_outside_demo_task(args)
+    check_video_command(args)
     started = time.perf_counter()
     llm = VideoLLM(
         args.model,

@@ -28,9 +28,9 @@ from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_PROMPT
 from stillcut.service.chat_request import parse_evs_text, sampling_params
 from stillcut.service.errors import bad_request
-from stillcut.service.form_fields import form_flag, form_number, form_text
+from stillcut.service.form_fields import form_flag, form_number, form_text, read_checked_form
 from stillcut.service.frames_view import frames_view, thumbnails
-from stillcut.service.media import check_content_type, read_upload_form
+from stillcut.service.media import check_content_type
 from stillcut.service.result import describe_result
 from stillcut.service.sse import sse_response
 from stillcut.service.state import (
@@ -78,12 +78,7 @@ async def describe_endpoint(request: Request) -> Response:
     state: ServiceState = request.app.state.service
     record = record_of(request)
     budget = seconds_left(request, state.config)
-    form = await read_upload_form(request, state.config)
-    try:
-        checked = await _check_form(form, state.llm.evs_default.evs)
-    finally:
-        await form.close()
-    state.check_model(checked.model)
+    checked = await read_checked_form(request, _check_form)
     decode_defaults = state.llm.pipeline.decode_config
     video = checked.video.input_options(state.config, decode_defaults)
     checked.video.check_pixels(state.llm.pipeline)

@@ -3,10 +3,33 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from starlette.datastructures import FormData
+from starlette.requests import Request
 
+from stillcut.kernels.evs import EVSConfig
 from stillcut.service.errors import bad_request
+from stillcut.service.media import read_upload_form
+
+T = TypeVar("T")
+
+
+async def read_checked_form(
+    request: Request, check: Callable[[FormData, EVSConfig | None], Awaitable[T]]
+) -> T:
+    """The request's multipart form (read within the server's limits) through `check(form,
+    the server's default EVS)`, then closed (an uploaded file's spooled bytes go with it); the
+    model it names (`checked.model`) must be the one served."""
+    state = request.app.state.service
+    form = await read_upload_form(request, state.config)
+    try:
+        checked = await check(form, state.llm.evs_default.evs)
+    finally:
+        await form.close()
+    state.check_model(checked.model)
+    return checked
 
 
 def form_text(form: FormData, name: str) -> str | None:

@@ -29,8 +29,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.chat_request import parse_evs_text
 from stillcut.service.errors import api_error, bad_request
-from stillcut.service.form_fields import form_flag, form_number, form_text, form_texts
-from stillcut.service.media import check_content_type, read_upload_form
+from stillcut.service.form_fields import (
+    form_flag,
+    form_number,
+    form_text,
+    form_texts,
+    read_checked_form,
+)
+from stillcut.service.media import check_content_type
 from stillcut.service.media_url import resolve_media_url
 from stillcut.service.sse import DONE, sse_event
 from stillcut.service.state import ServiceState, record_of, seconds_left, until_disconnect
@@ -68,12 +74,7 @@ async def summarize_endpoint(request: Request) -> Response:
     state: ServiceState = request.app.state.service
     record = record_of(request)
     budget = seconds_left(request, state.config)
-    form = await read_upload_form(request, state.config)
-    try:
-        checked = await _check_form(form, state.llm.evs_default.evs)
-    finally:
-        await form.close()
-    state.check_model(checked.model)
+    checked = await read_checked_form(request, _check_form)
     checked.video.check_pixels(state.llm.pipeline)
     video = checked.video.input_options(state.config, state.llm.pipeline.decode_config)
     video = {name: video[name] for name in ("fps", "start", "end")}
