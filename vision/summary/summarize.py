@@ -10,20 +10,18 @@ prompt holds them all. Decoding is greedy, so the same video asked about again g
 prompts: the encoder cache (chunk embeddings) and the prefix cache (their prompts) answer most
 of a second summary, or of a question about when something happens.
 
-The work runs through a `SummaryHost`: the vision pipeline (one job at a time), tokenizing,
-and the engine's requests. The Python API and the service each give one.
+The work runs through a `SummaryHost` (`host`): the Python API and the service each give one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from stillcut.engine.config import SchedulerConfig
-from stillcut.engine.llm_engine import RequestOutput
 from stillcut.engine.processor import Prompt, PromptProcessor
 from stillcut.engine.request import SamplingParams
 from stillcut.vision.pipeline import VisionPipeline
@@ -34,17 +32,11 @@ from stillcut.vision.summary.chunks import (
     ChunkLimits,
     checkpoint_hints,
 )
-from stillcut.vision.summary.prompts import (
-    CAPTION_LINE,
-    TimedCaption,
-    aggregation_messages,
-    chunk_caption_messages,
-)
+from stillcut.vision.summary.host import Event, SummaryHost, final_output, in_task_group, one_line
+from stillcut.vision.summary.prompts import TimedCaption, chunk_caption_messages
 from stillcut.vision.summary.result import SummaryTimings, SummaryUsage, VideoSummary
-from stillcut.vision.summary.rounds import caption_groups
+from stillcut.vision.summary.rounds import aggregate
 
-T = TypeVar("T")
-Event = dict[str, Any]
 # the longest times a caption prompt writes, for counting its text tokens
 _LONGEST_TIMES = (99998.8, 99999.9)
 _VIDEO_MARKER_TOKENS = 2  # the vision start and end markers around a video's tokens
@@ -88,19 +80,6 @@ class SummaryOptions:
                 raise ValueError(f"{name}={value!r}: allowed integers in [{low}, {high}]")
         if self.captions_per_round is not None and not self.captions_per_round >= 2:
             raise ValueError(f"captions_per_round={self.captions_per_round!r}: >= 2 or None")
-
-
-class SummaryHost(Protocol):
-    """Where a summary's work runs."""
-
-    async def vision(self, fn: Callable[[], T]) -> T:
-        """`fn()` with the vision pipeline to itself (one such job at a time)."""
-
-    async def text(self, fn: Callable[[], T]) -> T:
-        """`fn()` that tokenizes (off the event loop)."""
-
-    def generate(self, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """One request's outputs; the last is finished. Leaving early aborts it."""
 
 
 def chunk_limits(
@@ -156,8 +135,16 @@ async def summarize(
             "captions_per_round"
         )
         room = scheduler.max_model_len - options.summary_tokens
-        summary, rounds = await _aggregate(
-            host, processor, timeline, room, per_round, options, usage, on_event
+        summary, rounds = await aggregate(
+            host,
+            processor,
+            timeline,
+            room,
+            per_round,
+            options.summary_tokens,
+            options.max_in_flight,
+            usage,
+            on_event,
         )
     done = time.monotonic()
     timings = SummaryTimings(
@@ -211,11 +198,11 @@ async def _caption(
 
     async def caption(encoded, prompt: Prompt) -> None:
         try:
-            output = await _final(host, prompt, params)
+            output = await final_output(host, prompt, params)
         finally:
             slots.release()
         chunk = encoded.chunk
-        captions[chunk.index] = TimedCaption(chunk.start_s, chunk.end_s, _one_line(output.text))
+        captions[chunk.index] = TimedCaption(chunk.start_s, chunk.end_s, one_line(output.text))
         usage.add_output(output)
         on_event(
             {
@@ -243,119 +230,6 @@ async def _caption(
                 await slots.acquire()
                 group.create_task(caption(encoded, prompt))
 
-    await _in_group(produce)
+    await in_task_group(produce)
     assert all(c is not None for c in captions)
     return captions
-
-
-async def _aggregate(
-    host: SummaryHost,
-    processor: PromptProcessor,
-    timeline: Sequence[TimedCaption],
-    room: int,
-    per_round: int | None,
-    options: SummaryOptions,
-    usage: SummaryUsage,
-    on_event: Callable[[Event], None],
-) -> tuple[str, int]:
-    """The summary of `timeline`'s non-empty captions, and the rounds it took."""
-    captions = [entry for entry in timeline if entry.text]
-    params = SamplingParams(max_tokens=options.summary_tokens)
-    rounds = 0
-    while captions:
-        rounds += 1
-        groups = await host.text(
-            lambda captions=captions: _groups(processor, captions, room, per_round)
-        )
-        prompts = await host.text(
-            lambda groups=groups: [processor.build(aggregation_messages(g)) for g in groups]
-        )
-        texts = await _complete_all(
-            host, prompts, params, options.max_in_flight, usage, rounds, on_event
-        )
-        if len(groups) == 1:
-            return texts[0], rounds
-        captions = [
-            TimedCaption(group[0].start_s, group[-1].end_s, text)
-            for group, text in zip(groups, texts, strict=True)
-            if text
-        ]
-    return "", rounds
-
-
-def _groups(
-    processor: PromptProcessor, captions: list[TimedCaption], room: int, per_round: int | None
-) -> list[list[TimedCaption]]:
-    head = len(processor.build(aggregation_messages(captions[:1])).token_ids)
-    first = captions[0]
-    head -= len(
-        processor.encode(CAPTION_LINE.format(start=first.start_s, end=first.end_s, text=first.text))
-    )
-    lines = [
-        len(processor.encode("\n" + CAPTION_LINE.format(start=c.start_s, end=c.end_s, text=c.text)))
-        for c in captions
-    ]
-    return [[captions[i] for i in group] for group in caption_groups(lines, head, room, per_round)]
-
-
-async def _complete_all(
-    host: SummaryHost,
-    prompts: list[Prompt],
-    params: SamplingParams,
-    max_in_flight: int,
-    usage: SummaryUsage,
-    round_index: int,
-    on_event: Callable[[Event], None],
-) -> list[str]:
-    """The one-line answers to `prompts`, at most `max_in_flight` running at once."""
-    texts: list[str | None] = [None] * len(prompts)
-    slots = asyncio.Semaphore(max_in_flight)
-
-    async def complete(index: int) -> None:
-        async with slots:
-            output = await _final(host, prompts[index], params)
-        texts[index] = _one_line(output.text)
-        usage.add_output(output)
-        on_event(
-            {
-                "type": "aggregate",
-                "round": round_index,
-                "num_done": sum(t is not None for t in texts),
-                "num_prompts": len(prompts),
-            }
-        )
-
-    async def start_all(group: asyncio.TaskGroup) -> None:
-        for index in range(len(prompts)):
-            group.create_task(complete(index))
-
-    await _in_group(start_all)
-    return texts
-
-
-async def _final(host: SummaryHost, prompt: Prompt, params: SamplingParams) -> RequestOutput:
-    final = None
-    async for output in host.generate(prompt, params):
-        final = output
-    assert final is not None and final.finished
-    return final
-
-
-async def _in_group(body: Callable[[asyncio.TaskGroup], Awaitable[None]]) -> None:
-    """Run `body(group)` and every task it starts; the first failure is raised as it is (the
-    others are cancelled)."""
-    try:
-        async with asyncio.TaskGroup() as group:
-            await body(group)
-    except BaseExceptionGroup as failed:
-        raise _first(failed) from None
-
-
-def _first(failed: BaseExceptionGroup) -> BaseException:
-    error = failed.exceptions[0]
-    return _first(error) if isinstance(error, BaseExceptionGroup) else error
-
-
-def _one_line(text: str) -> str:
-    """A caption or a summary as one line (the aggregation prompt takes one per caption)."""
-    return " ".join(text.split())
