@@ -59,8 +59,20 @@ def run(args: argparse.Namespace) -> int:
         video_options,
     )
     from stillcut.vision.decode import DecodeConfig
+    from stillcut.vision.summary.summarize import SummaryOptions
+    from stillcut.vision.summary.when import check_when_question
 
     check_video_command(args)
+    options = {
+        "chunk_s": args.chunk_s,
+        "overlap_s": args.overlap_s,
+        "caption_tokens": args.caption_tokens,
+        "summary_tokens": args.summary_tokens,
+        "summarize": not args.no_summary,
+    }
+    SummaryOptions(**options)  # refuse a bad value before the model loads
+    for question in args.ask:
+        check_when_question(question)
     started = time.perf_counter()
     llm = VideoLLM(
         args.model,
@@ -69,20 +81,16 @@ def run(args: argparse.Namespace) -> int:
         **precision_options(args),
     )
     load_s = time.perf_counter() - started
-    options = video_options(args)
+    video = video_options(args)
     summary = llm.summarize(
         args.video,
         questions=args.ask,
         progress=True,
-        chunk_s=args.chunk_s,
-        overlap_s=args.overlap_s,
-        caption_tokens=args.caption_tokens,
-        summary_tokens=args.summary_tokens,
-        summarize=not args.no_summary,
+        **options,
         fps=args.fps,
-        start=options["start"],
-        end=options["end"],
-        pixels=dict(options["pixels"]),
+        start=video["start"],
+        end=video["end"],
+        pixels=dict(video["pixels"]),
         max_video_tokens=args.max_video_tokens,
     )
     if args.json:

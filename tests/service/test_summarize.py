@@ -178,4 +178,5 @@ def test_the_command_line_prints_the_summary_as_json(clip_path):
     assert report["model"] == "stillcut-demo" and report["chunk_s"] == 4.0
     assert [(e["start_s"], e["end_s"]) for e in report["timeline"]] == SPANS
     assert report["answers"][0]["question"] == QUESTION
-    assert main(["summarize", str(clip_path), "--chunk-s", "-1"]) == 2
+    for bad in (["--chunk-s", "-1"], ["--ask", "what moves?"], ["--caption-tokens", "0"]):
+        assert main(["summarize", str(clip_path), *bad]) == 2
