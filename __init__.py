@@ -8,10 +8,12 @@ service's names below load the service (and PyAV) only when first used.
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["DescribeResult", "VideoLLM", "describe_video"]
+__all__ = ["DescribeResult", "VideoLLM", "VideoSummary", "describe_video", "summarize_video"]
 
 _LAZY = {
     "describe_video": "stillcut.service.api",
+    "summarize_video": "stillcut.service.api",
+    "VideoSummary": "stillcut.vision.summary.result",
     "VideoLLM": "stillcut.service.api",
     "DescribeResult": "stillcut.service.result",
 }

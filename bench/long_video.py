@@ -17,6 +17,13 @@ from copies of its packets (no re-encoding), cached under bench/out/long_video. 
 
 OpenCV and decord2 come from the `bench` extra (`pip install -e .[bench]`); a missing peer is
 skipped. Usage: python bench/long_video.py [--minutes 10 60] [--rounds 5] [--fps 1 0.1]
+
+`--summarize` measures long-video summaries instead: `stillcut summarize` (demo model, 2 fps,
+`--chunk-s` seconds per chunk, default 4, the demo's trained length) on each length end to end,
+each run a fresh process, lengths interleaved round by round: chunks captioned per second of
+the summary's wall time, and peak RSS, the longest clip's against the shortest's (the target:
+60 minutes <= 1.25x 10 minutes). The clips are outside the demo's task: the captions mean
+nothing, the work is real.
 """
 
 from __future__ import annotations
@@ -286,6 +293,54 @@ def fast_vs_exact(path: Path, seconds: float = 60.0) -> dict:
     }
 
 
+def summarize_table(clips: dict[float, Path], rounds: int, chunk_s: float) -> list[dict]:
+    """Per clip length: the medians over `rounds` interleaved fresh-process summaries of the
+    chunks, the summary's seconds, chunks per second and peak RSS."""
+    stillcut = [sys.executable, "-m", "stillcut.service.cli", "summarize"]
+    runs: dict[float, list[dict]] = {minutes: [] for minutes in clips}
+    for _ in range(rounds):  # interleaved: A, B, A, B, ...
+        for minutes, path in clips.items():
+            result = in_process([*stillcut, str(path), "--chunk-s", str(chunk_s), "--json"])
+            runs[minutes].append(result)
+    rows = []
+    for minutes, done in runs.items():
+        failed = [run for run in done if "error" in run]
+        if failed:
+            rows.append({"minutes": minutes, "error": failed[0]["error"]})
+            continue
+        seconds = statistics.median(run["timings"]["total_s"] for run in done)
+        chunks = done[0]["usage"]["num_chunks"]
+        rows.append(
+            {
+                "minutes": minutes,
+                "chunks": chunks,
+                "summary_s": seconds,
+                "chunks_per_s": chunks / seconds,
+                "peak_rss_mb": statistics.median(run["peak_rss_mb"] for run in done),
+                "rounds": done[0]["num_rounds"],
+            }
+        )
+    return rows
+
+
+def print_summaries(rows: list[dict]) -> None:
+    print(
+        f"{'min':>5} {'chunks':>7} {'summary s':>10} {'chunks/s':>9} {'peak MB':>8} {'rounds':>7}"
+    )
+    for row in rows:
+        if "error" in row:
+            print(f"{row['minutes']:>5g} {row['error']}")
+            continue
+        print(
+            f"{row['minutes']:>5g} {row['chunks']:>7} {row['summary_s']:>10.1f} "
+            f"{row['chunks_per_s']:>9.2f} {row['peak_rss_mb']:>8.0f} {row['rounds']:>7}"
+        )
+    done = [row for row in rows if "error" not in row]
+    if len(done) >= 2:
+        ratio = done[-1]["peak_rss_mb"] / done[0]["peak_rss_mb"]
+        print(f"peak RSS, {done[-1]['minutes']:g} min / {done[0]['minutes']:g} min: {ratio:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, nargs="+", default=[10, 60])
@@ -295,6 +350,8 @@ def main() -> None:
     parser.add_argument("--plan-minutes", type=float, default=60, help="the plan's clip")
     parser.add_argument("--worker", nargs=3, metavar=("MODE", "PATH", "FPS"))
     parser.add_argument("--measure", nargs=argparse.REMAINDER)
+    parser.add_argument("--summarize", action="store_true", help="summaries instead (see above)")
+    parser.add_argument("--chunk-s", type=float, default=4.0, help="--summarize's chunks")
     args = parser.parse_args()
     if args.measure:
         measure(args.measure)
@@ -306,6 +363,9 @@ def main() -> None:
     started = time.perf_counter()
     clips = {minutes: long_clip(minutes, args.base_minutes) for minutes in args.minutes}
     print(f"clips ready in {time.perf_counter() - started:.0f} s: {sorted(clips)} min", flush=True)
+    if args.summarize:
+        print_summaries(summarize_table(clips, args.rounds, args.chunk_s))
+        return
     rows = sampling_table(clips, args.fps, args.rounds)
     print(f"{'min':>5} {'fps':>5} {'mode':<15} {'seconds':>8} {'peak MB':>8} {'frames':>7}")
     for row in rows:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stillcut.demo import tokenizer
+from stillcut.demo.tasks import summary_hints
 from stillcut.engine.models.qwen2_vl.checkpoint import (
     ProcessorSpec,
     family_vision,
@@ -56,7 +57,8 @@ PROCESSOR = ProcessorSpec(
 
 def hf_config(special_ids: dict[str, int], metadata: dict[str, Any]) -> Any:
     """The transformers `Qwen2_5_VLConfig`, token ids from the demo tokenizer, `metadata`
-    stored as `stillcut_demo` (what trained it)."""
+    stored as `stillcut_demo` (what trained it), and the chunk lengths the model was trained
+    to caption and summarise as `stillcut_summary` (a long-video summary keeps to them)."""
     from transformers import Qwen2_5_VLConfig
 
     num_tokens = max(special_ids.values()) + 1
@@ -83,6 +85,7 @@ def hf_config(special_ids: dict[str, int], metadata: dict[str, Any]) -> Any:
         vision_start_token_id=special_ids["<|vision_start|>"],
         vision_end_token_id=special_ids["<|vision_end|>"],
         stillcut_demo=metadata,
+        stillcut_summary=summary_hints(),
     )
 
 

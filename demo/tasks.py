@@ -9,6 +9,7 @@ would pass the model's own). Every prompt is the one stillcut sends (`sequences`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,7 +26,7 @@ from stillcut.demo.captions import (
 from stillcut.demo.chunk_prompts import TimedCaption, aggregation_messages, chunk_caption_messages
 from stillcut.demo.narration import segment
 from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, answer
-from stillcut.demo.scenes import Scene
+from stillcut.demo.scenes import DURATION_S, Scene
 from stillcut.demo.sequences import (
     EVSSchedule,
     Sequence,
@@ -39,6 +40,17 @@ from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT, PromptProcessor
 TASKS = ("questions", "narration", "caption", "summary")
 MAX_OFFSET_SCENES = 10  # a sequence of scenes starts up to this many scenes into its video
 SUMMARY_SCENES = (2, 3)
+
+
+def summary_hints() -> dict[str, float | int]:
+    """What the chunk tasks train on, for long-video summaries to keep to (config.json's
+    `stillcut_summary`): the longest chunk captioned, and the most captions summarised at
+    once (the most scenes of a summary, in chunks of the shortest length)."""
+    longest = max(SUMMARY_SCENES) * DURATION_S
+    return {
+        "chunk_s": float(max(CHUNK_SECONDS)),
+        "captions_per_round": math.ceil(longest / min(CHUNK_SECONDS)),
+    }
 
 
 @dataclass(frozen=True)

@@ -8,19 +8,24 @@ thread-safe, so each sits behind its own lock. `describe_video` keeps one `Video
 
 Without an `evs` of its own, a description prunes with the `VideoLLM`'s default: what it was
 built with (`evs=`), else the checkpoint's own pruning rate, else rate 0.75 (`evs_default`).
+`summarize` and `summarize_video` take a video longer than one context: captions of its chunks
+with their times, then a summary, and answers to questions about when things happen
+(`vision.summary`, run here by `summary_api`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from os import PathLike
 from pathlib import Path
+from typing import TypeVar
 
 from stillcut.engine.config import CacheConfig, EngineConfig
 from stillcut.engine.llm_engine import LLMEngine, RequestOutput
@@ -41,11 +46,14 @@ from stillcut.service.narrate_api import Frames, Segment, file_frames, for_file,
 from stillcut.service.narrate_options import NarrateOptions
 from stillcut.service.progress import TokenBar, run_with_bar
 from stillcut.service.result import DescribeResult, describe_result
+from stillcut.service.summary_api import summarize_here
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import ImageInput, VideoInput, VideoSource, VisionPipeline
+from stillcut.vision.summary.result import VideoSummary
+from stillcut.vision.summary.when import TemporalAnswer
 from stillcut.vision.video_plan import PlanLimits, VideoPlan, plan_video
 
-__all__ = ["DEFAULT_EVS", "DEFAULT_PROMPT", "VideoLLM", "describe_video"]
+__all__ = ["DEFAULT_EVS", "DEFAULT_PROMPT", "VideoLLM", "describe_video", "summarize_video"]
 DEFAULT_PROMPT = "Describe this video."
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
@@ -60,6 +68,7 @@ PRECISION_OPTIONS = (
     "compute_dtype",
 )
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def with_precision(config: EngineConfig, **precision) -> EngineConfig:
@@ -297,26 +306,58 @@ class VideoLLM:
         if isinstance(source, str | PathLike):
             narrate_options = for_file(narrate_options, self.pipeline.decode_config)
             source = file_frames(source, narrate_options.fps, self.pipeline.decode_config)
-        with self._engine_lock:
-            if self._async_engine is not None:
-                raise RuntimeError(
-                    "this VideoLLM serves requests through its AsyncEngine; "
-                    "narrate through the server's WebSocket instead"
-                )
+        with self._engine_here("narrate through the server's WebSocket instead"):
             yield from narrate_frames(
                 self.engine, self.pipeline, source, narrate_options, realtime=realtime
             )
+
+    def summarize(
+        self,
+        video: VideoSource,
+        *,
+        questions: Sequence[str] = (),
+        evs: EVSChoice = UNSET,
+        progress: bool = False,
+        **options,
+    ) -> VideoSummary:
+        """Summarise a video file longer than one context: caption it chunk by chunk, each
+        caption with its chunk's times (the timeline), then aggregate the captions (in as many
+        rounds as the context needs). Options: `chunk_s` (default: the longest chunk that fits
+        the context and the token limits, see `vision.summary.chunks`), `overlap_s`,
+        `caption_tokens`, `summary_tokens`, `summarize` (False: the timeline only),
+        `max_in_flight`, `max_chunks`, `captions_per_round`, and the video's `fps`, `start`,
+        `end`, `pixels` and `max_video_tokens` (per chunk). `questions` ask when something
+        happens; their answers come from the timeline (`VideoSummary.answers`). Asking
+        again about the same video reuses the encoder and prefix caches."""
+        with self._engine_here("send summaries to the server instead"):
+            return summarize_here(self, video, self._evs(evs), questions, progress, **options)
+
+    def when(self, video: VideoSource, question: str, **options) -> TemporalAnswer:
+        """When, in `video`, what `question` asks about happens ("when does the red square
+        appear?"), from the timeline alone (no summary is made). Options are `summarize`'s."""
+        timeline = self.summarize(video, questions=[question], summarize=False, **options)
+        return timeline.answers[0]
+
+    def run_vision(self, fn: Callable[[], T]) -> T:
+        """`fn()` with the vision pipeline to itself (thread-safe: one such call at a time)."""
+        with self._vision_lock:
+            return fn()
+
+    @contextlib.contextmanager
+    def _engine_here(self, instead: str) -> Iterator[None]:
+        """The engine stepped from this thread, refused once an AsyncEngine drives it."""
+        with self._engine_lock:
+            if self._async_engine is not None:
+                raise RuntimeError(
+                    f"this VideoLLM serves requests through its AsyncEngine; {instead}"
+                )
+            yield
 
     def _generate(
         self, prompts: list[Prompt], params: SamplingParams, *, progress: bool
     ) -> list[RequestOutput]:
         """Run the prompts to completion on this thread; final outputs in prompt order."""
-        with self._engine_lock:
-            if self._async_engine is not None:
-                raise RuntimeError(
-                    "this VideoLLM serves requests through its AsyncEngine; "
-                    "send them to the server instead of calling describe"
-                )
+        with self._engine_here("send them to the server instead of calling describe"):
             request_ids = [self.engine.add_request(prompt, params) for prompt in prompts]
             final: dict[str, RequestOutput] = {}
             bar = TokenBar(params.max_tokens * len(prompts), enabled=progress)
@@ -360,6 +401,13 @@ def describe_video(
     precision = (dtype, quantization, tuple(quantization_skip or ()), kv_cache_dtype, compute_dtype)
     llm = _cached_llm(None if model is None else os.fspath(model), precision)
     return llm.describe(video, prompt, **options)
+
+
+def summarize_video(video: VideoSource, *, model: str | PathLike | None = None, **options):
+    """Summarise a video with the model `model` (None: the demo checkpoint), loaded on first
+    use and kept for later calls. Options are those of `VideoLLM.summarize`."""
+    llm = _cached_llm(None if model is None else os.fspath(model), (None, None, (), None, None))
+    return llm.summarize(video, **options)
 
 
 @functools.lru_cache(maxsize=2)

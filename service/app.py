@@ -36,6 +36,7 @@ from stillcut.service.plan_route import plan_endpoint
 from stillcut.service.record import RecordObserver
 from stillcut.service.state import ServiceState, record_of
 from stillcut.service.stream_route import stream_endpoint
+from stillcut.service.summarize_route import summarize_endpoint
 from stillcut.service.worker import Worker
 
 _HTTP_ERRORS = {404: ("not_found_error", "not_found"), 405: ("invalid_request_error", "bad_method")}
@@ -76,6 +77,7 @@ def create_app(llm: VideoLLM, config: ServerConfig = ServerConfig()) -> FastAPI:
         health_endpoint,
         metrics_endpoint,
         plan_endpoint,
+        summarize_endpoint,
     )
     return add_service_routes(app, config, metrics, endpoints)
 
@@ -91,6 +93,7 @@ class Endpoints:
     health: Callable  # GET /health
     metrics: Callable  # GET /metrics
     plan: Callable  # POST /v1/videos/plan
+    summarize: Callable  # POST /v1/videos/summarize
 
 
 def add_service_routes(
@@ -102,6 +105,7 @@ def add_service_routes(
     app.add_api_route("/v1/chat/completions", endpoints.chat, methods=["POST"])
     app.add_api_route("/v1/models", endpoints.models, methods=["GET"])
     app.add_api_route("/v1/videos/plan", endpoints.plan, methods=["POST"])
+    app.add_api_route("/v1/videos/summarize", endpoints.summarize, methods=["POST"])
     app.add_api_websocket_route("/v1/stream", endpoints.stream)
     app.add_api_route("/health", endpoints.health, methods=["GET"])
     app.add_api_route("/metrics", endpoints.metrics, methods=["GET"])

@@ -2,7 +2,8 @@
 
 `stillcut describe VIDEO` answers a prompt about a video (`cli_describe`); `stillcut serve`
 runs the HTTP service (`cli_serve`); `stillcut narrate VIDEO` prints running commentary
-(`cli_narrate`); `stillcut inspect VIDEO` runs only the vision half of the
+(`cli_narrate`); `stillcut summarize VIDEO` captions a long video chunk by chunk with times,
+then summarises it (`cli_summarize`); `stillcut inspect VIDEO` runs only the vision half of the
 pipeline — decode, preprocess, encode, EVS — and prints the token plan, what was decoded, the
 token grid and what EVS kept (`--plan`: the plan alone, from the container's index). All use
 the trained demo checkpoint shipped with the package unless given `--model`. Heavy imports
@@ -25,13 +26,14 @@ RANDOM_WEIGHTS_NOTICE = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from stillcut.service import cli_describe, cli_narrate, cli_serve
+    from stillcut.service import cli_describe, cli_narrate, cli_serve, cli_summarize
 
     parser = argparse.ArgumentParser(prog="stillcut", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     cli_describe.add_parser(commands)
     cli_narrate.add_parser(commands)
     cli_serve.add_parser(commands)
+    cli_summarize.add_parser(commands)
     inspect = commands.add_parser("inspect", help="decode, encode and prune a video; print it")
     inspect.set_defaults(run=_inspect)
     add_video_arguments(inspect)
@@ -41,15 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_video_arguments(parser: argparse.ArgumentParser) -> None:
-    """The video, the model, sampling and EVS options that `inspect` and `describe` share."""
+def add_video_arguments(parser: argparse.ArgumentParser, *, frame_caps: bool = True) -> None:
+    """The video, the model, sampling and EVS options that `inspect`, `describe` and
+    `summarize` share (`frame_caps` False: no `--max-frames` / `--num-frames`, for a summary,
+    which samples every chunk at `--fps`)."""
     parser.add_argument("video", type=Path, help="a video file")
     parser.add_argument("--model", help="checkpoint folder or hub id (default: the demo model)")
     parser.add_argument("--fps", type=float, default=2.0, help="sampling rate (default 2)")
-    parser.add_argument("--max-frames", type=int, default=64, help="frame cap (default 64)")
+    if frame_caps:
+        parser.add_argument("--max-frames", type=int, default=64, help="frame cap (default 64)")
     parser.add_argument("--start", type=float, help="start of the range, seconds")
     parser.add_argument("--end", type=float, help="end of the range, seconds")
-    parser.add_argument("--num-frames", type=int, help="exactly this many frames, evenly")
+    if frame_caps:
+        parser.add_argument("--num-frames", type=int, help="exactly this many frames, evenly")
     parser.add_argument(
         "--resize",
         choices=("exact", "fast"),
@@ -67,12 +73,12 @@ def add_video_arguments(parser: argparse.ArgumentParser) -> None:
 def video_options(args: argparse.Namespace) -> dict:
     """`VideoInput`'s per-video options from `add_video_arguments`' flags."""
     budget = {"min_pixels": args.min_pixels, "max_pixels": args.max_pixels}
-    return {
+    options = {
         "start": args.start,
         "end": args.end,
-        "num_frames": args.num_frames,
         "pixels": tuple((name, value) for name, value in budget.items() if value is not None),
     }
+    return options | ({"num_frames": args.num_frames} if "num_frames" in args else {})
 
 
 def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +199,15 @@ def note_outside_demo_task(args: argparse.Namespace) -> None:
         notice = outside_task_notice(args.video)
         if notice is not None:
             print(notice, file=sys.stderr)
+
+
+def check_video_command(args: argparse.Namespace) -> None:
+    """A video command's checks before anything loads: its flags (`check_arguments`), that the
+    video is a file, and the demo model's notice for a sample outside its task."""
+    check_arguments(args)
+    if not args.video.is_file():
+        raise FileNotFoundError(f"{args.video} is not a file")
+    note_outside_demo_task(args)
 
 
 def check_arguments(args: argparse.Namespace) -> None:

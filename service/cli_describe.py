@@ -48,19 +48,15 @@ def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import DEFAULT_ENGINE_CONFIG, VideoLLM
     from stillcut.service.cli import (
         RANDOM_WEIGHTS_NOTICE,
-        check_arguments,
+        check_video_command,
         evs_config,
-        note_outside_demo_task,
         precision_options,
         speculative_config,
         video_options,
     )
     from stillcut.vision.decode import DecodeConfig
 
-    check_arguments(args)
-    if not args.video.is_file():
-        raise FileNotFoundError(f"{args.video} is not a file")
-    note_outside_demo_task(args)
+    check_video_command(args)
     decode_config = DecodeConfig(fps=args.fps, max_frames=args.max_frames, resize=args.resize)
     started = time.perf_counter()
     engine_config = replace(DEFAULT_ENGINE_CONFIG, speculative=speculative_config(args))

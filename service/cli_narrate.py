@@ -40,14 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import DEFAULT_NARRATE_PROMPT, VideoLLM
     from stillcut.service.cli import (
         RANDOM_WEIGHTS_NOTICE,
-        check_arguments,
-        note_outside_demo_task,
+        check_video_command,
     )
 
-    check_arguments(args)
-    if not args.video.is_file():
-        raise FileNotFoundError(f"{args.video} is not a file")
-    note_outside_demo_task(args)
+    check_video_command(args)
     options = {
         "fps": args.fps,
         "lag": args.lag,

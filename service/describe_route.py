@@ -14,7 +14,6 @@ with `stream=true` server-sent events: `{"type": "token", "text"}` per piece of 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass
 
@@ -29,8 +28,9 @@ from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_PROMPT
 from stillcut.service.chat_request import parse_evs_text, sampling_params
 from stillcut.service.errors import bad_request
+from stillcut.service.form_fields import form_flag, form_number, form_text, read_checked_form
 from stillcut.service.frames_view import frames_view, thumbnails
-from stillcut.service.media import check_content_type, read_upload_form
+from stillcut.service.media import check_content_type
 from stillcut.service.result import describe_result
 from stillcut.service.sse import sse_response
 from stillcut.service.state import (
@@ -78,12 +78,7 @@ async def describe_endpoint(request: Request) -> Response:
     state: ServiceState = request.app.state.service
     record = record_of(request)
     budget = seconds_left(request, state.config)
-    form = await read_upload_form(request, state.config)
-    try:
-        checked = await _check_form(form, state.llm.evs_default.evs)
-    finally:
-        await form.close()
-    state.check_model(checked.model)
+    checked = await read_checked_form(request, _check_form)
     decode_defaults = state.llm.pipeline.decode_config
     video = checked.video.input_options(state.config, decode_defaults)
     checked.video.check_pixels(state.llm.pipeline)
@@ -140,47 +135,18 @@ async def _check_form(form: FormData, default_evs: EVSConfig | None) -> Describe
     if not isinstance(upload, UploadFile):
         raise bad_request("the form needs the video as a file in its 'file' field", "missing_file")
     check_content_type(upload.content_type, "video", "the uploaded file")
-    numbers = {name: _number(form, name, kind) for name, kind in _NUMBERS.items()}
+    numbers = {name: form_number(form, name, kind) for name, kind in _NUMBERS.items()}
     fields = {
         name: numbers[name] for name in (*_SAMPLING, *_PENALTIES) if numbers[name] is not None
     }
     params = sampling_params(fields, numbers["max_tokens"], form.getlist("stop") or None, None)
     return DescribeForm(
         data=await upload.read(),
-        prompt=_text(form, "prompt") or DEFAULT_PROMPT,
-        model=_text(form, "model"),
-        evs=parse_evs_text(_text(form, "evs"), default_evs),
+        prompt=form_text(form, "prompt") or DEFAULT_PROMPT,
+        model=form_text(form, "model"),
+        evs=parse_evs_text(form_text(form, "evs"), default_evs),
         params=params,
-        video=parse_video_options({name: _text(form, name) for name in video_option_names()}),
-        stream=_flag(form, "stream"),
-        include_frames=_flag(form, "include_frames"),
+        video=parse_video_options({name: form_text(form, name) for name in video_option_names()}),
+        stream=form_flag(form, "stream"),
+        include_frames=form_flag(form, "include_frames"),
     )
-
-
-def _text(form: FormData, name: str) -> str | None:
-    value = form.get(name)
-    if value is not None and not isinstance(value, str):
-        raise bad_request(f"form field {name!r} must be text, not a file", "invalid_type")
-    return value
-
-
-def _number(form: FormData, name: str, kind: type) -> int | float | None:
-    text = _text(form, name)
-    if text is None or text == "":
-        return None
-    try:
-        value = kind(text)
-    except ValueError:
-        raise bad_request(
-            f"form field {name}={text!r} must be {kind.__name__}", "invalid_type"
-        ) from None
-    if isinstance(value, float) and not math.isfinite(value):
-        raise bad_request(f"form field {name}={text!r} must be finite", "invalid_type")
-    return value
-
-
-def _flag(form: FormData, name: str) -> bool:
-    text = (_text(form, name) or "false").lower()
-    if text not in ("true", "false", "1", "0"):
-        raise bad_request(f"form field {name}={text!r} must be true or false", "invalid_type")
-    return text in ("true", "1")

@@ -1,5 +1,5 @@
 """Progress bars for the command line: one while the video is decoded and encoded, one per
-generated token.
+generated token, and a long-video summary's (chunks captioned, aggregation rounds).
 
 Decoding and encoding run as one pipeline call with no progress hooks, so that stage shows a
 bar that ticks its elapsed time from a helper thread until the call returns. Bars go to stderr
@@ -51,3 +51,34 @@ class TokenBar:
 
     def close(self) -> None:
         self._bar.close()
+
+
+class SummaryBars:
+    """A long-video summary's bars: chunks captioned, then each aggregation round's prompts.
+    Called with the summary's events (`vision.summary.summarize`); a no-op when off."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self._disable = None if enabled else True  # None: off when stderr is not a terminal
+        self._bar: tqdm | None = None
+        self._round = 0
+
+    def __call__(self, event: dict) -> None:
+        kind = event["type"]
+        if kind == "plan":
+            self._open("caption chunks", event["num_chunks"], "chunk")
+        elif kind == "aggregate" and event["round"] != self._round:
+            self._round = event["round"]
+            self._open(f"aggregate, round {self._round}", event["num_prompts"], "prompt")
+        if kind in ("chunk", "aggregate") and self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _open(self, description: str, total: int, unit: str) -> None:
+        self.close()
+        self._bar = tqdm(
+            desc=description, total=total, unit=unit, leave=False, disable=self._disable
+        )

@@ -168,6 +168,30 @@ class VisionPipeline:
         """Encode one image."""
         return self.encode([ImageInput(source)])[0]
 
+    def cached(self, media_key: str) -> EncodedMedia | None:
+        """The encoder cache's entry for `media_key` (None: not held)."""
+        return self.cache.get(self._cache_key(media_key))
+
+    def store(self, media_key: str, encoded: EncodedMedia) -> None:
+        """Hold `encoded` in the encoder cache under `media_key`."""
+        self.cache.put(self._cache_key(media_key), encoded)
+
+    def item_of(
+        self,
+        media_key: str,
+        encoded: EncodedMedia,
+        evs: EVSConfig | None,
+        timings: dict[str, float] | None = None,
+    ) -> MultiModalItem:
+        """The video item of `encoded` (a clip through the tower, before EVS) known by
+        `media_key`, pruned by `evs`; `timings` are the seconds its decoding and encoding
+        took (None: it came from the encoder cache)."""
+        entry = _Loaded(media_key, encoded)
+        entry.cache_hit = timings is None
+        entry.timings = dict(timings or {})
+        spec = VideoInput(b"", evs=evs)
+        return entry.to_item(spec, self.media.merge_size, self.family.bidirectional_items)
+
     def encode(self, inputs: list[VideoInput | ImageInput]) -> list[MultiModalItem]:
         """Encode several media in order; cache misses share one tower pass."""
         loaded = [self._load(spec) for spec in inputs]
@@ -181,7 +205,7 @@ class VisionPipeline:
             outputs = self.encode_prepared([entry.prepared for entry in misses])
             encode_s = time.perf_counter() - started
             for entry, output in zip(misses, outputs, strict=True):
-                entry.finish(_own(output, len(misses)), encode_s=encode_s)
+                entry.finish(own_tensors(output, len(misses)), encode_s=encode_s)
                 self.cache.put(self._cache_key(entry.media_key), entry.encoded)
         return self._items(loaded, inputs)
 
@@ -230,7 +254,7 @@ class VisionPipeline:
                 "preprocess": self._video_preprocess_key(spec),
             }
         else:
-            data, spec_source = _video_payload(spec.source, self.decode_config.max_bytes)
+            data, spec_source = video_payload(spec.source, self.decode_config.max_bytes)
             params = {
                 "kind": "video",
                 "decode": self.decode_options(spec).__repr__(),
@@ -436,7 +460,7 @@ class _Loaded:
         )
 
 
-def _own(output: TowerOutput, batch_size: int) -> TowerOutput:
+def own_tensors(output: TowerOutput, batch_size: int) -> TowerOutput:
     """An input's tensors as tensors of their own when they are views of a batch's (a cached
     view would pin the whole batch)."""
     if batch_size == 1:
@@ -463,7 +487,7 @@ def item_identifier(media_key: str, evs: EVSConfig | None) -> str:
     return hashlib.sha256(f"{media_key}\0{setting}".encode()).hexdigest()
 
 
-def _video_payload(source: VideoSource, max_bytes: int) -> tuple[bytes, VideoSource]:
+def video_payload(source: VideoSource, max_bytes: int) -> tuple[bytes, VideoSource]:
     """The content digest of a video and what to decode it from.
 
     Paths are hashed in chunks and decoded from disk; file objects are read once into memory.

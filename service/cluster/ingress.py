@@ -2,12 +2,12 @@
 
 It is built by the same `add_service_routes` as a single server, so the paths, the page, the
 Host and Origin checks, the API key, the body deadline, the request ids, the error shapes and
-the access log are the same. A describe, chat or plan request's body is read here within the
-service's limits (413 past them; 408 past the body deadline), keyed (`affinity`; a plan warms
-no cache, so it has no key and goes to the less loaded of two replicas), and sent with what is
-left of its deadline to the replica the router picks; the answer is relayed as it streams.
-`/health` and `/metrics` ask every replica. The ingress runs in a Ray Serve replica of its own
-behind Ray's HTTP proxy and reserves no CPU.
+the access log are the same. A describe, chat, plan or summarize request's body is read here
+within the service's limits (413 past them; 408 past the body deadline), keyed (`affinity`; a
+plan warms no cache, so it has no key and goes to the less loaded of two replicas), and sent
+with what is left of its deadline to the replica the router picks; the answer is relayed as it
+streams. `/health` and `/metrics` ask every replica. The ingress runs in a Ray Serve replica of
+its own behind Ray's HTTP proxy and reserves no CPU.
 """
 
 from __future__ import annotations
@@ -75,7 +75,14 @@ def create_ingress_app(state: IngressState) -> FastAPI:
     app = FastAPI(title="stillcut", docs_url=None, redoc_url=None)
     app.state.service = state
     endpoints = Endpoints(
-        forward_describe, forward_chat, forward_models, relay_session, health, metrics, forward_plan
+        forward_describe,
+        forward_chat,
+        forward_models,
+        relay_session,
+        health,
+        metrics,
+        forward_plan,
+        forward_summarize,
     )
     add_service_routes(app, state.config, state.metrics, endpoints)
     app.add_middleware(_ProxyEchoesRequestId)
@@ -86,6 +93,12 @@ async def forward_describe(request: Request) -> Response:
     config = request.app.state.service.config
     body = await read_body(request, config.max_upload_bytes + FORM_OVERHEAD_BYTES, "the upload")
     return await forward(request, body, await upload_key(body, request.headers))
+
+
+async def forward_summarize(request: Request) -> Response:
+    """A summary's form, keyed by its video like a describe upload: a second summary or a
+    question about the same video finds its chunks in that replica's caches."""
+    return await forward_describe(request)
 
 
 async def forward_chat(request: Request) -> Response:
