@@ -9,6 +9,7 @@ import dataclasses
 
 from stillcut.engine.models.qwen2_vl.entry import QWEN_WEIGHT_PREFIXES
 from stillcut.engine.models.qwen3_vl.config import qwen3_cache_groups, read_qwen3_vl
+from stillcut.engine.models.qwen3_vl.pixel_budget import PIXEL_BUDGET
 from stillcut.engine.models.qwen3_vl.prompt import TIMESTAMP, TimestampedTubeletFormat
 from stillcut.engine.models.registry import ModelFamily
 
@@ -24,6 +25,7 @@ QWEN3_VL = ModelFamily(
     live_sessions=True,
     narration_timestamp=TIMESTAMP,
     weight_prefixes=QWEN_WEIGHT_PREFIXES,
+    pixel_budget=PIXEL_BUDGET,
     checkpoints="stillcut.engine.models.qwen3_vl.checkpoint:QWEN3_VL_CHECKPOINTS",
 )
 QWEN3_VL_MOE = dataclasses.replace(
