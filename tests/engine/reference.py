@@ -94,6 +94,11 @@ def prefill_logits(model, prompt) -> torch.Tensor:
     )
     kv_caches = [torch.zeros(model.kv_cache_shape(num_blocks, block_size)) for _ in model.layers]
     embeds = torch.cat([item.embeds for item in prompt.items]) if prompt.items else None
+    # the feature sets the model consumes (DeepStack's), row for row with the embeddings
+    features = {
+        name: torch.cat([item.features[name] for item in prompt.items])
+        for name in (model.mm_feature_names if prompt.items else ())
+    }
     with torch.inference_mode():
         hidden = model(
             ids,
@@ -102,5 +107,6 @@ def prefill_logits(model, prompt) -> torch.Tensor:
             metadata,
             mm_embeds=embeds,
             mm_mask=mm_mask if prompt.items else None,
+            mm_features=features or None,
         )
         return model.compute_logits(hidden)
