@@ -142,13 +142,28 @@ def _assert_all_accepted(outputs):
         assert output.metrics.num_accepted_tokens == output.metrics.num_draft_tokens > 0
 
 
-def test_a_copy_of_the_target_accepts_every_draft_on_video_and_image(target):
-    path, _, _, base = target
-    specs = _media()
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def media_target(request, target):
+    """A family's target, its engine without speculation, how its media are drawn, and a
+    smaller unrelated draft of the family (with a tower of its own)."""
+    if request.param == "qwen2_5_vl":
+        path, _, _, base = target
+        return path, base, {}, request.getfixturevalue("small_draft_checkpoint")
+    path = cached_checkpoint("tiny", **QWEN3)
+    media = {"size": QWEN3_SIZE, "image_size": QWEN3_SIZE}
+    return path, LLMEngine(path, _config()), media, cached_checkpoint("tiny", **SMALL_QWEN3)
+
+
+def test_a_copy_of_the_target_accepts_every_draft_on_video_and_image(media_target):
+    path, base, media, _ = media_target
+    specs = _media(**media)
     del specs["video"]  # EVS on is the case where kept rows must line up
     prompts = _media_prompts(base, VisionPipeline(path, draft_model=path), specs)
-    video = prompts["video evs"].items[0]
-    assert video.num_tokens < video.num_dense_tokens
+    items = prompts["video evs"].items
+    assert sum(i.num_tokens for i in items) < sum(i.num_dense_tokens for i in items)
+    # the draft's own feature sets (Qwen3-VL's DeepStack), kept as the target's
+    drafted = {f"{DRAFT}/{name}" for name in base.model.mm_feature_names}
+    assert all(drafted <= set(item.features) for item in items)
     engine = LLMEngine(path, _config(draft=path))
     outputs = engine.generate(list(prompts.values()), GREEDY)
     expected = base.generate(list(prompts.values()), GREEDY)
@@ -157,66 +172,26 @@ def test_a_copy_of_the_target_accepts_every_draft_on_video_and_image(target):
     _assert_pool_whole(engine)
 
 
-def test_an_unrelated_smaller_draft_is_exact_on_video_and_image(target, small_draft_checkpoint):
+def test_an_unrelated_smaller_draft_is_exact_on_video_and_image(media_target):
     from transformers import AutoModelForImageTextToText
 
-    path, _, _, base = target
-    specs = _media()
-    del specs["video evs"]  # the copy's test has it: here transformers' positions are the reference
-    pipeline = VisionPipeline(path, draft_model=small_draft_checkpoint)
-    prompts = _media_prompts(base, pipeline, specs)
-    assert prompts["image"].items[0].features[DRAFT].shape[1] == 24  # the draft's width, not 32
-    engine = LLMEngine(path, _config(draft=small_draft_checkpoint))
-    outputs = dict(zip(prompts, engine.generate(list(prompts.values()), GREEDY), strict=True))
-    expected = base.generate(list(prompts.values()), GREEDY)
-    assert [o.token_ids for o in outputs.values()] == [o.token_ids for o in expected]
-    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    for name in ("video", "image"):  # EVS off: transformers' own positions and embeddings
-        inputs = qwen_hf_inputs(pipeline, prompts[name], [specs[name]], "qwen2_5_vl")
-        assert outputs[name].token_ids == hf_greedy(reference, inputs, GREEDY.max_tokens)
-    assert all(o.metrics.num_draft_tokens > 0 for o in outputs.values())
-    drafted = sum(o.metrics.num_draft_tokens for o in outputs.values())
-    accepted = sum(o.metrics.num_accepted_tokens for o in outputs.values())
-    assert 0 < accepted < drafted, (drafted, accepted)
-    _assert_pool_whole(engine)
-
-
-def test_a_qwen3_copy_accepts_every_draft_with_its_deepstack_sets_on_pruned_video():
-    path = cached_checkpoint("tiny", **QWEN3)
-    base = LLMEngine(path, _config())
-    specs = _media(size=QWEN3_SIZE, image_size=QWEN3_SIZE)
-    del specs["video"]
-    prompts = _media_prompts(base, VisionPipeline(path, draft_model=path), specs)
-    tubelets = prompts["video evs"].items
-    assert sum(t.num_tokens for t in tubelets) < sum(t.num_dense_tokens for t in tubelets)
-    assert all("draft/deepstack.1" in t.features for t in tubelets)
-    engine = LLMEngine(path, _config(draft=path))
-    outputs = engine.generate(list(prompts.values()), GREEDY)
-    expected = base.generate(list(prompts.values()), GREEDY)
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
-    _assert_all_accepted(outputs)
-    _assert_pool_whole(engine)
-
-
-def test_a_smaller_qwen3_draft_with_its_own_tower_is_exact():
-    from transformers import AutoModelForImageTextToText
-
-    path, small = cached_checkpoint("tiny", **QWEN3), cached_checkpoint("tiny", **SMALL_QWEN3)
-    base = LLMEngine(path, _config())
-    specs = _media(size=QWEN3_SIZE, image_size=QWEN3_SIZE)
+    path, base, media, small = media_target
+    specs = _media(**media)
     del specs["video evs"]  # the copy's test has it: here transformers' positions are the reference
     pipeline = VisionPipeline(path, draft_model=small)
     prompts = _media_prompts(base, pipeline, specs)
-    features = prompts["video"].items[0].features
-    assert features[DRAFT].shape[1] == features["draft/deepstack.0"].shape[1] == 24
+    features = prompts["image"].items[0].features
+    assert {t.shape[1] for n, t in features.items() if n.startswith(DRAFT)} == {24}  # not 32
     engine = LLMEngine(path, _config(draft=small))
     outputs = dict(zip(prompts, engine.generate(list(prompts.values()), GREEDY), strict=True))
     expected = base.generate(list(prompts.values()), GREEDY)
     assert [o.token_ids for o in outputs.values()] == [o.token_ids for o in expected]
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    for name in ("video", "image"):
-        inputs = qwen_hf_inputs(pipeline, prompts[name], [specs[name]], "qwen3_vl")
+    family = base.model_config.model_type
+    for name in ("video", "image"):  # EVS off: transformers' own positions and embeddings
+        inputs = qwen_hf_inputs(pipeline, prompts[name], [specs[name]], family)
         assert outputs[name].token_ids == hf_greedy(reference, inputs, GREEDY.max_tokens)
+    assert all(o.metrics.num_draft_tokens > 0 for o in outputs.values())
     drafted = sum(o.metrics.num_draft_tokens for o in outputs.values())
     accepted = sum(o.metrics.num_accepted_tokens for o in outputs.values())
     assert 0 < accepted < drafted, (drafted, accepted)
