@@ -398,19 +398,25 @@ static size_t gated_mlp_floats(const void *params, const Step *step) {
     return (size_t)step->rows * ((const GatedMlp *)params)->gate_up.out;
 }
 
-static void gated_mlp(const Context *c, const void *params, const float *out_norm) {
-    const GatedMlp *m = params;
-    int rows = c->step->rows, I = m->down.in, begin, end;
-    float *gate_up = c->work;
-    linear(c->normed, c->model->hidden, rows, &m->gate_up, NULL, gate_up, c->partials);
-    /* act(gate) * up into the gate half of each row */
+/* act(gate) * up into the gate half of each of `rows` rows `gate_up` [rows, 2 * I] (gate
+ * columns, then up), this thread's share of them, then a barrier. */
+static void gate_rows(float *gate_up, int rows, int I, int activation) {
+    int begin, end;
     share(rows * I, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
     for (int unit = begin; unit < end; unit++) {
         float *row = gate_up + (size_t)(unit / I) * 2 * I;
         int col = unit % I;
-        row[col] = activate(m->activation, row[col]) * row[I + col];
+        row[col] = activate(activation, row[col]) * row[I + col];
     }
     region_barrier();
+}
+
+static void gated_mlp(const Context *c, const void *params, const float *out_norm) {
+    const GatedMlp *m = params;
+    int rows = c->step->rows, I = m->down.in;
+    float *gate_up = c->work;
+    linear(c->normed, c->model->hidden, rows, &m->gate_up, NULL, gate_up, c->partials);
+    gate_rows(gate_up, rows, I, m->activation);
     residual_projection(c, gate_up, (size_t)2 * I, &m->down, out_norm, NULL);
 }
 

@@ -1,7 +1,7 @@
 /* The softmax-routed mixture of gated experts in the native decode step, a decoder layer's MLP
  * in place of a dense one. Included by `cpu_decode.c` after `cpu_hybrid_kinds.h`, whose
- * expert machinery it shares (`top_experts`, `group_pairs`, `expert_products`); it has the
- * five functions of a row of `KINDS`.
+ * expert machinery it shares (`top_experts`, `group_pairs`, `expert_products`; `gate_rows` is
+ * the dense gated MLP's); it has the five functions of a row of `KINDS`.
  *
  *   SOFTMAX_MOE  p = softmax(x @ Wrouter) over all experts (float32); the `top_k` largest
  *                are taken (ties to the lower id) and their p renormalised to sum 1;
@@ -73,15 +73,8 @@ static void softmax_moe(const Context *c, const void *params, const float *out_n
                                 up_partials, threads, jobs);
     products_band(jobs, count);
     products_columns(jobs, count);
-    region_barrier();
-    /* act(gate) * up into the gate half of each pair's row */
-    share(pairs * M, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
-    for (int unit = begin; unit < end; unit++) {
-        float *row = gate_up + (size_t)(unit / M) * 2 * M;
-        int col = unit % M;
-        row[col] = activate(m->activation, row[col]) * row[M + col];
-    }
-    region_barrier();
+    region_barrier(); /* a pair's gate and up columns may be other threads' */
+    gate_rows(gate_up, pairs, M, m->activation);
     count = expert_products(E, m->experts_down, start, gate_up, 2 * (size_t)M, routed_out, H, NULL,
                             down_partials, threads, jobs);
     products_band(jobs, count);
