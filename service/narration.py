@@ -4,11 +4,11 @@ Frames arrive, are checked and become tubelets exactly as in a question-answer `
 (threshold EVS whose reference carries from tubelet to tubelet; EVS off is the same pruner
 keeping every token), but each tubelet is its own one-tubelet video (t = 0, grid (1, h, w)).
 A speaker task appends ready tubelets to one streaming request (its time as the family writes
-it, `PromptProcessor.tubelet_time`, then the tubelet, `PromptProcessor.narration_input`) and streams the segment the model says about it; each
-`segment` message says how many of its video tokens EVS kept (`kept_tokens`), how many tokens
-were prefilled for it (`prefill_tokens`: those, their wrapper and the last segment's final
-token) and how long
-after its tubelet's last frame arrived its first token came (`lag_s`).
+it, `PromptProcessor.tubelet_time`, then the tubelet, `PromptProcessor.narration_input`) and
+streams the segment the model says about it; each `segment` message says how many of its
+video tokens EVS kept (`kept_tokens`), how many tokens were prefilled for it
+(`prefill_tokens`: those, their wrapper and the last segment's final token) and how long after
+its tubelet's last frame arrived its first token came (`lag_s`).
 Under lag `queue` every tubelet is appended in order; under `latest` the speaker skips to the
 newest and reports how many it skipped. A tubelet EVS emptied is not appended. When the next
 append would pass `max_context_tokens`, the request is replaced by a fresh one holding the
