@@ -23,12 +23,18 @@ on a machine whose read moves between levels, one child process can draw another
 the next.
 
 The model is a random checkpoint with Qwen2.5-VL-3B's shapes (7.5 GB in bf16, written tensor by
-tensor), or `--size 7b` (16.6 GB; fp32 skipped: it does not fit in 24 GB), where `--describe
-SAMPLE` also runs `stillcut describe --dtype bfloat16` on a sample clip and prints its peak.
-`--preset` takes any factory preset instead (e.g. lm180m, for a quick run).
+tensor), or `--size 7b` (16.6 GB; fp32 skipped: it does not fit in 24 GB), or `--size qwen3-8b`
+(Qwen3-VL-8B's shapes, its tower included: 17.5 GB, fp32 skipped), where `--describe SAMPLE`
+also runs `stillcut describe --dtype bfloat16` on a sample clip and prints its peak.
+`--preset` takes any factory preset instead (e.g. lm180m, for a quick run), `--model` a
+checkpoint folder. `--against` (a size or a folder) runs a second model in the same rounds,
+interleaved with the first, and compares their batch-1 steps mode by mode: `qwen3-8b` runs
+against the same-bytes Qwen2.5-VL preset (`7b`: 14.1 GB read per step against the 8B's 15.1) by
+default, target <= 1.15x its step.
 
-    python bench/precision.py [--size 3b | --size 7b | --preset lm180m] [--rounds 3]
-        [--threads 2] [--modes float32,bfloat16,int8] [--describe samples/moving_object.mp4]
+    python bench/precision.py [--size 3b | --size 7b | --size qwen3-8b | --preset lm180m]
+        [--against 7b] [--rounds 3] [--threads 2] [--modes float32,bfloat16,int8]
+        [--describe samples/moving_object.mp4]
 """
 
 from __future__ import annotations
@@ -59,6 +65,11 @@ MODES = {
     "bfloat16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
 }
+# size -> (factory preset, family); the large ones are written tensor by tensor and skip fp32
+SIZES = {"3b": ("3b", "qwen2_5_vl"), "7b": ("7b", "qwen2_5_vl"), "qwen3-8b": ("8b", "qwen3_vl")}
+NO_FLOAT32 = ("7b", "qwen3-8b")  # does not fit in 24 GB
+SAME_BYTES = {"qwen3-8b": "7b"}  # the preset each is compared with by default
+SAME_BYTES_TARGET = 1.15  # batch-1 step against the same-bytes model's
 FLOOR_TARGETS = {"bfloat16": 1.3, "int8": 1.5}
 SPEEDUP_TARGETS = {"bfloat16": 1.7, "int8": 2.5}
 READ_BUFFER_BYTES = 1 << 30  # larger than any cache; a step's floor is scaled from it
@@ -224,32 +235,66 @@ def describe_peak(model: str, sample: str) -> None:
     print(f"stillcut describe --dtype bfloat16: exit {status}, peak {watcher.peak / 2**30:.2f} GiB")
 
 
+def print_comparison(by_model: dict[str, dict[str, list[dict]]]) -> None:
+    """Each mode's batch-1 step of the first model against the second's (same rounds)."""
+    (label, first), (other, second) = by_model.items()
+    for mode in (mode for mode in first if mode in second):
+        ratio = median_of(first[mode], "step_1") / median_of(second[mode], "step_1")
+        bytes_ratio = median_of(first[mode], "read_bytes") / median_of(second[mode], "read_bytes")
+        verdict = "met" if ratio <= SAME_BYTES_TARGET else "MISSED"
+        target = f"target <= {SAME_BYTES_TARGET}: {verdict}"
+        print(f"{mode}: {label} batch-1 step {ratio:.2f}x {other}'s ({target}); "
+              f"it reads {bytes_ratio:.2f}x the bytes")  # fmt: skip
+
+
+def checkpoint(name: str | None, preset: str | None = None) -> str | None:
+    """The folder of a size, a preset (of the default family) or a checkpoint folder."""
+    if preset is not None:
+        return str(cached_checkpoint(preset))
+    if name in SIZES:
+        preset, family = SIZES[name]
+        return str(cached_checkpoint(preset, family=family))
+    return name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=("3b", "7b"), default="3b")
+    parser.add_argument("--size", choices=tuple(SIZES), default="3b")
     parser.add_argument("--preset", help="any factory preset instead of --size")
     parser.add_argument("--model", help="a checkpoint folder instead of a preset")
+    parser.add_argument("--against", help="a size or folder run beside it and compared with")
     parser.add_argument("--modes", help="comma-separated (default: all that fit)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=7, help="step/read pairs per batch")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--describe", metavar="SAMPLE", help="7b: run describe on a clip")
+    parser.add_argument("--describe", metavar="SAMPLE", help="run describe on a clip")
     parser.add_argument("--child", choices=tuple(MODES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.model, args.child, args.threads, args.pairs)
-    model = args.model or str(cached_checkpoint(args.preset or args.size))
-    skipped = ("float32",) if args.size == "7b" and not (args.preset or args.model) else ()
-    modes = args.modes.split(",") if args.modes else [m for m in MODES if m not in skipped]
-    print(f"model {model}, {args.threads} thread(s), {args.rounds} rounds of {modes}")
-    by_mode: dict[str, list[dict]] = {mode: [] for mode in modes}
+    chosen = args.model or args.preset or args.size
+    models = {chosen: args.model or checkpoint(args.size, args.preset)}
+    against = args.against or (None if args.model or args.preset else SAME_BYTES.get(args.size))
+    if against is not None:
+        models[against] = checkpoint(against)
+    large = not (args.preset or args.model) and args.size in NO_FLOAT32
+    modes = (
+        args.modes.split(",") if args.modes else [m for m in MODES if not large or m != "float32"]
+    )
+    print(f"models {models}, {args.threads} thread(s), {args.rounds} rounds of {modes}")
+    by_model = {label: {mode: [] for mode in modes} for label in models}
     for _ in range(args.rounds):
-        for mode in modes:
-            by_mode[mode].append(run_child(model, mode, args.threads, args.pairs))
-    print_table(by_mode)
-    print_verdicts(by_mode)
+        for mode in modes:  # the models interleaved: each pair of children draws alike
+            for label, model in models.items():
+                by_model[label][mode].append(run_child(model, mode, args.threads, args.pairs))
+    for label, by_mode in by_model.items():
+        print(f"\n{label}")
+        print_table(by_mode)
+        print_verdicts(by_mode)
+    if against is not None:
+        print_comparison(by_model)
     if args.describe:
-        describe_peak(model, args.describe)
+        describe_peak(models[chosen], args.describe)
 
 
 if __name__ == "__main__":

@@ -253,12 +253,16 @@ class LLMEngine:
         return request_id
 
     def append_input(
-        self, request_id: str, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem] = ()
+        self,
+        request_id: str,
+        new_input: Prompt | Sequence[int],
+        mm_items: Sequence[MultiModalItem] = (),
     ) -> None:
-        """Append tokens (and the items they hold) to a live request: a held prefix, or a
-        streaming request waiting for input or generating (its output so far is kept and the
-        new input follows it). Only the new tokens are prefilled; O(new tokens)."""
-        ids, items, positions = self._placed(list(token_ids), mm_items)
+        """Append input to a live request: a held prefix, or a streaming request waiting for
+        input or generating (its output so far is kept and the new input follows it). As a
+        prompt, `new_input` is a `Prompt` (placements relative to it) or token ids whose
+        placeholder runs hold `mm_items`. Only the new tokens are prefilled; O(new tokens)."""
+        ids, items, positions = self._placed(new_input, mm_items)
         self.scheduler.append_input(request_id, ids, items, positions)
         tracked = self._tracked[request_id]
         request, metrics = tracked.request, tracked.metrics

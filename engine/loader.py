@@ -33,7 +33,7 @@ from torch import nn
 
 from stillcut.engine.anon_memory import release_freed_memory
 from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
-from stillcut.engine.quantization import Conversion, quantize_int8, row_blocks
+from stillcut.engine.quantization import Conversion, quantize_int8, quantize_stack, row_blocks
 from stillcut.kernels.cpu_decode_stack import PANEL_COLUMNS, head_panels_shape, to_head_panels
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def _converted(
     quantized = conversion.dtype == torch.int8
     if conversion.through is not None:  # a vector or small table: rounded, then widened
         return whole().to(conversion.through).to(conversion.dtype), None
-    if len(shape) < 2 or (quantized and conversion.axis != 0):
+    if len(shape) < 2 or (quantized and conversion.axis != 0 and not conversion.stacked):
         tensor, scales = quantize_int8(whole(), conversion.axis) if quantized else (whole(), None)
         tensor = tensor.to(conversion.dtype)
         return (tensor.T.contiguous().T if conversion.head else tensor), scales
@@ -224,10 +224,12 @@ def _converted(
 
 
 def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conversion, device):
-    """A matrix converted (quantized along its rows; an LM head laid out as panels, an int8 one
-    as quad panels where they fit, or transposed in memory, see `Conversion.head`) a block of
-    rows at a time: only the result and one block ever exist."""
+    """A matrix converted (quantized along its rows, a stack of matrices each along its
+    `axis`; an LM head laid out as panels, an int8 one as quad panels where they fit, or
+    transposed in memory, see `Conversion.head`) a block of rows (of matrices) at a time:
+    only the result and one block ever exist."""
     quantized = conversion.dtype == torch.int8
+    stacked = quantized and conversion.stacked
     layout = None
     if conversion.head:  # panels: each block of rows is whole ones
         layout = head_panels_shape(conversion.dtype, device, *shape)
@@ -235,14 +237,19 @@ def _by_rows(sliced, file: Path, name: str, shape: list[int], conversion: Conver
     if not panels:
         layout = [shape[1], shape[0], *shape[2:]] if conversion.head else shape
     converted = torch.empty(layout, dtype=conversion.dtype, device=device)
-    scales = torch.empty(shape[0], dtype=torch.float32) if quantized else None
+    scales = None
+    if quantized:  # a scale per row, or per matrix and output channel
+        per_row = [shape[conversion.axis]] if stacked else []
+        scales = torch.empty(shape[0], *per_row, dtype=torch.float32)
     unit = PANEL_COLUMNS if panels else 1
     for rows in row_blocks(shape[0], _elements(shape[1:]), unit):
         try:
             block = sliced[rows]
         except (SafetensorError, OSError) as error:
             raise CheckpointError(f"cannot read tensor {name!r} from {file}: {error}") from error
-        if quantized:
+        if stacked:
+            block, scales[rows] = quantize_stack(block, conversion.axis)
+        elif quantized:
             block, scales[rows] = quantize_int8(block, 0)
         if panels:
             converted[rows.start // unit : rows.stop // unit] = to_head_panels(block)

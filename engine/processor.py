@@ -184,24 +184,42 @@ class PromptProcessor:
         return self.build([{"role": "user", "content": parts}], items)
 
     def vision_prefix(self, items: Sequence[MultiModalItem] = ()) -> Prompt:
-        """A live session's held prefix: the template up to the video's placeholders, then the
-        placeholders of `items` (the session's tubelets so far) as one video. A tubelet EVS
-        pruned away entirely is a 0-token item: it still extends the logical video's grid."""
+        """A live session's held prefix: the template up to the video's placeholder, then the
+        session's tubelets so far (`stream_input`). A tubelet EVS pruned away entirely is a
+        0-token item: it still extends the logical video's grid."""
+        self._require_live_sessions()
+        tubelets = self.stream_input(items)
+        offset = len(self._video_prefix_ids)
+        positions = [PlaceholderRange(p.offset + offset, p.length) for p in tubelets.mm_positions]
+        return Prompt(self._video_prefix_ids + tubelets.token_ids, tubelets.items, positions)
+
+    def stream_input(self, items: Sequence[MultiModalItem]) -> Prompt:
+        """What appends live tubelets (video items) to a held prefix, as the family's prompt
+        format writes a stream's tubelets (`PromptFormat.stream_tubelet`): their placeholders,
+        with the text around each; no tokens at all for 0-token tubelets written bare."""
         self._require_live_sessions()
         if any(item.kind != "video" for item in items):
             raise PromptError("a live session's items must all be videos")
-        positions, offset = [], len(self._video_prefix_ids)
+        token_ids: list[int] = []
+        positions = []
         for item in items:
-            positions.append(PlaceholderRange(offset, item.num_tokens))
-            offset += item.num_tokens
-        pads = [self.special.video_token_id] * (offset - len(self._video_prefix_ids))
-        return Prompt(self._video_prefix_ids + pads, list(items), positions)
+            before, after = self.family.prompt_format.stream_tubelet(item, self._markers)
+            token_ids += self.encode(before) if before else []
+            positions.append(PlaceholderRange(len(token_ids), item.num_tokens))
+            token_ids += [self.special.video_token_id] * item.num_tokens
+            token_ids += self.encode(after) if after else []
+        return Prompt(token_ids, list(items), positions)
 
     def ask_suffix(self, question: str) -> list[int]:
         """What follows a live session's placeholders to ask `question`: the vision end marker,
         the question, the end of the user turn and the assistant header."""
         self._require_live_sessions()
         return self._split_at_video_pad(question)[1]
+
+    def tubelet_time(self, item: MultiModalItem) -> float:
+        """The time a narration writes before the one-tubelet video `item` (seconds), as the
+        family's prompt format gives it (`PromptFormat.tubelet_time`)."""
+        return self.family.prompt_format.tubelet_time(item)
 
     def narration_prompt(self, instruction: str, item: MultiModalItem, timestamp: float) -> Prompt:
         """A narration's start: `instruction` as the user turn, the assistant turn opened, and

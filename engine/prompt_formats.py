@@ -9,6 +9,11 @@ ids that tokenizing the fully expanded text would.
 
 - `PromptFormat` itself leaves the text as rendered: the template already writes one
   placeholder token per part (e.g. `<|vision_start|><|video_pad|><|vision_end|>`).
+
+A format also says how a live stream writes its tubelets after the video's begin marker
+(`stream_tubelet`): by default their placeholders follow each other in one logical video; a
+format with `separate_tubelets` writes each as its own one-tubelet video with text around it.
+`tubelet_time` is the time a narration writes before a tubelet.
 - `ImageSequenceFormat` replaces each begin marker the template renders by
   `before + begin + placeholder + end + after` (e.g. `\n\n<start_of_image>` + soft tokens +
   `<end_of_image>\n\n`, as a transformers processor expands it; the newlines may merge with
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,6 +59,22 @@ class MarkerTexts:
 @dataclass(frozen=True)
 class PromptFormat:
     """The template writes one placeholder token per media part; nothing to expand."""
+
+    # whether a live stream's tubelet is its own one-tubelet video item (coordinates from
+    # t = 0 in a (1, h, w) grid) rather than the next step of the stream's one logical video
+    separate_tubelets: ClassVar[bool] = False
+
+    def stream_tubelet(
+        self, tubelet: MultiModalItem, markers: MarkerTexts | None
+    ) -> tuple[str, str]:
+        """The text before and after a live stream tubelet's placeholders: none, its tokens
+        join the stream's one video."""
+        return "", ""
+
+    def tubelet_time(self, tubelet: MultiModalItem) -> float:
+        """The time, in seconds, a narration writes before a one-tubelet video item: its
+        first frame's (0.0 without timestamps)."""
+        return tubelet.timestamps[0] if tubelet.timestamps else 0.0
 
     def expand(
         self, text: str, items: Sequence[MultiModalItem], markers: MarkerTexts | None

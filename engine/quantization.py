@@ -14,8 +14,9 @@ layout: `scale = max|w| / 127` over the channel, `q = round_half_even(w / scale)
 ±127 (a zero channel has scale 0 and q 0), and `w ≈ q * scale`. `plan_formats` decides which
 tensors it covers: every matrix of a product (`nn.Linear` weights, patch-embedding convolutions
 as `[out, in * kernel]`) plus the ones a model names (token embeddings, bare projection
-parameters), each with the axis of its output channels. `lm_head` in `skip` keeps the LM head
-(and a tied table, which is the head) in `dtype`.
+parameters), each with the axis of its output channels; a stack of experts' matrices is
+quantized matrix by matrix, a scale per expert and output channel. `lm_head` in `skip` keeps
+the LM head (and a tied table, which is the head) in `dtype`.
 """
 
 from __future__ import annotations
@@ -144,12 +145,15 @@ class Conversion(NamedTuple):
     `axis`), rounded through `through` first when set (a vector rounded to the stored dtype,
     kept in the compute dtype); `head`: an LM head table `[vocab, hidden]`, laid out at load as
     `layers.head_layout` keeps it (panels on CPU where the vocabulary is whole panels, int8
-    quad panels where they fit, else the `[rows, cols]` view of a contiguous `[cols, rows]`)."""
+    quad panels where they fit, else the `[rows, cols]` view of a contiguous `[cols, rows]`);
+    `stacked`: the tensor is a stack of matrices `[E, ...]` (experts), each quantized on its
+    own, a scale per matrix and output channel (`[E, shape[axis]]`)."""
 
     dtype: torch.dtype
     axis: int | None = None
     through: torch.dtype | None = None
     head: bool = False
+    stacked: bool = False
 
 
 def checkpoint_dtype(folder: str | Path) -> torch.dtype:
@@ -184,11 +188,13 @@ def plan_formats(
     matmuls: Mapping[str, int],
     unquantized: Collection[str] = (),
     heads: Collection[str] = (),
+    stacks: Collection[str] = (),
 ) -> dict[str, Conversion]:
     """A `Conversion` for every state tensor of `module` (a checkpoint-named layout): the
     `matmuls` (name -> output axis, see `matmul_weights`) in the stored dtype or int8 (but for
-    `unquantized`), the `heads` laid out as LM heads; everything else rounded to the stored
-    dtype and kept in the compute dtype."""
+    `unquantized`), the `heads` laid out as LM heads, the `stacks` (of `matmuls`: stacked
+    experts) quantized matrix by matrix; everything else rounded to the stored dtype and kept
+    in the compute dtype."""
     stored, compute = weight_format.stored_dtype, weight_format.compute_dtype
     assert compute is not None, "resolve the format against its checkpoint first"
     plan = {}
@@ -201,6 +207,7 @@ def plan_formats(
             torch.int8 if quantized else stored,
             matmuls[name] if quantized else None,
             head=name in heads,
+            stacked=name in stacks,
         )
     return plan
 
@@ -217,6 +224,13 @@ def quantize_int8(weight: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.
     shape[axis] = -1
     ratio = values.div_(scale.view(shape)).nan_to_num_(nan=0.0)  # 0 / 0 in a zero channel: q = 0
     return ratio.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def quantize_stack(stack: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stack of matrices `[E, ...]` as int8, each quantized on its own per output channel
+    along `axis` of the stack (`quantize_int8`), and the scales `[E, stack.shape[axis]]`."""
+    parts = [quantize_int8(matrix, axis - 1) for matrix in stack]
+    return torch.stack([q for q, _ in parts]), torch.stack([scale for _, scale in parts])
 
 
 def row_blocks(num_rows: int, row_elements: int, unit: int = 1) -> Iterator[slice]:

@@ -18,6 +18,7 @@
  *   GATED_MLP  gate|up = x @ Wgu -> y = (act(gate) * up) @ Wdown, act SiLU or tanh GELU
  *   MLP, MOE, MAMBA2  see `cpu_hybrid_kinds.h`: relu² MLP, mixture of experts (only the
  *              experts a row routes to are read), Mamba2's one-token state update
+ *   SOFTMAX_MOE  see `cpu_moe_kinds.h`: softmax-routed gated experts in place of an MLP
  *
  * The kernel reads only the description: which kind each block is, its weights and options.
  * A new kind is a struct beside `Attention`, its functions beside `attention`'s (check,
@@ -43,7 +44,7 @@
 #define MAX_BLOCK 256
 #define MAX_TABLES 2
 
-enum kind { ATTENTION = 1, GATED_MLP = 2, MLP = 3, MOE = 4, MAMBA2 = 5 };
+enum kind { ATTENTION = 1, GATED_MLP = 2, MLP = 3, MOE = 4, MAMBA2 = 5, SOFTMAX_MOE = 6 };
 enum activation { NO_ACTIVATION = 0, SILU = 1, GELU_TANH = 2, RELU2 = 3 };
 
 typedef struct {
@@ -397,19 +398,25 @@ static size_t gated_mlp_floats(const void *params, const Step *step) {
     return (size_t)step->rows * ((const GatedMlp *)params)->gate_up.out;
 }
 
-static void gated_mlp(const Context *c, const void *params, const float *out_norm) {
-    const GatedMlp *m = params;
-    int rows = c->step->rows, I = m->down.in, begin, end;
-    float *gate_up = c->work;
-    linear(c->normed, c->model->hidden, rows, &m->gate_up, NULL, gate_up, c->partials);
-    /* act(gate) * up into the gate half of each row */
+/* act(gate) * up into the gate half of each of `rows` rows `gate_up` [rows, 2 * I] (gate
+ * columns, then up), this thread's share of them, then a barrier. */
+static void gate_rows(float *gate_up, int rows, int I, int activation) {
+    int begin, end;
     share(rows * I, omp_get_num_threads(), omp_get_thread_num(), &begin, &end);
     for (int unit = begin; unit < end; unit++) {
         float *row = gate_up + (size_t)(unit / I) * 2 * I;
         int col = unit % I;
-        row[col] = activate(m->activation, row[col]) * row[I + col];
+        row[col] = activate(activation, row[col]) * row[I + col];
     }
     region_barrier();
+}
+
+static void gated_mlp(const Context *c, const void *params, const float *out_norm) {
+    const GatedMlp *m = params;
+    int rows = c->step->rows, I = m->down.in;
+    float *gate_up = c->work;
+    linear(c->normed, c->model->hidden, rows, &m->gate_up, NULL, gate_up, c->partials);
+    gate_rows(gate_up, rows, I, m->activation);
     residual_projection(c, gate_up, (size_t)2 * I, &m->down, out_norm, NULL);
 }
 
@@ -458,6 +465,7 @@ static int gated_mlp_fits(const void *params, const Step *step) {
 }
 
 #include "cpu_hybrid_kinds.h"
+#include "cpu_moe_kinds.h"
 
 /* What the kernel does with a block of each kind: every kind is one row here. */
 typedef struct {
@@ -474,6 +482,8 @@ static const KindOps KINDS[] = {
     [MLP] = {mlp_check, gated_mlp_fits, mlp_floats, mlp_widest, mlp},
     [MOE] = {moe_check, gated_mlp_fits, moe_floats, moe_widest, moe},
     [MAMBA2] = {mamba2_check, mamba2_fits, mamba2_floats, mamba2_widest, mamba2},
+    [SOFTMAX_MOE] = {softmax_moe_check, gated_mlp_fits, softmax_moe_floats, softmax_moe_widest,
+                     softmax_moe},
 };
 
 static const KindOps *kind_ops(int kind) {

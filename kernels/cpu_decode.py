@@ -52,6 +52,7 @@ from stillcut.kernels.cpu_decode_stack import (
     Mamba2,
     Mlp,
     Moe,
+    SoftmaxMoe,
     Stack,
     is_packed,
     is_quads,
@@ -62,7 +63,9 @@ from stillcut.kernels.cpu_decode_stack import (
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
-HEADERS = (SOURCE.with_name("cpu_linear.h"), SOURCE.with_name("cpu_hybrid_kinds.h"))
+HEADERS = tuple(
+    SOURCE.with_name(name) for name in ("cpu_linear.h", "cpu_hybrid_kinds.h", "cpu_moe_kinds.h")
+)
 KV_FORMATS = (torch.float32, torch.bfloat16)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 16  # past this many rows a step is a gemm, torch's own territory
@@ -125,6 +128,15 @@ class _Moe(ctypes.Structure):
         )),
         ("scaling", ctypes.c_float),
     ]  # fmt: skip
+
+
+class _SoftmaxMoe(ctypes.Structure):
+    _fields_ = [
+        ("router", _Matrix),
+        ("experts_gate_up", ctypes.c_void_p),
+        ("experts_down", ctypes.c_void_p),
+        *((name, ctypes.c_int32) for name in ("num_experts", "top_k", "activation")),
+    ]
 
 
 class _Mamba2(ctypes.Structure):
@@ -781,6 +793,17 @@ def _moe_params(decoder: CpuDecoder, mixer: Moe) -> _Moe:
     )
 
 
+def _softmax_moe_params(decoder: CpuDecoder, mixer: SoftmaxMoe) -> _SoftmaxMoe:
+    return _SoftmaxMoe(
+        decoder._matrix(mixer.router),
+        _experts(decoder, mixer.experts_gate_up_weight, mixer.experts_gate_up_scale),
+        _experts(decoder, mixer.experts_down_weight, mixer.experts_down_scale),
+        mixer.num_experts,
+        mixer.top_k,
+        mixer.activation,
+    )
+
+
 def _mamba2_params(decoder: CpuDecoder, mixer: Mamba2) -> _Mamba2:
     vectors = (
         mixer.in_proj_bias, mixer.out_proj_bias, mixer.conv_weight.contiguous(), mixer.conv_bias,
@@ -805,6 +828,7 @@ _PARAMS = {
     Kind.GATED_MLP: _gated_mlp_params,
     Kind.MLP: _mlp_params,
     Kind.MOE: _moe_params,
+    Kind.SOFTMAX_MOE: _softmax_moe_params,
     Kind.MAMBA2: _mamba2_params,
 }
 

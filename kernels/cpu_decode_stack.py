@@ -4,7 +4,8 @@ Every block is `hidden += [out_norm](mixer(norm(hidden)))`: an RMSNorm in, one m
 optional RMSNorm on what it adds (sandwich norms). The mixer's type is the block's kind; the
 kernel dispatches on it and never on a model family. A dense decoder layer is two blocks,
 `Attention` then `GatedMlp`; a hybrid whose layers are one mixer each is one block per layer (a
-hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`). A new kind is a mixer class here
+hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`; a layer's softmax-routed gated
+experts, `SoftmaxMoe`, in place of its MLP). A new kind is a mixer class here
 (with its `kind`), its struct and converter in `cpu_decode`, and its case in `cpu_decode.c` (or
 `cpu_hybrid_kinds.h`). Weights are `[in, out]` matrices in a stored format (`FORMATS`):
 float32 in either memory order (see `engine.models.matmul.matmul_layout`), bfloat16, float16 or
@@ -43,6 +44,7 @@ class Kind(IntEnum):
     MLP = 3
     MOE = 4
     MAMBA2 = 5
+    SOFTMAX_MOE = 6
 
 
 class Activation(IntEnum):
@@ -340,8 +342,20 @@ class Mlp:
         return matrix_shape(self.up_weight)[0]
 
 
+class _Routed:
+    """What a mixture of experts reads off its `router` `[hidden, E]`."""
+
+    @property
+    def hidden(self) -> int:
+        return self.router.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.shape[1]
+
+
 @dataclass(frozen=True, eq=False)
-class Moe:
+class Moe(_Routed):
     """A mixture of experts with sigmoid routing and grouped top-k choice: `sigmoid(x @
     router)` scores; `scores + correction_bias` choose `top_k` experts among the best
     `kept_groups` of `num_groups` groups (each rated by its two best), the unbiased scores
@@ -404,13 +418,42 @@ class Moe:
             if weight is not None:
                 _check_weight(f"{name}_weight", weight, scale, len(matrix_shape(weight)) - 1)
 
-    @property
-    def hidden(self) -> int:
-        return self.router.shape[0]
 
-    @property
-    def num_experts(self) -> int:
-        return self.router.shape[1]
+@dataclass(frozen=True, eq=False)
+class SoftmaxMoe(_Routed):
+    """A mixture of gated experts with softmax routing: `softmax(x @ router)` over all experts
+    (float32), the `top_k` best taken and their probabilities renormalised to sum 1; each
+    expert `(act(x @ W_gate) * (x @ W_up)) @ W_down`, gate and up fused side by side; no
+    shared expert. Only the experts a row routes to are read."""
+
+    kind: ClassVar[Kind] = Kind.SOFTMAX_MOE
+    router: torch.Tensor  # [hidden, E] float32
+    experts_gate_up_weight: torch.Tensor  # [E, hidden, 2 mid]: gate, up columns
+    experts_down_weight: torch.Tensor  # [E, mid, hidden]
+    top_k: int
+    activation: Activation = Activation.SILU
+    experts_gate_up_scale: torch.Tensor | None = None  # [E, 2 mid]: int8 experts' scales
+    experts_down_scale: torch.Tensor | None = None  # [E, hidden]
+
+    def __post_init__(self) -> None:
+        num_experts, hidden, width = matrix_shape(self.experts_gate_up_weight)
+        if not 1 <= self.top_k <= num_experts:
+            raise ValueError(f"top_k={self.top_k} must lie in [1, {num_experts}]")
+        if Activation(self.activation) not in (Activation.SILU, Activation.GELU_TANH):
+            raise ValueError(
+                f"activation={self.activation!r}: a gated expert takes SILU or GELU_TANH"
+            )
+        if not (
+            self.experts_gate_up_weight.is_contiguous() and self.experts_down_weight.is_contiguous()
+        ):
+            raise ValueError("expert weights must be contiguous stacks of [in, out] matrices")
+        _check_shape("router", self.router, hidden, num_experts)
+        _check_shape(
+            "experts_down_weight", self.experts_down_weight, num_experts, width // 2, hidden
+        )
+        for name in ("experts_gate_up", "experts_down"):
+            weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
+            _check_weight(f"{name}_weight", weight, scale, 2)
 
 
 @dataclass(frozen=True, eq=False)
@@ -481,7 +524,7 @@ class Mamba2:
         return conv, (self.num_heads, head_dim, self.state_size)
 
 
-Mixer = Attention | GatedMlp | Mlp | Moe | Mamba2
+Mixer = Attention | GatedMlp | Mlp | Moe | SoftmaxMoe | Mamba2
 
 
 @dataclass(frozen=True, eq=False)

@@ -193,6 +193,19 @@ static size_t moe_floats(const void *params, const Step *step) {
            rows * (W + H) + partials;
 }
 
+/* The `k` experts of the largest `choice` [E] (ties to the lower id), largest first. */
+static void top_experts(const float *choice, int E, int k, int32_t *ids) {
+    uint8_t taken[E];
+    memset(taken, 0, sizeof taken);
+    for (int j = 0; j < k; j++) {
+        int top = -1;
+        for (int e = 0; e < E; e++)
+            if (!taken[e] && (top < 0 || choice[e] > choice[top])) top = e;
+        taken[top] = 1;
+        ids[j] = top;
+    }
+}
+
 /* A row's `top_k` experts (`ids`) and their weights, from its router output `logits`. */
 static void route_row(const Moe *m, const float *logits, int32_t *ids, float *weights) {
     int E = m->num_experts, per_group = E / m->num_groups;
@@ -222,17 +235,9 @@ static void route_row(const Moe *m, const float *logits, int32_t *ids, float *we
         for (int e = 0; e < E; e++)
             if (!kept[e / per_group]) choice[e] = -INFINITY;
     }
-    uint8_t taken[E];
-    memset(taken, 0, sizeof taken);
+    top_experts(choice, E, m->top_k, ids);
     float total = 0.0f;
-    for (int k = 0; k < m->top_k; k++) {
-        int top = -1;
-        for (int e = 0; e < E; e++)
-            if (!taken[e] && (top < 0 || choice[e] > choice[top])) top = e;
-        taken[top] = 1;
-        ids[k] = top, weights[k] = scores[top];
-        total += weights[k];
-    }
+    for (int k = 0; k < m->top_k; k++) total += weights[k] = scores[ids[k]];
     for (int k = 0; k < m->top_k; k++)
         weights[k] = (m->normalize ? weights[k] / (total + 1e-20f) : weights[k]) * m->scaling;
 }
@@ -249,22 +254,25 @@ static void group_pairs(const int32_t *ids, int pairs, int E, int *slot, int *st
     for (int p = 0; p < pairs; p++) slot[p] = next[ids[p]]++;
 }
 
-/* The products of one phase: each routed expert's (`weights` of every expert, `x` and `y`
- * grouped by expert, `in` and `out` wide) and the shared expert's, their partial sums one
- * after another in `partials`; returns how many. */
-static int expert_products(const Moe *m, const Matrix *weights, const int *start, const float *x,
-                           int in, float *y, int out, Product shared, float *partials,
-                           int threads, Product *jobs) {
+/* The products of one phase: each of the `num_experts` routed experts' (`weights` of every
+ * expert; `x` and `y` grouped by expert, rows `x_stride` and `out` floats apart, `y` `out`
+ * wide) and the `shared` expert's (NULL: none), their partial sums one after another in
+ * `partials`; returns how many. */
+static int expert_products(int num_experts, const Matrix *weights, const int *start,
+                           const float *x, size_t x_stride, float *y, int out,
+                           const Product *shared, float *partials, int threads, Product *jobs) {
     int count = 0;
-    for (int e = 0; e < m->num_experts; e++) {
+    for (int e = 0; e < num_experts; e++) {
         int rows = start[e + 1] - start[e];
         if (!rows) continue; /* an expert no row chose is not read */
-        jobs[count++] = (Product){x + (size_t)start[e] * in, in, rows, weights + e,
+        jobs[count++] = (Product){x + (size_t)start[e] * x_stride, x_stride, rows, weights + e,
                                   y + (size_t)start[e] * out, partials};
         partials += (size_t)threads * rows * out;
     }
-    shared.partials = partials;
-    jobs[count++] = shared;
+    if (shared) {
+        jobs[count] = *shared;
+        jobs[count++].partials = partials;
+    }
     return count;
 }
 
@@ -303,7 +311,7 @@ static void moe(const Context *c, const void *params, const float *out_norm) {
                sizeof(float) * (end - begin));
     Product jobs[E + 1];
     Product shared_up = {c->normed, H, rows, &m->shared.up, shared_mid, NULL};
-    int count = expert_products(m, m->experts_up, start, routed_in, W, routed_mid, M, shared_up,
+    int count = expert_products(E, m->experts_up, start, routed_in, W, routed_mid, M, &shared_up,
                                 up_partials, threads, jobs);
     products_band(jobs, count);
     products_columns(jobs, count);
@@ -311,7 +319,7 @@ static void moe(const Context *c, const void *params, const float *out_norm) {
     activate_columns(shared_mid, rows, S, m->shared.up_bias, m->shared.activation);
     if (m->shared.down.out_in) region_barrier(); /* an [out, in] weight reads every column */
     Product shared_down = {shared_mid, S, rows, &m->shared.down, shared_out, NULL};
-    count = expert_products(m, m->experts_down, start, routed_mid, M, routed_out, W, shared_down,
+    count = expert_products(E, m->experts_down, start, routed_mid, M, routed_out, W, &shared_down,
                             down_partials, threads, jobs);
     products_band(jobs, count);
     products_columns(jobs, count);

@@ -185,13 +185,17 @@ class AsyncEngine:
                 self._post(_Command(lambda: self._abort_now(request_id)))
 
     async def extend_held(
-        self, request_id: str, token_ids: Sequence[int], mm_items: Sequence[MultiModalItem] = ()
+        self,
+        request_id: str,
+        new_input: Prompt | Sequence[int],
+        mm_items: Sequence[MultiModalItem] = (),
     ) -> RequestOutput:
-        """Extend a held prefix and wait until the new tokens are prefilled ("held" output)."""
+        """Extend a held prefix (`LLMEngine.append_input`'s input) and wait until the new
+        tokens are prefilled ("held" output)."""
         stream = _Stream(asyncio.get_running_loop())
 
         def extend() -> None:
-            self.engine.append_input(request_id, token_ids, mm_items)
+            self.engine.append_input(request_id, new_input, mm_items)
             self._streams[request_id] = stream
 
         await self._submit(extend)

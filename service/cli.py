@@ -65,14 +65,32 @@ def add_video_arguments(parser: argparse.ArgumentParser, *, frame_caps: bool = T
     parser.add_argument("--min-pixels", type=int, help="pixel budget: fewest pixels per frame")
     parser.add_argument("--max-pixels", type=int, help="pixel budget: most pixels per frame")
     parser.add_argument(
+        "--pixel-budget",
+        type=_budget_value,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="any pixel budget option the model's family takes, e.g. total_pixels=4194304 "
+        "(repeatable)",
+    )
+    parser.add_argument(
         "--max-video-tokens", type=int, help="refuse videos that would keep more tokens"
     )
     add_evs_arguments(parser)
 
 
+def _budget_value(text: str) -> tuple[str, int]:
+    name, _, value = text.partition("=")
+    try:
+        return name, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be NAME=INTEGER") from None
+
+
 def video_options(args: argparse.Namespace) -> dict:
     """`VideoInput`'s per-video options from `add_video_arguments`' flags."""
     budget = {"min_pixels": args.min_pixels, "max_pixels": args.max_pixels}
+    budget |= dict(args.pixel_budget)
     options = {
         "start": args.start,
         "end": args.end,

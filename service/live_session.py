@@ -3,8 +3,11 @@
 The stream is one logical video. Every second frame completes a tubelet: preprocessed as
 `preprocess_video` treats the whole clip, encoded by the tower off the event loop, pruned by
 threshold-mode EVS (causal, so streamed equals whole) and appended to a prefix the engine holds.
-Tubelet k is its own item: its kept tokens carry t = k and it claims the grid so far
-(k + 1, h, w), so the held tokens are those of the whole clip as one video. A question forks an
+Tubelet k is its own item, written as the family's prompt format writes a stream's tubelets
+(`PromptProcessor.stream_input`): either its kept tokens carry t = k and it claims the grid so
+far (k + 1, h, w), so the held tokens are those of the whole clip as one video; or (a format
+with `separate_tubelets`) it is its own one-tubelet video (t = 0 in a (1, h, w) grid) with its
+own text around it, as the processor writes each tubelet of a whole clip. A question forks an
 ordinary request: the held tokens, a pending odd frame padded to a tubelet for this answer
 only, then `<|vision_end|>` and the question, so only the question is left to prefill.
 """
@@ -104,6 +107,7 @@ class LiveSession:
         self._held_id = f"{session_id}-held"
         self._lock = asyncio.Lock()  # frames, asks' snapshots and close take turns
         self._processor = engine.engine.processor  # tokenizing is safe beside the engine thread
+        self._separate_tubelets = self._processor.family.prompt_format.separate_tubelets
         self._frame_size: tuple[int, int] | None = None  # (height, width) of the first frame
         self._num_frames = 0
         self._last_timestamp = -math.inf
@@ -219,6 +223,9 @@ class LiveSession:
             pruner = copy.deepcopy(self._pruner)
         index = pruner.num_tubelets
         result = pruner.push(embeds)
+        coords, grid_t = result.kept_coords, index + 1  # [num_kept, 3], t = index
+        if self._separate_tubelets:
+            coords, grid_t = coords * coords.new_tensor([0, 1, 1]), 1
         # the identifier chains the stream so far: what EVS kept here depends on all of it
         params = {"kind": "live", "previous": self._chain, "fps": self.options.fps}
         key = media_key(self._pipeline.model_key, frames, params)
@@ -227,8 +234,8 @@ class LiveSession:
             embeds=embeds[result.kept_index],  # [num_kept, hidden]
             # extra feature sets (the draft model's among them) at the tokens EVS kept
             features=select_rows(output.features, result.kept_index),
-            coords=result.kept_coords,  # [num_kept, 3], t = index
-            grid_thw=(index + 1, height, width),  # the logical video's grid so far
+            coords=coords,
+            grid_thw=(grid_t, height, width),  # the logical video's grid so far, or its own
             merge_size=merge,
             second_per_grid_ts=prepared.second_per_grid_ts,
             timestamps=timestamps,
@@ -262,14 +269,18 @@ class LiveSession:
                 async with aclosing(stream):
                     async for _ in stream:
                         pass
-            elif item.num_tokens:  # a held prefix cannot grow by 0 tokens: it waits for one
-                pads = [self._processor.special.video_token_id] * item.num_tokens
-                await self._engine.extend_held(self._held_id, pads, new_items)
+                num_held_tokens = len(prefix.token_ids)
+            else:
+                new_input = self._processor.stream_input(new_items)
+                num_held_tokens = len(new_input.token_ids)
+                # a held prefix cannot grow by 0 tokens: bare empty tubelets wait for one
+                if num_held_tokens:
+                    await self._engine.extend_held(self._held_id, new_input)
         except _ENGINE_LIMITS as error:
             raise LiveLimitExceeded(f"the stream is too long for this engine: {error}") from error
         self._items.append(item)
         self._chain = item.identifier
-        if item.num_tokens:
+        if num_held_tokens:
             self._num_held_items = len(self._items)
 
     async def _release(self) -> None:

@@ -3,12 +3,12 @@
 Frames arrive, are checked and become tubelets exactly as in a question-answer `LiveSession`
 (threshold EVS whose reference carries from tubelet to tubelet; EVS off is the same pruner
 keeping every token), but each tubelet is its own one-tubelet video (t = 0, grid (1, h, w)).
-A speaker task appends ready tubelets to one streaming request (its timestamp text, then the
-tubelet, `PromptProcessor.narration_input`) and streams the segment the model says about it; each
-`segment` message says how many of its video tokens EVS kept (`kept_tokens`), how many tokens
-were prefilled for it (`prefill_tokens`: those, their wrapper and the last segment's final
-token) and how long
-after its tubelet's last frame arrived its first token came (`lag_s`).
+A speaker task appends ready tubelets to one streaming request (its time as the family writes
+it, `PromptProcessor.tubelet_time`, then the tubelet, `PromptProcessor.narration_input`) and
+streams the segment the model says about it; each `segment` message says how many of its
+video tokens EVS kept (`kept_tokens`), how many tokens were prefilled for it
+(`prefill_tokens`: those, their wrapper and the last segment's final token) and how long after
+its tubelet's last frame arrived its first token came (`lag_s`).
 Under lag `queue` every tubelet is appended in order; under `latest` the speaker skips to the
 newest and reports how many it skipped. A tubelet EVS emptied is not appended. When the next
 append would pass `max_context_tokens` or the engine's `max_visual_tokens_per_request`, the
@@ -28,18 +28,13 @@ import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
-
-import numpy as np
-import torch
 
 from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
 from stillcut.engine.llm_engine import StepFailed
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.processor import Prompt
 from stillcut.engine.request import PlaceholderRange
-from stillcut.kernels.evs import ThresholdPruner
 from stillcut.service.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestAborted
 from stillcut.service.errors import step_failed
 from stillcut.service.live_options import LiveLimitExceeded
@@ -94,6 +89,7 @@ class Narration(LiveSession):
                 f"engine's max_model_len={max_model_len}); allowed: fewer than {self._max_context}"
             )
         self._emit = emit
+        self._separate_tubelets = True  # each tubelet is its own video: t = 0, grid (1, h, w)
         # ready tubelets, each with when its last frame arrived (monotonic seconds)
         self._ready: collections.deque[tuple[MultiModalItem, float]] = collections.deque()
         self._frame_arrived_at = 0.0
@@ -126,14 +122,6 @@ class Narration(LiveSession):
         await self._idle.wait()
 
     # ---- tubelets ------------------------------------------------------------------------------
-
-    async def _tubelet(
-        self, frames: np.ndarray, timestamps: tuple[float, ...]
-    ) -> tuple[MultiModalItem, ThresholdPruner]:
-        """As a live session's, but the tubelet is its own video: t = 0 in a (1, h, w) grid."""
-        item, pruner = await super()._tubelet(frames, timestamps)
-        coords = item.coords * torch.tensor([0, 1, 1])  # [num_kept, 3]
-        return replace(item, coords=coords, grid_thw=(1, *item.grid_thw[1:])), pruner
 
     async def _commit(self, item: MultiModalItem) -> None:
         # no list of every tubelet: what outlives speaking is the rollover window (`_kept`)
@@ -216,7 +204,7 @@ class Narration(LiveSession):
                 lambda: processor.segment_end_token_ids(self.options.segment_end)
             )
             self._params = self.options.sampling(ends)
-        new_ids = processor.narration_input(item, item.timestamps[0])
+        new_ids = processor.narration_input(item, processor.tubelet_time(item))
         self._keep_window(item)
         room = self._max_context - self.options.max_tokens_per_segment
         fits = (
@@ -274,11 +262,13 @@ class Narration(LiveSession):
 
     def _window_prompt(self) -> Prompt:
         processor, items = self._processor, list(self._kept)
-        first = processor.narration_prompt(self.options.prompt, items[0], items[0].timestamps[0])
+        first = processor.narration_prompt(
+            self.options.prompt, items[0], processor.tubelet_time(items[0])
+        )
         token_ids, positions = list(first.token_ids), list(first.mm_positions)
         pad = processor.special.video_token_id
         for item in items[1:]:
-            ids = processor.narration_input(item, item.timestamps[0])
+            ids = processor.narration_input(item, processor.tubelet_time(item))
             positions.append(PlaceholderRange(len(token_ids) + ids.index(pad), item.num_tokens))
             token_ids += ids
         return Prompt(token_ids, items, positions)

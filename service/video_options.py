@@ -2,8 +2,9 @@
 
 `fps`, `max_frames`, `num_frames` (exactly that many, evenly), `start`, `end`, the pixel budget
 the model family's processor takes (its entry's `pixel_budget` names, such as
-`min_pixels`, `max_pixels`), `max_video_tokens` (a total for the request's videos) and
-`resize` ("exact", as the model's processor resizes; "fast", FFmpeg's scaler at decode). Values
+`min_pixels`, `max_pixels`: integers, a switch among them also a JSON boolean),
+`max_video_tokens` (a total for the request's videos) and `resize` ("exact", as the model's
+processor resizes; "fast", FFmpeg's scaler at decode). Values
 arrive typed (JSON) or as text (forms, query strings); each is checked where it is parsed,
 with a 400 that names it, and the sampling ones under the server's ceilings.
 """
@@ -87,9 +88,15 @@ def parse_video_options(values: Mapping[str, Any], where: str = "") -> VideoOpti
     """The video options among `values` (other keys are left alone), typed and checked."""
     typed = {
         name: _typed(values[name], kind, f"{where}{name}")
-        for name, kind in (*SAMPLING_OPTIONS.items(), *((n, int) for n in pixel_option_names()))
+        for name, kind in SAMPLING_OPTIONS.items()
         if values.get(name) not in (None, "")
     }
+    for name in pixel_option_names():
+        value = values.get(name)
+        if isinstance(value, bool):  # a budget's switch (e.g. cap_pixels_per_frame) as JSON
+            typed[name] = int(value)
+        elif value not in (None, ""):
+            typed[name] = _typed(value, int, f"{where}{name}")
     for name in ("start", "end"):
         if name in typed and typed[name] < 0:
             raise bad_request(f"{where}{name}={typed[name]:g} must be >= 0", "invalid_parameter")

@@ -88,6 +88,7 @@ def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
     }
     for modules in found["families"].values():
         assert all(module.startswith("stillcut.engine.models.") for module in modules), modules
-    assert {"cpu_decode.c", "cpu_linear.h", "cpu_hybrid_kinds.h"} <= set(found["c_sources"])
+    headers = {"cpu_linear.h", "cpu_hybrid_kinds.h", "cpu_moe_kinds.h"}
+    assert {"cpu_decode.c", *headers} <= set(found["c_sources"])
     demo = Path(found["demo"])
     assert str(demo).startswith(str(site_folder)) and (demo / "model.safetensors").is_file()

@@ -266,8 +266,9 @@ class VisionPipeline:
         return key, spec_source if params["kind"] == "video" else data
 
     def _video_preprocess_key(self, spec: VideoInput) -> str:
-        if spec.pixels:
-            return self.media_with(spec.pixels).video_preprocess.key()
+        if spec.pixels:  # the budget in force: a family may keep part of it beside the config
+            media = self.media_with(spec.pixels)
+            return f"{media.video_preprocess.key()} {sorted(media.pixel_budget().items())}"
         return self.video_preprocess.key()
 
     def media_with(self, pixels: tuple[tuple[str, int], ...]):

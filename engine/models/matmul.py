@@ -167,6 +167,22 @@ def stored_matrix(
     return StoredMatrix(weight, scale, native=native, arithmetic=arithmetic)
 
 
+def expert_matrices(
+    module: nn.Module, names: tuple[str, ...], arithmetic: torch.dtype | None = None
+) -> list[tuple[StoredMatrix, ...]]:
+    """Per expert, its matrices from the stacks `module.<name>` (experts' `[E, in, out]`,
+    packed ones too; int8 with `<name>_scale` `[E, out]`), prepared for `linear`
+    (`stored_matrix`), long batches computing in `arithmetic`."""
+    stacks = [(getattr(module, name), scale_of(module, name)) for name in names]
+    return [
+        tuple(
+            stored_matrix(weights[e], None if scales is None else scales[e], arithmetic=arithmetic)
+            for weights, scales in stacks
+        )
+        for e in range(stacks[0][0].shape[0])
+    ]
+
+
 def scale_of(module: nn.Module, name: str) -> torch.Tensor | None:
     """The per-column scales of `module.<name>` when it is int8 (`<name>_scale`), else None."""
     return getattr(module, f"{name}_scale", None)

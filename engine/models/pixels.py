@@ -35,6 +35,28 @@ def check_int_fields(config: Any, names: Iterable[str], minimum: int = 1) -> Non
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def check_budget_values(values: Mapping[str, Any], ranges: Mapping[str, tuple[int, int]]) -> None:
+    """Raise ValueError unless each value in `values` is an integer in its name's range
+    `ranges[name]` (both ends allowed)."""
+    for name, value in values.items():
+        low, high = ranges[name]
+        if not (isinstance(value, int) and not isinstance(value, bool) and low <= value <= high):
+            raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def pixel_bounds(
+    low: int | None, high: int | None, current: tuple[int, int], names: tuple[str, str]
+) -> tuple[int, int]:
+    """A request's (low, high) pixel bounds over the `current` ones, as processors take them:
+    a bound given alone (the other None) moves the current other where it would cross it;
+    two given must not cross (ValueError with their `names`)."""
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"{names[0]}={low} must be <= {names[1]}={high}")
+    if low is not None:
+        return low, max(current[1], low) if high is None else high
+    return (current[0], current[1]) if high is None else (min(current[0], high), high)
+
+
 def check_rgb_fields(config: Any, names: Iterable[str]) -> None:
     """Raise ValueError unless every field in `names` is a tuple of 3 finite floats, positive
     for a field whose name ends in `std` (it divides)."""

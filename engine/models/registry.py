@@ -76,10 +76,11 @@ class ModelFamily:
     the media class (built from `(checkpoint folder, model_config)`, it preprocesses frames and
     encodes batches). `weight_prefixes` maps stored tensor-name prefixes to the canonical
     `visual.` / `language_model.` / `lm_head.` ones. `narration_timestamp` is the text a
-    narration writes before each tubelet (`{t}`: its first frame's time in seconds), which
-    then follows as its own one-tubelet video between the vision markers; None: the family
-    does not narrate. `checkpoints` ("module:attribute", None: the family builds none) names
-    the family's `factory.recipe.CheckpointRecipe`, which writes its tiny test checkpoints.
+    narration writes before each tubelet (`{t}`: its time in seconds, as the prompt format's
+    `tubelet_time` gives it), which then follows as its own one-tubelet video between the
+    vision markers; None: the family does not narrate. `checkpoints` ("module:attribute",
+    None: the family builds none) names the family's `factory.recipe.CheckpointRecipe`, which
+    writes its tiny test checkpoints.
     `pixel_budget` names the per-request video pixel options the family's
     processor takes (such as `min_pixels`, `max_pixels`); its media class then has
     `pixel_budget()` (the values in force) and `with_pixel_budget(**values)` (a media with a

@@ -6,25 +6,37 @@ to sum 1 over the chosen ones, then cast back to the compute dtype. Each expert 
 `down(silu(gate(x)) * up(x))`; there is no shared expert (unlike the sigmoid-routed, group-
 limited relu² kind a hybrid family keeps in its own folder). Checkpoints store the experts as
 3-D tensors, `gate_up_proj` `[E, 2I, H]` (gate rows then up rows) and `down_proj` `[E, H, I]`;
-they are kept here as `[in, out]` per expert for `linear`. Tokens are grouped by expert once per
-step, so each expert runs one product over all of its tokens and only routed experts' weights
-are read.
+they are kept here in their stored format as `[in, out]` per expert for `linear` (int8 per
+expert and output channel: `expert_stacks` names them to the loader). Tokens are grouped by
+expert once per step, so each expert runs one product over all of its tokens and only routed
+experts' weights are read; the native CPU decode step has the kind (`native_mixer`).
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.matmul import linear
+from stillcut.engine.models.matmul import expert_matrices, linear, scale_of
+from stillcut.kernels import cpu_decode_stack
+from stillcut.kernels.cpu_decode_stack import Activation, pack_matrices
+
+# each stacked tensor of a `StoredExperts` -> the axis of its matrices' output channels
+EXPERT_STACKS = MappingProxyType({"experts.gate_up_proj": 1, "experts.down_proj": 1})
+
+
+class StoredExperts(nn.Module):
+    """A MoE MLP as a checkpoint names it (see `stored_experts`)."""
 
 
 def stored_experts(num_experts: int, hidden: int, intermediate: int) -> nn.Module:
     """A meta-device MoE MLP named as the checkpoint names it: `gate.weight` `[E, H]`,
     `experts.gate_up_proj` `[E, 2I, H]` and `experts.down_proj` `[E, H, I]`."""
     with torch.device("meta"):
-        mlp = nn.Module()
+        mlp = StoredExperts()
         mlp.gate = nn.Module()
         mlp.gate.weight = nn.Parameter(torch.empty(num_experts, hidden))
         mlp.experts = nn.Module()
@@ -33,9 +45,22 @@ def stored_experts(num_experts: int, hidden: int, intermediate: int) -> nn.Modul
     return mlp
 
 
+def expert_stacks(root: nn.Module) -> dict[str, int]:
+    """State name -> output axis of each stacked experts' tensor of the `stored_experts` MLPs
+    under `root`: matrices a model multiplies by, stored and quantized expert by expert."""
+    return {
+        f"{name}.{leaf}": axis
+        for name, module in root.named_modules()
+        if isinstance(module, StoredExperts)
+        for leaf, axis in EXPERT_STACKS.items()
+    }
+
+
 class SoftmaxMoE(nn.Module):
-    """One MoE MLP built from a checkpoint-named one (`stored_experts`): `router` `[E, H]`,
-    `experts_gate_up` `[E, H, 2I]` and `experts_down` `[E, I, H]`, in the compute dtype."""
+    """One MoE MLP built from a checkpoint-named one (`stored_experts`): `router` `[E, H]` in
+    the compute dtype; `experts_gate_up` `[E, H, 2I]` and `experts_down` `[E, I, H]`, each
+    expert's `[in, out]` matrix as stored (packed where it packs, see `pack_matrices`; int8 with
+    scales `[E, 2I]` and `[E, H]`, one per expert and output channel)."""
 
     def __init__(self, stored: nn.Module, top_k: int) -> None:
         super().__init__()
@@ -45,10 +70,19 @@ class SoftmaxMoE(nn.Module):
         self.top_k = top_k
         frozen = {"requires_grad": False}
         self.router = nn.Parameter(stored.gate.weight, **frozen)
-        gate_up = stored.experts.gate_up_proj.transpose(1, 2).contiguous()
-        self.experts_gate_up = nn.Parameter(gate_up, **frozen)
-        down = stored.experts.down_proj.transpose(1, 2).contiguous()
-        self.experts_down = nn.Parameter(down, **frozen)
+        for name, leaf in (("experts_gate_up", "gate_up_proj"), ("experts_down", "down_proj")):
+            stack = getattr(stored.experts, leaf)  # [E, out, in]
+            setattr(self, name, nn.Parameter(pack_matrices([m.T for m in stack]), **frozen))
+            scale = scale_of(stored.experts, leaf)
+            if scale is not None:
+                setattr(self, f"{name}_scale", nn.Parameter(scale, **frozen))
+        self.prepare_projections()
+
+    def prepare_projections(self, arithmetic: torch.dtype | None = None) -> None:
+        """Every expert's pair of matrices prepared for `linear`, long batches computing in
+        `arithmetic`."""
+        names = ("experts_gate_up", "experts_down")
+        self.expert_matrices = expert_matrices(self, names, arithmetic)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert ids `[N, k]` and their weights `[N, k]` (x's dtype) for `x` `[N, H]`."""
@@ -72,9 +106,22 @@ class SoftmaxMoE(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                gate, up = linear(inputs[rows], self.experts_gate_up[expert]).chunk(2, dim=-1)
-                outputs[rows] = linear(F.silu(gate) * up, self.experts_down[expert])
+                gate_up, down = self.expert_matrices[expert]
+                gate, up = linear(inputs[rows], gate_up).chunk(2, dim=-1)
+                outputs[rows] = linear(F.silu(gate) * up, down)
                 start += count
         weighted = outputs * weights.reshape(-1)[order, None]  # [N k, H]
         routed = torch.zeros_like(x).index_add_(0, token_of, weighted)  # as transformers sums
         return residual + routed.to(residual.dtype)
+
+    def native_mixer(self) -> cpu_decode_stack.SoftmaxMoe:
+        """This MLP as a block of the native CPU decode step."""
+        return cpu_decode_stack.SoftmaxMoe(
+            self.router.T,  # [H, E]
+            self.experts_gate_up,
+            self.experts_down,
+            self.top_k,
+            Activation.SILU,
+            experts_gate_up_scale=scale_of(self, "experts_gate_up"),
+            experts_down_scale=scale_of(self, "experts_down"),
+        )

@@ -34,24 +34,21 @@ def hf_greedy_with_margins(
 
 
 def qwen_hf_inputs(pipeline, prompt, specs, family: str) -> dict:
-    """Inputs for transformers' Qwen-VL models: our patches (equal to its processor's) for each
-    of `specs` (the `VideoInput`s and `ImageInput`s of `prompt`'s items, EVS off)."""
+    """Inputs for transformers' Qwen-VL models: for each of `specs` (the `VideoInput`s and
+    `ImageInput`s of `prompt`'s items, EVS off) our patches, equal to its processor's (Qwen3-VL:
+    its video processor's, built by hand, of frames at a size it keeps)."""
     image_token_id = pipeline.model_config.image_token_id
     video_token_id = pipeline.model_config.video_token_id
-    from stillcut.engine.models.qwen2_vl.preprocess import preprocess_image, preprocess_video
     from stillcut.vision.pipeline import VideoInput
 
     videos, grids, seconds, images, image_grids = [], [], [], [], []
     for spec in specs:
-        if isinstance(spec, VideoInput):
-            prepared = preprocess_video(spec.source, spec.frames_fps, pipeline.video_preprocess)
-            videos.append(prepared.patches)
-            grids.append(prepared.grid_thw)
-            seconds.append(prepared.second_per_grid_ts)
-        else:
-            prepared = preprocess_image(spec.source, pipeline.image_preprocess)
-            images.append(prepared.patches)
-            image_grids.append(prepared.grid_thw)
+        is_video = isinstance(spec, VideoInput)
+        patches, grid, second = _qwen_patches(pipeline, spec, is_video, family)
+        (videos if is_video else images).append(patches)
+        (grids if is_video else image_grids).append(grid)
+        if is_video:
+            seconds.append(second)
     input_ids = torch.tensor([prompt.token_ids])
     # transformers computes M-RoPE positions only when told which tokens are media (1: image,
     # 2: video); without them it places every token as text
@@ -66,6 +63,22 @@ def qwen_hf_inputs(pipeline, prompt, specs, family: str) -> dict:
     if images:
         inputs |= {"pixel_values": torch.cat(images), "image_grid_thw": torch.tensor(image_grids)}
     return inputs
+
+
+def _qwen_patches(pipeline, spec, is_video: bool, family: str):
+    """(patches, grid, seconds per grid step) of one video or image, as `qwen_hf_inputs`."""
+    if family.startswith("qwen3_vl"):
+        from .models.qwen3_vl.qwen3_reference import hand_pixels
+
+        frames = spec.source if is_video else spec.source[None]
+        return (*hand_pixels(frames), None)
+    from stillcut.engine.models.qwen2_vl.preprocess import preprocess_image, preprocess_video
+
+    if is_video:
+        prepared = preprocess_video(spec.source, spec.frames_fps, pipeline.video_preprocess)
+    else:
+        prepared = preprocess_image(spec.source, pipeline.image_preprocess)
+    return prepared.patches, prepared.grid_thw, prepared.second_per_grid_ts
 
 
 def prefill_logits(model, prompt) -> torch.Tensor:
@@ -94,6 +107,11 @@ def prefill_logits(model, prompt) -> torch.Tensor:
     )
     kv_caches = [torch.zeros(model.kv_cache_shape(num_blocks, block_size)) for _ in model.layers]
     embeds = torch.cat([item.embeds for item in prompt.items]) if prompt.items else None
+    # the feature sets the model consumes (DeepStack's), row for row with the embeddings
+    features = {
+        name: torch.cat([item.features[name] for item in prompt.items])
+        for name in (model.mm_feature_names if prompt.items else ())
+    }
     with torch.inference_mode():
         hidden = model(
             ids,
@@ -102,5 +120,6 @@ def prefill_logits(model, prompt) -> torch.Tensor:
             metadata,
             mm_embeds=embeds,
             mm_mask=mm_mask if prompt.items else None,
+            mm_features=features or None,
         )
         return model.compute_logits(hidden)

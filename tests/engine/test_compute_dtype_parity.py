@@ -7,7 +7,8 @@ own bf16 model shows against that fp32 model on the same inputs. Greedy tokens m
 fp32 model's `generate` at every step whose top-2 margin exceeds that bound (a step below it may
 flip, and the sequences part there). The bf16 run must really differ from the float32 compute
 path's (else bf16 arithmetic never ran), and "auto" must pick float32 on a CPU whose flags show
-no bfloat16 dot products, computing exactly what `compute_dtype="float32"` computes.
+no bfloat16 dot products, computing exactly what `compute_dtype="float32"` computes. A tower
+alone is held to the same bound: Qwen3-VL's embeddings and each of its DeepStack sets.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from stillcut.engine.arithmetic import FLAGS_VARIABLE
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.request import SamplingParams
-from stillcut.vision.pipeline import VisionPipeline
+from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
+from .models.qwen3_vl.qwen3_reference import hand_pixels, random_frames
 from .reference import hf_greedy_with_margins, prefill_logits
 from .test_precision_parity import FAMILIES, _build, _rounded_to_bf16
 
@@ -129,11 +132,39 @@ def test_a_cpu_without_bf16_keeps_the_float32_path(monkeypatch):
     assert torch.equal(prefill_logits(auto.model, prompt), prefill_logits(fp32.model, prompt))
 
 
+def _tower_sets(model, frames) -> list[torch.Tensor]:
+    """transformers' Qwen3-VL tower on `frames`: the embeddings, then each DeepStack set."""
+    patches, grid = hand_pixels(frames)
+    with torch.inference_mode():
+        out = model.model.get_video_features(
+            pixel_values_videos=patches.to(model.dtype), video_grid_thw=torch.tensor([grid])
+        )
+    return [t.float() for t in (out.pooler_output[0], *(s[0] for s in out.deepstack_features))]
+
+
+def test_qwen3_tower_and_its_deepstack_sets_within_twice_transformers_bf16_spread():
+    from transformers import AutoModelForImageTextToText
+
+    path = cached_checkpoint("tiny", **FAMILIES["qwen3_vl"])
+    pipeline = VisionPipeline(path, weight_format=WeightFormat(torch.bfloat16, compute="bfloat16"))
+    assert pipeline.weight_format.product_dtype == torch.bfloat16
+    frames = random_frames(4, 128, 160, seed=5)
+    (item,) = pipeline.encode([VideoInput(frames, frames_fps=2.0)])
+    ours = [item.embeds, *(item.features[f"deepstack.{k}"] for k in range(2))]
+    reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    theirs = _tower_sets(_rounded_to_bf16(reference), frames)
+    their_bf16 = _tower_sets(copy.deepcopy(reference).to(torch.bfloat16), frames)
+    names = ("embeds", "deepstack.0", "deepstack.1")
+    for name, mine, fp32, bf16 in zip(names, ours, theirs, their_bf16, strict=True):
+        bound = 2 * (bf16 - fp32).abs().max().item()
+        error = (mine - fp32).abs().max().item()
+        print(f"tower {name}: max |ours - fp32 reference| {error:.4g}, bound {bound:.4g}")
+        assert 0 < error <= bound, (name, error, bound)
+
+
 def test_a_hybrid_model_in_bf16_keeps_its_recurrent_states_fp32():
     """Nemotron's Mamba layers and RADIO tower under bf16 arithmetic: the tower computes in
     bf16, the prefill's products too, and the recurrent states stay float32."""
-    from stillcut.vision.pipeline import VideoInput
-
     path = cached_checkpoint("tiny", seed=1, family="nemotron_h_omni")
     engine = _engine(path, "bfloat16")
     pipeline = VisionPipeline(path, weight_format=engine.weight_format)

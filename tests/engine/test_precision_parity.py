@@ -5,11 +5,12 @@ to bf16 and back; with `quantization="int8"` it is the fp32 model whose quantize
 quantized and dequantized by the rule (`scale = max|channel| / 127`, `q = round_half_even(w /
 scale)` clipped to ±127): every linear and convolution weight per output channel, Gemma 3's bare
 `mm_input_projection_weight` `[in, out]` per column, the token embedding (and the tied LM head
-with it) per row; norms, biases and position embeddings stay. The rule is written here again on
-purpose, from the issue's words, not taken from the engine. Greedy tokens must be equal and
-prefill logits within 1e-4, for a text and a video prompt of a Qwen2.5-VL and a Gemma 3 tiny
-checkpoint; the engine must also really store its matrices narrow (else the test proves
-nothing).
+with it) per row, stacked experts `[E, out, in]` per expert and output channel; norms, biases,
+position embeddings and routers stay. The rule is written here again on purpose, from the
+issue's words, not taken from the engine. Greedy tokens must be equal and prefill logits within
+1e-4, for a text and a video prompt of a Qwen2.5-VL, a Gemma 3, a Qwen3-VL and a Qwen3-VL-MoE
+tiny checkpoint (the tower's DeepStack mergers and the experts included); the engine must also
+really store its matrices narrow (else the test proves nothing).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
+from .models.qwen3_vl.qwen3_reference import hand_pixels
 from .reference import hf_greedy, prefill_logits
 
 NUM_NEW_TOKENS = 24
@@ -32,7 +34,15 @@ GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 TOLERANCE = 1e-4
 FPS = 2.0
 MODES = {"bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
-FAMILIES = {"qwen2_5_vl": {"seed": 1}, "gemma3": {"family": "gemma3"}}
+FAMILIES = {
+    "qwen2_5_vl": {"seed": 1},
+    "gemma3": {"family": "gemma3"},
+    "qwen3_vl": {"seed": 1, "family": "qwen3_vl"},
+    "qwen3_vl_moe": {"seed": 1, "family": "qwen3_vl_moe"},
+}
+STACKED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")  # [E, out, in] each
+# kept in the compute dtype whatever the format (int8 scales: float32, one per channel)
+KEPT = ("norm", "position", "pos_embed", "router", "_scale")
 PROMPTS = {
     "text": [{"type": "text", "text": "Write a story about a lighthouse."}],
     "video": [{"type": "video"}, {"type": "text", "text": "What happens in the video?"}],
@@ -54,8 +64,9 @@ def _fake_int8(weight: torch.Tensor, axis: int) -> torch.Tensor:
     return q * scale
 
 
-def _quantized_set(model: nn.Module) -> dict[int, tuple[nn.Parameter, int]]:
-    """id -> (parameter, output axis) of every tensor int8 covers (a tied table once)."""
+def _quantized_set(model: nn.Module) -> dict[int, tuple[nn.Parameter, int | None]]:
+    """id -> (parameter, output axis; None: stacked experts) of every tensor int8 covers (a
+    tied table once)."""
     found = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear | nn.Conv2d | nn.Conv3d):
@@ -65,13 +76,18 @@ def _quantized_set(model: nn.Module) -> dict[int, tuple[nn.Parameter, int]]:
     for name, param in model.named_parameters():
         if name.endswith("mm_input_projection_weight"):
             found[id(param)] = (param, 1)  # [in, out]: a scale per column
+        elif name.endswith(STACKED_EXPERTS):
+            found[id(param)] = (param, None)
     return found
 
 
 def _fake_quantized(model: nn.Module) -> nn.Module:
     with torch.no_grad():
         for param, axis in _quantized_set(model).values():
-            param.copy_(_fake_int8(param, axis))
+            if axis is None:  # each expert's [out, in] on its own
+                param.copy_(torch.stack([_fake_int8(expert, 0) for expert in param]))
+            else:
+                param.copy_(_fake_int8(param, axis))
     return model
 
 
@@ -94,21 +110,25 @@ def setup(request):
     return engine, pipeline, reference, processor, mode
 
 
-def _clip() -> np.ndarray:
-    return np.random.default_rng(0).integers(0, 256, (4, 56, 84, 3), dtype=np.uint8)
+def _clip(model_type: str = "qwen2_5_vl") -> np.ndarray:
+    """4 random frames; Qwen3-VL's are a size its processor keeps (multiples of 32, within
+    the clip's budget), so transformers takes the hand-built pixels of the same frames."""
+    size = (96, 128) if model_type.startswith("qwen3_vl") else (56, 84)
+    return np.random.default_rng(0).integers(0, 256, (4, *size, 3), dtype=np.uint8)
 
 
 def _build(setup, parts):
     """Our prompt and transformers' inputs for `parts`."""
     engine, pipeline, _, processor, _ = setup
-    videos = (
-        [VideoInput(_clip(), frames_fps=FPS)] if any(p["type"] == "video" for p in parts) else []
-    )
+    model_type = pipeline.model_config.model_type
+    has_video = any(p["type"] == "video" for p in parts)
+    videos = [VideoInput(_clip(model_type), frames_fps=FPS)] if has_video else []
     items = pipeline.encode(videos)
     prompt = engine.processor.build([{"role": "user", "content": parts}], items)
     if processor is not None:
         return prompt, _gemma_inputs(processor, parts)
-    return prompt, _qwen_inputs(pipeline, prompt, videos, engine.processor.special.video_token_id)
+    inputs = _qwen_inputs(pipeline, prompt, videos, engine.processor.special.video_token_id)
+    return prompt, inputs
 
 
 def _gemma_inputs(processor, parts) -> dict:
@@ -132,12 +152,16 @@ def _gemma_inputs(processor, parts) -> dict:
 
 def _qwen_inputs(pipeline, prompt, videos, video_token_id: int) -> dict:
     """Qwen2.5-VL's inputs: our patches, which equal its processor's, and the token types its
-    processor gives (2: video; without them transformers places video tokens as text)."""
+    processor gives (2: video; without them transformers places video tokens as text);
+    Qwen3-VL's: its video processor's pixels, built by hand."""
     from stillcut.engine.models.qwen2_vl.preprocess import preprocess_video
 
     ids = torch.tensor([prompt.token_ids])
     types = (ids == video_token_id).int() * 2
     inputs = {"input_ids": ids, "mm_token_type_ids": types}
+    if videos and pipeline.model_config.model_type.startswith("qwen3_vl"):
+        patches, grid = hand_pixels(videos[0].source)
+        return inputs | {"pixel_values_videos": patches, "video_grid_thw": torch.tensor([grid])}
     if videos:
         prepared = preprocess_video(videos[0].source, FPS, pipeline.video_preprocess)
         inputs |= {
@@ -149,14 +173,15 @@ def _qwen_inputs(pipeline, prompt, videos, video_token_id: int) -> dict:
 
 
 def test_the_engine_stores_its_matrices_narrow(setup):
-    """Every matrix narrow; norms and position tables (kept as vectors' values) float32."""
+    """Every matrix narrow; norms, position tables and routers (kept as vectors' values) and
+    int8 scales float32."""
     engine, pipeline, _, _, mode = setup
     narrow = torch.bfloat16 if mode == "bfloat16" else torch.int8
     for module in (engine.model, pipeline.tower):
         matrices = {
             p.dtype
             for name, p in module.named_parameters()
-            if p.dim() > 1 and not ("norm" in name or "position" in name)
+            if p.dim() > 1 and not any(kept in name for kept in KEPT)
         }
         assert matrices == {narrow}, type(module).__name__
 

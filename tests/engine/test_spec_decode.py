@@ -1,12 +1,14 @@
 """Speculative decoding gives exactly the tokens of decoding without it.
 
-For tiny Qwen2.5-VL and Gemma 3 checkpoints and the n-gram and suffix proposers: greedy output
-with speculation equals greedy output without it, for text, video (EVS on and off) and image
-prompts submitted together under a small token budget (chunked prefill, batching), with
-preemption forced, and with a stop string that ends inside an accepted run; text prompts also
-equal transformers' `generate`. Every case asserts that drafts were proposed, some accepted and
-some rejected, and that every block is free afterwards. The Qwen checkpoint is built with a
-wide initialisation so its greedy text varies (the default repeats one token forever).
+For tiny Qwen2.5-VL, Gemma 3, Qwen3-VL and Qwen3-VL-MoE checkpoints (Qwen3-VL's video as
+timestamped tubelets with DeepStack features, its verify steps through the experts) and the
+n-gram and suffix proposers: greedy output with speculation equals greedy output without it,
+for text, video (EVS on and off) and image prompts submitted together under a small token
+budget (chunked prefill, batching), with preemption forced, and with a stop string that ends
+inside an accepted run; text prompts also equal transformers' `generate`. Every case asserts
+that drafts were proposed, some accepted and some rejected, and that every block is free
+afterwards. The Qwen checkpoints are built with a wide initialisation so their greedy text
+varies (the default repeats one token forever).
 """
 
 import numpy as np
@@ -25,6 +27,9 @@ GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 CHECKPOINTS = {
     "qwen2_5_vl": {"family": "qwen2_5_vl", "text": {"initializer_range": 0.2}},
     "gemma3": {"family": "gemma3"},
+    # seeds whose greedy text repeats itself in part, so drafts are both accepted and rejected
+    "qwen3_vl": {"family": "qwen3_vl", "seed": 2, "text": {"initializer_range": 0.2}},
+    "qwen3_vl_moe": {"family": "qwen3_vl_moe", "seed": 2, "text": {"initializer_range": 0.2}},
 }
 METHODS = ("ngram", "suffix")
 
@@ -49,7 +54,7 @@ def pinned(method: str, k: int = 3) -> SpeculativeConfig:
 
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def setup(request):
-    path = cached_checkpoint("tiny", seed=0, **CHECKPOINTS[request.param])
+    path = cached_checkpoint("tiny", **{"seed": 0, **CHECKPOINTS[request.param]})
     base = LLMEngine(path, engine_config())
     prompts = _prompts(base, VisionPipeline(path))
     expected = [o.token_ids for o in base.generate(list(prompts.values()), GREEDY)]

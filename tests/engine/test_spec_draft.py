@@ -8,8 +8,10 @@ without the draft gets no drafts). On images and video encoded with the draft's 
 with EVS on; Gemma 3's bidirectional images and frames, never split by the draft's steps), also
 on items appended to a streaming request, and a smaller unrelated draft proposes, has some
 drafts accepted and some rejected, and gives the tokens of decoding without speculation and of
-transformers' `generate`. A draft whose tokenizer or preprocessing differs, or that is larger
-than the target, is refused with a message that says what is allowed.
+transformers' `generate`. The same for Qwen3-VL, whose draft tower also gives the draft its own
+DeepStack feature sets (`draft/deepstack.k`), kept by the same EVS mask. A draft whose
+tokenizer or preprocessing differs, or that is larger than the target, is refused with a
+message that says what is allowed.
 """
 
 from dataclasses import replace
@@ -32,6 +34,17 @@ from .reference import hf_greedy, qwen_hf_inputs
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 WIDE = {"initializer_range": 0.2}  # a tiny Qwen whose greedy text varies
+QWEN3 = {"family": "qwen3_vl", "seed": 2, "text": WIDE}
+# a smaller Qwen3-VL: narrower and shallower, its own tower with one DeepStack set
+SMALL_QWEN3 = {
+    "family": "qwen3_vl",
+    "seed": 3,
+    "text": {"hidden_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2}
+    | {"num_key_value_heads": 1, "head_dim": 12, "intermediate_size": 32},
+    "vision": {"depth": 2, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32}
+    | {"deepstack_visual_indexes": (0,)},
+}
+QWEN3_SIZE = (96, 128)  # frames Qwen3-VL's processors keep as they are
 
 
 def _config(draft=None, max_num_batched_tokens=64) -> EngineConfig:
@@ -113,10 +126,10 @@ def _media_prompts(engine, pipeline, specs: dict) -> dict:
     return prompts
 
 
-def _media(num_frames: int = 4):
+def _media(num_frames: int = 4, size: tuple[int, int] = (56, 84), image_size=(60, 90)):
     rng = np.random.default_rng(0)
-    frames = rng.integers(0, 256, (num_frames, 56, 84, 3), dtype=np.uint8)
-    image = rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)
+    frames = rng.integers(0, 256, (num_frames, *size, 3), dtype=np.uint8)
+    image = rng.integers(0, 256, (*image_size, 3), dtype=np.uint8)
     return {
         "video evs": VideoInput(frames, evs=EVSConfig(mode="rate", rate=0.5)),
         "video": VideoInput(frames),
@@ -129,13 +142,28 @@ def _assert_all_accepted(outputs):
         assert output.metrics.num_accepted_tokens == output.metrics.num_draft_tokens > 0
 
 
-def test_a_copy_of_the_target_accepts_every_draft_on_video_and_image(target):
-    path, _, _, base = target
-    specs = _media()
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def media_target(request, target):
+    """A family's target, its engine without speculation, how its media are drawn, and a
+    smaller unrelated draft of the family (with a tower of its own)."""
+    if request.param == "qwen2_5_vl":
+        path, _, _, base = target
+        return path, base, {}, request.getfixturevalue("small_draft_checkpoint")
+    path = cached_checkpoint("tiny", **QWEN3)
+    media = {"size": QWEN3_SIZE, "image_size": QWEN3_SIZE}
+    return path, LLMEngine(path, _config()), media, cached_checkpoint("tiny", **SMALL_QWEN3)
+
+
+def test_a_copy_of_the_target_accepts_every_draft_on_video_and_image(media_target):
+    path, base, media, _ = media_target
+    specs = _media(**media)
     del specs["video"]  # EVS on is the case where kept rows must line up
     prompts = _media_prompts(base, VisionPipeline(path, draft_model=path), specs)
-    video = prompts["video evs"].items[0]
-    assert video.num_tokens < video.num_dense_tokens
+    items = prompts["video evs"].items
+    assert sum(i.num_tokens for i in items) < sum(i.num_dense_tokens for i in items)
+    # the draft's own feature sets (Qwen3-VL's DeepStack), kept as the target's
+    drafted = {f"{DRAFT}/{name}" for name in base.model.mm_feature_names}
+    assert all(drafted <= set(item.features) for item in items)
     engine = LLMEngine(path, _config(draft=path))
     outputs = engine.generate(list(prompts.values()), GREEDY)
     expected = base.generate(list(prompts.values()), GREEDY)
@@ -144,22 +172,24 @@ def test_a_copy_of_the_target_accepts_every_draft_on_video_and_image(target):
     _assert_pool_whole(engine)
 
 
-def test_an_unrelated_smaller_draft_is_exact_on_video_and_image(target, small_draft_checkpoint):
+def test_an_unrelated_smaller_draft_is_exact_on_video_and_image(media_target):
     from transformers import AutoModelForImageTextToText
 
-    path, _, _, base = target
-    specs = _media()
+    path, base, media, small = media_target
+    specs = _media(**media)
     del specs["video evs"]  # the copy's test has it: here transformers' positions are the reference
-    pipeline = VisionPipeline(path, draft_model=small_draft_checkpoint)
+    pipeline = VisionPipeline(path, draft_model=small)
     prompts = _media_prompts(base, pipeline, specs)
-    assert prompts["image"].items[0].features[DRAFT].shape[1] == 24  # the draft's width, not 32
-    engine = LLMEngine(path, _config(draft=small_draft_checkpoint))
+    features = prompts["image"].items[0].features
+    assert {t.shape[1] for n, t in features.items() if n.startswith(DRAFT)} == {24}  # not 32
+    engine = LLMEngine(path, _config(draft=small))
     outputs = dict(zip(prompts, engine.generate(list(prompts.values()), GREEDY), strict=True))
     expected = base.generate(list(prompts.values()), GREEDY)
     assert [o.token_ids for o in outputs.values()] == [o.token_ids for o in expected]
     reference = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    family = base.model_config.model_type
     for name in ("video", "image"):  # EVS off: transformers' own positions and embeddings
-        inputs = qwen_hf_inputs(pipeline, prompts[name], [specs[name]], "qwen2_5_vl")
+        inputs = qwen_hf_inputs(pipeline, prompts[name], [specs[name]], family)
         assert outputs[name].token_ids == hf_greedy(reference, inputs, GREEDY.max_tokens)
     assert all(o.metrics.num_draft_tokens > 0 for o in outputs.values())
     drafted = sum(o.metrics.num_draft_tokens for o in outputs.values())

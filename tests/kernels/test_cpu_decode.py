@@ -1,8 +1,11 @@
 """The native CPU decode step against the model's own torch layers, and its fallbacks.
 
-For Qwen2.5-VL and Gemma 3 (with and without a score soft cap), the tiny checkpoint's norms,
-biases and weights are redrawn in place (the kernel keeps their addresses), so a dropped bias,
-a norm read from the wrong layer or a swapped projection shows; Qwen's decode positions differ
+For Qwen2.5-VL, Gemma 3 (with and without a score soft cap), Qwen3-VL (q/k head norms,
+interleaved M-RoPE) and Qwen3-VL-MoE (softmax-routed gated experts beside a dense layer; its
+experts float32, bfloat16 and int8 per expert and output channel), the tiny checkpoint's norms,
+biases and weights are redrawn in place (the kernel keeps their addresses; an int8 weight keeps
+its values and gets scales to match), so a dropped bias, a norm read from the wrong layer, a
+swapped projection or a wrongly routed expert shows; Qwen's decode positions differ
 between the three M-RoPE rows, and Gemma's contexts outgrow its local layers' window of 8.
 Requests sit in scattered blocks, with contexts ending inside and exactly at block boundaries.
 A model whose weights become other tensors (`.to()`, a swapped layer, new parameters,
@@ -30,9 +33,11 @@ from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.models.gemma3.model import Gemma3LanguageModel
 from stillcut.engine.models.matmul import head_layout, vocab_logits
 from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
+from stillcut.engine.models.qwen3_vl.model import Qwen3LanguageModel
+from stillcut.engine.models.qwen3_vl.moe_model import Qwen3MoeLanguageModel
 from stillcut.engine.models.rotary import fused_qkv_attention, rotary_tables
 from stillcut.engine.models.weights import embedding_rows
-from stillcut.engine.quantization import dense, quantize_int8
+from stillcut.engine.quantization import WeightFormat, dense, quantize_int8
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import (
@@ -58,6 +63,7 @@ LONG = 17
 TOLERANCE = 1e-5
 
 
+QWEN3_MOE = {"family": "qwen3_vl_moe", "seed": 1}
 FAMILIES = {
     "qwen2_5_vl": (Qwen2LanguageModel, {"family": "qwen2_5_vl"}),
     "gemma3": (Gemma3LanguageModel, {"family": "gemma3"}),
@@ -65,26 +71,49 @@ FAMILIES = {
         Gemma3LanguageModel,
         {"family": "gemma3", "text": {"attn_logit_softcapping": 2.0}},
     ),
+    "qwen3_vl": (Qwen3LanguageModel, {"family": "qwen3_vl", "seed": 1}),
+    "qwen3_vl_moe": (Qwen3MoeLanguageModel, QWEN3_MOE),
+}
+NARROW_EXPERTS = {
+    "bfloat16": WeightFormat(torch.bfloat16),
+    "int8": WeightFormat(quantization="int8"),
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def model(request):
+def _redrawn(model_class, spec: dict, weight_format: WeightFormat = WeightFormat()):
+    """The tiny checkpoint's model with its weights redrawn in place (an int8 one keeps its
+    values and gets scales to match)."""
     if cpu_decode.load() is None:
         if os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):
             pytest.fail("the native CPU decode kernel did not build here")
         pytest.skip("no C compiler: the native CPU decode kernel is not built")
-    model_class, spec = FAMILIES[request.param]
-    model = model_class.from_checkpoint(cached_checkpoint("tiny", **spec))
+    model = model_class.from_checkpoint(cached_checkpoint("tiny", **spec), weight_format)
     assert model.cpu_decoder is not None
     generator = torch.Generator().manual_seed(3)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name == "lm_head":
+        for name, param in params.items():
+            if name == "lm_head" or name.endswith("_scale"):
                 continue  # the (tied) embedding: random already, and read as it is
+            if param.dtype == torch.int8:
+                scale = params[f"{name}_scale"]
+                noise = torch.randn(scale.shape, generator=generator)
+                scale.copy_(0.3 / param.float().std() * (1 + 0.1 * noise))
+                continue
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)  # in place
     return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request):
+    return _redrawn(*FAMILIES[request.param])
+
+
+@pytest.fixture(scope="module", params=list(NARROW_EXPERTS))
+def narrow_moe(request):
+    """The MoE model with its experts (and every other matrix) stored narrow."""
+    return _redrawn(Qwen3MoeLanguageModel, QWEN3_MOE, NARROW_EXPERTS[request.param])
 
 
 def _blocks(request: int) -> list[int]:
@@ -162,6 +191,17 @@ def _decode(model, requests, kv_caches, steps: int, native: bool) -> list[torch.
 def test_native_decode_matches_the_torch_layers(model, requests, threads):
     """Six decode steps; with one or two requests and three threads a request's keys are
     split between threads (the long one's in slices that do not end at block boundaries)."""
+    _assert_native_matches_torch(model, requests, threads)
+
+
+@pytest.mark.parametrize("requests", [[0], list(range(5)), list(range(16))], ids=str)
+def test_narrow_experts_decode_natively_as_the_torch_layers(narrow_moe, requests):
+    moe = next(layer.moe for layer in narrow_moe.layers if layer.moe is not None)
+    assert moe.experts_gate_up.dtype in (torch.bfloat16, torch.int8)
+    _assert_native_matches_torch(narrow_moe, requests, threads=2)
+
+
+def _assert_native_matches_torch(model, requests: list[int], threads: int) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -1,12 +1,14 @@
 """Live sessions: streamed frames answer like the whole clip, asks reuse the held prefix, a
 pending odd frame is padded for one answer only, empty tubelets extend the video, and closing
-frees every block."""
+frees every block. The answers are checked on Qwen2.5-VL (the stream one video) and Qwen3-VL
+(each tubelet its own timestamped video): its frames are sized so that Qwen3-VL's whole-clip
+pixel budget binds on no clip here, as a stream resizes each tubelet for itself."""
 
 import asyncio
 import io
 import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -14,8 +16,10 @@ import torch
 from PIL import Image
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.processor import PromptError
+from stillcut.service.api import VideoLLM
 from stillcut.service.async_engine import AsyncEngine
 from stillcut.service.live_options import (
     BadFrame,
@@ -27,6 +31,8 @@ from stillcut.service.live_options import (
 )
 from stillcut.service.live_session import LiveSession, decode_frame
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
+
+from .conftest import make_llm
 
 BLOCK = 16
 FPS = 2.0
@@ -59,12 +65,49 @@ def engine(llm_engine):
     engine.shutdown()
 
 
-def _moving_square(num_frames: int, static: bool = False) -> np.ndarray:
-    """[T, 56, 84, 3] uint8: a fixed noisy background and a red square moving 3 px a frame."""
-    background = np.random.default_rng(7).integers(40, 200, (56, 84, 3), dtype=np.uint8)
+@dataclass(frozen=True)
+class Family:
+    """One family's model for the tests that compare answers with describe_video."""
+
+    pipeline: VisionPipeline
+    llm_engine: LLMEngine
+    reference_llm: VideoLLM  # on an engine of its own
+    frame_size: tuple[int, int]  # (height, width) of the streamed frames
+    tokens_per_tubelet: int
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def family(request):
+    if request.param == "qwen2_5_vl":
+        fixtures = [request.getfixturevalue(n) for n in ("pipeline", "llm_engine", "reference_llm")]
+        return Family(*fixtures, (56, 84), TOKENS_PER_TUBELET)
+    checkpoint = cached_checkpoint("tiny", seed=1, family=request.param)
+    # 96x128 frames stay 96x128 whether a clip has 2 frames or 24: 3 x 4 merged tokens
+    return Family(
+        VisionPipeline(checkpoint),
+        LLMEngine(checkpoint, ENGINE_CONFIG),
+        make_llm(checkpoint),
+        (96, 128),
+        12,
+    )
+
+
+@pytest.fixture
+def family_engine(family):
+    engine = AsyncEngine(family.llm_engine)
+    yield engine
+    engine.shutdown()
+
+
+def _moving_square(
+    num_frames: int, static: bool = False, size: tuple[int, int] = (56, 84)
+) -> np.ndarray:
+    """[T, height, width, 3] uint8: a fixed noisy background and a red square moving 3 px a
+    frame."""
+    background = np.random.default_rng(7).integers(40, 200, (*size, 3), dtype=np.uint8)
     frames = np.repeat(background[None], num_frames, axis=0)
     for k in range(num_frames):
-        x = 0 if static else 3 * k % 68
+        x = 0 if static else 3 * k % (size[1] - 16)
         frames[k, 20:36, x : x + 16] = (250, 30, 30)
     return frames
 
@@ -141,33 +184,37 @@ async def _assert_pool_whole(engine):
     assert idle and not any(ref_counts)
 
 
-def test_answers_equal_describe_on_the_same_frames(engine, pipeline, reference_llm):
-    frames = _moving_square(24)
+def test_answers_equal_describe_on_the_same_frames(family_engine, family):
+    frames = _moving_square(24, size=family.frame_size)
+    tokens = family.tokens_per_tubelet
 
     async def scenario():
-        session = LiveSession(pipeline, engine, OPTIONS, "s-main")
+        session = LiveSession(family.pipeline, family_engine, OPTIONS, "s-main")
         events = await _send(session, frames[:8])
-        await _ask_matches_describe(session, reference_llm, frames[:8], "What moves?")
+        await _ask_matches_describe(session, family.reference_llm, frames[:8], "What moves?")
         events += await _send(session, frames[8:], first_index=8)
-        _, described = await _ask_matches_describe(session, reference_llm, frames, "And now?")
+        _, described = await _ask_matches_describe(
+            session, family.reference_llm, frames, "And now?"
+        )
         assert [e.tubelet for e in events] == list(range(12))
         assert [e.t for e in events] == [2 * k / FPS for k in range(12)]
         assert tuple(e.kept for e in events) == described.evs.kept_per_tubelet
-        assert 0 < sum(e.kept for e in events[1:]) < 11 * TOKENS_PER_TUBELET  # EVS pruned
-        assert {e.total for e in events} == {TOKENS_PER_TUBELET}
+        assert 0 < sum(e.kept for e in events[1:]) < 11 * tokens  # EVS pruned
+        assert {e.total for e in events} == {tokens}
         await session.close()
-        await _assert_pool_whole(engine)
+        await _assert_pool_whole(family_engine)
 
     asyncio.run(scenario())
 
 
-def test_pending_odd_frame_is_padded_for_that_answer_only(engine, pipeline, reference_llm):
-    frames = _moving_square(10)
+def test_pending_odd_frame_is_padded_for_that_answer_only(family_engine, family):
+    frames = _moving_square(10, size=family.frame_size)
+    reference_llm = family.reference_llm
 
     async def scenario():
-        session = LiveSession(pipeline, engine, OPTIONS, "s-odd")
+        session = LiveSession(family.pipeline, family_engine, OPTIONS, "s-odd")
         await _send(session, frames[:9])
-        padded = TOKENS_PER_TUBELET  # at most one tubelet more than the held prefix
+        padded = family.tokens_per_tubelet  # at most one tubelet more than the held prefix
         answer, _ = await _ask_matches_describe(session, reference_llm, frames[:9], "Odd?", padded)
         _, without_pending = _describe(reference_llm, frames[:8], "Odd?")
         assert _logprob_gap(answer, without_pending) > 100 * LOGPROB_ATOL  # the frame counted
@@ -175,41 +222,45 @@ def test_pending_odd_frame_is_padded_for_that_answer_only(engine, pipeline, refe
         assert (event.tubelet, event.t) == (4, 8 / FPS)  # frame 9 completes it, not its copy
         await _ask_matches_describe(session, reference_llm, frames, "Even?")
         await session.close()
-        await _assert_pool_whole(engine)
+        await _assert_pool_whole(family_engine)
 
     asyncio.run(scenario())
 
 
-def test_first_frame_alone_is_a_padded_tubelet(engine, pipeline, reference_llm):
-    frames = _moving_square(1)
+def test_first_frame_alone_is_a_padded_tubelet(family_engine, family):
+    frames = _moving_square(1, size=family.frame_size)
 
     async def scenario():
-        session = LiveSession(pipeline, engine, OPTIONS, "s-one")
+        session = LiveSession(family.pipeline, family_engine, OPTIONS, "s-one")
         assert await session.add_frame(0.0, _png(frames[0])) is None
-        await _ask_matches_describe(session, reference_llm, frames, "One?", padded=None)
+        await _ask_matches_describe(session, family.reference_llm, frames, "One?", padded=None)
         await session.close()
-        await _assert_pool_whole(engine)
+        await _assert_pool_whole(family_engine)
 
     asyncio.run(scenario())
 
 
-def test_static_stream_keeps_only_the_first_tubelet(engine, pipeline, reference_llm):
-    frames = np.concatenate([_moving_square(8, static=True), _moving_square(12)[10:]])
+def test_static_stream_keeps_only_the_first_tubelet(family_engine, family):
+    size = family.frame_size
+    frames = np.concatenate(
+        [_moving_square(8, static=True, size=size), _moving_square(12, size=size)[10:]]
+    )
     # at 0.5 fps the 4 tubelets span 4 temporal positions each: the video's temporal extent
     # then reaches past the question, so where decoding resumes depends on the empty tubelets
+    # (as one video; each tubelet its own video, each empty one still takes its positions)
     options = replace(OPTIONS, fps=0.5)
 
     async def scenario():
-        session = LiveSession(pipeline, engine, options, "s-static")
+        session = LiveSession(family.pipeline, family_engine, options, "s-static")
         events = await _send(session, frames[:8])
-        assert [e.kept for e in events] == [TOKENS_PER_TUBELET, 0, 0, 0]
+        assert [e.kept for e in events] == [family.tokens_per_tubelet, 0, 0, 0]
         # the empty tubelets still extend the video: the answer is the 8-frame clip's
-        await _ask_matches_describe(session, reference_llm, frames[:8], "Still?")
+        await _ask_matches_describe(session, family.reference_llm, frames[:8], "Still?")
         (moved,) = await _send(session, frames[8:], first_index=8)
         assert moved.tubelet == 4 and moved.kept > 0
-        await _ask_matches_describe(session, reference_llm, frames, "Moved?")
+        await _ask_matches_describe(session, family.reference_llm, frames, "Moved?")
         await session.close()
-        await _assert_pool_whole(engine)
+        await _assert_pool_whole(family_engine)
 
     asyncio.run(scenario())
 

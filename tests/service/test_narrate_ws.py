@@ -1,7 +1,9 @@
 """Narration over `WebSocket /v1/stream` (`"mode": "narrate"`), with the websockets client on
 a real server: segments per tubelet under `queue`, the engine's own narration of the same
 frames, bad start options, rollover at the context limit, a client that vanishes mid-segment.
-Every block is back once a session ends or drops."""
+Every block is back once a session ends or drops. Narrating in order, the engine's own
+narration and what each append prefills are checked on Qwen3-VL too (its tubelets behind
+`<t seconds>`, t their mean frame time)."""
 
 import asyncio
 import contextlib
@@ -9,14 +11,18 @@ import io
 import json
 import struct
 import time
+from dataclasses import replace
 
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from stillcut.engine.factory import cached_checkpoint
+from stillcut.engine.multimodal import MultiModalItem
 from stillcut.service.config import ServerConfig
 from stillcut.service.narrate_api import file_frames
 from stillcut.service.narration import Narration
@@ -37,6 +43,30 @@ START = {
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     with running_server(tiny_checkpoint, ServerConfig(max_sessions=2)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def checkpoint(family, tiny_checkpoint):
+    return (
+        tiny_checkpoint
+        if family == "qwen2_5_vl"
+        else cached_checkpoint("tiny", seed=1, family=family)
+    )
+
+
+@pytest.fixture(scope="module")
+def family_server(request, checkpoint, tiny_checkpoint):
+    """The shared server, or one of the other family's."""
+    if checkpoint == tiny_checkpoint:
+        yield request.getfixturevalue("server")
+        return
+    with running_server(checkpoint, ServerConfig(max_sessions=2)) as server:
         yield server
 
 
@@ -74,7 +104,8 @@ def _narrate(server, start: dict, num_frames: int, frames=None) -> tuple[list[di
     return messages, closed.value.rcvd.code
 
 
-def test_queue_narrates_every_tubelet_in_order_and_frees_everything(server):
+def test_queue_narrates_every_tubelet_in_order_and_frees_everything(family_server):
+    server = family_server
     messages, code = _narrate(server, START, 2 * NUM_TUBELETS)
     assert code == 1000 and messages[0]["type"] == "started"
     segments = [m for m in messages if m["type"] == "segment"]
@@ -173,21 +204,30 @@ def test_a_client_that_vanishes_mid_segment_frees_its_request(server):
 
 
 def test_video_llm_narrate_on_a_file_equals_the_websocket_narration(
-    server, tiny_checkpoint, tiny_clip, tmp_path
+    family_server, checkpoint, tiny_clip, tmp_path
 ):
     path = tmp_path / "clip.mp4"
     path.write_bytes(tiny_clip)
     # sampled tokens (seeded) make the texts tell the two apart if anything differs
     options = {"max_tokens_per_segment": 4, "temperature": 1.0, "seed": 7, "threshold": 0.05}
-    segments = list(make_llm(tiny_checkpoint).narrate(path, START["prompt"], **options))
+    segments = list(make_llm(checkpoint).narrate(path, START["prompt"], **options))
     frames = [_png_frame(t, pixels) for t, pixels in file_frames(path, 2.0)]
-    messages, code = _narrate(server, {**START, **options}, len(frames), frames)
+    messages, code = _narrate(family_server, {**START, **options}, len(frames), frames)
     sent = [m for m in messages if m["type"] == "segment"]
     assert code == 1000 and len(segments) == 3 and any(s.text for s in segments)
     assert [(list(s.t), s.text, s.skipped, s.kept_tokens, s.prefill_tokens) for s in segments] == [
         (m["t"], m["text"], m["skipped"], m["kept_tokens"], m["prefill_tokens"]) for m in sent
     ]
-    assert settled_pool_state(server) == (True, 0)
+    assert settled_pool_state(family_server) == (True, 0)
+
+
+def _wrapper_tokens(llm, segment) -> int:
+    """The tokens a narration writes around a tubelet's kept ones: its time as the family
+    writes it, and the vision start and end markers."""
+    one = MultiModalItem("video", torch.zeros(1, 1), torch.zeros(1, 3, dtype=torch.long), (1, 2, 2))
+    tubelet = replace(one, timestamps=tuple(segment.t))
+    processor = llm.processor
+    return len(processor.narration_input(tubelet, processor.tubelet_time(tubelet))) - 1
 
 
 def test_a_static_stream_prefills_its_wrappers_and_the_kept_token_per_append(tiny_checkpoint):
@@ -205,12 +245,14 @@ def test_a_static_stream_prefills_its_wrappers_and_the_kept_token_per_append(tin
         assert segment.prefill_tokens == wrapper + 1 + 1
 
 
-def test_a_moving_stream_prefills_each_appends_kept_tokens_and_its_wrapper(tiny_checkpoint):
+def test_a_moving_stream_prefills_each_appends_kept_tokens_and_its_wrapper(family, checkpoint):
     """Threshold EVS on a square crossing a still scene: each tubelet keeps the tokens the
     square touched (more or fewer as it goes), and each append prefills exactly those, its
     wrapper and the last segment's final token, the 12th as the 2nd (nothing grows with the
     stream)."""
-    llm = make_llm(tiny_checkpoint)
+    llm = make_llm(checkpoint)
+    # a tubelet's tokens after the 2 x 2 merge (Qwen3-VL's frames are resized to 128 x 160)
+    dense = {"qwen2_5_vl": 4 * 6, "qwen3_vl": 4 * 5}[family]
     ground = np.random.default_rng(0).integers(0, 256, (112, 168, 3), dtype=np.uint8)
     frames = []
     for k in range(24):
@@ -221,13 +263,11 @@ def test_a_moving_stream_prefills_each_appends_kept_tokens_and_its_wrapper(tiny_
     options = {"threshold": 0.1, "floor": 1, "max_tokens_per_segment": 2}
     segments = list(llm.narrate(iter(frames), "Say what changes.", **options))
     assert len(segments) == 12
-    dense = 4 * 6  # tokens of a 112 x 168 tubelet after the 2 x 2 merge
     assert segments[0].kept_tokens == dense  # the first tubelet has nothing to compare with
     kept = [segment.kept_tokens for segment in segments[1:]]
     assert all(0 < n < dense for n in kept) and len(set(kept)) > 1, kept
     for segment in segments[1:]:
-        wrapper = len(llm.processor.encode(f"<{segment.t[0]:.1f}s>")) + 2
-        assert segment.prefill_tokens == segment.kept_tokens + wrapper + 1
+        assert segment.prefill_tokens == segment.kept_tokens + _wrapper_tokens(llm, segment) + 1
 
 
 def test_latest_skips_to_the_newest_tubelet_when_the_model_falls_behind(tiny_checkpoint):

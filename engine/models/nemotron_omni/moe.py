@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from stillcut.engine.models.matmul import StoredMatrix, linear, scale_of, stored_matrix
+from stillcut.engine.models.matmul import StoredMatrix, expert_matrices, linear, scale_of
 from stillcut.engine.models.nemotron_omni.blocks import (
     NemotronBlock,
     frozen,
@@ -67,18 +67,7 @@ class MoEBlock(NemotronBlock):
         """The shared projections and every expert's pair, prepared for `linear`, long
         batches computing in `arithmetic`."""
         super().prepare_projections(arithmetic)
-        self.expert_matrices = [
-            tuple(
-                stored_matrix(
-                    weights[e], None if scales is None else scales[e], arithmetic=arithmetic
-                )
-                for weights, scales in (
-                    (self.experts_up, scale_of(self, "experts_up")),
-                    (self.experts_down, scale_of(self, "experts_down")),
-                )
-            )
-            for e in range(self.experts_up.shape[0])
-        ]
+        self.expert_matrices = expert_matrices(self, ("experts_up", "experts_down"), arithmetic)
 
     def forward(
         self, hidden: torch.Tensor, metadata: AttentionMetadata, kv_cache: torch.Tensor | None

@@ -17,6 +17,7 @@ from PIL import Image
 
 from stillcut.engine.model_config import ModelConfig
 from stillcut.engine.models.frame_resize import FrameResize
+from stillcut.engine.models.pixels import check_budget_values, pixel_bounds
 from stillcut.engine.models.qwen2_vl.preprocess import (
     PreprocessedVideo,
     VideoPreprocessConfig,
@@ -57,17 +58,13 @@ class QwenMedia:
         """This media with a request's `min_pixels` / `max_pixels` for videos, as the
         processor takes them: a bound given alone moves the other where it would cross it."""
         config = self.video_preprocess
-        for name, value in budget.items():
-            if not (isinstance(value, int) and MIN_PIXELS <= value <= MAX_PIXELS):
-                raise ValueError(
-                    f"{name} must be an integer in [{MIN_PIXELS}, {MAX_PIXELS}], got {value!r}"
-                )
-        low = budget.get("min_pixels", config.min_pixels)
-        high = budget.get("max_pixels", max(config.max_pixels, low))
-        if "min_pixels" not in budget:
-            low = min(low, high)
-        if low > high:
-            raise ValueError(f"min_pixels={low} must be <= max_pixels={high}")
+        check_budget_values(budget, dict.fromkeys(budget, (MIN_PIXELS, MAX_PIXELS)))
+        low, high = pixel_bounds(
+            budget.get("min_pixels"),
+            budget.get("max_pixels"),
+            (config.min_pixels, config.max_pixels),
+            ("min_pixels", "max_pixels"),
+        )
         media = copy.copy(self)
         media.video_preprocess = dataclasses.replace(config, min_pixels=low, max_pixels=high)
         media.frame_resize = _frame_resize(media.video_preprocess)

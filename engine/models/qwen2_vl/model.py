@@ -14,7 +14,7 @@ in the compute dtype, which is the dtype of everything the layers compute.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from os import PathLike
 
 import torch
@@ -53,7 +53,7 @@ from stillcut.engine.models.weights import (
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import Conversion, WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
+from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Mixer, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 
@@ -140,6 +140,16 @@ class Qwen2DecoderLayer(ProjectingModule):
         # In place on our own temporary: the decode step allocates nothing more for SwiGLU.
         activated = F.silu(gate, inplace=True).mul_(up)  # [N, intermediate]
         return linear(activated, self.matrix("down_weight"), residual)  # [N, hidden]
+
+    def native_mlp(self) -> Mixer:
+        """The layer's MLP as a block of the native CPU decode step: the SiLU gated MLP."""
+        return GatedMlp(
+            self.gate_up_weight,
+            self.down_weight,
+            Activation.SILU,
+            gate_up_scale=scale_of(self, "gate_up_weight"),
+            down_scale=scale_of(self, "down_weight"),
+        )
 
 
 class Qwen2LanguageModel(PagedLanguageModel):
@@ -257,7 +267,9 @@ class Qwen2LanguageModel(PagedLanguageModel):
             folder,
             LANGUAGE_MODEL_PREFIX,
             device=device,
-            formats=_stored_formats(stored, weight_format, config.tie_word_embeddings),
+            formats=_stored_formats(
+                stored, weight_format, config.tie_word_embeddings, cls.stacked_matmuls(stored)
+            ),
         )
         model = cls(config, rope_spec, dtype=weight_format.compute_dtype, device=device)
         model.weight_format = weight_format
@@ -285,13 +297,20 @@ class Qwen2LanguageModel(PagedLanguageModel):
         return _checkpoint_layout(config)
 
     @staticmethod
+    def stacked_matmuls(stored: nn.Module) -> dict[str, int]:
+        """State name -> output axis of the stacks of matrices (experts) among the
+        checkpoint-named `stored` tensors, stored and quantized matrix by matrix: none."""
+        return {}
+
+    @staticmethod
     def fill_layer(layer: nn.Module, stored: nn.Module) -> None:
         """Fill one decoder layer from its checkpoint-named layer."""
         _fuse_layer(layer, stored)
 
     def native_stack(self) -> Stack | None:
-        """Each layer as two blocks for the native CPU decode step: biased attention, SiLU
-        gated MLP; the embedding is the tied head's rows when there is no table of its own."""
+        """Each layer as two blocks for the native CPU decode step: biased attention, then its
+        MLP's (`native_mlp`); the embedding is the tied head's rows when there is no table of
+        its own."""
         config = self.config
         blocks = []
         for index, layer in enumerate(self.layers):
@@ -306,15 +325,8 @@ class Qwen2LanguageModel(PagedLanguageModel):
                 qkv_scale=scale_of(layer, "qkv_weight"),
                 o_scale=scale_of(layer, "o_weight"),
             )
-            mlp = GatedMlp(
-                layer.gate_up_weight,
-                layer.down_weight,
-                Activation.SILU,
-                gate_up_scale=scale_of(layer, "gate_up_weight"),
-                down_scale=scale_of(layer, "down_weight"),
-            )
             blocks += [Block(layer.input_layernorm, attention)]
-            blocks += [Block(layer.post_attention_layernorm, mlp)]
+            blocks += [Block(layer.post_attention_layernorm, layer.native_mlp())]
         tied = self.embed_tokens is None
         return Stack(
             blocks,
@@ -330,18 +342,20 @@ class Qwen2LanguageModel(PagedLanguageModel):
 
 
 def _stored_formats(
-    stored: nn.Module, weight_format: WeightFormat, tied: bool
+    stored: nn.Module, weight_format: WeightFormat, tied: bool, stacks: Mapping[str, int]
 ) -> dict[str, Conversion]:
     """How each `language_model.*` tensor is stored: a tied table is the LM head (laid out as
-    its transpose, kept unquantized when the head is)."""
+    its transpose, kept unquantized when the head is); `stacks` (name -> output axis) are
+    stacked experts, quantized expert by expert."""
     table = "embed_tokens.weight"
     head_kept = tied and not weight_format.quantizes("lm_head")
     return plan_formats(
         stored,
         weight_format,
-        matmul_weights(stored, {table: 0}),
+        matmul_weights(stored, {table: 0, **stacks}),
         unquantized=(table,) if head_kept else (),
         heads=(table,) if tied else (),
+        stacks=stacks,
     )
 
 

@@ -57,6 +57,29 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
                 "deepstack_visual_indexes": (0, 1),
             },
         ),
+        # The shapes of Qwen3-VL-8B-Instruct (8.8B parameters, 17.5 GB in bf16), random: its
+        # tower (27 blocks 1152 wide, DeepStack from blocks 8, 16 and 24) and its own LM head.
+        "8b": Preset(
+            dtype="bfloat16",
+            text={
+                "hidden_size": 4096,
+                "num_hidden_layers": 36,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "head_dim": 128,
+                "intermediate_size": 12288,
+            },
+            vision={
+                "depth": 27,
+                "hidden_size": 1152,
+                "num_heads": 16,
+                "intermediate_size": 4304,
+                "num_position_embeddings": 2304,
+                "deepstack_visual_indexes": (8, 16, 24),
+            },
+            streamed=True,
+            tie_word_embeddings=False,
+        ),
     }
 )
 _TINY = PRESETS["tiny"]

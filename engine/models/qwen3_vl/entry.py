@@ -1,6 +1,7 @@
 """The registry entries of Qwen3-VL: `qwen3_vl` (the dense Qwen3 language model) and
 `qwen3_vl_moe` (Qwen3-MoE), both with DeepStack, the Qwen3-VL tower, whole-clip
-preprocessing and the timestamped per-tubelet prompt."""
+preprocessing and the timestamped per-tubelet prompt, which live sessions and narration write
+as the processor does."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import dataclasses
 
 from stillcut.engine.models.qwen2_vl.entry import QWEN_WEIGHT_PREFIXES
 from stillcut.engine.models.qwen3_vl.config import qwen3_cache_groups, read_qwen3_vl
-from stillcut.engine.models.qwen3_vl.prompt import TimestampedTubeletFormat
+from stillcut.engine.models.qwen3_vl.pixel_budget import PIXEL_BUDGET
+from stillcut.engine.models.qwen3_vl.prompt import TIMESTAMP, TimestampedTubeletFormat
 from stillcut.engine.models.registry import ModelFamily
 
 QWEN3_VL = ModelFamily(
@@ -20,7 +22,10 @@ QWEN3_VL = ModelFamily(
     media="stillcut.engine.models.qwen3_vl.media:Qwen3Media",
     prompt_format=TimestampedTubeletFormat(),
     positions="mrope",
+    live_sessions=True,
+    narration_timestamp=TIMESTAMP,
     weight_prefixes=QWEN_WEIGHT_PREFIXES,
+    pixel_budget=PIXEL_BUDGET,
     checkpoints="stillcut.engine.models.qwen3_vl.checkpoint:QWEN3_VL_CHECKPOINTS",
 )
 QWEN3_VL_MOE = dataclasses.replace(

@@ -7,8 +7,8 @@ sections), and DeepStack: after each of the first `num_deepstack` layers, the to
 set `deepstack.k` is added to the hidden states at the visual positions. The runner hands those
 rows in `mm_features` for exactly the item tokens a step computes (`PagedLanguageModel`).
 
-Decode steps of the dense model run in the native CPU decode step (its attention kind has the
-per-head q/k norm; M-RoPE's interleaving is its section table).
+Decode steps run in the native CPU decode step (its attention kind has the per-head q/k norm;
+M-RoPE's interleaving is its section table; the MoE model's experts are their own kind).
 """
 
 from __future__ import annotations
@@ -142,11 +142,8 @@ class Qwen3LanguageModel(Qwen2LanguageModel):
         set_weight(layer, "qk_norm", qk_norm)
 
     def native_stack(self) -> Stack | None:
-        """Qwen2's stack with each attention's q / k head norms; the interleaved section table
-        is the rotary's own. None where a layer's MLP is a mixture of experts: the native
-        step has no softmax-routed SwiGLU kind."""
-        if self.config.sparse_layers:
-            return None
+        """Qwen2's stack with each attention's q / k head norms (a sparse layer's MLP is its
+        experts' block); the interleaved section table is the rotary's own."""
         stack = super().native_stack()
         blocks = list(stack.blocks)
         for index, layer in enumerate(self.layers):

@@ -1,8 +1,9 @@
 """The Qwen3-MoE language model of Qwen3-VL-MoE: the dense Qwen3 model (`model`) whose
 `sparse_layers` replace the SwiGLU MLP by the softmax-routed mixture of experts
 (`engine.models.softmax_moe`); the others (`mlp_only_layers`, or off the
-`decoder_sparse_step`) keep the dense MLP. Experts stay in the compute dtype under every weight
-format; int8 formats quantize the attention and dense projections only.
+`decoder_sparse_step`) keep the dense MLP. Experts are stored as the weight format says
+(bfloat16, or int8 per expert and output channel) and decode in the native step's softmax-routed
+kind.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from torch import nn
 
 from stillcut.engine.models.qwen3_vl.config import Qwen3TextConfig
 from stillcut.engine.models.qwen3_vl.model import Qwen3DecoderLayer, Qwen3LanguageModel
-from stillcut.engine.models.softmax_moe import SoftmaxMoE, stored_experts
+from stillcut.engine.models.softmax_moe import SoftmaxMoE, expert_stacks, stored_experts
+from stillcut.kernels.cpu_decode_stack import Mixer
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
@@ -32,10 +34,20 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
         self.gate_up_weight = self.down_weight = None
         self.moe = SoftmaxMoE(stored, self.top_k)
 
+    def prepare_projections(self, arithmetic: torch.dtype | None = None) -> None:
+        """The attention's projections, and the MLP's or every expert's, prepared for `linear`."""
+        super().prepare_projections(arithmetic)
+        if self.moe is not None:
+            self.moe.prepare_projections(arithmetic)
+
     def feed_forward(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.moe is None:
             return super().feed_forward(normed, residual)
         return self.moe(normed, residual)
+
+    def native_mlp(self) -> Mixer:
+        """The dense MLP's block, or the experts' (`SoftmaxMoE.native_mixer`)."""
+        return super().native_mlp() if self.moe is None else self.moe.native_mixer()
 
 
 class Qwen3MoeLanguageModel(Qwen3LanguageModel):
@@ -52,3 +64,8 @@ class Qwen3MoeLanguageModel(Qwen3LanguageModel):
                 config.num_experts, config.hidden_size, config.moe_intermediate_size
             )
         return root
+
+    @staticmethod
+    def stacked_matmuls(stored: nn.Module) -> dict[str, int]:
+        """The sparse layers' stacked experts (`softmax_moe.expert_stacks`)."""
+        return expert_stacks(stored)

@@ -6,7 +6,10 @@ A video's placeholder becomes one block per tubelet, each behind its time as tex
 `<{t:.1f} seconds><|vision_start|><|video_pad|><|vision_end|>`, t the mean of the times of the
 tubelet's two sampled frames (the last frame of an odd count stands in for the missing one, as
 the processor pads it). Each tubelet is placed as its own one-tubelet video item, which is also
-how transformers' `get_rope_index` splits the video grid.
+how transformers' `get_rope_index` splits the video grid. A live stream writes its tubelets
+the same way after the video's begin marker, each its own item, and a narration writes the same
+`<t seconds>` before each tubelet, so what a stream holds is what the processor writes for the
+frames it has had.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.multimodal import MultiModalItem
@@ -41,6 +45,20 @@ class TimestampedTubeletFormat(PromptFormat):
     """Images as rendered; each video as its tubelets, each behind `<t seconds>`."""
 
     frames_per_tubelet: int = 2
+    separate_tubelets: ClassVar[bool] = True
+
+    def stream_tubelet(
+        self, tubelet: MultiModalItem, markers: MarkerTexts | None
+    ) -> tuple[str, str]:
+        """`<t seconds><|vision_start|>` before the tubelet's placeholders, the end marker
+        after: the block the processor writes for it in the whole clip."""
+        if markers is None or None in (markers.begin, markers.end):
+            raise CheckpointError("the tokenizer lacks the vision markers")
+        return TIMESTAMP.format(t=self.tubelet_time(tubelet)) + markers.begin, markers.end
+
+    def tubelet_time(self, tubelet: MultiModalItem) -> float:
+        """The mean of the tubelet's first and last sampled frame times (one frame: its own)."""
+        return tubelet_times(tubelet, self.frames_per_tubelet)[0]
 
     def expand(
         self, text: str, items: Sequence[MultiModalItem], markers: MarkerTexts | None

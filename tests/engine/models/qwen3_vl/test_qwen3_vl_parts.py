@@ -1,6 +1,6 @@
 """Qwen3-VL's parts on their own: the config readers, the whole-clip resize (against
-transformers' `smart_resize`), which layers are sparse (against transformers' MoE model) and
-the tubelet times the prompt writes."""
+transformers' `smart_resize`), which layers are sparse (against transformers' MoE model), the
+tubelet times the prompt writes, and the benches' 8B preset (written tensor by tensor)."""
 
 import json
 from dataclasses import replace
@@ -113,3 +113,33 @@ def test_a_tubelets_time_is_the_mean_of_its_two_frames():
     assert tubelet_times(_video(5, (0.0, 0.5, 1.0, 1.5, 2.0)), 2) == [0.25, 1.25, 2.0]
     # without frame times, tubelet k starts at k seconds per tubelet
     assert tubelet_times(_video(4, ()), 2) == [0.0, 1.0]
+
+
+def test_the_8b_preset_is_written_tensor_by_tensor_and_loads(tmp_path):
+    """Shrunk, the 8B preset's streamed file loads strictly in transformers and in the engine;
+    whole, it has Qwen3-VL-8B's parameters and its tower (on the meta device)."""
+    from transformers import AutoModelForImageTextToText, Qwen3VLForConditionalGeneration
+
+    from stillcut.engine.factory.checkpoints import checkpoint_spec, hf_config
+    from stillcut.engine.llm_engine import LLMEngine
+    from stillcut.vision.pipeline import VisionPipeline
+
+    text = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2}
+    text |= {"num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96}
+    vision = {"depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48}
+    vision |= {"num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1, 2]}
+    path = FAMILIES.get("qwen3_vl").build_checkpoint(
+        tmp_path / "8b", "8b", text=text, vision=vision
+    )
+    _, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    engine = LLMEngine(path)
+    assert engine.model.embed_tokens is not None  # untied, as the 8B release
+    assert VisionPipeline(path).tower.feature_names == ("deepstack.0", "deepstack.1", "deepstack.2")
+    with torch.device("meta"):
+        whole = Qwen3VLForConditionalGeneration(hf_config(checkpoint_spec("8b", family="qwen3_vl")))
+    num_params = sum(p.numel() for p in whole.parameters()) / 1e9
+    tower = whole.model.visual
+    assert 8.7 < num_params < 8.8, num_params
+    assert (len(tower.blocks), tower.config.hidden_size) == (27, 1152)
+    assert list(tower.config.deepstack_visual_indexes) == [8, 16, 24]
