@@ -21,6 +21,7 @@ QWEN3_VL = ModelFamily(
     prompt_format=TimestampedTubeletFormat(),
     positions="mrope",
     weight_prefixes=QWEN_WEIGHT_PREFIXES,
+    pixel_stage_refusal=None,
     checkpoints="stillcut.engine.models.qwen3_vl.checkpoint:QWEN3_VL_CHECKPOINTS",
 )
 QWEN3_VL_MOE = dataclasses.replace(
