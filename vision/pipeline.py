@@ -316,7 +316,8 @@ class _Loaded:
     @property
     def kept_mask(self) -> torch.Tensor | None:
         """The tokens of `prepared` the tower encodes (None: all)."""
-        return None if self.pixel_kept is None else self.pixel_kept.mask
+        kept = self.pixel_kept
+        return None if kept is None or bool(kept.mask.all()) else kept.mask
 
     def _prepare_file(self, pipeline: VisionPipeline, spec: VideoInput, data) -> None:
         # PyAV only for files: frame arrays encode where it is not installed (a GPU box)

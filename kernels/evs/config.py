@@ -100,13 +100,9 @@ class EVSConfig:
     @property
     def keeps_all(self) -> bool:
         """True when this setting keeps every token whatever their dissimilarities: rate 0, or
-        threshold 0 without a cap (a floor of every token depends on the grid: `keeps_all_of`)."""
+        threshold 0 without a cap (whether a floor covers every token depends on the grid)."""
         uncapped_zero = self.threshold == 0.0 and self.max_per_tubelet is None
         return self.is_off or (self.mode == "threshold" and uncapped_zero)
-
-    def keeps_all_of(self, tokens_per_tubelet: int) -> bool:
-        """True when this setting keeps every token of tubelets of `tokens_per_tubelet`."""
-        return self.keeps_all or (self.mode == "threshold" and self.floor >= tokens_per_tubelet)
 
     @property
     def before_tower(self) -> bool:

@@ -26,9 +26,9 @@ def counting(pipeline, monkeypatch):
     calls = []
     encode = pipeline.tower.encode
 
-    def counted(patches_list, grids):
+    def counted(patches_list, grids, *kept):
         calls.append(list(grids))
-        return encode(patches_list, grids)
+        return encode(patches_list, grids, *kept)
 
     monkeypatch.setattr(pipeline.tower, "encode", counted)
     pipeline.cache.clear()
