@@ -7,8 +7,8 @@ is preprocessed and encoded (`prefetch`). A window's frames and patches are drop
 embeddings exist; what outlives it depends on what the clip costs:
 
 - dense embeddings (before EVS) when the whole clip's fit the encoder cache, which then holds
-  them, so asking again with any EVS setting never decodes again; memory is what the cache
-  may hold anyway;
+  them, so asking again with any setting of EVS after the tower never decodes again; memory
+  is what the cache may hold anyway;
 - otherwise only what EVS keeps (`ClipPruner`: exact in rate mode, since the kept count is
   known from the plan), and nothing is cached.
 
