@@ -15,26 +15,6 @@ RATE = EVSConfig(mode="rate", rate=0.75, stage="pixels")
 THRESHOLD = EVSConfig(mode="threshold", threshold=0.005, stage="pixels")
 
 
-@pytest.fixture(scope="module")
-def pipeline(tiny_checkpoint):
-    return VisionPipeline(tiny_checkpoint, cache_bytes=64 << 20)
-
-
-@pytest.fixture
-def towers(pipeline, monkeypatch):
-    """Each tower pass's kept masks (None: every token of every input)."""
-    calls = []
-    encode = pipeline.tower.encode
-
-    def counted(patches_list, grids, kept=None):
-        calls.append(kept)
-        return encode(patches_list, grids, kept)
-
-    monkeypatch.setattr(pipeline.tower, "encode", counted)
-    pipeline.cache.clear()
-    return calls
-
-
 def moving_frames(count: int = 8, seed: int = 0) -> np.ndarray:
     """A textured still with a bright square that moves right: some tokens change."""
     rng = np.random.default_rng(seed)
@@ -44,13 +24,14 @@ def moving_frames(count: int = 8, seed: int = 0) -> np.ndarray:
     return frames
 
 
-def test_the_tower_encodes_only_what_pixel_evs_keeps(pipeline, towers):
+def test_the_tower_encodes_only_what_pixel_evs_keeps(pipeline, counting):
     frames = moving_frames()
     item = pipeline.video(frames, evs=RATE)
     prepared = pipeline.media.prepare_video(frames, 2.0)
     grid = item.llm_grid
     expected = prune(group_features(prepared.patches, 4), grid, RATE)
-    assert [mask is not None and torch.equal(mask[0], expected.mask) for mask in towers] == [True]
+    (masks,) = counting.kept  # one tower pass
+    assert torch.equal(masks[0], expected.mask)
     assert torch.equal(item.coords, expected.kept_coords)
     assert item.kept_per_tubelet == tuple(expected.kept_per_tubelet.tolist())
     assert item.num_tokens == max(grid[1] * grid[2], int(grid[0] * grid[1] * grid[2] * 0.25))
@@ -68,17 +49,17 @@ def test_the_tower_encodes_only_what_pixel_evs_keeps(pipeline, towers):
         EVSConfig(mode="threshold", threshold=0.3, floor=10**6, stage="pixels"),
     ],
 )
-def test_a_setting_keeping_every_token_takes_the_ordinary_path(pipeline, towers, evs):
+def test_a_setting_keeping_every_token_takes_the_ordinary_path(pipeline, counting, evs):
     frames = moving_frames()
     dense = pipeline.video(frames)
     pipeline.cache.clear()
     item = pipeline.video(frames, evs=evs)
-    assert towers == [None, None]  # the tower ran without masks both times
+    assert counting.kept == [None, None]  # the tower ran without masks both times
     assert torch.equal(item.embeds, dense.embeds)
     assert torch.equal(item.coords, dense_coords(*item.llm_grid))
 
 
-def test_one_tower_pass_mixes_pixel_stage_and_ordinary_inputs(pipeline, towers):
+def test_one_tower_pass_mixes_pixel_stage_and_ordinary_inputs(pipeline, counting):
     image = np.random.default_rng(1).integers(0, 256, (60, 90, 3), dtype=np.uint8)
     inputs = [
         VideoInput(moving_frames(), evs=RATE),
@@ -87,8 +68,8 @@ def test_one_tower_pass_mixes_pixel_stage_and_ordinary_inputs(pipeline, towers):
         VideoInput(moving_frames(8, seed=3), evs=THRESHOLD),
     ]
     together = pipeline.encode(inputs)
-    assert len(towers) == 1
-    masks = towers[0]
+    assert len(counting) == 1
+    masks = counting.kept[0]
     assert masks[0] is not None and masks[1] is None and masks[2] is None
     assert masks[3] is not None
     pipeline.cache.clear()
@@ -100,14 +81,14 @@ def test_one_tower_pass_mixes_pixel_stage_and_ordinary_inputs(pipeline, towers):
     assert together[3].num_tokens < together[3].num_dense_tokens
 
 
-def test_cache_entries_and_identifiers_tell_the_stages_apart(pipeline, towers):
+def test_cache_entries_and_identifiers_tell_the_stages_apart(pipeline, counting):
     frames = moving_frames()
     after = EVSConfig(mode="rate", rate=0.75)
     before = pipeline.video(frames, evs=RATE)
     post = pipeline.video(frames, evs=after)  # the pixel entry holds kept tokens only: a miss
     again = pipeline.video(frames, evs=RATE)
     other = pipeline.video(frames, evs=EVSConfig(mode="rate", rate=0.5, stage="pixels"))
-    assert len(towers) == 3  # `again` was a hit; another pixel setting is its own entry
+    assert len(counting) == 3  # `again` was a hit; another pixel setting is its own entry
     assert [i.stats["cache_hit"] for i in (before, post, again, other)] == [0, 0, 1, 0]
     assert len({before.identifier, post.identifier, other.identifier}) == 3
     assert before.media_key == post.media_key == other.media_key
@@ -115,7 +96,7 @@ def test_cache_entries_and_identifiers_tell_the_stages_apart(pipeline, towers):
     assert torch.equal(again.embeds, before.embeds) and torch.equal(again.coords, before.coords)
     assert again.kept_per_tubelet == before.kept_per_tubelet
     pipeline.video(frames, evs=EVSConfig(mode="threshold", threshold=0.1))
-    assert len(towers) == 3
+    assert len(counting) == 3
 
 
 def test_a_windowed_file_keeps_what_the_whole_clip_keeps(tiny_checkpoint, samples_dir):
