@@ -96,7 +96,8 @@ def test_cache_entries_and_identifiers_tell_the_stages_apart(pipeline, counting)
     assert torch.equal(again.embeds, before.embeds) and torch.equal(again.coords, before.coords)
     assert again.kept_per_tubelet == before.kept_per_tubelet
     pipeline.video(frames, evs=EVSConfig(mode="threshold", threshold=0.1))
-    assert len(counting) == 3
+    (cached,) = pipeline.encode_cached([VideoInput(frames, evs=RATE)])
+    assert len(counting) == 3 and torch.equal(cached.embeds, before.embeds)
 
 
 def test_a_windowed_file_keeps_what_the_whole_clip_keeps(tiny_checkpoint, samples_dir):
@@ -131,6 +132,23 @@ def test_a_draft_tower_encodes_the_same_kept_tokens(
         (expected,) = tower.encode([prepared.patches], [prepared.grid_thw], [mask])
     torch.testing.assert_close(item.features[DRAFT], expected, rtol=0, atol=0)
     assert item.features[DRAFT].shape[0] == item.num_tokens
+
+
+def test_qwen3_vl_items_carry_the_deepstack_sets_of_the_kept_tokens():
+    from stillcut.engine.factory import cached_checkpoint
+
+    qwen3 = VisionPipeline(cached_checkpoint("tiny", family="qwen3_vl"))
+    frames = moving_frames()
+    item = qwen3.video(frames, evs=RATE)
+    prepared = qwen3.media.prepare_video(frames, 2.0)
+    mask = prune(qwen3.media.pixel_features(prepared), item.llm_grid, RATE).mask
+    with torch.inference_mode():
+        (expected,) = qwen3.tower.encode([prepared.patches], [prepared.grid_thw], [mask])
+    assert item.num_tokens == int(mask.sum()) < mask.numel()
+    assert set(item.features) == set(expected.features) and item.features
+    for name, rows in expected.features.items():
+        torch.testing.assert_close(item.features[name], rows, rtol=0, atol=0)
+    torch.testing.assert_close(item.embeds, expected.embeds, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("model_type", ["gemma3", "nemotron_h_omni"])
