@@ -374,13 +374,9 @@ class _Loaded:
                 windowed.output, windowed.grid_thw, windowed.second_per_grid_ts
             )
         else:  # pruned before the tower: the kept tokens are what the cache holds
-            kept = windowed.kept
+            kept = (windowed.kept.kept_coords, windowed.kept.kept_per_tubelet)
             self.encoded = self._encoded(
-                windowed.output,
-                windowed.grid_thw,
-                windowed.second_per_grid_ts,
-                kept.kept_coords,
-                tuple(kept.kept_per_tubelet.tolist()),
+                windowed.output, windowed.grid_thw, windowed.second_per_grid_ts, kept
             )
 
     def _set_frames(self, timestamps, source_fps: float | None) -> None:
@@ -416,21 +412,20 @@ class _Loaded:
         self._set_prepared(started, decoded_s)
 
     def finish(self, output: TowerOutput, *, encode_s: float) -> None:
-        prepared, pixel_kept = self.prepared, self.pixel_kept
+        prepared, pixel = self.prepared, self.pixel_kept
         self.timings["encode_s"] = encode_s
-        kept = () if pixel_kept is None else (
-            pixel_kept.kept_coords, tuple(pixel_kept.kept_per_tubelet.tolist())
-        )  # fmt: skip
-        self.encoded = self._encoded(output, prepared.grid_thw, prepared.second_per_grid_ts, *kept)
+        kept = None if pixel is None else (pixel.kept_coords, pixel.kept_per_tubelet)
+        self.encoded = self._encoded(output, prepared.grid_thw, prepared.second_per_grid_ts, kept)
 
     def _encoded(
         self,
         output: TowerOutput,
         grid_thw: tuple[int, int, int],
         second_per_grid_ts: float,
-        kept_coords: torch.Tensor | None = None,
-        kept_per_tubelet: tuple[int, ...] = (),
+        kept: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> EncodedMedia:
+        """The entry of `output`; `kept` (pruned before the tower): the kept tokens'
+        coordinates [num_kept, 3] and counts per tubelet [num_tubelets]."""
         source_indices, source_fps = self._source
         return EncodedMedia(
             output.embeds,
@@ -441,8 +436,8 @@ class _Loaded:
             source_indices=source_indices,
             source_fps=source_fps,
             features=output.features,
-            kept_coords=kept_coords,
-            kept_per_tubelet=kept_per_tubelet,
+            kept_coords=None if kept is None else kept[0],
+            kept_per_tubelet=() if kept is None else tuple(kept[1].tolist()),
         )
 
     def to_item(
@@ -458,7 +453,7 @@ class _Loaded:
         elif self.kept is not None:  # pruned window by window already
             coords = self.kept.kept_coords
             kept_per_tubelet = tuple(self.kept.kept_per_tubelet.tolist())
-        elif evs is None or evs.is_off or evs.before_tower:  # (before the tower: it kept all)
+        elif evs is None or evs.is_off or evs.before_tower:  # before the tower: it kept all
             coords = dense_coords(*grid)
             kept_per_tubelet = (grid[1] * grid[2],) * grid[0]
         else:
