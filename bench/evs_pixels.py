@@ -2,11 +2,13 @@
 
 `bench/evs_accuracy.py --stage pixels` calibrates the pixel stage's threshold here (on
 training clips, to keep what the embeddings' threshold 0.1 keeps there) before it asks its
-questions. Run alone, this compares the two candidate features of a token before the tower,
-its merge group of normalised pixels and the patch embedding's output for it (each with the
-constant floor coordinate of `kernels.evs.pixels`, at several floors), by how many of the
-tokens the tower's own EVS keeps at rate 0.75 each keeps at the same rate (the same count by
-construction), and what each costs per token:
+questions. Run alone, this compares candidate features of a token before the tower: its merge
+group of normalised pixels as they are, less their frame's mean colour (the stage's,
+`kernels.evs.pixels`), and the patch embedding's output for it, each with the constant floor
+coordinate at several floors. Each is scored by how many of the tokens beyond the first
+tubelet that the tower's own EVS keeps at rate 0.75 it keeps at the same rate (the same count
+by construction), and on the static clips by the largest share of a clip's later tokens it
+puts in one tubelet (the tower's own EVS spreads them), and what it costs per token:
 
     python bench/evs_pixels.py [--clips 100] [--model PATH]
 """
@@ -14,8 +16,11 @@ construction), and what each costs per token:
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import io
+import math
+import statistics
 import time
 
 import torch
@@ -29,7 +34,7 @@ from stillcut.vision.decode import decode_video
 from stillcut.vision.pipeline import VisionPipeline
 
 REFERENCE_TAU = 0.1  # the embeddings' live default, whose kept fraction the calibration matches
-FLOORS = (0.0, 0.25, PIXEL_FLOOR, 4.0)
+FLOORS = (0.0, 0.25, PIXEL_FLOOR, 4.0)  # in RMS units of each candidate's values
 RATE = 0.75
 
 
@@ -84,6 +89,16 @@ def with_floor(rows: torch.Tensor, floor: float) -> torch.Tensor:
     return torch.cat((rows.float(), constant), dim=1)
 
 
+def candidates(pipeline: VisionPipeline, prepared, floor: float) -> dict[str, torch.Tensor]:
+    """Every candidate's features of one clip at `floor`."""
+    num_tokens = math.prod(token_grid(pipeline, prepared))
+    return {
+        "pixels": with_floor(prepared.patches.reshape(num_tokens, -1), floor),
+        "pixels less frame mean": pipeline.media.pixel_features(prepared, floor),
+        "patch embedding": with_floor(group_embeddings(pipeline, prepared), floor),
+    }
+
+
 def best_of(repeats: int, run) -> float:
     """The fewest seconds `run()` took in `repeats` runs (the machine may be shared)."""
     spent = []
@@ -94,48 +109,52 @@ def best_of(repeats: int, run) -> float:
     return min(spent)
 
 
-def _prune_features(make, prepared, grid, evs) -> None:
-    prune(make(prepared), grid, evs)
-
-
-def compare_metrics(pipeline: VisionPipeline, clips: list[bytes]) -> None:
-    """Agreement with the tower's own rate-mode EVS, and cost per token, of both candidates."""
+def compare_metrics(pipeline: VisionPipeline, clips: list) -> None:
+    """Agreement with the tower's own rate-mode EVS, spread on static clips and cost per token
+    of every candidate; `clips` are (scene, clip bytes)."""
     evs = EVSConfig(mode="rate", rate=RATE)
-    features = {
-        "pixels": lambda prepared: pipeline.media.pixel_features(prepared),
-        "patch embedding": lambda prepared: with_floor(
-            group_embeddings(pipeline, prepared), PIXEL_FLOOR
-        ),
-    }
-    agree: dict[tuple[str, float], int] = {}
-    spent = dict.fromkeys(features, 0.0)
+    agree: dict[tuple[str, float], int] = collections.Counter()
+    crowded: dict[tuple[str, float], list[float]] = collections.defaultdict(list)
+    spent: dict[str, float] = collections.Counter()
     num_later = num_tokens = 0
-    for data in clips:
+    for scene, data in clips:
         prepared = prepared_clip(pipeline, data)
         grid = token_grid(pipeline, prepared)
         hw = grid[1] * grid[2]
+        static = scene.motion == "none" and scene.event == "none"
         (output,) = pipeline.encode_prepared([prepared])
-        reference = prune(output.embeds, grid, evs).mask[hw:]  # beyond the first tubelet
+        masks = {("tower", 0.0): prune(output.embeds, grid, evs).mask[hw:]}  # beyond tubelet 0
+        for floor in FLOORS:
+            for name, rows in candidates(pipeline, prepared, floor).items():
+                masks[name, floor] = prune(rows, grid, evs).mask[hw:]
+        reference = masks["tower", 0.0]
         num_later, num_tokens = num_later + int(reference.sum()), num_tokens + grid[0] * hw
-        rows = {
-            "pixels": prepared.patches.reshape(grid[0] * hw, -1),
-            "patch embedding": group_embeddings(pipeline, prepared),
-        }
-        for name, candidate in rows.items():
-            for floor in FLOORS:
-                mask = prune(with_floor(candidate, floor), grid, evs).mask[hw:]
-                agree[name, floor] = agree.get((name, floor), 0) + int((mask & reference).sum())
-            spent[name] += best_of(
-                3, functools.partial(_prune_features, features[name], prepared, grid, evs)
-            )
-    print(f"{len(clips)} held-out clips, rate q={RATE}: of the {num_later} tokens beyond each")
-    print("first tubelet that EVS after the tower keeps, the share each candidate keeps too")
-    print(f"{'feature':<18}" + "".join(f"{'floor ' + format(f, 'g'):>12}" for f in FLOORS))
-    for name in features:
-        cells = "".join(f"{agree[name, f] / max(1, num_later):>12.1%}" for f in FLOORS)
-        print(f"{name:<18}{cells}")
+        for key, mask in masks.items():
+            agree[key] += int((mask & reference).sum())
+            if static:
+                crowded[key].append(float(mask.view(-1, hw).sum(1).max() / mask.sum()))
+        for name in ("pixels less frame mean", "patch embedding"):
+            make = functools.partial(_prune_candidate, pipeline, prepared, name, grid, evs)
+            spent[name] += best_of(3, make)
+    print(f"{len(clips)} held-out clips, rate q={RATE}: of the {num_later} tokens beyond the")
+    print("first tubelet that EVS after the tower keeps, the share each candidate keeps too;")
+    print(f"on the {len(crowded['tower', 0.0])} static clips, the mean largest share of a clip's")
+    print("later kept tokens in one tubelet (EVS after the tower: "
+          f"{statistics.mean(crowded['tower', 0.0]):.2f})")  # fmt: skip
+    names = ("pixels", "pixels less frame mean", "patch embedding")
+    print(f"{'feature':<24}" + "".join(f"{'floor ' + format(f, 'g'):>14}" for f in FLOORS))
+    for name in names:
+        cells = "".join(
+            f"{agree[name, f] / max(1, num_later):>8.1%}{statistics.mean(crowded[name, f]):>6.2f}"
+            for f in FLOORS
+        )
+        print(f"{name:<24}{cells}")
     for name, seconds in spent.items():
         print(f"{name}: {seconds / num_tokens * 1e6:.1f} us a token (features and pruning)")
+
+
+def _prune_candidate(pipeline, prepared, name: str, grid, evs) -> None:
+    prune(candidates(pipeline, prepared, PIXEL_FLOOR)[name], grid, evs)
 
 
 def main() -> None:
@@ -145,8 +164,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     pipeline = VisionPipeline(args.model or demo_checkpoint())
-    clips = [clip_bytes(sample_scene(seed)) for seed in held_out_seeds(args.clips)]
-    compare_metrics(pipeline, clips)
+    clips = [(sample_scene(seed),) for seed in held_out_seeds(args.clips)]
+    compare_metrics(pipeline, [(scene, clip_bytes(scene)) for (scene,) in clips])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ import torch
 from stillcut.engine.models.families import FAMILIES
 from stillcut.engine.multimodal import DRAFT, dense_coords
 from stillcut.kernels.evs import EVSConfig, prune
-from stillcut.kernels.evs.pixels import group_features
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
 from stillcut.vision.pixel_stage import check_pixel_stage
 
@@ -29,7 +28,7 @@ def test_the_tower_encodes_only_what_pixel_evs_keeps(pipeline, counting):
     item = pipeline.video(frames, evs=RATE)
     prepared = pipeline.media.prepare_video(frames, 2.0)
     grid = item.llm_grid
-    expected = prune(group_features(prepared.patches, 4), grid, RATE)
+    expected = prune(pipeline.media.pixel_features(prepared), grid, RATE)
     (masks,) = counting.kept  # one tower pass
     assert torch.equal(masks[0], expected.mask)
     assert torch.equal(item.coords, expected.kept_coords)
@@ -126,7 +125,7 @@ def test_a_draft_tower_encodes_the_same_kept_tokens(
     frames = moving_frames()
     (item,) = drafting.encode([VideoInput(frames, evs=RATE)])
     prepared = drafting.media.prepare_video(frames, 2.0)
-    mask = prune(group_features(prepared.patches, 4), item.llm_grid, RATE).mask
+    mask = prune(drafting.media.pixel_features(prepared), item.llm_grid, RATE).mask
     with torch.inference_mode():
         tower = load_vision_tower(small_draft_checkpoint)
         (expected,) = tower.encode([prepared.patches], [prepared.grid_thw], [mask])

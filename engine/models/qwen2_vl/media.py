@@ -27,7 +27,7 @@ from stillcut.engine.models.qwen2_vl.preprocess import (
     smart_resize,
 )
 from stillcut.engine.models.qwen2_vl.tower import Qwen2VLVisionTower
-from stillcut.kernels.evs.pixels import group_features
+from stillcut.kernels.evs.pixels import PIXEL_FLOOR, group_features
 
 # The bounds a request may set: one merged token (28 x 28) to Qwen's own largest image.
 MIN_PIXELS = 28 * 28
@@ -102,10 +102,18 @@ class QwenMedia:
         config = self.video_preprocess
         smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
 
-    def pixel_features(self, prepared: PreprocessedVideo) -> torch.Tensor:
+    def pixel_features(
+        self, prepared: PreprocessedVideo, floor: float = PIXEL_FLOOR
+    ) -> torch.Tensor:
         """What EVS before the tower compares, one row per token in flat (t, h, w) order:
-        [tokens, 4 * patch_dim + 1] (`kernels.evs.pixels`)."""
-        return group_features(prepared.patches, self.merge_size**2)
+        [tokens, 4 * patch_dim + 1] (`kernels.evs.pixels`; `floor` for benches)."""
+        config = self.video_preprocess
+        frames = config.temporal_patch_size
+        channels = prepared.patches.shape[1] // (frames * config.patch_size**2)
+        tubelets = prepared.grid_thw[0]
+        return group_features(
+            prepared.patches, self.merge_size**2, tubelets, channels, frames, floor
+        )
 
     def encode(
         self,
