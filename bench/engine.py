@@ -14,13 +14,20 @@ model, after its vision work: the part EVS shortens). Modes, side by side in one
   b   stillcut, all requests submitted at once
   c   the same with EVS rate 0.75
   d   the same as b, asking a second question about the same videos (prefix + encoder cache)
+  e   the same with EVS rate 0.75 before the tower (`stage="pixels"`: it encodes kept tokens)
 
 Time breakdown: decode (video decode + preprocess), encode (vision tower), prefill (steps
 that hold prefill tokens) and generation (decode-only steps); transformers' prefill is
 measured as time to its first token minus the tower, and its "in LM" TTFT from the `generate`
 call (which runs the tower inside).
 
-    python bench/engine.py [--requests 16] [--skip-hf]
+Modes b, c and e each start with both caches cleared and assert that no video hit a cache; with
+`--rounds R` they run R times interleaved (b, d, c, e, b, d, ...) and every figure is the
+median over rounds. Mode e's line beside its targets: encode time e / b, the TTFT e / b would
+reach with no encode time at all (its floor: each request's TTFT less the encode time spent
+before it joined), and the encode time per kept token beside b's per token.
+
+    python bench/engine.py [--requests 16] [--skip-hf] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -76,8 +83,12 @@ class Timings:
     generation: float = 0.0
     ttfts: list[float] = field(default_factory=list)  # from t0
     engine_ttfts: list[float] = field(default_factory=list)  # from joining the engine
+    # from t0, less the encode time spent before the request joined: TTFT with no encoder
+    floor_ttfts: list[float] = field(default_factory=list)
     tokens: int = 0
     wall: float = 0.0
+    encoded_tokens: int = 0  # video tokens the tower produced (kept ones, before the tower)
+    cache_hits: int = 0  # videos served by the encoder cache or the prefix cache
 
 
 def jobs(count: int) -> list[Job]:
@@ -95,6 +106,8 @@ def run_stillcut(engine, pipeline, work, evs, question) -> Timings:
     before the next clip. Clips found in the encoder cache cost nothing and join at once."""
     timings = Timings()
     t0, t0_monotonic = time.perf_counter(), time.monotonic()  # request metrics use monotonic
+    encoded_before: dict[str, float] = {}  # request id -> encode seconds before it joined
+    video_start: dict[str, int] = {}  # request id -> its video's first prompt position
 
     def step() -> None:
         has_prefill = bool(engine.scheduler.waiting) or any(
@@ -109,21 +122,39 @@ def run_stillcut(engine, pipeline, work, evs, question) -> Timings:
             timings.generation += spent
         for output in outputs:
             if output.finished:
+                ttft = output.metrics.first_token_time - t0_monotonic
                 timings.tokens += len(output.token_ids)
-                timings.ttfts.append(output.metrics.first_token_time - t0_monotonic)
+                timings.ttfts.append(ttft)
                 timings.engine_ttfts.append(output.metrics.ttft)
+                timings.floor_ttfts.append(ttft - encoded_before[output.request_id])
+                cached = output.metrics.num_cached_tokens
+                timings.cache_hits += cached > video_start[output.request_id]
 
     for job in work:
         item = pipeline.video(job.clip, evs=evs, max_frames=job.num_frames, end=job.num_frames / 2)
         timings.decode += item.stats.get("decode_s", 0.0) + item.stats.get("preprocess_s", 0.0)
         timings.encode += 0.0 if item.stats["cache_hit"] else item.stats["encode_s"]
+        timings.encoded_tokens += 0 if item.stats["cache_hit"] else item.num_tokens
+        timings.cache_hits += item.stats["cache_hit"]
         prompt = engine.processor.build_text(question, [item])
-        engine.add_request(prompt, SamplingParams(max_tokens=job.max_tokens, ignore_eos=True))
+        params = SamplingParams(max_tokens=job.max_tokens, ignore_eos=True)
+        request_id = engine.add_request(prompt, params)
+        encoded_before[request_id] = timings.encode
+        video_start[request_id] = prompt.mm_positions[0].offset
         if not item.stats["cache_hit"]:
             step()
     while engine.has_unfinished_requests():
         step()
     timings.wall = time.perf_counter() - t0
+    return timings
+
+
+def run_cold(engine, pipeline, work, evs, question) -> Timings:
+    """`run_stillcut` after both caches are cleared; no video may hit either."""
+    pipeline.cache.clear()
+    engine.scheduler.kv_cache.reset_prefix_cache()
+    timings = run_stillcut(engine, pipeline, work, evs, question)
+    assert timings.cache_hits == 0, f"{timings.cache_hits} videos hit a cache"
     return timings
 
 
@@ -250,17 +281,36 @@ def make_engine(path) -> LLMEngine:
     return LLMEngine(path, config)
 
 
-def print_table(rows: dict[str, Timings]) -> None:
+def median_of(runs: list[Timings], figure) -> float:
+    """The median over rounds of `figure(timings)`."""
+    return statistics.median(figure(t) for t in runs)
+
+
+FIGURES = {
+    "tok/s": lambda t: t.tokens / t.wall,
+    "ttft": lambda t: statistics.median(t.ttfts),
+    "in_lm": lambda t: statistics.median(t.engine_ttfts),
+    "floor": lambda t: statistics.median(t.floor_ttfts),
+    "decode": lambda t: t.decode,
+    "encode": lambda t: t.encode,
+    "prefill": lambda t: t.prefill,
+    "generate": lambda t: t.generation,
+    "wall": lambda t: t.wall,
+    "per_token": lambda t: t.encode / max(1, t.encoded_tokens),
+}
+
+
+def print_table(rows: dict[str, list[Timings]]) -> None:
     print(
-        f"{'mode':<34}{'tok/s':>8}{'TTFT p50':>10}{'in LM':>8}{'decode':>8}{'encode':>8}"
+        f"{'mode':<40}{'tok/s':>8}{'TTFT p50':>10}{'in LM':>8}{'decode':>8}{'encode':>8}"
         f"{'prefill':>9}{'generate':>10}{'wall':>8}"
     )
-    for name, t in rows.items():
+    for name, runs in rows.items():
+        f = {key: median_of(runs, figure) for key, figure in FIGURES.items()}
         print(
-            f"{name:<34}{t.tokens / t.wall:>8.1f}{statistics.median(t.ttfts):>9.2f}s"
-            f"{statistics.median(t.engine_ttfts):>7.2f}s"
-            f"{t.decode:>7.1f}s{t.encode:>7.1f}s{t.prefill:>8.1f}s{t.generation:>9.1f}s"
-            f"{t.wall:>7.1f}s"
+            f"{name:<40}{f['tok/s']:>8.1f}{f['ttft']:>9.2f}s{f['in_lm']:>7.2f}s"
+            f"{f['decode']:>7.1f}s{f['encode']:>7.1f}s{f['prefill']:>8.1f}s{f['generate']:>9.1f}s"
+            f"{f['wall']:>7.1f}s"
         )
 
 
@@ -268,10 +318,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--skip-hf", action="store_true", help="only the stillcut modes")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of b, d, c, e")
     args = parser.parse_args()
     path = cached_checkpoint("random-demo", seed=0, dtype="float32", text=TEXT, vision=VISION)
     work = jobs(args.requests)
-    rows: dict[str, Timings] = {}
+    rows: dict[str, list[Timings]] = {}
 
     engine = make_engine(path)
     pipeline = VisionPipeline(path, decode_config=DecodeConfig())
@@ -279,39 +330,46 @@ def main() -> None:
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-        rows["a1 transformers, one at a time"] = run_hf_sequential(
-            model, engine, pipeline.video_preprocess, work, QUESTIONS[0]
-        )
-        rows["a2 transformers, padded batch"] = run_hf_batched(
-            model, engine, pipeline.video_preprocess, work, QUESTIONS[0]
-        )
+        rows["a1 transformers, one at a time"] = [
+            run_hf_sequential(model, engine, pipeline.video_preprocess, work, QUESTIONS[0])
+        ]
+        rows["a2 transformers, padded batch"] = [
+            run_hf_batched(model, engine, pipeline.video_preprocess, work, QUESTIONS[0])
+        ]
         del model
-    rows["b  stillcut, all at once"] = run_stillcut(engine, pipeline, work, None, QUESTIONS[0])
-    rows["d  b + second question (cached)"] = run_stillcut(
-        engine, pipeline, work, None, QUESTIONS[1]
-    )
-    pipeline.cache.clear()
-    engine.scheduler.kv_cache.reset_prefix_cache()
-    rows["c  stillcut, EVS rate 0.75"] = run_stillcut(
-        engine, pipeline, work, EVSConfig(mode="rate", rate=0.75), QUESTIONS[0]
-    )
+    modes = {
+        "b  stillcut, all at once": (None, run_cold, QUESTIONS[0]),
+        "d  b + second question (cached)": (None, run_stillcut, QUESTIONS[1]),
+        "c  stillcut, EVS rate 0.75": (EVSConfig(mode="rate", rate=0.75), run_cold, QUESTIONS[0]),
+        "e  stillcut, EVS rate 0.75 before the tower": (
+            EVSConfig(mode="rate", rate=0.75, stage="pixels"),
+            run_cold,
+            QUESTIONS[0],
+        ),
+    }
+    for _ in range(args.rounds):
+        for name, (evs, run, question) in modes.items():
+            rows.setdefault(name, []).append(run(engine, pipeline, work, evs, question))
     print(
         f"{args.requests} requests, clips of 4-16 frames, max_tokens 32-256, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads, medians of {args.rounds} round(s)"
     )
     print_table(rows)
     print_targets(rows)
 
 
-def print_targets(rows: dict[str, Timings]) -> None:
-    ttft = {name[:2].strip(): statistics.median(t.ttfts) for name, t in rows.items()}
-    in_lm = {name[:2].strip(): statistics.median(t.engine_ttfts) for name, t in rows.items()}
-    tput = {name[:2].strip(): t.tokens / t.wall for name, t in rows.items()}
+def print_targets(rows: dict[str, list[Timings]]) -> None:
+    def figure(key: str) -> dict[str, float]:
+        return {name[:2].strip(): median_of(runs, FIGURES[key]) for name, runs in rows.items()}
+
+    ttft, tput, encode = figure("ttft"), figure("tok/s"), figure("encode")
     targets = [
         ("throughput b / a1", ("b", "a1"), tput, ">=", 2.5),
         ("throughput b / a2", ("b", "a2"), tput, ">=", 1.3),
         ("median TTFT c / b", ("c", "b"), ttft, "<=", 0.5),
         ("median TTFT d / b", ("d", "b"), ttft, "<=", 0.1),
+        ("encode time e / b", ("e", "b"), encode, "<=", 0.45),
+        ("throughput e / c", ("e", "c"), tput, ">=", 0.97),
     ]
     for label, (top, bottom), values, op, bound in targets:
         if top not in values or bottom not in values:
@@ -319,11 +377,23 @@ def print_targets(rows: dict[str, Timings]) -> None:
         ratio = values[top] / values[bottom]
         met = ratio >= bound if op == ">=" else ratio <= bound
         print(f"{label:<20}{ratio:>7.2f}  target {op} {bound}: {'met' if met else 'MISSED'}")
-    if "c" in in_lm and "b" in in_lm:
-        print(
-            f"{'(in the LM, c / b)':<20}{in_lm['c'] / in_lm['b']:>7.2f}  the TTFT EVS acts on: "
-            "from joining the engine, vision excluded"
-        )
+    in_lm = figure("in_lm")
+    print(
+        f"{'(in the LM, c / b)':<20}{in_lm['c'] / in_lm['b']:>7.2f}  the TTFT EVS acts on: "
+        "from joining the engine, vision excluded"
+    )
+    floor = figure("floor")["e"] / ttft["b"]
+    ratio = ttft["e"] / ttft["b"]
+    met = ratio <= 0.5 or ratio <= floor + 0.05
+    print(
+        f"{'median TTFT e / b':<20}{ratio:>7.2f}  target <= 0.5 or within 0.05 of its floor "
+        f"{floor:.2f} (e with no encode time): {'met' if met else 'MISSED'}"
+    )
+    per_token = figure("per_token")
+    print(
+        f"{'encode per token':<20}  e {per_token['e'] * 1e3:.2f} ms a kept token, "
+        f"b {per_token['b'] * 1e3:.2f} ms a token"
+    )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """EVS accuracy: how much pruning the trained demo's answers survive, per question type.
 
 Renders the held-out scenes of the demo task (seeds never used in training; the clips are kept
-in `bench/out/` for the next run), encodes each clip once (the encoder cache serves every EVS
-setting), and asks each question type's canonical prompt with EVS off, rate q = 0.5 / 0.75 /
-0.8 / 0.9 and threshold tau at several values. Each answer is scored by its keywords
-(`stillcut.demo.questions.is_correct`); the table shows accuracy per type and
-the fraction of video tokens kept. Then, for the long near-static sample clip, it counts the
+in `bench/out/` for the next run), encodes each clip once (the encoder cache serves every
+setting of EVS after the tower), and asks each question type's canonical prompt with EVS off,
+rate q = 0.5 / 0.75 / 0.8 / 0.9 and threshold tau at several values. Each answer is scored by
+its keywords (`stillcut.demo.questions.is_correct`); the table shows accuracy per type and the
+fraction of video tokens kept. Then, for the long near-static sample clip, it counts the
 tokens kept for growing lengths: a threshold's cost should grow far slower than the clip, a
 rate's grows with it.
 
@@ -19,8 +19,15 @@ of 2-4 s from each (half across the cut) captioned with the chunk prompt
 right when each scene part's clause names what happens there, in order
 (`captions.caption_is_correct`).
 
+`--stage pixels` puts EVS before the tower beside EVS after it, on the questions: rate q = 0.75
+in both stages (the same kept count by construction), and threshold 0.1 after the tower against
+the pixel threshold that keeps as much on training clips (`evs_pixels.calibrate`; the share it
+keeps on the held-out clips is in its row), each pair's difference per question type in
+points; then the near-static clip's counts in both stages.
+
     python bench/evs_accuracy.py [--model PATH] [--clips 500] [--narration-clips 200]
         [--caption-chunks 200] [--only questions|narration|captions]
+        [--stage pixels [--calibration-clips 200]]
 """
 
 from __future__ import annotations
@@ -34,11 +41,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from evs_pixels import calibrate
 
 from stillcut.demo import demo_checkpoint
 from stillcut.demo.captions import ScenePart, caption_is_correct, chunk_parts, draw_chunk
 from stillcut.demo.chunk_prompts import chunk_caption_messages
-from stillcut.demo.clips import TASK_X264_PARAMS, clip_bytes, encode_h264, held_out_seeds
+from stillcut.demo.clips import (
+    TASK_X264_PARAMS,
+    clip_bytes,
+    encode_h264,
+    held_out_seeds,
+    training_seeds,
+)
 from stillcut.demo.narration import (
     CHANGES,
     FRAMES_PER_TUBELET,
@@ -72,18 +86,26 @@ ENGINE_CONFIG = EngineConfig(
 MAX_TOKENS = 48
 LONG_CLIP_ENDS_S = (30.0, 60.0, 120.0, 240.0)
 LONG_CLIP_TAU = 0.1
+RATE = EVSConfig(mode="rate", rate=0.75)
+PIXEL_RATE = EVSConfig(mode="rate", rate=0.75, stage="pixels")
+POINTS_BELOW = 2.0  # how far below EVS after the tower the pixel stage may score, per type
 
 
-def held_out_set(count: int) -> list[tuple[Scene, bytes]]:
-    """The first `count` held-out scenes and their clips, rendered once into `CLIP_DIR`."""
+def rendered_set(seeds: range) -> list[tuple[Scene, bytes]]:
+    """The scenes of `seeds` and their clips, rendered once into `CLIP_DIR`."""
     CLIP_DIR.mkdir(parents=True, exist_ok=True)
     clips = []
-    for seed in held_out_seeds(count):
+    for seed in seeds:
         scene, path = sample_scene(seed), CLIP_DIR / f"{seed}.mp4"
         if not path.is_file():
             path.write_bytes(clip_bytes(scene))
         clips.append((scene, path.read_bytes()))
     return clips
+
+
+def held_out_set(count: int) -> list[tuple[Scene, bytes]]:
+    """The first `count` held-out scenes and their clips."""
+    return rendered_set(held_out_seeds(count))
 
 
 def narration_set(count: int) -> list[tuple[Scene, Path]]:
@@ -172,16 +194,22 @@ def accuracy_row(llm: VideoLLM, clips: list, evs: EVSConfig | None) -> tuple[flo
     return kept / total, {kind: right[kind] / len(clips) for kind in QUESTION_TYPES}
 
 
-def long_clip_rows(llm: VideoLLM) -> None:
+def long_clip_rows(llm: VideoLLM, pixel_tau: float | None = None) -> None:
     """Tokens kept for growing prefixes of the near-static clip: encoded once, pruned per
-    prefix (threshold mode is causal, so a prefix keeps what the shorter clip would)."""
+    prefix (threshold mode is causal, so a prefix keeps what the shorter clip would); with
+    `pixel_tau`, EVS before the tower beside, each prefix encoded as its own clip."""
     clip = SAMPLES / "near_static_long.mp4"
     print(f"\n{clip.name}: video tokens kept for the first N seconds (2 fps, no frame cap)")
     dense = llm.pipeline.video(clip, evs=None, end=max(LONG_CLIP_ENDS_S))
     t, h, w = dense.llm_grid
-    columns = [("dense", None), ("rate q=0.75", EVSConfig(mode="rate", rate=0.75))]
+    columns = [("dense", None), ("rate q=0.75", RATE)]
     columns.append((f"tau={LONG_CLIP_TAU:g}", EVSConfig(mode="threshold", threshold=LONG_CLIP_TAU)))
-    print(f"{'seconds':>8}" + "".join(f"{name:>14}" for name, _ in columns))
+    before = []
+    if pixel_tau is not None:
+        pixel_threshold = EVSConfig(mode="threshold", threshold=pixel_tau, stage="pixels")
+        before = [("pixels q=0.75", PIXEL_RATE), (f"pixels tau={pixel_tau:.3g}", pixel_threshold)]
+    names = [name for name, _ in (*columns, *before)]
+    print(f"{'seconds':>8}" + "".join(f"{name:>18}" for name in names))
     for end in LONG_CLIP_ENDS_S:
         num_tubelets = min(t, round(end * DecodeConfig().fps / 2))  # 2 frames a tubelet
         embeds = dense.embeds[: num_tubelets * h * w]
@@ -189,18 +217,56 @@ def long_clip_rows(llm: VideoLLM) -> None:
             len(embeds) if evs is None else prune(embeds, (num_tubelets, h, w), evs).num_kept_tokens
             for _, evs in columns
         ]
-        print(f"{end:>8g}" + "".join(f"{count:>14}" for count in counts))
+        counts += [llm.pipeline.video(clip, evs=evs, end=end).num_tokens for _, evs in before]
+        print(f"{end:>8g}" + "".join(f"{count:>18}" for count in counts))
+
+
+def print_row(name: str, kept: float, accuracy: dict) -> None:
+    cells = "".join(f"{accuracy[kind]:>10.1%}" for kind in QUESTION_TYPES)
+    print(f"{name:<26}{kept:>6.1%}{cells}", flush=True)
 
 
 def question_rows(llm: VideoLLM, count: int) -> None:
     clips = held_out_set(count)
-    header = f"{'EVS':<22}{'kept':>6}" + "".join(f"{kind:>10}" for kind in QUESTION_TYPES)
+    header = f"{'EVS':<26}{'kept':>6}" + "".join(f"{kind:>10}" for kind in QUESTION_TYPES)
     print(f"{len(clips)} held-out clips\n{header}")
     for name, evs in settings():
-        kept, accuracy = accuracy_row(llm, clips, evs)
-        cells = "".join(f"{accuracy[kind]:>10.1%}" for kind in QUESTION_TYPES)
-        print(f"{name:<22}{kept:>6.1%}{cells}", flush=True)
+        print_row(name, *accuracy_row(llm, clips, evs))
     long_clip_rows(llm)
+
+
+def pixel_stage_rows(llm: VideoLLM, count: int, calibration_count: int) -> None:
+    """EVS before the tower against EVS after it: rate 0.75 in both stages, threshold 0.1
+    after against the calibrated pixel threshold; per pair the difference in points."""
+    training = [data for _, data in rendered_set(training_seeds(calibration_count))]
+    tau, target, reached = calibrate(llm.pipeline, training)
+    print(
+        f"pixel threshold calibrated on {len(training)} training clips: tau={tau:.4g} keeps "
+        f"{reached:.1%} of their tokens (threshold {LONG_CLIP_TAU:g} after the tower: {target:.1%})"
+    )
+    clips = held_out_set(count)
+    pixel_threshold = EVSConfig(mode="threshold", threshold=tau, stage="pixels")
+    pairs = [
+        ("rate q=0.75", "rate q=0.75", RATE, PIXEL_RATE),
+        (
+            f"tau={LONG_CLIP_TAU:g}",
+            f"tau={tau:.3g}",
+            EVSConfig(mode="threshold", threshold=LONG_CLIP_TAU),
+            pixel_threshold,
+        ),
+    ]
+    header = f"{'EVS':<26}{'kept':>6}" + "".join(f"{kind:>10}" for kind in QUESTION_TYPES)
+    print(f"{len(clips)} held-out clips\n{header}")
+    for name_after, name_before, after, before in pairs:
+        rows = [accuracy_row(llm, clips, evs) for evs in (after, before)]
+        print_row(f"after:  {name_after}", *rows[0])
+        print_row(f"before: {name_before}", *rows[1])
+        gaps = {kind: 100 * (rows[1][1][kind] - rows[0][1][kind]) for kind in QUESTION_TYPES}
+        cells = "".join(f"{gaps[kind]:>+9.1f}p" for kind in QUESTION_TYPES)
+        verdict = "met" if min(gaps.values()) >= -POINTS_BELOW else "MISSED"
+        print(f"{'  before - after':<32}{cells}  (>= -{POINTS_BELOW:g} points: {verdict})")
+    print("(after: EVS after the tower, on its embeddings; before: on pixels, before the tower)")
+    long_clip_rows(llm, tau)
 
 
 def narration_rows(llm: VideoLLM, count: int) -> None:
@@ -229,6 +295,13 @@ def main() -> None:
     parser.add_argument("--narration-clips", type=int, default=200, help="(default 200)")
     parser.add_argument("--caption-chunks", type=int, default=200, help="(default 200)")
     parser.add_argument("--only", choices=("questions", "narration", "captions"))
+    parser.add_argument(
+        "--stage",
+        choices=("embeddings", "pixels"),
+        default="embeddings",
+        help="'pixels': EVS before the tower beside EVS after it, on the questions",
+    )
+    parser.add_argument("--calibration-clips", type=int, default=200, help="(default 200)")
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
@@ -237,11 +310,13 @@ def main() -> None:
         engine_config=ENGINE_CONFIG,
         decode_config=DecodeConfig(max_frames=10_000),
     )
-    if args.only in (None, "questions"):
+    if args.stage == "pixels":
+        pixel_stage_rows(llm, args.clips, args.calibration_clips)
+    elif args.only in (None, "questions"):
         question_rows(llm, args.clips)
-    if args.only in (None, "narration"):
+    if args.stage == "embeddings" and args.only in (None, "narration"):
         narration_rows(llm, args.narration_clips)
-    if args.only in (None, "captions"):
+    if args.stage == "embeddings" and args.only in (None, "captions"):
         caption_rows(llm, args.caption_chunks)
     print(f"\n{time.perf_counter() - started:.0f} s in all")
 

@@ -49,6 +49,7 @@ from stillcut.service.result import DescribeResult, describe_result
 from stillcut.service.summary_api import summarize_here
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import ImageInput, VideoInput, VideoSource, VisionPipeline
+from stillcut.vision.pixel_stage import check_pixel_stage
 from stillcut.vision.summary.result import VideoSummary
 from stillcut.vision.summary.when import TemporalAnswer
 from stillcut.vision.video_plan import PlanLimits, VideoPlan, plan_video
@@ -110,7 +111,8 @@ class VideoLLM:
         """`model` is a checkpoint folder or hub id; None is the trained demo checkpoint shipped
         with the package. `name` is the id the server reports (default: the folder name). `evs`
         is the EVS setting of requests that name none (None: off; default: the checkpoint's own
-        rate, else rate 0.75). `precision` overrides `engine_config`'s `dtype`,
+        rate, else rate 0.75; `EVSConfig(stage="pixels")` prunes before the vision tower, where
+        the family allows it). `precision` overrides `engine_config`'s `dtype`,
         `quantization`, `quantization_skip`, `kv_cache_dtype` and `compute_dtype` (see
         `EngineConfig`); the vision tower stores its weights in the same format and computes
         in the same arithmetic. With a draft model
@@ -133,6 +135,7 @@ class VideoLLM:
         log.info("vision tower weights: %.1f MiB", self.vision_weight_bytes / 2**20)
         self.processor = self.engine.processor
         self.evs_default = resolve_evs_default(self.engine.model_config, evs)
+        check_pixel_stage(self.engine.model_config.family, self.evs_default.evs)
         self.is_random_demo = bool(self.engine.model_config.raw.get("stillcut_random_weights"))
         self.name = name or (DEMO_MODEL_NAME if model is None else _model_name(model))
         self._vision_lock = threading.Lock()

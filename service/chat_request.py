@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from stillcut.engine.models.registry import ModelFamily
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_MAX_TOKENS
@@ -24,6 +25,7 @@ from stillcut.service.errors import bad_request, shown
 from stillcut.service.media import MediaKind
 from stillcut.service.request_limits import JSONRefused, check_stop, loads_json
 from stillcut.service.video_options import VideoOptions, parse_video_options, video_option_names
+from stillcut.vision.pixel_stage import check_pixel_stage
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _MEDIA_PARTS: dict[str, MediaKind] = {"video_url": "video", "image_url": "image"}
@@ -45,7 +47,7 @@ _FIELDS = {
     *("stream_options", "logprobs", "top_logprobs", "evs", *video_option_names()),
     "chat_template_kwargs",
 }
-_EVS_FIELDS = ("mode", "rate", "threshold", "max_per_tubelet", "floor")
+_EVS_FIELDS = ("mode", "rate", "threshold", "max_per_tubelet", "floor", "stage")
 _TYPE_NAMES = {bool: "a boolean", int: "an integer", float: "a number", dict: "an object"}
 
 
@@ -135,6 +137,15 @@ def parse_evs(value: Any, where: str, default: EVSConfig | None) -> EVSConfig | 
         return EVSConfig(**value)
     except (TypeError, ValueError) as error:
         raise bad_request(f"{where}: {error}", "invalid_evs") from None
+
+
+def check_evs_stage(evs: EVSConfig | None, family: ModelFamily) -> None:
+    """400 unless the served model's family can prune at `evs`'s stage (a family whose tower
+    cannot encode a subset of its tokens refuses `"stage": "pixels"`)."""
+    try:
+        check_pixel_stage(family, evs)
+    except ValueError as error:
+        raise bad_request(f"evs: {error}", "invalid_evs") from None
 
 
 def parse_evs_text(text: str | None, default: EVSConfig | None) -> EVSConfig | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from stillcut.service.chat_request import ChatRequest, parse_chat_request
+from stillcut.service.chat_request import ChatRequest, check_evs_stage, parse_chat_request
 from stillcut.service.media import read_body, refuse_gif_image, unsupported_type
 from stillcut.service.media_url import resolve_media_url
 from stillcut.service.openai_format import ChatFormatter
@@ -78,6 +78,7 @@ async def _complete(
     config = state.config
     sampling = chat.video.input_options(config, state.llm.pipeline.decode_config)
     chat.video.check_pixels(state.llm.pipeline)
+    check_evs_stage(chat.evs, state.llm.pipeline.family)
     sources: dict[tuple[str, str], bytes | Path] = {}
     for part in chat.media:  # a URL given twice is fetched once
         if (part.kind, part.url) not in sources:

@@ -157,8 +157,15 @@ def precision_options(args: argparse.Namespace) -> dict:
 
 
 def add_evs_arguments(parser: argparse.ArgumentParser, *, rate: bool = True) -> None:
-    """`--evs-rate` (unless `rate` is False), `--evs-threshold`, `--no-evs`: the EVS setting
-    when none is asked for."""
+    """`--evs-rate` and `--evs-stage` (unless `rate` is False), `--evs-threshold`, `--no-evs`:
+    the EVS setting when none is asked for."""
+    if rate:
+        parser.add_argument(
+            "--evs-stage",
+            choices=("embeddings", "pixels"),
+            help="where EVS prunes, with --evs-rate or --evs-threshold: 'embeddings' after the "
+            "vision tower (default), 'pixels' before it (the tower encodes only kept tokens)",
+        )
     evs = parser.add_mutually_exclusive_group()
     if rate:
         evs.add_argument(
@@ -269,13 +276,14 @@ def evs_config(args: argparse.Namespace):
     from stillcut.kernels.evs import EVSConfig
     from stillcut.service.evs_default import UNSET
 
-    if args.no_evs:
-        return None
+    stage = {"stage": args.evs_stage} if getattr(args, "evs_stage", None) else {}
     if args.evs_threshold is not None:
-        return EVSConfig(mode="threshold", threshold=args.evs_threshold)
+        return EVSConfig(mode="threshold", threshold=args.evs_threshold, **stage)
     if args.evs_rate is not None:
-        return EVSConfig(mode="rate", rate=args.evs_rate)
-    return UNSET
+        return EVSConfig(mode="rate", rate=args.evs_rate, **stage)
+    if stage:
+        raise ValueError(f"--evs-stage {args.evs_stage} needs --evs-rate or --evs-threshold")
+    return None if args.no_evs else UNSET
 
 
 def _inspect(args: argparse.Namespace) -> int:

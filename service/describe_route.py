@@ -26,7 +26,7 @@ from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_PROMPT
-from stillcut.service.chat_request import parse_evs_text, sampling_params
+from stillcut.service.chat_request import check_evs_stage, parse_evs_text, sampling_params
 from stillcut.service.errors import bad_request
 from stillcut.service.form_fields import form_flag, form_number, form_text, read_checked_form
 from stillcut.service.frames_view import frames_view, thumbnails
@@ -82,6 +82,7 @@ async def describe_endpoint(request: Request) -> Response:
     decode_defaults = state.llm.pipeline.decode_config
     video = checked.video.input_options(state.config, decode_defaults)
     checked.video.check_pixels(state.llm.pipeline)
+    check_evs_stage(checked.evs, state.llm.pipeline.family)
     spec = VideoInput(checked.data, evs=checked.evs, **video)
     setting = "off" if checked.evs is None or checked.evs.is_off else checked.evs.key()
 

@@ -11,15 +11,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
+from stillcut.kernels.evs.config import STAGES
+from stillcut.kernels.evs.pixels import PIXEL_THRESHOLD
 from stillcut.service.errors import shown
 from stillcut.service.request_limits import check_stop
 
 CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_POLICY = 1008
+# a session's threshold when it gives none, per EVS stage (they measure different things)
+DEFAULT_THRESHOLDS = {"embeddings": 0.1, "pixels": PIXEL_THRESHOLD}
 
 
 class LiveError(ValueError):
@@ -75,13 +79,15 @@ class LiveLimits:
 
 @dataclass(frozen=True)
 class LiveOptions:
-    """A session's settings: threshold-mode EVS (`threshold`, `max_per_tubelet`, `floor`), the
-    rate the client sends frames at (`fps`; one tubelet spans `2 / fps` seconds), sampling for
-    answers, and the server's `limits`."""
+    """A session's settings: threshold-mode EVS (`threshold`, `max_per_tubelet`, `floor`, and
+    `stage`: "embeddings" after the tower, "pixels" before it; a threshold of None is the
+    stage's default, `DEFAULT_THRESHOLDS`), the rate the client sends frames at (`fps`; one
+    tubelet spans `2 / fps` seconds), sampling for answers, and the server's `limits`."""
 
-    threshold: float = 0.1
+    threshold: float | None = None
     max_per_tubelet: int | None = None
     floor: int = 0
+    stage: Literal["embeddings", "pixels"] = "embeddings"
     fps: float = 2.0
     max_tokens: int = 256
     temperature: float = 0.0
@@ -108,11 +114,16 @@ class LiveOptions:
     @property
     def evs(self) -> EVSConfig:
         """Threshold-mode EVS: causal, so streaming and the whole clip prune alike."""
+        threshold = self.threshold
+        if threshold is None:
+            # a stage that is none of them: EVSConfig names it
+            threshold = DEFAULT_THRESHOLDS[self.stage] if self.stage in STAGES else 0.0
         return EVSConfig(
             mode="threshold",
-            threshold=self.threshold,
+            threshold=threshold,
             max_per_tubelet=self.max_per_tubelet,
             floor=self.floor,
+            stage=self.stage,
         )
 
     @property

@@ -25,13 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from stillcut.engine.admission import RequestTooLong, ResourceExhausted, TooManyVisualTokens
 from stillcut.engine.llm_engine import RequestOutput
-from stillcut.engine.multimodal import MultiModalItem, select_rows
+from stillcut.engine.multimodal import MultiModalItem, TowerOutput, select_rows
 from stillcut.engine.processor import Prompt
 from stillcut.kernels.evs import ThresholdPruner
+from stillcut.kernels.evs.result import result_from_mask
 from stillcut.service.async_engine import AsyncEngine, EngineStopped
 from stillcut.service.live_options import (
     BadFrame,
@@ -41,6 +43,7 @@ from stillcut.service.live_options import (
     SessionClosed,
 )
 from stillcut.vision.pipeline import VisionPipeline, item_identifier, media_key
+from stillcut.vision.pixel_stage import check_pixel_stage, merged_grid
 
 FRAME_FORMATS = ("PNG", "JPEG")
 Runner = Callable[[Callable[[], Any]], Awaitable[Any]]  # runs blocking work off the event loop
@@ -95,6 +98,7 @@ class LiveSession:
                 "live sessions need prefix caching, and enable_prefix_caching is off in this "
                 "engine's cache config; turn it on to stream"
             )
+        check_pixel_stage(pipeline.family, options.evs)
         if not isinstance(session_id, str) or not session_id:
             raise ValueError(f"session_id={session_id!r} must be a non-empty string")
         self.options = options
@@ -113,6 +117,7 @@ class LiveSession:
         self._last_timestamp = -math.inf
         self._pending: _Frame | None = None  # the first frame of the next tubelet
         self._pruner: ThresholdPruner | None = None  # EVS references of the committed tubelets
+        self._nothing: TowerOutput | None = None  # set by the first tubelet (kept whole)
         self._items: list[MultiModalItem] = []  # one per committed tubelet
         self._num_held_items = 0  # the rest are 0-token tubelets the prefix cannot hold yet
         self._chain = ""  # identifier of the stream so far
@@ -141,7 +146,7 @@ class LiveSession:
             item, pruner = await self._tubelet(frames, (first.timestamp, timestamp))
             await self._commit(item)
             self._pruner = pruner
-            index, total = pruner.num_tubelets - 1, item.stats["tokens_total"]
+            index, total = len(self._items) - 1, item.stats["tokens_total"]
             return TubeletEvent(first.timestamp, index, item.num_tokens, total)
 
     async def ask(self, prompt: str) -> AsyncIterator[RequestOutput]:
@@ -207,22 +212,15 @@ class LiveSession:
 
     async def _tubelet(
         self, frames: np.ndarray, timestamps: tuple[float, ...]
-    ) -> tuple[MultiModalItem, ThresholdPruner]:
+    ) -> tuple[MultiModalItem, ThresholdPruner | None]:
         """The next tubelet's item from 1 or 2 frames, and the pruner after it; the session's
         own pruner is left as it was."""
-        prepared, output = await self._run_encode(lambda: self._encode(frames))
-        embeds = output.embeds
+        index = len(self._items)
+        pruner = None if self._pruner is None else copy.deepcopy(self._pruner)
+        prepared, output, result, pruner = await self._run_encode(
+            lambda: self._encode(frames, pruner, index)
+        )
         _, height, width = prepared.grid_thw
-        merge = self._pipeline.media.merge_size
-        if self._pruner is None:
-            grid_hw = (height // merge, width // merge)
-            pruner = ThresholdPruner(
-                self._evs, grid_hw, embeds.shape[1], embeds.device, embeds.dtype
-            )
-        else:
-            pruner = copy.deepcopy(self._pruner)
-        index = pruner.num_tubelets
-        result = pruner.push(embeds)
         coords, grid_t = result.kept_coords, index + 1  # [num_kept, 3], t = index
         if self._separate_tubelets:
             coords, grid_t = coords * coords.new_tensor([0, 1, 1]), 1
@@ -231,29 +229,59 @@ class LiveSession:
         key = media_key(self._pipeline.model_key, frames, params)
         item = MultiModalItem(
             kind="video",
-            embeds=embeds[result.kept_index],  # [num_kept, hidden]
+            embeds=output.embeds,  # [num_kept, hidden]
             # extra feature sets (the draft model's among them) at the tokens EVS kept
-            features=select_rows(output.features, result.kept_index),
+            features=output.features,
             coords=coords,
             grid_thw=(grid_t, height, width),  # the logical video's grid so far, or its own
-            merge_size=merge,
+            merge_size=self._pipeline.media.merge_size,
             second_per_grid_ts=prepared.second_per_grid_ts,
             timestamps=timestamps,
             media_key=key,
             identifier=item_identifier(key, self._evs),
             kept_per_tubelet=(result.num_kept_tokens,),
-            stats={"tokens_total": embeds.shape[0], "tokens_kept": result.num_kept_tokens},
+            stats={"tokens_total": result.mask.numel(), "tokens_kept": result.num_kept_tokens},
         )
         return item, pruner
 
-    def _encode(self, frames: np.ndarray):
-        """One tubelet's preprocessed input and its tower output: embeddings
-        [h * w / merge**2, hidden] and extra feature sets (the draft tower's among them)."""
-        pipeline = self._pipeline
-        prepared = pipeline.media.prepare_video(frames, self.options.fps)
-        pipeline.work.tower_passes += 1
-        (output,) = pipeline.encode_prepared([prepared])
-        return prepared, output
+    def _encode(self, frames: np.ndarray, pruner: ThresholdPruner | None, index: int):
+        """Tubelet `index`'s preprocessed input, its tower output at the tokens EVS kept (the
+        embeddings [num_kept, hidden] and extra feature sets, the draft tower's among them),
+        what EVS chose and the pruner after it (None while nothing is pruned). EVS before the
+        tower decides first and the tower encodes the kept tokens only: a tubelet it empties
+        costs no tower pass."""
+        media, evs = self._pipeline.media, self._evs
+        prepared = media.prepare_video(frames, self.options.fps)
+        _, h, w = merged_grid(prepared.grid_thw, media.merge_size)
+        if evs.before_tower and evs.keeps_all:
+            every = torch.ones(h * w, dtype=torch.bool)
+            chosen = result_from_mask(every, torch.zeros(h * w), (h, w), first_t=index)
+            return prepared, self._tower(prepared, None), chosen, None
+        if evs.before_tower:
+            features = media.pixel_features(prepared)  # [h * w, dim]
+            pruner = pruner or ThresholdPruner(evs, (h, w), features.shape[1])
+            chosen = pruner.push(features)
+            if chosen.num_kept_tokens == 0:
+                return prepared, self._nothing, chosen, pruner
+            return prepared, self._tower(prepared, chosen.mask), chosen, pruner
+        output = self._tower(prepared, None)
+        embeds = output.embeds  # [h * w, hidden]
+        pruner = pruner or ThresholdPruner(
+            evs, (h, w), embeds.shape[1], embeds.device, embeds.dtype
+        )
+        chosen = pruner.push(embeds)
+        kept = TowerOutput(
+            embeds[chosen.kept_index], select_rows(output.features, chosen.kept_index)
+        )
+        return prepared, kept, chosen, pruner
+
+    def _tower(self, prepared, kept: torch.Tensor | None) -> TowerOutput:
+        """One tower pass over one tubelet (`kept`: the tokens to encode, None: all)."""
+        self._pipeline.work.tower_passes += 1
+        (output,) = self._pipeline.encode_prepared([prepared], [kept])
+        if self._nothing is None:  # the rows of a tubelet EVS empties: none, of these widths
+            self._nothing = TowerOutput(output.embeds[:0], select_rows(output.features, slice(0)))
+        return output
 
     # ---- the held prefix -----------------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 The draft checkpoint has the target's preprocessing, patch grid and merge (`check_draft`), so
 the target's preprocessed input of a video or image serves the draft's own tower as it is, and
 both towers give one embedding per post-merge grid cell in the same order. The pipeline keeps
-the draft's embeddings at exactly the rows the target's EVS kept, so the draft places them at
-the target's coordinates and positions. They are as wide as the draft's hidden size.
+the draft's embeddings at exactly the rows the target's EVS kept (before the tower, the draft
+tower encodes the same kept tokens), so the draft places them at the target's coordinates and
+positions. They are as wide as the draft's hidden size.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class DraftTower:
         media = config.family.media_class()(path, config)
         return cls(path, tower, media, model_fingerprint(path, resolved.embedding_key()))
 
-    def encode(self, prepared: list, device: torch.device) -> list:
+    def encode(self, prepared: list, device: torch.device, *kept: list) -> list:
         """The draft tower's output for preprocessed inputs, as its media class's `encode`
-        gives it: embeddings [tokens, draft hidden] (or a `TowerOutput`) each."""
-        return self.media.encode(self.tower, prepared, device)
+        gives it: embeddings [tokens, draft hidden] (or a `TowerOutput`) each; given `kept`
+        masks (EVS before the tower), of the same kept tokens as the target's."""
+        return self.media.encode(self.tower, prepared, device, *kept)

@@ -1,9 +1,12 @@
-"""The encoder cache: dense embeddings of media already seen, keyed by `media_key`.
+"""The encoder cache: embeddings of media already seen, keyed by `media_key`.
 
-It holds embeddings and the tower's extra feature sets (`MultiModalItem.features`) *before*
-EVS, so re-asking about a video with any pruning setting never
-runs the encoder again. Least recently used entries go first once the byte bound is reached;
-an entry larger than the whole bound is not stored at all.
+An entry keyed by `media_key` alone holds embeddings and the tower's extra feature sets
+(`MultiModalItem.features`) *before* EVS, so re-asking about a video with any setting of EVS
+after the tower never runs the encoder again. EVS before the tower (`EVSConfig(stage="pixels")`)
+decides what the tower encodes, so its entries are keyed by `media_key` and the EVS setting and
+hold only the kept tokens: their embeddings and features, coordinates and per-tubelet counts.
+Least recently used entries go first once the byte bound is reached; an entry larger than the
+whole bound is not stored at all.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import torch
 
 @dataclass(frozen=True)
 class EncodedMedia:
-    """One video or image after the tower, before pruning."""
+    """One video or image after the tower: every token before pruning, or (`kept_coords` set)
+    the tokens EVS before the tower kept, in ascending flat (t, h, w) order."""
 
-    embeds: torch.Tensor  # [t * h/m * w/m, hidden], flat (t, h, w) order
+    embeds: torch.Tensor  # [t * h/m * w/m, hidden] flat (t, h, w) order, or [num_kept, hidden]
     grid_thw: tuple[int, int, int]  # pre-merge patch grid
     second_per_grid_ts: float
     timestamps: tuple[float, ...]  # seconds, one per sampled frame
@@ -31,10 +35,14 @@ class EncodedMedia:
     source_fps: float | None = None  # the source's frame rate, when known
     # extra feature sets of the same rows, the draft tower's among them: name -> [rows, width]
     features: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    kept_coords: torch.Tensor | None = None  # [num_kept, 3] long (t, h, w), pruned before the tower
+    kept_per_tubelet: tuple[int, ...] = ()  # with kept_coords: tokens kept in each tubelet
 
     @property
     def nbytes(self) -> int:
         tensors = (self.embeds, *self.features.values())
+        if self.kept_coords is not None:
+            tensors = (*tensors, self.kept_coords)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -2,13 +2,16 @@
 
 decode → preprocess → tower → EVS. The encoder cache sits between the tower and EVS, keyed by
 `media_key` (the model, the media bytes and every decode/preprocess parameter), so changing
-EVS settings never re-runs the encoder. The item's `identifier` adds the EVS setting; that is
-what the prefix cache hashes. Several media asked for together are encoded in one tower pass;
-a video file longer than one window streams through the tower a window at a time instead
-(`video_windows`), holding only a window plus what it keeps. What differs by family is read
-off its registry entry: the tower, the media class that preprocesses frames and encodes
-batches (tubelet patches merged 2x2, or one square per frame), and whether its items attend
-bidirectionally. A tower may give extra feature sets beside the embeddings (a media class's
+the settings of EVS after the tower never re-runs the encoder. EVS before the tower
+(`EVSConfig(stage="pixels")`, `pixel_stage`) decides from the preprocessed pixels which tokens
+the tower encodes: its entries are keyed by `media_key` plus the EVS setting and hold the kept
+tokens only. The item's `identifier` adds the EVS setting; that is what the prefix cache
+hashes. Several media asked for together are encoded in one tower pass (inputs pruned before the
+tower among others); a video file longer than one window streams through the tower a window at
+a time instead (`video_windows`), holding only a window plus what it keeps. What differs by
+family is read off its registry entry: the tower, the media class that preprocesses frames and
+encodes batches (tubelet patches merged 2x2, or one square per frame), and whether its items
+attend bidirectionally. A tower may give extra feature sets beside the embeddings (a media class's
 `encode` returns `TowerOutput`s); the encoder cache holds them before EVS and each item carries
 them at exactly the tokens EVS kept (`MultiModalItem.features`). With a `draft_model` (the
 engine speculates with a draft model) the draft's own tower encodes the same preprocessed input
@@ -35,7 +38,7 @@ from PIL import Image
 from stillcut.engine.loader import load_model_config, resolve_checkpoint
 from stillcut.engine.multimodal import MultiModalItem, TowerOutput, dense_coords, select_rows
 from stillcut.engine.quantization import WeightFormat
-from stillcut.kernels.evs import EVSConfig, prune
+from stillcut.kernels.evs import EVSConfig, EVSResult, prune
 from stillcut.kernels.evs.clip_pruner import ClipKept
 from stillcut.vision.decode_config import DecodeConfig
 from stillcut.vision.draft_tower import DraftTower
@@ -43,6 +46,7 @@ from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache, model_fing
 from stillcut.vision.encoder_graphs import DEFAULT_MAX_SHAPES, load_encoder
 from stillcut.vision.errors import VideoTooLarge
 from stillcut.vision.image_file import decode_image
+from stillcut.vision.pixel_stage import check_pixel_stage, merged_grid, pixel_evs, prune_pixels
 from stillcut.vision.work import VisionWork
 
 log = logging.getLogger(__name__)
@@ -133,32 +137,43 @@ class VisionPipeline:
         self.model_key = model_fingerprint(self.path, self.weight_format.embedding_key())
         self.work = VisionWork()
 
-    def encode_prepared(self, prepared: list) -> list[TowerOutput]:
+    def encode_prepared(
+        self, prepared: list, kept: list[torch.Tensor | None] | None = None
+    ) -> list[TowerOutput]:
         """Encode preprocessed inputs (the media class's), all in one pass of the tower (and
         one of the draft's): each input's dense embeddings [tokens, hidden] and extra feature
-        sets, the draft tower's output among them (`TowerOutput.with_draft`)."""
+        sets, the draft tower's output among them (`TowerOutput.with_draft`). `kept` (EVS
+        before the tower) gives per input a [tokens] bool mask of the tokens to encode, or None
+        (all); both towers then give the kept tokens only."""
+        masks = () if kept is None or all(mask is None for mask in kept) else (kept,)
         with torch.inference_mode():
             # EVS and the language model read them in the activations' dtype (float32 on
             # CPU, whatever the tower's arithmetic): EVS's dissimilarities are not rounded
             dtype = self.weight_format.compute_dtype
             outputs = [
                 TowerOutput.of(o).to(dtype)
-                for o in self.media.encode(self.tower, prepared, self.device)
+                for o in self.media.encode(self.tower, prepared, self.device, *masks)
             ]
             if self.draft is None:
                 return outputs
-            drafts = self.draft.encode(prepared, self.device)
+            drafts = self.draft.encode(prepared, self.device, *masks)
         return [
             ours.with_draft(TowerOutput.of(theirs).to(dtype))
             for ours, theirs in zip(outputs, drafts, strict=True)
         ]
 
-    def _cache_key(self, media_key: str) -> str:
-        """The encoder cache's key: with a draft, entries hold its embeddings too, so they are
-        told apart from entries of the same media without them."""
-        if self.draft is None:
+    def _cache_key(self, media_key: str, evs: EVSConfig | None = None) -> str:
+        """The encoder cache's key: EVS before the tower (`evs`, from `pixel_evs`) keeps only
+        some tokens, and with a draft entries hold its embeddings too, so they are told apart
+        from entries of the same media without them."""
+        parts = [media_key]
+        if evs is not None:
+            parts.append(evs.key())
+        if self.draft is not None:
+            parts.append(f"draft:{self.draft.key}")
+        if len(parts) == 1:
             return media_key
-        return hashlib.sha256(f"{media_key}\0draft:{self.draft.key}".encode()).hexdigest()
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
     def video(self, source: VideoSource, evs: EVSConfig | None = None, **options) -> MultiModalItem:
         """Encode one video (see `VideoInput` for the options)."""
@@ -186,7 +201,7 @@ class VisionPipeline:
         """The video item of `encoded` (a clip through the tower, before EVS) known by
         `media_key`, pruned by `evs`; `timings` are the seconds its decoding and encoding
         took (None: it came from the encoder cache)."""
-        entry = _Loaded(media_key, encoded)
+        entry = _Loaded(media_key, self._cache_key(media_key), encoded)
         entry.cache_hit = timings is None
         entry.timings = dict(timings or {})
         spec = VideoInput(b"", evs=evs)
@@ -197,16 +212,18 @@ class VisionPipeline:
         loaded = [self._load(spec) for spec in inputs]
         for entry in loaded:
             if entry.streamed and entry.kept is None:
-                self.cache.put(self._cache_key(entry.media_key), entry.encoded)
+                self.cache.put(entry.cache_key, entry.encoded)
         misses = [entry for entry in loaded if entry.encoded is None]
         if misses:
             started = time.perf_counter()
             self.work.tower_passes += 1
-            outputs = self.encode_prepared([entry.prepared for entry in misses])
+            outputs = self.encode_prepared(
+                [entry.prepared for entry in misses], [entry.kept_mask for entry in misses]
+            )
             encode_s = time.perf_counter() - started
             for entry, output in zip(misses, outputs, strict=True):
                 entry.finish(own_tensors(output, len(misses)), encode_s=encode_s)
-                self.cache.put(self._cache_key(entry.media_key), entry.encoded)
+                self.cache.put(entry.cache_key, entry.encoded)
         return self._items(loaded, inputs)
 
     def encode_cached(self, inputs: list[VideoInput | ImageInput]) -> list[MultiModalItem] | None:
@@ -215,10 +232,15 @@ class VisionPipeline:
         progress. File objects, which can be read only once, are left to `encode`."""
         if any(not isinstance(spec.source, _REREADABLE) for spec in inputs):
             return None
-        keys = [self._key(spec)[0] for spec in inputs]
-        if not all(self._cache_key(key) in self.cache for key in keys):
+        for spec in inputs:
+            check_pixel_stage(self.family, _evs_of(spec))
+        keys = [(self._key(spec)[0], pixel_evs(_evs_of(spec))) for spec in inputs]
+        if not all(self._cache_key(*key) in self.cache for key in keys):
             return None
-        loaded = [_Loaded(key, self.cache.get(self._cache_key(key))) for key in keys]
+        loaded = [
+            _Loaded(key, self._cache_key(key, evs), self.cache.get(self._cache_key(key, evs)))
+            for key, evs in keys
+        ]
         if any(entry.encoded is None for entry in loaded):  # evicted since the check
             return None
         return self._items(loaded, inputs)
@@ -232,8 +254,10 @@ class VisionPipeline:
         ]
 
     def _load(self, spec: VideoInput | ImageInput) -> _Loaded:
+        check_pixel_stage(self.family, _evs_of(spec))
         key, prepare_from = self._key(spec)
-        entry = _Loaded(key, self.cache.get(self._cache_key(key)))
+        cache_key = self._cache_key(key, pixel_evs(_evs_of(spec)))
+        entry = _Loaded(key, cache_key, self.cache.get(cache_key))
         if entry.encoded is None:
             entry.prepare(self, spec, prepare_from)
         return entry
@@ -282,11 +306,16 @@ class VisionPipeline:
         return config if spec.resize is None else dataclasses.replace(config, resize=spec.resize)
 
 
+def _evs_of(spec: VideoInput | ImageInput) -> EVSConfig | None:
+    return spec.evs if isinstance(spec, VideoInput) else None
+
+
 class _Loaded:
     """One input on its way through the pipeline: either a cache hit or prepared patches."""
 
-    def __init__(self, media_key: str, encoded: EncodedMedia | None) -> None:
+    def __init__(self, media_key: str, cache_key: str, encoded: EncodedMedia | None) -> None:
         self.media_key = media_key
+        self.cache_key = cache_key
         self.encoded = encoded
         self.cache_hit = encoded is not None
         self.prepared = None  # the media class's preprocessed input
@@ -296,6 +325,7 @@ class _Loaded:
         self._source: tuple[tuple[int, ...], float | None] = ((), None)  # frame indices, fps
         self.streamed = False  # encoded window by window (a clip longer than one window)
         self.kept: ClipKept | None = None  # what EVS kept, when the dense clip was not held
+        self.pixel_kept: EVSResult | None = None  # what EVS before the tower keeps of `prepared`
 
     def prepare(self, pipeline: VisionPipeline, spec: VideoInput | ImageInput, data) -> None:
         """Preprocess an image, a frame array or a video file of one window (all encoded in one
@@ -305,6 +335,17 @@ class _Loaded:
             self._prepare_file(pipeline, spec, data)
         else:
             self._prepare_media(pipeline, spec, data)
+        evs = pixel_evs(_evs_of(spec))
+        if evs is not None and self.prepared is not None:
+            started = time.perf_counter()
+            self.pixel_kept = prune_pixels(pipeline.media, self.prepared, evs)
+            self.timings["evs_s"] = time.perf_counter() - started
+
+    @property
+    def kept_mask(self) -> torch.Tensor | None:
+        """The tokens of `prepared` the tower encodes (None: all)."""
+        kept = self.pixel_kept
+        return None if kept is None or bool(kept.mask.all()) else kept.mask
 
     def _prepare_file(self, pipeline: VisionPipeline, spec: VideoInput, data) -> None:
         # PyAV only for files: frame arrays encode where it is not installed (a GPU box)
@@ -314,13 +355,17 @@ class _Loaded:
         config = pipeline.decode_options(spec)
         media = pipeline.media_with(spec.pixels)
         started = time.perf_counter()
-        with open_video(data, config, start=spec.start, end=spec.end) as reader:
+
+        def reopen():
+            return open_video(data, config, start=spec.start, end=spec.end)
+
+        with reopen() as reader:
             probe = reader.probe
             resize = media.frame_resize
             if resize is not None and config.resize == "fast":
                 resize = dataclasses.replace(resize, fast=True)
             if probe.num_samples > pipeline.window_frames:
-                windowed = encode_windows(pipeline, media, reader, spec.evs, resize)
+                windowed = encode_windows(pipeline, media, reader, spec.evs, resize, reopen)
             else:
                 decoded = reader.decode(resize=resize, work=pipeline.work)
         self._info = {
@@ -352,10 +397,16 @@ class _Loaded:
             resized_width=windowed.resized_size[1],
             resized_height=windowed.resized_size[0],
         )
-        self.kept = windowed.kept
-        self.encoded = self._encoded(
-            windowed.output, windowed.grid_thw, windowed.second_per_grid_ts
-        )
+        if pixel_evs(spec.evs) is None:
+            self.kept = windowed.kept
+            self.encoded = self._encoded(
+                windowed.output, windowed.grid_thw, windowed.second_per_grid_ts
+            )
+        else:  # pruned before the tower: the kept tokens are what the cache holds
+            kept = (windowed.kept.kept_coords, windowed.kept.kept_per_tubelet)
+            self.encoded = self._encoded(
+                windowed.output, windowed.grid_thw, windowed.second_per_grid_ts, kept
+            )
 
     def _set_frames(self, timestamps, source_fps: float | None) -> None:
         from stillcut.vision.decode import source_indices
@@ -390,13 +441,20 @@ class _Loaded:
         self._set_prepared(started, decoded_s)
 
     def finish(self, output: TowerOutput, *, encode_s: float) -> None:
-        prepared = self.prepared
+        prepared, pixel = self.prepared, self.pixel_kept
         self.timings["encode_s"] = encode_s
-        self.encoded = self._encoded(output, prepared.grid_thw, prepared.second_per_grid_ts)
+        kept = None if pixel is None else (pixel.kept_coords, pixel.kept_per_tubelet)
+        self.encoded = self._encoded(output, prepared.grid_thw, prepared.second_per_grid_ts, kept)
 
     def _encoded(
-        self, output: TowerOutput, grid_thw: tuple[int, int, int], second_per_grid_ts: float
+        self,
+        output: TowerOutput,
+        grid_thw: tuple[int, int, int],
+        second_per_grid_ts: float,
+        kept: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> EncodedMedia:
+        """The entry of `output`; `kept` (pruned before the tower): the kept tokens'
+        coordinates [num_kept, 3] and counts per tubelet [num_tubelets]."""
         source_indices, source_fps = self._source
         return EncodedMedia(
             output.embeds,
@@ -407,35 +465,35 @@ class _Loaded:
             source_indices=source_indices,
             source_fps=source_fps,
             features=output.features,
+            kept_coords=None if kept is None else kept[0],
+            kept_per_tubelet=() if kept is None else tuple(kept[1].tolist()),
         )
 
     def to_item(
         self, spec: VideoInput | ImageInput, merge: int, bidirectional: bool
     ) -> MultiModalItem:
         encoded = self.encoded
-        t, h, w = encoded.grid_thw
-        grid = (t, h // merge, w // merge)
-        evs = spec.evs if isinstance(spec, VideoInput) else None
+        grid = merged_grid(encoded.grid_thw, merge)
+        evs = _evs_of(spec)
         started = time.perf_counter()
         embeds, features = encoded.embeds, encoded.features
-        if self.kept is not None:  # pruned window by window already
+        if encoded.kept_coords is not None:  # pruned before the tower
+            coords, kept_per_tubelet = encoded.kept_coords, encoded.kept_per_tubelet
+        elif self.kept is not None:  # pruned window by window already
             coords = self.kept.kept_coords
             kept_per_tubelet = tuple(self.kept.kept_per_tubelet.tolist())
-            identifier = item_identifier(self.media_key, evs)
-        elif evs is None or evs.is_off:
+        elif evs is None or evs.is_off or evs.before_tower:  # before the tower: it kept all
             coords = dense_coords(*grid)
             kept_per_tubelet = (grid[1] * grid[2],) * grid[0]
-            identifier = item_identifier(self.media_key, None)
         else:
             # the target's embeddings decide; every feature set keeps the same tokens, in order
             result = prune(embeds, grid, evs)
             embeds, coords = embeds[result.kept_index], result.kept_coords
             features = select_rows(features, result.kept_index)
             kept_per_tubelet = tuple(result.kept_per_tubelet.tolist())
-            identifier = item_identifier(self.media_key, evs)
         stats = {
             **self.timings,
-            "evs_s": time.perf_counter() - started,
+            "evs_s": self.timings.get("evs_s", 0.0) + time.perf_counter() - started,
             "cache_hit": self.cache_hit,
             "num_frames": len(encoded.timestamps),
             "tokens_total": grid[0] * grid[1] * grid[2],
@@ -453,7 +511,7 @@ class _Loaded:
             source_indices=encoded.source_indices,
             source_fps=encoded.source_fps,
             media_key=self.media_key,
-            identifier=identifier,
+            identifier=item_identifier(self.media_key, evs),
             bidirectional=bidirectional,
             kept_per_tubelet=kept_per_tubelet,
             stats=stats,

@@ -85,6 +85,9 @@ class ModelFamily:
     processor takes (such as `min_pixels`, `max_pixels`); its media class then has
     `pixel_budget()` (the values in force) and `with_pixel_budget(**values)` (a media with a
     request's values, ValueError naming one out of range). Empty: none.
+    `pixel_stage_refusal` says why EVS before the tower (`EVSConfig(stage="pixels")`) does not
+    apply to the family; None when its media class's `encode` takes per-input `kept` masks of
+    tokens and its tower encodes only those.
     """
 
     model_type: str
@@ -103,6 +106,7 @@ class ModelFamily:
     weight_prefixes: Mapping[str, str] = field(default_factory=dict)
     checkpoints: str | None = None
     pixel_budget: tuple[str, ...] = ()
+    pixel_stage_refusal: str | None = "its vision tower cannot encode a subset of its tokens"
 
     def __post_init__(self) -> None:
         if not self.model_type:

@@ -8,7 +8,9 @@ kept so far, and cut back to that number in `prune`'s order (dissimilarity desce
 to the lower index). A token cut once can never come back, so the end result is exact; what
 is held is the kept count of candidate rows plus one window. Threshold mode is causal and
 simply pushes each window through a `ThresholdPruner`. With EVS off every token is kept.
-Extra row sets (a draft tower's embeddings) follow the same selection.
+Extra row sets (a draft tower's embeddings) follow the same selection. With `hold_rows=False`
+only the scores and positions are held (EVS before the tower scores a clip's pixels first and
+encodes the kept tokens after).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ClipKept:
 
 class ClipPruner:
     """Prunes `num_tubelets` tubelets of `grid_hw` tokens pushed in windows (`config` None or
-    off: keeps everything)."""
+    off: keeps everything); `hold_rows=False` keeps no rows, only which tokens survive."""
 
     def __init__(
         self,
@@ -42,11 +44,13 @@ class ClipPruner:
         num_tubelets: int,
         *,
         backend: Backend = "auto",
+        hold_rows: bool = True,
     ) -> None:
         self.config = None if config is None or config.is_off else config
         self.grid_hw = grid_hw
         self.num_tubelets = num_tubelets
         self.backend = backend
+        self.hold_rows = hold_rows
         self._tokens_per_tubelet = grid_hw[0] * grid_hw[1]
         self._num_pushed = 0  # tubelets pushed so far
         self._previous: torch.Tensor | None = None  # [h*w, dim] the last tubelet pushed
@@ -78,7 +82,7 @@ class ClipPruner:
             index, extra, embeds = index[keep], [rows[keep] for rows in extra], embeds[keep]
             score = score[keep]
         self._num_pushed += num_new
-        self._merge(score, index, (embeds, *extra))
+        self._merge(score, index, (embeds, *extra) if self.hold_rows else ())
 
     def finish(self) -> ClipKept:
         """The kept rows, their coordinates and the count kept per tubelet."""
@@ -118,9 +122,9 @@ class ClipPruner:
 
     def _merge(self, score: torch.Tensor, index: torch.Tensor, rows: tuple) -> None:
         """Candidates so far plus the window's, cut back to the budget in `prune`'s order."""
+        score = torch.cat((self._score.to(score.device), score))
+        index = torch.cat((self._index.to(index.device), index))
         if self._rows:
-            score = torch.cat((self._score.to(score.device), score))
-            index = torch.cat((self._index.to(index.device), index))
             rows = tuple(torch.cat((old, new)) for old, new in zip(self._rows, rows, strict=True))
         if score.numel() > self._budget:
             # concatenation is in index order: a stable sort gives ties to the lower index

@@ -4,6 +4,11 @@ Two modes share one frozen config: `rate` prunes a fixed fraction of the clip (v
 semantics), `threshold` keeps a token whenever it moved far enough from the last kept token at
 its location. Fields that belong to the other mode must stay at their defaults so that one
 setting has one spelling, and `key()` can go into cache identities.
+
+Two stages: `embeddings` (the default) compares the vision tower's output tokens; `pixels`
+compares each token's merge group of normalised pixels before the tower (`pixels.py`), so the
+tower then encodes only the kept groups. Both stages keep tokens by the same rules; a threshold
+means a different amount in each (`pixels.PIXEL_THRESHOLD`, the pixel stage's default).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 MODES = ("rate", "threshold")
+STAGES = ("embeddings", "pixels")
 MAX_DISSIMILARITY = 2.0  # 1 - cos lies in [0, 2]
 
 
@@ -30,7 +36,9 @@ class EVSConfig:
     `EVSConfig(mode="rate", rate=q)` keeps `max(h*w, int(t*h*w*(1 - q)))` tokens, q in [0, 1).
     `EVSConfig(mode="threshold", threshold=tau, max_per_tubelet=None, floor=0)` keeps a token
     whose dissimilarity to the last kept token at its location is >= tau (tau in [0, 2]), at
-    most `max_per_tubelet` and at least `min(floor, h*w)` per tubelet.
+    most `max_per_tubelet` and at least `min(floor, h*w)` per tubelet. `stage="pixels"`
+    measures dissimilarity on each token's pixels before the tower (the tower then encodes the
+    kept tokens only); `"embeddings"` on the tower's output.
     """
 
     mode: Literal["rate", "threshold"]
@@ -38,10 +46,13 @@ class EVSConfig:
     threshold: float | None = None
     max_per_tubelet: int | None = None
     floor: int = 0
+    stage: Literal["embeddings", "pixels"] = "embeddings"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
+        if self.stage not in STAGES:
+            raise ValueError(f"stage={self.stage!r} is not one of {STAGES}")
         if self.mode == "rate":
             self._validate_rate()
         else:
@@ -86,12 +97,26 @@ class EVSConfig:
         """True when this setting can never drop a token."""
         return self.mode == "rate" and self.rate == 0.0
 
+    @property
+    def keeps_all(self) -> bool:
+        """True when this setting keeps every token whatever their dissimilarities: rate 0, or
+        threshold 0 without a cap (whether a floor covers every token depends on the grid)."""
+        uncapped_zero = self.threshold == 0.0 and self.max_per_tubelet is None
+        return self.is_off or (self.mode == "threshold" and uncapped_zero)
+
+    @property
+    def before_tower(self) -> bool:
+        """True for the pixel stage: the tower encodes only the tokens this setting keeps."""
+        return self.stage == "pixels"
+
     def key(self) -> str:
-        """A stable string of the mode and its values, for cache identities."""
+        """A stable string of the mode, its values and (the pixel stage only) the stage, for
+        cache identities."""
+        stage = ":stage=pixels" if self.before_tower else ""
         if self.mode == "rate":
-            return f"evs:rate:q={float(self.rate)!r}"
+            return f"evs:rate:q={float(self.rate)!r}{stage}"
         cap = "none" if self.max_per_tubelet is None else str(self.max_per_tubelet)
-        return f"evs:threshold:tau={float(self.threshold)!r}:cap={cap}:floor={self.floor}"
+        return f"evs:threshold:tau={float(self.threshold)!r}:cap={cap}:floor={self.floor}{stage}"
 
 
 def num_retained_tokens(num_tubelets: int, tokens_per_tubelet: int, rate: float) -> int:

@@ -13,6 +13,10 @@ from stillcut.kernels.evs.config import num_retained_tokens
     ("kwargs", "message"),
     [
         ({"mode": "fast"}, r"mode='fast' is not one of \('rate', 'threshold'\)"),
+        (
+            {"mode": "rate", "rate": 0.5, "stage": "tower"},
+            r"stage='tower' is not one of \('embeddings', 'pixels'\)",
+        ),
         ({"mode": "rate"}, r"rate=None must be a number in \[0, 1\)"),
         ({"mode": "rate", "rate": 1.0}, r"rate=1.0 must be a number in \[0, 1\)"),
         ({"mode": "rate", "rate": -0.1}, r"rate=-0.1 must be a number in \[0, 1\)"),
@@ -71,6 +75,23 @@ def test_key_is_stable_and_distinguishes_settings():
         EVSConfig(mode="threshold", threshold=0.5, floor=1).key(),
     }
     assert len(keys) == 5
+
+
+def test_the_pixel_stage_adds_itself_to_the_key_and_leaves_the_embeddings_key_alone():
+    rate = EVSConfig(mode="rate", rate=0.5, stage="pixels")
+    assert rate.key() == "evs:rate:q=0.5:stage=pixels" and rate.before_tower
+    threshold = EVSConfig(mode="threshold", threshold=0.1, floor=2, stage="pixels")
+    assert threshold.key() == "evs:threshold:tau=0.1:cap=none:floor=2:stage=pixels"
+    embeddings = EVSConfig(mode="rate", rate=0.5, stage="embeddings")
+    assert embeddings == EVSConfig(mode="rate", rate=0.5) and not embeddings.before_tower
+    assert embeddings.key() == "evs:rate:q=0.5"
+
+
+def test_settings_that_keep_every_token_say_so():
+    assert EVSConfig(mode="rate", rate=0.0, stage="pixels").keeps_all
+    assert EVSConfig(mode="threshold", threshold=0.0).keeps_all
+    assert not EVSConfig(mode="threshold", threshold=0.0, max_per_tubelet=3).keeps_all
+    assert not EVSConfig(mode="threshold", threshold=0.2, floor=16).keeps_all
 
 
 def test_off_keeps_every_token():

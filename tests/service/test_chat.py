@@ -149,6 +149,22 @@ def test_file_and_http_urls_and_images_and_evs_options(client, main_server, refe
     _assert_same_answer(response.choices[0].logprobs, response.choices[0].message.content, expected)
 
 
+def test_evs_before_the_tower_is_a_request_field(client, main_server, reference_llm):
+    evs = {"mode": "rate", "rate": 0.75, "stage": "pixels"}
+    messages = _messages(f"file://{main_server.media_dir / 'clip.mp4'}")
+    response = _create(client, main_server.llm.name, messages, extra_body={"evs": evs})
+    expected = _reference(
+        reference_llm, messages, [VideoInput(main_server.clip, evs=EVSConfig(**evs))]
+    )
+    choice = response.choices[0]
+    _assert_same_answer(choice.logprobs, choice.message.content, expected)
+    assert response.model_extra["evs"]["setting"] == "evs:rate:q=0.75:stage=pixels"
+    with pytest.raises(openai.BadRequestError, match="stage='tower' is not one of"):
+        _create(
+            client, main_server.llm.name, messages, extra_body={"evs": {**evs, "stage": "tower"}}
+        )
+
+
 def test_sampling_fields_are_honoured(client, main_server):
     messages = [{"role": "user", "content": "Count."}]
     model = main_server.llm.name

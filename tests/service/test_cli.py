@@ -62,6 +62,14 @@ def test_inspect_says_which_arithmetic_its_tower_ran(
     assert report["arithmetic"] == {"dtype": "bfloat16", "reason": "set by compute_dtype"}
 
 
+def test_inspect_prunes_before_the_tower_with_evs_stage_pixels(tiny_checkpoint, clip_path, capsys):
+    argv = ["inspect", str(clip_path), "--model", str(tiny_checkpoint), "--json"]
+    assert cli.main([*argv, "--evs-rate", "0.5", "--evs-stage", "pixels"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["evs"]["setting"] == "evs:rate:q=0.5:stage=pixels"
+    assert report["evs"]["tokens_kept"] == report["evs"]["tokens_total"] // 2
+
+
 def test_describe_reports_bad_input(tmp_path, capsys):
     assert cli.main(["describe", str(tmp_path / "missing.mp4")]) == 2
     assert "is not a file" in capsys.readouterr().err
@@ -85,6 +93,8 @@ def test_describe_reports_bad_input(tmp_path, capsys):
         ("describe", ("--temperature", "-1"), "--temperature -1 must be in [0, 100]"),
         ("inspect", ("--max-frames", "0"), "--max-frames 0 must be an integer >= 1"),
         ("narrate", ("--evs-threshold", "3"), "--evs-threshold 3 must be in [0, 2]"),
+        ("describe", ("--evs-stage", "pixels"), "--evs-stage pixels needs --evs-rate or"),
+        ("inspect", ("--evs-stage", "pixels", "--no-evs"), "--evs-stage pixels needs"),
     ],
 )
 def test_bad_flag_values_are_refused_in_their_own_name_before_the_model_loads(

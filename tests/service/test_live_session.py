@@ -416,3 +416,30 @@ def test_ask_before_any_frame_is_an_error_the_session_survives(engine, pipeline)
         await session.close()
 
     asyncio.run(scenario())
+
+
+PIXEL_OPTIONS = replace(OPTIONS, stage="pixels")  # the stage's default threshold
+
+
+def test_pixel_stage_answers_equal_describe_and_empty_tubelets_skip_the_tower(
+    engine, pipeline, reference_llm
+):
+    """EVS before the tower in a live session: causal, so the stream keeps what the whole clip
+    keeps; a tubelet it empties is never encoded."""
+    frames = np.concatenate([_moving_square(8, static=True), _moving_square(12)[8:]])
+
+    async def scenario():
+        session = LiveSession(pipeline, engine, PIXEL_OPTIONS, "s-pixels")
+        passes = pipeline.work.tower_passes
+        events = await _send(session, frames[:8])
+        assert [e.kept for e in events] == [TOKENS_PER_TUBELET, 0, 0, 0]
+        assert pipeline.work.tower_passes == passes + 1  # the three emptied tubelets: none
+        await _ask_matches_describe(session, reference_llm, frames[:8], "Still?")
+        events = await _send(session, frames[8:], first_index=8)
+        assert 0 < sum(e.kept for e in events) < 2 * TOKENS_PER_TUBELET
+        _, described = await _ask_matches_describe(session, reference_llm, frames, "Moved?")
+        assert described.evs.setting.endswith(":stage=pixels")
+        await session.close()
+        await _assert_pool_whole(engine)
+
+    asyncio.run(scenario())

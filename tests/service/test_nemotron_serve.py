@@ -3,7 +3,7 @@ gets transformers' answer, `chat_template_kwargs` reach the chat template, and w
 `--reasoning-parser think` the thinking part comes back as `reasoning_content` (streamed as
 `delta.reasoning_content`); a second question about the clip restores a recurrent-state
 snapshot, counted in `/metrics`; `stillcut describe` answers on the checkpoint; a live session
-is refused with a clear message (the family's entry serves none)."""
+and EVS before the tower are refused with a clear message (the family's entry says why)."""
 
 import json
 import re
@@ -123,6 +123,19 @@ def test_bad_chat_template_kwargs_are_a_400(served):
         client.chat.completions.create(
             model=None, messages=_messages(None), extra_body={"chat_template_kwargs": "x"}
         )
+
+
+def test_evs_before_the_tower_is_a_400_naming_why(served):
+    background, client, clip, _ = served
+    passes = background.app.state.service.llm.pipeline.work.tower_passes
+    with pytest.raises(openai.BadRequestError, match="stage 'pixels'.*RADIO"):
+        client.chat.completions.create(
+            model=None,
+            messages=_messages(f"file://{clip}"),
+            max_tokens=2,
+            extra_body={"evs": {**EVS, "stage": "pixels"}},
+        )
+    assert background.app.state.service.llm.pipeline.work.tower_passes == passes
 
 
 def _snapshot_counters(url: str) -> dict[str, float]:

@@ -15,26 +15,6 @@ from stillcut.vision.encoder_cache import EncodedMedia, EncoderCache
 from stillcut.vision.pipeline import ImageInput, VideoInput, VisionPipeline
 
 
-@pytest.fixture(scope="module")
-def pipeline(tiny_checkpoint):
-    return VisionPipeline(tiny_checkpoint, cache_bytes=64 << 20)
-
-
-@pytest.fixture
-def counting(pipeline, monkeypatch):
-    """Count tower passes and the videos each encodes."""
-    calls = []
-    encode = pipeline.tower.encode
-
-    def counted(patches_list, grids):
-        calls.append(list(grids))
-        return encode(patches_list, grids)
-
-    monkeypatch.setattr(pipeline.tower, "encode", counted)
-    pipeline.cache.clear()
-    return calls
-
-
 def test_item_is_the_tower_output_of_the_decoded_clip(pipeline, counting, samples_dir):
     path = samples_dir / "moving_object.mp4"
     item = pipeline.video(path)

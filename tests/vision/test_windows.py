@@ -36,9 +36,9 @@ def _frames_per_pass(pipeline, monkeypatch):
     passes = []
     encode = pipeline.tower.encode
 
-    def counted(patches_list, grids):
+    def counted(patches_list, grids, *kept):
         passes.append(grids[0][0])
-        return encode(patches_list, grids)
+        return encode(patches_list, grids, *kept)
 
     monkeypatch.setattr(pipeline.tower, "encode", counted)
     return passes

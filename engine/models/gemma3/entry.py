@@ -42,5 +42,10 @@ GEMMA3 = ModelFamily(
     bidirectional_items=True,
     has_video_token=False,
     weight_prefixes=GEMMA3_WEIGHT_PREFIXES,
+    pixel_stage_refusal=(
+        "Gemma 3's SigLIP tower encodes each frame whole: every layer attends over the whole "
+        "square (no windows, so a pruned frame would change every kept token), a token pools a "
+        "4x4 square of patches, and its CUDA graphs are captured per frame shape"
+    ),
     checkpoints="stillcut.engine.models.gemma3.checkpoint:GEMMA3_CHECKPOINTS",
 )

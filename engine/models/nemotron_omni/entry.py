@@ -34,5 +34,10 @@ NEMOTRON_H_OMNI = ModelFamily(
     positions="none",
     native_evs_rate=nemotron_evs_rate,
     weight_prefixes=NEMOTRON_WEIGHT_PREFIXES,
+    pixel_stage_refusal=(
+        "Nemotron 3 Nano Omni's RADIO tower attends over every patch of a tubelet in every "
+        "block, through cls and register tokens too (a pruned tubelet would change every kept "
+        "token), and the checkpoint's own video_pruning_rate is defined on the tower's output"
+    ),
     checkpoints="stillcut.engine.models.nemotron_omni.checkpoint:NEMOTRON_CHECKPOINTS",
 )

@@ -44,6 +44,7 @@ QWEN2_5_VL = ModelFamily(
     narration_timestamp="<{t:.1f}s>",
     weight_prefixes=QWEN_WEIGHT_PREFIXES,
     pixel_budget=("min_pixels", "max_pixels"),
+    pixel_stage_refusal=None,
     checkpoints="stillcut.engine.models.qwen2_vl.checkpoint:QWEN2_5_VL_CHECKPOINTS",
 )
 QWEN2_VL = dataclasses.replace(

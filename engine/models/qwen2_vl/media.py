@@ -2,7 +2,9 @@
 
 A video's frames are resized once (smart resize of the first frame), normalised and cut into
 2-frame tubelets of 14-pixel patches (`preprocess`); an image is a tubelet of one frame. The
-tower encodes every input of a batch in one pass and merges 2x2 patches into one token.
+tower encodes every input of a batch in one pass and merges 2x2 patches into one token. For EVS
+before the tower, a token's pixel feature is its 2x2 group of normalised patches
+(`pixel_features`), and the tower encodes only the tokens a `kept` mask keeps.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from stillcut.engine.models.qwen2_vl.preprocess import (
     smart_resize,
 )
 from stillcut.engine.models.qwen2_vl.tower import Qwen2VLVisionTower
+from stillcut.kernels.evs.pixels import PIXEL_FLOOR, group_features
 
 # The bounds a request may set: one merged token (28 x 28) to Qwen's own largest image.
 MIN_PIXELS = 28 * 28
@@ -96,13 +99,28 @@ class QwenMedia:
         config = self.video_preprocess
         smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
 
+    def pixel_features(
+        self, prepared: PreprocessedVideo, floor: float = PIXEL_FLOOR
+    ) -> torch.Tensor:
+        """What EVS before the tower compares, one row per token in flat (t, h, w) order:
+        [tokens, 4 * patch_dim + 1] (`kernels.evs.pixels`; `floor` for benches)."""
+        config = self.video_preprocess
+        frames = config.temporal_patch_size
+        channels = prepared.patches.shape[1] // (frames * config.patch_size**2)
+        tubelets = prepared.grid_thw[0]
+        return group_features(
+            prepared.patches, self.merge_size**2, tubelets, channels, frames, floor
+        )
+
     def encode(
         self,
         tower: Qwen2VLVisionTower,
         prepared: list[PreprocessedVideo],
         device: torch.device,
+        kept: list[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
-        """Every input in one tower pass: [tokens, hidden] each."""
+        """Every input in one tower pass: [tokens, hidden] each, or with `kept` (per input a
+        [tokens] bool mask, or None: all) the kept tokens' [num_kept, hidden]."""
         return tower.encode(
-            [p.patches.to(device) for p in prepared], [p.grid_thw for p in prepared]
+            [p.patches.to(device) for p in prepared], [p.grid_thw for p in prepared], kept
         )

@@ -7,6 +7,12 @@ confined to each frame (tubelet), then merges each 2x2 group into one embedding 
 model's width. Several images and videos run in one forward pass: their tokens are packed and
 attention is kept within each frame by `cu_seqlens`, so there is no padding.
 
+Given a `kept` mask of merge groups (EVS before the tower), only those groups are embedded and
+encoded: each keeps its own (h, w) rotary position and its segment (its frame, or its window),
+a segment holds only its kept groups (an emptied one adds no rows), and the output is the kept
+tokens in input order. That equals the whole input with the dropped groups masked out as
+attention keys, to float rounding.
+
 Qwen2-VL uses LayerNorm and a QuickGELU MLP. `qwen2_5_vl.py` subclasses this tower with
 RMSNorm, a SwiGLU MLP and window attention. Parameter names equal the checkpoint's `visual.*`
 names, so weights load without a mapping.
@@ -21,11 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.models.qwen2_vl.config import VisionConfig
+from stillcut.engine.models.qwen2_vl.kept_groups import (
+    Grid,
+    keep_in_layout,
+    kept_rows,
+    output_sizes,
+    pack_kept,
+)
 from stillcut.engine.models.vit import VisionMLP
 from stillcut.engine.quantization import widened
 from stillcut.kernels.vision_attention import varlen_attention
 
-Grid = tuple[int, int, int]  # (t, h, w) in patches, t counted in tubelets
 NORM_EPS = 1e-6
 
 
@@ -176,17 +188,24 @@ class Qwen2VLVisionTower(nn.Module):
         """
         return None, [frame_cu_seqlens(grids)] * self.config.depth
 
-    def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """transformers' signature: patches [N, patch_dim], grid_thw [num_inputs, 3].
+    def forward(
+        self, patches: torch.Tensor, grid_thw: torch.Tensor, kept: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """transformers' signature: patches [N, patch_dim], grid_thw [num_inputs, 3]; `kept`
+        [N / 4] bool (None: all) picks the merge groups to encode (see the module docstring).
 
-        Returns the merged embeddings of all inputs, concatenated: [N / 4, out_hidden_size].
+        Returns the merged embeddings of all inputs' kept groups, concatenated, in input order:
+        [num_kept, out_hidden_size] (N / 4 rows without `kept`).
         """
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
         check_patches(self.config, patches, grids)
         group = self.config.spatial_merge_size**2
         order, block_cu_seqlens = self.attention_layout(grids)
-        x = self.patch_embed(patches)  # [N, hidden]
         positions = patch_positions(grids, self.config.spatial_merge_size)  # [N, 2]
+        if kept is not None:
+            order, block_cu_seqlens = keep_in_layout(order, block_cu_seqlens, kept, group)
+            patches, positions = kept_rows(patches, kept), kept_rows(positions, kept)
+        x = self.patch_embed(patches)  # [num_kept * 4, hidden]
         if order is not None:
             positions = positions.view(-1, group, 2)[order].flatten(0, 1)
             order = order.to(x.device)
@@ -196,18 +215,25 @@ class Qwen2VLVisionTower(nn.Module):
         cos, sin = (table[:, None, None].to(x.device, x.dtype) for table in (cos, sin))
         for block, cu_seqlens in zip(self.blocks, block_cu_seqlens, strict=True):
             x = block(x, cos, sin, cu_seqlens)
-        merged = self.merger(x)  # [N / 4, out_hidden]
+        merged = self.merger(x)  # [num_kept, out_hidden]
         if order is None:
             return merged
         restored = torch.empty_like(merged)
         restored[order] = merged
         return restored
 
-    def encode(self, patches_list: list[torch.Tensor], grids: list[Grid]) -> list[torch.Tensor]:
-        """Encode several images/videos in one forward pass; one [t*h*w/4, out_hidden] each."""
+    def encode(
+        self,
+        patches_list: list[torch.Tensor],
+        grids: list[Grid],
+        kept: list[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """Encode several images/videos in one forward pass; one [t*h*w/4, out_hidden] each,
+        or with `kept` (per input a [t*h*w/4] bool mask of merge groups, or None: all) the
+        kept groups' [num_kept, out_hidden]."""
         if len(patches_list) != len(grids) or not grids:
             raise ValueError(f"got {len(patches_list)} patch tensors for {len(grids)} grids")
         patches = patches_list[0] if len(patches_list) == 1 else torch.cat(patches_list)
-        merged = self.forward(patches, torch.tensor(grids))
-        group = self.config.spatial_merge_size**2
-        return list(merged.split([t * h * w // group for t, h, w in grids]))
+        merge = self.config.spatial_merge_size
+        merged = self.forward(patches, torch.tensor(grids), pack_kept(kept, grids, merge))
+        return list(merged.split(output_sizes(grids, kept, merge)))

@@ -26,6 +26,7 @@ QWEN3_VL = ModelFamily(
     narration_timestamp=TIMESTAMP,
     weight_prefixes=QWEN_WEIGHT_PREFIXES,
     pixel_budget=PIXEL_BUDGET,
+    pixel_stage_refusal=None,
     checkpoints="stillcut.engine.models.qwen3_vl.checkpoint:QWEN3_VL_CHECKPOINTS",
 )
 QWEN3_VL_MOE = dataclasses.replace(

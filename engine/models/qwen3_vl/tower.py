@@ -7,7 +7,9 @@ position table is resampled bilinearly (corners aligned) to each frame's patch g
 The merger turns each 2x2 group into one embedding of the language model's width; each block
 in `deepstack_visual_indexes` also feeds its own merger (normed after the 2x2 concatenation),
 whose outputs are the item's DeepStack feature sets `deepstack.k`, row for row with the
-embeddings. Parameter names equal the checkpoint's `visual.*` names.
+embeddings. Given a `kept` mask of merge groups (EVS before the tower: `kept_groups`), only
+those are encoded: each takes the position table at its own (h, w), and the DeepStack sets hold
+the kept groups only. Parameter names equal the checkpoint's `visual.*` names.
 """
 
 from __future__ import annotations
@@ -16,6 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stillcut.engine.models.qwen2_vl.kept_groups import (
+    kept_rows,
+    kept_segments,
+    output_sizes,
+    pack_kept,
+)
 from stillcut.engine.models.qwen2_vl.tower import (
     NORM_EPS,
     Grid,
@@ -120,20 +128,27 @@ class Qwen3VLVisionTower(nn.Module):
         self.feature_names = deepstack_names(len(config.deepstack_visual_indexes))
 
     def forward(
-        self, patches: torch.Tensor, grid_thw: torch.Tensor
+        self, patches: torch.Tensor, grid_thw: torch.Tensor, kept: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """patches [N, patch_dim], grid_thw [num_inputs, 3] -> the merged embeddings of all
-        inputs [N / 4, out_hidden] and the DeepStack features, one [N / 4, out_hidden] each."""
+        """patches [N, patch_dim], grid_thw [num_inputs, 3], `kept` [N / 4] bool (None: all)
+        -> the merged embeddings of all inputs' kept groups [num_kept, out_hidden] and the
+        DeepStack features, one [num_kept, out_hidden] each."""
         grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
         check_patches(self.config, patches, grids)
         merge = self.config.spatial_merge_size
-        x = self.patch_embed(patches)  # [N, hidden]
-        x = x + position_table(self.pos_embed.weight, grids, merge).to(x.dtype)
+        learned = position_table(self.pos_embed.weight, grids, merge)  # [N, hidden]
         positions = patch_positions(grids, merge)  # [N, 2]
-        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        # [N, 1, 1, head_dim]: broadcast over (q | k) and heads
-        cos, sin = (table[:, None, None].to(x.device, x.dtype) for table in (cos, sin))
         cu_seqlens = frame_cu_seqlens(grids)
+        if kept is not None:
+            patches, learned, positions = (
+                kept_rows(x, kept) for x in (patches, learned, positions)
+            )
+            cu_seqlens = kept_segments(cu_seqlens, kept, merge**2)
+        x = self.patch_embed(patches)  # [num_kept * 4, hidden]
+        x = x + learned.to(x.dtype)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        # [num_kept * 4, 1, 1, head_dim]: broadcast over (q | k) and heads
+        cos, sin = (table[:, None, None].to(x.device, x.dtype) for table in (cos, sin))
         mergers = dict(
             zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list, strict=True)
         )
@@ -144,14 +159,23 @@ class Qwen3VLVisionTower(nn.Module):
                 deepstack.append(mergers[index](x))
         return self.merger(x), deepstack
 
-    def encode(self, patches_list: list[torch.Tensor], grids: list[Grid]) -> list[TowerOutput]:
+    def encode(
+        self,
+        patches_list: list[torch.Tensor],
+        grids: list[Grid],
+        kept: list[torch.Tensor | None] | None = None,
+    ) -> list[TowerOutput]:
         """Encode several images/videos in one pass: per input its embeddings
-        [t*h*w/4, out_hidden] and its DeepStack feature sets of the same rows."""
+        [t*h*w/4, out_hidden] and its DeepStack feature sets of the same rows; with `kept`
+        (per input a [t*h*w/4] bool mask of merge groups, or None: all) the kept rows only."""
         if len(patches_list) != len(grids) or not grids:
             raise ValueError(f"got {len(patches_list)} patch tensors for {len(grids)} grids")
         patches = patches_list[0] if len(patches_list) == 1 else torch.cat(patches_list)
-        merged, deepstack = self.forward(patches, torch.tensor(grids))
-        sizes = [t * h * w // self.config.spatial_merge_size**2 for t, h, w in grids]
+        merge = self.config.spatial_merge_size
+        merged, deepstack = self.forward(
+            patches, torch.tensor(grids), pack_kept(kept, grids, merge)
+        )
+        sizes = output_sizes(grids, kept, merge)
         per_input = [tensor.split(sizes) for tensor in (merged, *deepstack)]
         return [
             TowerOutput(parts[0], dict(zip(self.feature_names, parts[1:], strict=True)))
