@@ -512,10 +512,11 @@ class _Batch:
 def _recurrent_states(
     groups: Sequence[CacheGroup], num_slots: int, dtype: torch.dtype, device: torch.device | str
 ) -> dict[int, tuple[torch.Tensor, ...]]:
-    """Layer id -> its zeroed state tensors, each [num_slots, *shape], for recurrent layers."""
+    """Layer id -> its zeroed state tensors, each [num_slots, *shape], for recurrent layers (in
+    the group's own dtype, else `dtype`)."""
     return {
         layer: tuple(
-            torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+            torch.zeros(num_slots, *shape, dtype=group.dtype or dtype, device=device)
             for shape in group.state_shapes
         )
         for group in recurrent_groups(groups)

@@ -14,7 +14,7 @@ prefix caching): a chunk's scan is then split at those tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -187,18 +187,31 @@ def ssd_scan_with_states(
     initial_state: torch.Tensor | None,
     state_ends: list[int],
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`ssd_chunk_scan` split at `state_ends` (ascending, in `(0, L]`): `y` `[L, H, P]` and
-    the states after each of those tokens, then the final state. A run that restarts at one
-    of them from its state computes exactly what this one computes after it."""
+    """`ssd_chunk_scan` split at `state_ends` (`split_scan`): `y` `[L, H, P]` and the states
+    after each of those tokens, then the final state."""
+
+    def scan(x, dt, B, C, state):
+        return ssd_chunk_scan(x, dt, A, B, C, D, chunk_size, state)
+
+    return split_scan(scan, (x, dt, B, C), initial_state, state_ends)
+
+
+def split_scan(
+    scan: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    per_token: Sequence[torch.Tensor],
+    initial_state: torch.Tensor | None,
+    state_ends: list[int],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A scan over one sequence, `scan(*parts of per_token, state) -> (y, state)`, run in
+    parts split at `state_ends` (ascending, in `(0, L]`; `per_token` tensors are `[L, ...]`):
+    the whole `y` and the states after each of those tokens, then the final state. A run that
+    restarts at one of them from its state computes exactly what this one computes after it."""
     ys, states, start, state = [], [], 0, initial_state
-    for end in [*state_ends, x.shape[0]]:
+    for end in [*state_ends, per_token[0].shape[0]]:
         if end == start:  # the last end is the sequence's own
             states.append(state)
             continue
-        segment = slice(start, end)
-        y, state = ssd_chunk_scan(
-            x[segment], dt[segment], A, B[segment], C[segment], D, chunk_size, state
-        )
+        y, state = scan(*(tensor[start:end] for tensor in per_token), state)
         ys.append(y)
         states.append(state)
         start = end
