@@ -52,11 +52,15 @@ class AttentionGroup:
 class RecurrentGroup:
     """Layers that carry a recurrent state per request: their ids and, per layer, the shapes of
     its state tensors (e.g. a Mamba2 layer's conv state and SSM state), kept in `dtype` (None:
-    the dtype the model computes in)."""
+    the dtype the model computes in). `prompt_dependent` says the layers compute a prompt
+    token otherwise than a generated one (Mamba2 floors dt for prompt tokens only): a
+    request's generated tokens then leave another state than a fresh prompt holding them
+    would, so its input cannot be streamed (`LLMEngine.add_request`)."""
 
     layer_ids: tuple[int, ...]
     state_shapes: tuple[tuple[int, ...], ...]
     dtype: torch.dtype | None = None
+    prompt_dependent: bool = False
 
     def __post_init__(self) -> None:
         _check_layer_ids(self.layer_ids)

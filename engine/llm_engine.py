@@ -214,10 +214,10 @@ class LLMEngine:
         `mm_items` in order. `hold=True` makes a prefill-only held prefix, `streaming=True` a
         request generating in segments; both take more input (see `append_input`).
         """
-        if streaming and self.has_recurrent_state:
+        if streaming and any(g.prompt_dependent for g in recurrent_groups(self.cache_groups)):
             raise ValueError(
-                "streaming requests are not supported for models with recurrent layers yet "
-                "(held prefixes are)"
+                "streaming requests are not supported for this model: its recurrent layers "
+                "compute prompt tokens otherwise than generated ones (held prefixes are)"
             )
         params = sampling_params or SamplingParams()
         if streaming and params.stop:

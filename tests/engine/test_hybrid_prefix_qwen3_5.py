@@ -2,12 +2,14 @@
 
 On the tiny `qwen3_5` checkpoint and a random clip (four timestamped tubelets, EVS off): a
 second, different question about the same video restores the snapshot at the last block
-boundary inside the video, so it reuses every full block of the video, and answers with the
-tokens of a cold run and of transformers' `generate`, logprobs within 1e-4 (restoring a
-state reorders float32 sums). Two text prompts sharing 40 tokens hit two blocks with the
-default snapshot interval (a peer's "align" mode, which snapshots only every few hundred
-tokens, cannot hit there). The comparison can fail: with the restored state replaced by
-zeros, the answer is another one. Both DeltaNet states are float32 whatever the K/V's dtype.
+boundary inside the video (or a later one), so it reuses every full block of the video, and
+answers with the tokens of a cold run and of transformers' `generate`, logprobs within 1e-4
+(restoring a state reorders float32 sums). Two text prompts sharing 40 tokens hit two blocks
+with the default snapshot interval (a peer's "align" mode, which snapshots only every few
+hundred tokens, cannot hit there). The comparison can fail: with the restored state replaced
+by zeros, the answer is another one. A held prefix extended tubelet by tubelet serves forked
+questions as fresh requests (the Nemotron module's test, on this module's setup). Both
+DeltaNet states are float32 whatever the K/V's dtype.
 """
 
 import types
@@ -23,6 +25,7 @@ from stillcut.engine.request import SamplingParams
 from stillcut.engine.runner import ModelRunner
 from stillcut.vision.pipeline import VisionPipeline
 
+from . import test_hybrid_prefix as nemotron_tests
 from .models.qwen3_vl.qwen3_reference import hand_pixels, random_frames
 
 BLOCK = 16
@@ -58,6 +61,11 @@ def setup():
         prompts=prompts,
         cold_outputs=[cold.generate([p], GREEDY)[0] for p in prompts],
     )
+
+
+test_a_held_prefix_extended_by_tubelets_serves_forks_like_fresh_requests = (
+    nemotron_tests.test_a_held_prefix_extended_by_tubelets_serves_forks_like_fresh_requests
+)
 
 
 def _sampled_logprobs(output) -> list[float]:
