@@ -3,10 +3,11 @@
 Mamba2 and Gated DeltaNet layers both keep two states per request: the last inputs of a
 depthwise causal conv, and the state of a scan over the conv's output (an SSM state, a
 delta-rule matrix). Per step, every decoding request advances both by one token in one batched
-call (`conv_scan_steps`), and each prompt chunk runs the conv and the layer's chunked scan on
-its own (`conv_scan_chunk`), split where the step saves snapshots of the states
-(`RecurrentMetadata.captures`). This module reads and writes the runner's state rows and
-snapshot slots; the layer gives the scan.
+call, a request verifying speculative drafts advances them token by token keeping each
+position's states for the runner's rollback (`conv_scan_steps`), and each prompt chunk runs the
+conv and the layer's chunked scan on its own (`conv_scan_chunk`), split where the step saves
+snapshots of the states (`RecurrentMetadata.captures`). This module reads and writes the
+runner's state rows, draft slots and snapshot slots; the layer gives the scan.
 """
 
 from __future__ import annotations
@@ -39,11 +40,31 @@ def conv_scan_steps(
     conv_weight: torch.Tensor,
     conv_bias: torch.Tensor | None,
     step: Step,
-) -> torch.Tensor:
-    """One token of every request in `recurrent.one_token_steps` at once: the conv of its
-    `conv_in` rows (`[N, conv_dim]` the whole batch's) after the stored inputs, then `step`.
-    Stores the new states, saves those the step's captures ask for, returns `y` `[D, ...]`."""
+    out: torch.Tensor,
+) -> None:
+    """Every request that advances its stored states a token at a time: the decodes
+    (`recurrent.one_token_steps`) in one batched call, then the requests verifying drafts
+    position by position (`recurrent.verify_positions`), each position's states also kept in
+    its draft slots. A token's conv takes its `conv_in` row (`[N, conv_dim]`, the whole
+    batch's) after the stored inputs, then `step`; its `y` goes to its row of `out`. Saves the
+    states the step's captures ask for."""
     tokens, rows, _ = recurrent.one_token_steps
+    if tokens.numel():
+        states = _advance(recurrent, layer_id, tokens, rows, conv_in, conv_weight, conv_bias,
+                          step, out)  # fmt: skip
+        _save(recurrent.snapshots, layer_id, states, recurrent.one_token_captures)
+    for position in recurrent.verify_positions:
+        states = _advance(
+            recurrent, layer_id, position.tokens, position.rows, conv_in, conv_weight,
+            conv_bias, step, out,
+        )  # fmt: skip
+        for drafts, state in zip(recurrent.draft_states[layer_id], states, strict=True):
+            drafts[position.draft_slots] = state.to(drafts.dtype)
+        _save(recurrent.snapshots, layer_id, states, position.captures)
+
+
+def _advance(recurrent, layer_id, tokens, rows, conv_in, conv_weight, conv_bias, step, out):
+    """One token each for state rows `rows`: their new conv and scan states (also stored)."""
     conv_states, scan_states = recurrent.states[layer_id]
     conv_out, new_conv = causal_conv1d_step(
         conv_in[tokens], conv_states[rows], conv_weight, conv_bias
@@ -51,13 +72,17 @@ def conv_scan_steps(
     conv_states[rows] = new_conv.to(conv_states.dtype)
     y, new_state = step(tokens, conv_out, scan_states[rows])
     scan_states[rows] = new_state.to(scan_states.dtype)
-    if recurrent.one_token_captures is not None:
-        index, slots = recurrent.one_token_captures
-        for snapshots, state in zip(
-            recurrent.snapshots[layer_id], (new_conv, new_state), strict=True
-        ):
-            snapshots[slots] = state[index].to(snapshots.dtype)
-    return y
+    out[tokens] = y.to(out.dtype)
+    return new_conv, new_state
+
+
+def _save(snapshots, layer_id: int, states, captures) -> None:
+    """States `[n, *shape]` each into the snapshot slots `captures` (indices into them, and
+    slots) names; nothing when None."""
+    if captures is not None:
+        index, slots = captures
+        for saved, state in zip(snapshots[layer_id], states, strict=True):
+            saved[slots] = state[index].to(saved.dtype)
 
 
 def conv_scan_chunk(

@@ -70,10 +70,8 @@ class Mamba2Block(NemotronBlock):
         scanned = torch.empty(
             hidden.shape[0], config.mamba_num_heads, config.mamba_head_dim, device=hidden.device
         )  # [N, heads, head_dim] float32
-        step_tokens, _, chunks = recurrent.one_token_steps
-        if step_tokens.numel():
-            self._step(recurrent, conv_in, dt, scanned)
-        for request in chunks:
+        self._step(recurrent, conv_in, dt, scanned)
+        for request in recurrent.one_token_steps[2]:
             self._chunk(request, recurrent, conv_in, dt, scanned)
         y = self._gated_norm(scanned.flatten(1), gate).to(hidden.dtype)  # [N, inner]
         out = linear(y, self.matrix("out_proj"), self.out_proj_bias)
@@ -111,15 +109,15 @@ class Mamba2Block(NemotronBlock):
         return x.reshape(heads), B.reshape(groups), C.reshape(groups)
 
     def _step(self, recurrent, conv_in, dt, scanned) -> None:
-        """One token for every decoding request at once (`conv_scan_steps`)."""
+        """The requests that advance a token at a time: decodes, and drafts verified
+        (`conv_scan_steps`)."""
 
         def step(tokens, conv_out, states):
             x, B, C = self._split_xbc(conv_out)
             return selective_state_step(states, x, dt[tokens], self.A, B, C, self.D)
 
-        tokens = recurrent.one_token_steps[0]
-        scanned[tokens] = conv_scan_steps(
-            recurrent, self.layer_id, conv_in, self.conv_weight, self.conv_bias, step
+        conv_scan_steps(
+            recurrent, self.layer_id, conv_in, self.conv_weight, self.conv_bias, step, scanned
         )
 
     def _chunk(self, request, recurrent, conv_in, dt, scanned) -> None:

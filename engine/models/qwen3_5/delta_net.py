@@ -65,10 +65,8 @@ class GatedDeltaNet(ProjectingModule):
         rule_out = normed.new_empty(
             normed.shape[0], num_v_heads, config.linear_value_head_dim, dtype=torch.float32
         )  # [N, Hv, Dv]
-        step_tokens, _, chunks = recurrent.one_token_steps
-        if step_tokens.numel():
-            self._step(recurrent, conv_in, decay, beta, rule_out)
-        for request in chunks:
+        self._step(recurrent, conv_in, decay, beta, rule_out)
+        for request in recurrent.one_token_steps[2]:
             self._chunk(request, recurrent, conv_in, decay, beta, rule_out)
         gated = self._gated_norm(rule_out, gate).to(normed.dtype)  # [N, value_dim]
         return linear(gated, self.matrix("out_proj"), residual)
@@ -86,16 +84,14 @@ class GatedDeltaNet(ProjectingModule):
         return query, key, value
 
     def _step(self, recurrent, conv_in, decay, beta, rule_out) -> None:
-        """One token for every decoding request at once (`conv_scan_steps`)."""
+        """The requests that advance a token at a time: decodes, and drafts verified
+        (`conv_scan_steps`)."""
 
         def step(tokens, conv_out, states):
             query, key, value = self._heads(conv_out)
             return gated_delta_step(states, query, key, value, decay[tokens], beta[tokens])
 
-        tokens = recurrent.one_token_steps[0]
-        rule_out[tokens] = conv_scan_steps(
-            recurrent, self.layer_id, conv_in, self.conv_weight, None, step
-        )
+        conv_scan_steps(recurrent, self.layer_id, conv_in, self.conv_weight, None, step, rule_out)
 
     def _chunk(self, request, recurrent, conv_in, decay, beta, rule_out) -> None:
         """A prompt chunk (or a fresh request's tokens) through the chunked rule, split where
