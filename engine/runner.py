@@ -24,7 +24,9 @@ their states into the slots the step's captures name. A request with drafts
 (`SchedulerOutput.spec_token_ids`) runs its last sampled token and its drafts, written into its
 row after its tokens, as that many one-token rows of the attention metadata (so a verify step
 is a step of decodes, which the native CPU step takes), and samples at each of them (see
-`RowSampler.sample`); rejected drafts stay in the row until later tokens overwrite them.
+`RowSampler.sample`); rejected drafts stay in the row until later tokens overwrite them. Its
+recurrent states cannot be overwritten so: the verify step keeps them after each scored token,
+and the request's next step restores those after its last accepted one (`_roll_back`).
 """
 
 from __future__ import annotations
