@@ -15,7 +15,8 @@ overlaps gives the corrected values `u` and the keys `w` that read the state), a
 passes from chunk to chunk. A decode step (`gated_delta_step`) advances many sequences by one
 token each. `gated_delta_with_states` splits a prompt where its state is to be saved (prefix
 caching snapshots): a run restarting from one of those states computes what this one does
-after it.
+after it. On CUDA the chunked form runs as a Triton kernel (`gated_delta_triton`) where its
+tiles fit.
 """
 
 from __future__ import annotations
@@ -111,10 +112,25 @@ def gated_delta_with_states(
     """`chunked_gated_delta` split at `state_ends` (`split_scan`): `y` `[L, H, Dv]` and the
     states after each of those tokens, then the final state."""
 
+    rule = _chunked_rule(key.device, key.shape[-1], value.shape[-1], chunk_size)
+
     def scan(query, key, value, g, beta, state):
-        return chunked_gated_delta(query, key, value, g, beta, chunk_size, state)
+        return rule(query, key, value, g, beta, chunk_size, state)
 
     return split_scan(scan, (query, key, value, g, beta), initial_state, state_ends)
+
+
+def _chunked_rule(device: torch.device, k_dim: int, v_dim: int, chunk_size: int):
+    """The Triton kernel on CUDA where its tiles fit (sides powers of two >= 16) and triton
+    imports, else the torch reference."""
+    fits = all(size >= 16 and size & (size - 1) == 0 for size in (k_dim, v_dim, chunk_size))
+    if device.type == "cuda" and fits:
+        try:
+            from stillcut.kernels.gated_delta_triton import chunked_gated_delta_triton
+        except ImportError:
+            return chunked_gated_delta
+        return chunked_gated_delta_triton
+    return chunked_gated_delta
 
 
 def gated_delta_step(

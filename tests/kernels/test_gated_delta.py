@@ -1,10 +1,12 @@
-"""The gated delta rule (`kernels.gated_delta`) against transformers' own torch forms of it.
+"""The gated delta rule (`kernels.gated_delta`) against transformers' own torch forms of it,
+and its Triton kernel (`kernels.gated_delta_triton`, under the interpreter on CPU) against it.
 
 transformers' `torch_chunk_gated_delta_rule` (Qwen3.5's prompt form) and
 `torch_recurrent_gated_delta_rule` (its decode form), L2-normalising q and k inside, take the
 same random inputs in float32 as ours: chunk sizes that divide the sequence and that do not,
 from zeros and from a stored state, with more value heads than key heads. Outputs and states
-agree within 1e-5.
+agree within 1e-5. The Triton kernel takes small tiles (16-wide heads, chunks of 16): the
+interpreter is slow.
 """
 
 import pytest
@@ -95,3 +97,21 @@ def test_a_sequence_split_where_states_are_saved_resumes_from_each_of_them():
                                states[0])  # fmt: skip
     torch.testing.assert_close(rest[0], whole_y[after], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(rest[1], whole_state, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(("length", "with_state"), [(37, True), (32, False)])
+def test_the_triton_kernel_equals_the_torch_rule(length, with_state):
+    from stillcut.kernels.gated_delta_triton import chunked_gated_delta_triton
+
+    generator = torch.Generator().manual_seed(length)
+    num_heads, k_dim, v_dim = 2, 16, 32
+    query, key = (torch.randn(length, 1, k_dim, generator=generator) for _ in range(2))
+    q, k = normalized_qk(query, key, num_heads)
+    value = torch.randn(length, num_heads, v_dim, generator=generator)
+    g = -torch.rand(length, num_heads, generator=generator) * 2
+    beta = torch.rand(length, num_heads, generator=generator)
+    state = torch.randn(num_heads, k_dim, v_dim, generator=generator) if with_state else None
+    ours = chunked_gated_delta_triton(q, k, value, g, beta, 16, state)
+    expected = chunked_gated_delta(q, k, value, g, beta, 16, state)
+    torch.testing.assert_close(ours[0], expected[0], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(ours[1], expected[1], atol=ATOL, rtol=RTOL)
