@@ -115,17 +115,9 @@ class NemotronHLanguageModel(PagedLanguageModel):
         for block in self.layers:
             blocks.append(Block(block.norm, block.native_mixer(num_caches)))
             num_caches += isinstance(block, AttentionBlock)
-        tied = self.embeddings is None
-        return Stack(
-            blocks,
-            embedding=head_table(self.lm_head) if tied else self.embeddings,
-            embedding_scales=scale_of(self, "lm_head" if tied else "embeddings"),
-            final_norm=self.norm,
-            inv_freqs=[],
-            section=torch.zeros(0, dtype=torch.int64),
-            eps=self.config.layer_norm_epsilon,
-            head=self.lm_head,
-            head_scales=scale_of(self, "lm_head"),
+        no_rotary = torch.zeros(0, dtype=torch.int64)
+        return self.tables_stack(
+            blocks, [], no_rotary, self.config.layer_norm_epsilon, table="embeddings"
         )
 
     def prompt_positions(

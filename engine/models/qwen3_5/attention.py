@@ -21,12 +21,13 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from stillcut.engine.models.matmul import ProjectingModule, linear
+from stillcut.engine.models.matmul import ProjectingModule, linear, scale_of
 from stillcut.engine.models.qwen2_vl.model import MRoPE
 from stillcut.engine.models.qwen3_5.config import Qwen35TextConfig
 from stillcut.engine.models.rotary import fused_qkv_attention
 from stillcut.engine.models.weights import fused_weight, set_weight
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode_stack import Attention
 
 
 def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -124,6 +125,22 @@ class GatedAttention(ProjectingModule):
             scale=self.scale,
         )  # [N, Hq D]
         return linear(attended * torch.sigmoid(gate), self.matrix("o_weight"), residual)
+
+    def native_mixer(self, cache: int) -> Attention:
+        """The mixer as the native CPU decode step reads it (`cache`: the step's KV cache it
+        uses): its q / k head norms, the gate, the one rotary table (`PartialMRoPE`)."""
+        return Attention(
+            self.qkv_weight,
+            self.o_weight,
+            self.num_heads,
+            self.num_kv_heads,
+            cache=cache,
+            scale=self.scale,
+            qk_norm=self.qk_norm,
+            qkv_scale=scale_of(self, "qkv_weight"),
+            o_scale=scale_of(self, "o_weight"),
+            gated=True,
+        )
 
     def qk_transform(self, qk: torch.Tensor) -> torch.Tensor:
         """The q heads then the k heads `[N, Hq + Hkv, D]`, each RMS-normed (float32) times

@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.models.matmul import ProjectingModule, linear
+from stillcut.engine.models.matmul import ProjectingModule, linear, scale_of
 from stillcut.engine.models.qwen3_5.config import Qwen35TextConfig
 from stillcut.engine.models.weights import fused_weight, set_weight
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.conv_scan import conv_scan_chunk, conv_scan_steps
+from stillcut.kernels.cpu_decode_stack import GatedDelta
 from stillcut.kernels.gated_delta import gated_delta_step, gated_delta_with_states, normalized_qk
 
 CHUNK_SIZE = 64  # tokens per chunk of the prompt form, as transformers' default
@@ -70,6 +71,24 @@ class GatedDeltaNet(ProjectingModule):
             self._chunk(request, recurrent, conv_in, decay, beta, rule_out)
         gated = self._gated_norm(rule_out, gate).to(normed.dtype)  # [N, value_dim]
         return linear(gated, self.matrix("out_proj"), residual)
+
+    def native_mixer(self) -> GatedDelta:
+        """The mixer as the native CPU decode step reads it."""
+        config = self.config
+        return GatedDelta(
+            self.in_proj,
+            self.out_proj,
+            self.conv_weight,
+            self.dt_bias,
+            self.A,
+            self.gate_norm,
+            num_k_heads=config.linear_num_key_heads,
+            num_v_heads=config.linear_num_value_heads,
+            k_dim=config.linear_key_head_dim,
+            state=self.layer_id,
+            in_proj_scale=scale_of(self, "in_proj"),
+            out_proj_scale=scale_of(self, "out_proj"),
+        )
 
     def _heads(self, conv_out: torch.Tensor):
         """The conv output `[n, conv_dim]` -> q, k `[n, Hv, Dk]` (normalised, float32) and v

@@ -17,10 +17,11 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from stillcut.engine.models.matmul import ProjectingModule, linear
+from stillcut.engine.models.matmul import ProjectingModule, linear, scale_of
 from stillcut.engine.models.qwen2_vl.model import Qwen2DecoderLayer
 from stillcut.engine.models.softmax_moe import SoftmaxMoE
 from stillcut.engine.models.weights import fused_weight, set_weight
+from stillcut.kernels.cpu_decode_stack import Activation, GatedMlp
 
 
 class SwiGLU(ProjectingModule):
@@ -38,6 +39,16 @@ class SwiGLU(ProjectingModule):
     def forward(self, normed: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` + the MLP of `normed` `[N, hidden]`."""
         return self.feed_forward(normed, residual)
+
+    def native_mixer(self) -> GatedMlp:
+        """The MLP as the native CPU decode step reads it."""
+        return GatedMlp(
+            self.gate_up_weight,
+            self.down_weight,
+            Activation.SILU,
+            gate_up_scale=scale_of(self, "gate_up_weight"),
+            down_scale=scale_of(self, "down_weight"),
+        )
 
 
 EXPERTS = ".mlp.experts."  # in the names of the routed experts' tensors

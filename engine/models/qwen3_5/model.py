@@ -44,6 +44,7 @@ from stillcut.engine.models.qwen3_5.mlp import (
 from stillcut.engine.models.weights import Table, load_decoder, set_weight
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.cpu_decode_stack import Block, Stack
 
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
 
@@ -154,6 +155,24 @@ class Qwen35LanguageModel(PagedLanguageModel):
         for layer in self.layers:
             hidden = layer(hidden, rotary, metadata, next(caches) if layer.is_attention else None)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    def native_stack(self) -> Stack | None:
+        """Each layer as two blocks for the native CPU decode step: its mixer (a `GatedDelta`,
+        or gated attention whose partial rotary is the full-width table of `PartialMRoPE`) and
+        its SwiGLU MLP; the embedding is the tied head's rows when there is no table of its
+        own. None for the MoE model: the native step has no softmax-routed kind."""
+        if self.config.num_experts:
+            return None
+        blocks, num_caches = [], 0  # attention blocks take the step's K/V caches in order
+        for layer in self.layers:
+            mixer = layer.mixer
+            native = mixer.native_mixer(num_caches) if layer.is_attention else mixer.native_mixer()
+            blocks.append(Block(layer.input_layernorm, native))
+            blocks.append(Block(layer.post_attention_layernorm, layer.mlp.native_mixer()))
+            num_caches += layer.is_attention
+        return self.tables_stack(
+            blocks, [self.rotary.inv_freq], self.rotary.section, self.config.rms_norm_eps
+        )
 
     @classmethod
     def from_checkpoint(

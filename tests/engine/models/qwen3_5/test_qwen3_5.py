@@ -13,6 +13,7 @@ tests' helpers, which serve both families).
 """
 
 import logging
+import os
 import shutil
 
 import pytest
@@ -32,6 +33,7 @@ from ..qwen3_vl.test_qwen3_vl import _reference_answer as reference_answer
 from ..qwen3_vl.test_qwen3_vl import _video_media as video_media
 
 FPS = 2.0
+MAX_TOKENS = 8  # the Qwen3-VL helpers' answers
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 
@@ -97,9 +99,13 @@ def test_an_image_answer_equals_transformers_generate(engine, pipeline, referenc
     assert_same(engine_answer(engine, prompt), reference_answer(reference, prompt, engine, **media))
 
 
-def test_a_text_answer_equals_transformers_generate(engine, reference):
+def test_a_text_answer_equals_transformers_generate(engine, reference, native_steps):
     prompt = engine.processor.build([{"role": "user", "content": "Tell me about lighthouses."}])
     assert_same(engine_answer(engine, prompt), reference_answer(reference, prompt, engine))
+    # the dense model decodes in the native step (its DeltaNet and gated attention kinds)
+    dense = engine.model_config.model_type == "qwen3_5"
+    if dense and os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):
+        assert native_steps == [1] * (MAX_TOKENS - 1), "a decode step ran the torch layers"
 
 
 @pytest.mark.parametrize("chunk", [16, 50, 64])
