@@ -52,6 +52,32 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             # its own head: a tied tiny model mostly repeats its input token
             tie_word_embeddings=False,
         ),
+        # The benches' shape (`bench/hybrid_prefix.py`, `bench/decode_roofline.py`): 105M
+        # language-model parameters (78M of them the tied embedding), six DeltaNet layers and
+        # two attention layers, 64-wide heads.
+        "bench": Preset(
+            dtype="bfloat16",
+            text={
+                "hidden_size": 512,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+                "intermediate_size": 1536,
+                "linear_num_key_heads": 4,
+                "linear_num_value_heads": 8,
+                "linear_key_head_dim": 64,
+                "linear_value_head_dim": 64,
+                "linear_conv_kernel_dim": 4,
+            },
+            vision={
+                "depth": 4,
+                "hidden_size": 256,
+                "num_heads": 4,
+                "intermediate_size": 768,
+                "num_position_embeddings": 256,
+            },
+        ),
     }
 )
 _TINY = PRESETS["tiny"]
