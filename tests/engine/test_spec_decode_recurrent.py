@@ -46,7 +46,7 @@ def setup(request):
     answer = plain.generate([question], GREEDY)[0].token_ids
     # the question again after the start of its answer: the answer tends to follow again
     prompt = [*question, *answer[:10], *question]
-    return path, plain, prompt
+    return request.param, path, plain, prompt
 
 
 def _states_by_computed_tokens(engine: LLMEngine, monkeypatch) -> dict[int, list[torch.Tensor]]:
@@ -70,7 +70,7 @@ def _states_by_computed_tokens(engine: LLMEngine, monkeypatch) -> dict[int, list
 def test_greedy_output_equals_no_speculation_and_rejected_drafts_roll_the_state_back(
     setup, monkeypatch
 ):
-    path, plain, prompt = setup
+    _, path, plain, prompt = setup
     plain_states = _states_by_computed_tokens(plain, monkeypatch)
     (expected,) = plain.generate([prompt], GREEDY)
     engine = _engine(path, _ngram())
@@ -101,7 +101,9 @@ def test_greedy_output_equals_no_speculation_and_rejected_drafts_roll_the_state_
 
 
 def test_a_dynamic_k_calibrated_on_recurrent_verify_steps_gives_the_same_output(setup):
-    path, plain, prompt = setup
+    family, path, plain, prompt = setup
+    if family != "qwen3_5":
+        pytest.skip("the calibration's recurrent path is the same for both families")
     (expected,) = plain.generate([prompt], GREEDY)
     engine = _engine(path, _ngram(dynamic=True))
     (ours,) = engine.generate([prompt], GREEDY)

@@ -20,7 +20,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.model_config import CheckpointError, load_model_config
@@ -29,21 +28,13 @@ from stillcut.vision.pipeline import VisionPipeline
 
 from ..qwen3_vl.qwen3_reference import engine_answer, hand_pixels, random_frames
 from ..qwen3_vl.test_qwen3_vl import _assert_same as assert_same
+from ..qwen3_vl.test_qwen3_vl import _config as engine_config
 from ..qwen3_vl.test_qwen3_vl import _reference_answer as reference_answer
 from ..qwen3_vl.test_qwen3_vl import _video_media as video_media
 
 FPS = 2.0
 MAX_TOKENS = 8  # the Qwen3-VL helpers' answers
 FAMILIES = ("qwen3_5", "qwen3_5_moe")
-
-
-def engine_config(max_num_batched_tokens: int = 512, prefix_caching: bool = True) -> EngineConfig:
-    return EngineConfig(
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=2048
-        ),
-        cache=CacheConfig(num_blocks=256, block_size=16, enable_prefix_caching=prefix_caching),
-    )
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
