@@ -33,10 +33,17 @@ neighbour can blur. Last, where the host time goes, per step, from one instrumen
 batch.
 
 The default model is the `lm180m` preset: the `random-demo` shape with an untied 152k
-vocabulary, 180M language-model parameters (random weights; only the shapes matter here).
+vocabulary, 180M language-model parameters (random weights; only the shapes matter here);
+`--family` picks another family's preset (`--family qwen3_5 --preset bench`: the Qwen3.5
+hybrid, 105M). With `--dense-twin`, a model with recurrent layers is set beside a dense Qwen3
+(`qwen3_vl`) of the same hidden size, layers, attention heads and vocabulary whose MLP width
+is chosen so that its step reads as many bytes as the hybrid's does (weights and recurrent
+state): both decode at batch 1 taking turns round by round, each step beside the read of its
+own bytes, and the table gives each one's step, floor and ratio, and the hybrid's step over
+the twin's (medians of the rounds' ratios): what the recurrent layers cost beyond their bytes.
 
-    python bench/decode_roofline.py [--preset lm180m | --model PATH] [--threads N]
-        [--rounds 25] [--loop-rounds 7] [--long 2048]
+    python bench/decode_roofline.py [--preset lm180m [--family F] | --model PATH] [--threads N]
+        [--rounds 25] [--loop-rounds 7] [--long 2048] [--dense-twin]
 """
 
 from __future__ import annotations
@@ -342,7 +349,7 @@ def roofline_table(engine: LLMEngine, rounds: int) -> None:
     config = engine.model.config
     experts = (
         f" (experts: {config.num_experts_per_tok} of {config.num_experts} per token)"
-        if hasattr(config, "num_experts")
+        if getattr(config, "num_experts", 0)
         else ""
     )
     states = f", {state_bytes / 1e3:.0f} kB of recurrent state per row" if state_bytes else ""
@@ -433,9 +440,74 @@ def breakdown_table(engine: LLMEngine) -> None:
         print(f"{name:<20}" + "".join(f"{column[name]:>10.0f}" for column in columns.values()))
 
 
+def dense_twin(engine: LLMEngine, state_bytes: int) -> LLMEngine:
+    """A dense Qwen3 engine whose batch-1 step reads the bytes of `engine`'s (weights and one
+    row's recurrent state): the model's hidden size, layers, attention heads, vocabulary,
+    tying and stored dtype, its MLP width solved for the bytes (random weights)."""
+    config, model = engine.model.config, engine.model
+    weight_bytes, _ = weight_bytes_per_step(model)
+    element = model.lm_head.element_size()
+    hidden, layers, head_dim = config.hidden_size, config.num_layers, config.head_dim
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    free = (weight_bytes + state_bytes) // element - hidden * config.vocab_size - layers * attention
+    intermediate = free // (3 * hidden * layers) // 32 * 32
+    text = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate,
+    }
+    path = cached_checkpoint(
+        "tiny",
+        family="qwen3_vl",
+        dtype=str(model.lm_head.dtype).removeprefix("torch."),
+        tie_word_embeddings=config.tie_word_embeddings,
+        text=text,
+    )
+    return LLMEngine(path, engine.config)
+
+
+def side_by_side(engines: dict[str, LLMEngine], rounds: int) -> None:
+    """Batch-1 steps of each engine (median of 3) beside the read of its bytes, the engines
+    taking turns round by round; the first is compared with the others."""
+    setups = {}
+    for name, engine in engines.items():
+        num_bytes = weight_bytes_per_step(engine.model)[0] + state_bytes_per_row(engine.runner)
+        ids = start_decoding(engine, 1, max_tokens=3 * rounds + 16)
+        setups[name] = (engine, num_bytes, torch.ones(num_bytes // 4), ids)
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, (engine, _, buffer, _) in setups.items():
+            steps = [timed(engine.step) for _ in range(3)]
+            results[name].append((statistics.median(steps), read_seconds(buffer)))
+    for engine, _, _, ids in setups.values():
+        stop_decoding(engine, ids)
+    first = next(iter(engines))
+    print(f"\nside by side at batch 1, {rounds} rounds taking turns (medians)")
+    print(
+        f"{'model':<40}{'MB read':>9}{'step ms':>9}{'floor ms':>10}{'ratio':>8}{'first/this':>12}"
+    )
+    for name, pairs in results.items():
+        step = statistics.median(p[0] for p in pairs)
+        floor = statistics.median(p[1] for p in pairs)
+        ratio = statistics.median(p[0] / p[1] for p in pairs)
+        versus = statistics.median(a[0] / b[0] for a, b in zip(results[first], pairs, strict=True))
+        print(
+            f"{name:<40}{setups[name][1] / 1e6:>9.1f}{step * 1e3:>9.2f}{floor * 1e3:>10.2f}"
+            f"{ratio:>8.2f}{versus:>12.2f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", default="lm180m", help="factory preset (default: lm180m)")
+    parser.add_argument("--family", help="the preset's family (default: the factory's)")
+    parser.add_argument(
+        "--dense-twin", action="store_true", help="a hybrid beside a dense Qwen3 of its bytes"
+    )
     parser.add_argument("--model", help="checkpoint folder instead of a preset")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rounds", type=int, default=25, help="paired step/floor rounds")
@@ -453,8 +525,14 @@ def main() -> None:
         ),
         cache=CacheConfig(num_blocks=512),
     )
-    engine = LLMEngine(args.model or cached_checkpoint(args.preset), config)
+    family = {"family": args.family} if args.family else {}
+    engine = LLMEngine(args.model or cached_checkpoint(args.preset, **family), config)
     roofline_table(engine, args.rounds)
+    state_bytes = state_bytes_per_row(engine.runner)
+    if args.dense_twin and state_bytes:
+        twin = dense_twin(engine, state_bytes)
+        hybrid = f"{engine.model_config.model_type} (hybrid)"
+        side_by_side({hybrid: engine, "qwen3_vl (dense, same bytes)": twin}, args.rounds)
     if args.loop_rounds > 0:  # (0: the first table only)
         loop_table(engine, args.loop_rounds)
     if args.long > 0:

@@ -1,11 +1,13 @@
-"""Prefix caching on a hybrid (Mamba2 + MoE + attention) model: a second question about a video.
+"""Prefix caching on a hybrid model: a second question about a video.
 
-The `bench` Nemotron 3 Nano Omni preset (random weights; 136M language-model parameters, 7
-Mamba2, 3 attention, 8 MoE and 1 MLP layers) with the default snapshot interval. A 16-frame
-448x448 clip (H.264, written here) is asked a 12-token question, then another 12-token
+The `bench` preset of a hybrid family (random weights), with the default snapshot interval:
+Nemotron 3 Nano Omni (`--family nemotron_h_omni`, the default: 136M language-model parameters,
+7 Mamba2, 3 attention, 8 MoE and 1 MLP layers) or Qwen3.5 (`--family qwen3_5`: 105M, 6 Gated
+DeltaNet and 2 attention layers, the Qwen3-VL tower, each tubelet its own timestamped item). A
+16-frame 448x448 clip (H.264, written here) is asked a 12-token question, then another 12-token
 question about the same video: the second finds the video's embeddings in the encoder cache,
 and its prompt in the prefix cache up to the last block boundary of the video, where it
-restores the Mamba2 states from a snapshot and prefills only the rest. TTFT counts from the
+restores the recurrent states from a snapshot and prefills only the rest. TTFT counts from the
 clip's path to the first token (decode, tower, EVS at the checkpoint's rate, prompt, prefill).
 Each round writes a clip of its own (another encoder quality, so other bytes) so its first
 question is cold; the rounds alternate first and second questions, and the ratio is the median
@@ -19,7 +21,7 @@ two different 12-token questions; the second's cached tokens over its context's.
 questions of 40 tokens, which end beyond the first asker's last two blocks: the second asker
 then finds no snapshot in the context and leaves one where it diverged, which the third finds.
 
-    python bench/hybrid_prefix.py [--rounds 5] [--threads 2]
+    python bench/hybrid_prefix.py [--family nemotron_h_omni | qwen3_5] [--rounds 5] [--threads 2]
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ QUESTIONS = (
     "Which colours does the background show, and how does it change",
 )
 FIRST_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+FAMILIES = ("nemotron_h_omni", "qwen3_5")  # the hybrid families with a `bench` preset
 
 
 def twelve_tokens(engine: LLMEngine, text: str) -> str:
@@ -157,9 +160,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="TTFT rounds (0: skip them)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--family", choices=FAMILIES, default=FAMILIES[0])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = cached_checkpoint("bench", family="nemotron_h_omni")
+    path = cached_checkpoint("bench", family=args.family)
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=4096, max_model_len=8192),
         cache=CacheConfig(kv_cache_memory=1 << 30),

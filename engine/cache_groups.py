@@ -17,6 +17,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class AttentionGroup:
@@ -49,10 +51,16 @@ class AttentionGroup:
 @dataclass(frozen=True)
 class RecurrentGroup:
     """Layers that carry a recurrent state per request: their ids and, per layer, the shapes of
-    its state tensors (e.g. a Mamba2 layer's conv state and SSM state)."""
+    its state tensors (e.g. a Mamba2 layer's conv state and SSM state), kept in `dtype` (None:
+    the dtype the model computes in). `prompt_dependent` says the layers compute a prompt
+    token otherwise than a generated one (Mamba2 floors dt for prompt tokens only): a
+    request's generated tokens then leave another state than a fresh prompt holding them
+    would, so its input cannot be streamed (`LLMEngine.add_request`)."""
 
     layer_ids: tuple[int, ...]
     state_shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype | None = None
+    prompt_dependent: bool = False
 
     def __post_init__(self) -> None:
         _check_layer_ids(self.layer_ids)
@@ -60,9 +68,11 @@ class RecurrentGroup:
             raise ValueError(f"state_shapes={self.state_shapes} must be non-empty positive shapes")
 
     def bytes_per_request(self, dtype_bytes: int) -> int:
-        """One request's state in every layer of the group."""
+        """One request's state in every layer of the group, `dtype_bytes` per value unless the
+        group has a `dtype` of its own."""
         per_layer = sum(math.prod(shape) for shape in self.state_shapes)
-        return len(self.layer_ids) * per_layer * dtype_bytes
+        value_bytes = dtype_bytes if self.dtype is None else self.dtype.itemsize
+        return len(self.layer_ids) * per_layer * value_bytes
 
 
 CacheGroup = AttentionGroup | RecurrentGroup
@@ -95,7 +105,8 @@ def kv_bytes_per_block(groups: Sequence[CacheGroup], block_size: int, dtype_byte
 
 
 def state_bytes_per_request(groups: Sequence[CacheGroup], dtype_bytes: int) -> int:
-    """Bytes one request's recurrent state takes across every recurrent layer (0 for none)."""
+    """Bytes one request's recurrent state takes across every recurrent layer (0 for none);
+    `dtype_bytes` per value of the groups without a `dtype` of their own."""
     return sum(g.bytes_per_request(dtype_bytes) for g in recurrent_groups(groups))
 
 

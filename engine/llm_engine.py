@@ -56,7 +56,7 @@ from stillcut.engine.request import (
 from stillcut.engine.runner import ModelRunner
 from stillcut.engine.scheduler import Scheduler, max_num_live_requests
 from stillcut.engine.scheduler_output import RequestUpdate, SchedulerOutput
-from stillcut.engine.spec_decode.build import build_speculator, check_speculation_allowed
+from stillcut.engine.spec_decode.build import build_speculator
 from stillcut.engine.spec_decode.draft import draft_block_bytes
 
 log = logging.getLogger(__name__)
@@ -111,8 +111,6 @@ class LLMEngine:
         self.processor = PromptProcessor.from_checkpoint(self.path)
         family = self.model_config.family
         self.cache_groups = self.model_config.cache_groups
-        if config.speculative is not None:  # before loading anything
-            check_speculation_allowed(bool(recurrent_groups(self.cache_groups)))
         model_class = family.language_model_class()
         self.weight_format = WeightFormat.for_engine(
             config.dtype,
@@ -214,10 +212,10 @@ class LLMEngine:
         `mm_items` in order. `hold=True` makes a prefill-only held prefix, `streaming=True` a
         request generating in segments; both take more input (see `append_input`).
         """
-        if streaming and self.has_recurrent_state:
+        if streaming and any(g.prompt_dependent for g in recurrent_groups(self.cache_groups)):
             raise ValueError(
-                "streaming requests are not supported for models with recurrent layers yet "
-                "(held prefixes are)"
+                "streaming requests are not supported for this model: its recurrent layers "
+                "compute prompt tokens otherwise than generated ones (held prefixes are)"
             )
         params = sampling_params or SamplingParams()
         if streaming and params.stop:

@@ -24,12 +24,15 @@ their states into the slots the step's captures name. A request with drafts
 (`SchedulerOutput.spec_token_ids`) runs its last sampled token and its drafts, written into its
 row after its tokens, as that many one-token rows of the attention metadata (so a verify step
 is a step of decodes, which the native CPU step takes), and samples at each of them (see
-`RowSampler.sample`); rejected drafts stay in the row until later tokens overwrite them.
+`RowSampler.sample`); rejected drafts stay in the row until later tokens overwrite them. Its
+recurrent states cannot be overwritten so: the verify step keeps them after each scored token,
+and the request's next step restores those after its last accepted one (`_roll_back`).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -107,6 +110,15 @@ class ModelRunner:
         self.state_snapshots = _recurrent_states(
             cache_groups, num_state_snapshots, state_dtype, device
         )
+        # layer id -> the states after each position of a verify step, each
+        # [max_num_reqs * (1 + max_spec_tokens), *shape]: slot row * (1 + K) + j is row's after
+        # its j-th scored token (see `_roll_back`)
+        self.draft_stride = 1 + max_spec_tokens
+        self.draft_states = _recurrent_states(
+            cache_groups, max_num_reqs * self.draft_stride if max_spec_tokens else 0,
+            state_dtype, device,
+        )  # fmt: skip
+        self._verified: dict[str, int] = {}  # request id -> where its last verify step started
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
@@ -191,6 +203,8 @@ class ModelRunner:
             self.sampling.forget(request_id)
         for request_id in output.preempted_ids:
             self._drop_row(request_id)
+        for cached in output.scheduled_cached:
+            self._roll_back(cached.request_id, cached.num_computed_tokens)
         for new in output.scheduled_new:
             assert new.request_id not in self.rows, "a request with a row is never new"
             self._add_row(new)
@@ -277,7 +291,24 @@ class ModelRunner:
         self.block_array[state.row, start : start + len(block_ids)] = block_ids
         state.block_ids.extend(block_ids)
 
+    def _roll_back(self, request_id: str, num_computed: int) -> None:
+        """A request whose last step verified drafts runs again with `num_computed` tokens
+        computed (the scheduler rolled back those past the first rejected draft, or past a
+        stop): its row's recurrent states become those after its last computed token, kept
+        by the verify step (`RecurrentMetadata.verify_positions`). Per-position states cost
+        (1 + K) states per row in memory, and writing them about as much as the update itself
+        (each position's update rewrites the whole state anyway); recomputing the accepted
+        tokens instead would cost another forward of the model."""
+        start = self._verified.pop(request_id, None)
+        if start is None or num_computed == start + self.draft_stride:
+            return  # every scored token accepted: the row holds their states already
+        slot = self.rows[request_id].row * self.draft_stride + num_computed - start - 1
+        for layer, states in self.recurrent_states.items():
+            for tensor, drafts in zip(states, self.draft_states[layer], strict=True):
+                tensor[self.rows[request_id].row] = drafts[slot]
+
     def _drop_row(self, request_id: str) -> None:
+        self._verified.pop(request_id, None)
         state = self.rows.pop(request_id, None)
         if state is not None:
             # the attention backends read a row's padding as block 0, never as someone else's
@@ -334,7 +365,7 @@ class ModelRunner:
                 sample_index.extend(range(q1 - 1 - len(drafts), q1))
         if decodes:
             self._write_decodes(decodes)
-        recurrent = self._recurrent_metadata(output, request_ids, rows, computed, query_start)
+        recurrent = self._recurrent_metadata(output, request_ids, computed)
         every_token_samples = len(sample_index) == query_start[-1]  # a step of decodes only
         bucket = None
         if every_token_samples and len(seq_lens) == query_start[-1] and recurrent is None:
@@ -384,24 +415,21 @@ class ModelRunner:
         host.slot_mapping[batch_rows] = slots
 
     def _recurrent_metadata(
-        self,
-        output: SchedulerOutput,
-        request_ids: list[str],
-        rows: list[int],
-        computed: dict[str, int],
-        query_start: list[int],
+        self, output: SchedulerOutput, request_ids: list[str], computed: dict[str, int]
     ) -> RecurrentMetadata | None:
         """Each request's state row, whether its state starts fresh (its first computed
         token is token 0: a new request, or one recomputed after preemption), which
-        scheduled tokens are prompt tokens, and where to save snapshots. None for a model
-        without recurrent layers."""
+        scheduled tokens are prompt tokens, where to save snapshots, and which requests verify
+        drafts (their start is kept for `_roll_back`). None for a model without recurrent
+        layers."""
         if not self.recurrent_states:
             return None
-        assert not output.spec_token_ids, "recurrent layers cannot roll back drafts"
         # a request resuming after cached tokens had its state restored from a snapshot
         assert all(
             n.num_computed_tokens == 0 or n.restore_slot is not None for n in output.scheduled_new
         ), "a state resumed without a snapshot"
+        scheduled = output.num_scheduled_tokens
+        query_start = [0, *itertools.accumulate(scheduled[r] for r in request_ids)]
         prompt_token_mask = self.prompt_array[: query_start[-1]]
         prompt_token_mask[:] = False
         for b, request_id in enumerate(request_ids):
@@ -409,9 +437,13 @@ class ModelRunner:
             num_prompt = max(self.rows[request_id].prompt_len - computed[request_id], 0)
             end = min(query_start[b] + num_prompt, query_start[b + 1])
             prompt_token_mask[query_start[b] : end] = True
+        verifying = [bool(output.spec_token_ids.get(r)) for r in request_ids]
+        for request_id, verifies in zip(request_ids, verifying, strict=True):
+            if verifies:
+                self._verified[request_id] = computed[request_id]
         return RecurrentMetadata(
             states=self.recurrent_states,
-            state_rows_cpu=rows,
+            state_rows_cpu=[self.rows[r].row for r in request_ids],
             fresh=[computed[r] == 0 for r in request_ids],
             query_start_loc_cpu=query_start,
             prompt_token_mask=self._on_device(self.prompt_mask[: query_start[-1]]),
@@ -419,6 +451,9 @@ class ModelRunner:
             captures=[
                 [capture[:2] for capture in output.state_captures.get(r, ())] for r in request_ids
             ],
+            verifying=verifying,
+            draft_states=self.draft_states,
+            draft_stride=self.draft_stride,
         )
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -512,10 +547,11 @@ class _Batch:
 def _recurrent_states(
     groups: Sequence[CacheGroup], num_slots: int, dtype: torch.dtype, device: torch.device | str
 ) -> dict[int, tuple[torch.Tensor, ...]]:
-    """Layer id -> its zeroed state tensors, each [num_slots, *shape], for recurrent layers."""
+    """Layer id -> its zeroed state tensors, each [num_slots, *shape], for recurrent layers (in
+    the group's own dtype, else `dtype`)."""
     return {
         layer: tuple(
-            torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+            torch.zeros(num_slots, *shape, dtype=group.dtype or dtype, device=device)
             for shape in group.state_shapes
         )
         for group in recurrent_groups(groups)

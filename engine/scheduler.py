@@ -279,18 +279,18 @@ class Scheduler:
                 new_block_ids = self._allocate_or_preempt(request, num_new, output)
             if new_block_ids is None:
                 continue
-            num_new += len(drafts)
             if drafts:
                 output.spec_token_ids[request.request_id] = drafts
-            output.num_scheduled_tokens[request.request_id] = num_new
+            output.num_scheduled_tokens[request.request_id] = num_new + len(drafts)
             appended = tuple(self._appended.pop(request.request_id, ()))
             output.scheduled_cached.append(
                 CachedRequestData(
                     request.request_id, new_block_ids, request.num_computed_tokens, appended
                 )
             )
+            # a verify step saves states after its first token only: drafts may be rejected
             self._plan_state_captures(request, num_new, output)
-            budget -= num_new
+            budget -= num_new + len(drafts)
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:

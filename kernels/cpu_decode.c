@@ -14,11 +14,13 @@
  *
  *   ATTENTION  qkv = x @ Wqkv (+ b) -> per-head RMSNorm of q, k (optional) -> rotary(q, k)
  *              (optional), k/v into the block's paged cache -> attention (optional sliding
- *              window and soft cap) -> y = attn @ Wo
+ *              window and soft cap) -> (gated: each head times sigmoid of its gate columns)
+ *              -> y = attn @ Wo
  *   GATED_MLP  gate|up = x @ Wgu -> y = (act(gate) * up) @ Wdown, act SiLU or tanh GELU
  *   MLP, MOE, MAMBA2  see `cpu_hybrid_kinds.h`: relu² MLP, mixture of experts (only the
  *              experts a row routes to are read), Mamba2's one-token state update
  *   SOFTMAX_MOE  see `cpu_moe_kinds.h`: softmax-routed gated experts in place of an MLP
+ *   GATED_DELTA  see `cpu_gated_delta.h`: a Gated DeltaNet's one-token delta-rule update
  *
  * The kernel reads only the description: which kind each block is, its weights and options.
  * A new kind is a struct beside `Attention`, its functions beside `attention`'s (check,
@@ -44,7 +46,15 @@
 #define MAX_BLOCK 256
 #define MAX_TABLES 2
 
-enum kind { ATTENTION = 1, GATED_MLP = 2, MLP = 3, MOE = 4, MAMBA2 = 5, SOFTMAX_MOE = 6 };
+enum kind {
+    ATTENTION = 1,
+    GATED_MLP = 2,
+    MLP = 3,
+    MOE = 4,
+    MAMBA2 = 5,
+    SOFTMAX_MOE = 6,
+    GATED_DELTA = 7,
+};
 enum activation { NO_ACTIVATION = 0, SILU = 1, GELU_TANH = 2, RELU2 = 3 };
 
 typedef struct {
@@ -58,6 +68,8 @@ typedef struct {
     int32_t cache;               /* which of the step's KV caches */
     float scale;                 /* multiplies scores */
     float soft_cap;              /* scores: cap * tanh(score / cap); 0: none */
+    int32_t gated;               /* 1: qkv has heads * head_dim gate columns after v, and each
+                                  * head's output is times sigmoid(its gate) */
 } Attention;
 
 typedef struct {
@@ -290,12 +302,17 @@ static int qkv_width(const Attention *a) {
     return (a->num_heads + 2 * a->num_kv_heads) * a->head_dim;
 }
 
+/* A row of the qkv product: q, k, v, then a gated block's gate columns. */
+static int qkv_stride(const Attention *a) {
+    return qkv_width(a) + (a->gated ? a->num_heads * a->head_dim : 0);
+}
+
 /* Attention's work: qkv [rows, qkv width], attn [rows, heads * head_dim], then the key slices'
  * parts [rows, heads, splits, head_dim + 2]. */
 static size_t attention_floats(const void *params, const Step *step) {
     const Attention *a = params;
     size_t rows = step->rows, D = a->head_dim, Hq = a->num_heads;
-    return rows * qkv_width(a) + rows * Hq * D +
+    return rows * qkv_stride(a) + rows * Hq * D +
            rows * Hq * key_splits(step, a->num_kv_heads) * (D + 2);
 }
 
@@ -312,7 +329,7 @@ static void attention_inputs(const Context *c, const Attention *a, float *qkv, v
                              void *values) {
     const Step *step = c->step;
     int rows = step->rows, D = a->head_dim, Hq = a->num_heads, Hkv = a->num_kv_heads;
-    int width = qkv_width(a), begin, end;
+    int width = qkv_stride(a), begin, end;
     int table = a->table > 0 ? a->table : 0; /* -1: no rotary, no table read */
     const float *cos = c->cos + (size_t)table * rows * D;
     const float *sin = c->sin + (size_t)table * rows * D;
@@ -343,7 +360,7 @@ static void attention(const Context *c, const void *params, const float *out_nor
     const Attention *a = params;
     const Step *step = c->step;
     int rows = step->rows, D = a->head_dim, Hq = a->num_heads, Hkv = a->num_kv_heads;
-    int group = Hq / Hkv, width = qkv_width(a), splits = key_splits(step, Hkv);
+    int group = Hq / Hkv, width = qkv_stride(a), splits = key_splits(step, Hkv);
     int thread = omp_get_thread_num(), threads = omp_get_num_threads(), begin, end;
     float *qkv = c->work, *attn = qkv + (size_t)rows * width;
     float *parts = attn + (size_t)rows * Hq * D;
@@ -373,8 +390,12 @@ static void attention(const Context *c, const void *params, const float *out_nor
         int r = unit / Hq, head = unit % Hq, kv_head = head / group, g = head % group;
         const float *first_part =
             parts + ((size_t)(r * Hkv + kv_head) * splits * group + g) * (D + 2);
-        merge_parts(first_part, splits, (size_t)group * (D + 2), D,
-                    attn + ((size_t)r * Hq + head) * D);
+        float *out = attn + ((size_t)r * Hq + head) * D;
+        merge_parts(first_part, splits, (size_t)group * (D + 2), D, out);
+        if (a->gated) {
+            const float *gate = qkv + (size_t)r * width + qkv_width(a) + (size_t)head * D;
+            for (int d = 0; d < D; d++) out[d] /= 1.0f + expf(-gate[d]);
+        }
     }
     region_barrier();
     residual_projection(c, attn, (size_t)Hq * D, &a->o, out_norm, NULL);
@@ -442,7 +463,7 @@ static int attention_check(const Model *model, const void *params) {
     int rotates = a->table >= 0;
     if (a->table < -1 || (rotates && (D != model->rotary_dim || a->table >= model->num_tables)))
         return 12;
-    if (!check_matrix(&a->qkv, H, qkv_width(a))) return 13;
+    if (!check_matrix(&a->qkv, H, qkv_stride(a))) return 13;
     if (!check_matrix(&a->o, a->num_heads * D, H)) return 14;
     return a->window < 0 || a->cache < 0 ? 15 : 0;
 }
@@ -466,6 +487,7 @@ static int gated_mlp_fits(const void *params, const Step *step) {
 
 #include "cpu_hybrid_kinds.h"
 #include "cpu_moe_kinds.h"
+#include "cpu_gated_delta.h"
 
 /* What the kernel does with a block of each kind: every kind is one row here. */
 typedef struct {
@@ -484,6 +506,8 @@ static const KindOps KINDS[] = {
     [MAMBA2] = {mamba2_check, mamba2_fits, mamba2_floats, mamba2_widest, mamba2},
     [SOFTMAX_MOE] = {softmax_moe_check, gated_mlp_fits, softmax_moe_floats, softmax_moe_widest,
                      softmax_moe},
+    [GATED_DELTA] = {gated_delta_check, gated_delta_fits, gated_delta_floats, gated_delta_widest,
+                     gated_delta},
 };
 
 static const KindOps *kind_ops(int kind) {

@@ -8,8 +8,8 @@ than the layers' own weight reads. The C kernel goes from token ids to the final
 rows, M-RoPE tables, every block) inside one OpenMP parallel region, the threads meeting at
 barriers, reading each weight once in contiguous per-thread bands. A model describes itself as
 a `cpu_decode_stack.Stack` of blocks, each of a kind; `bind` turns that into the C structs.
-Recurrent blocks (Mamba2) advance the runner's state rows in place (`metadata.recurrent`); the
-snapshots a step asks for are copied from those rows after it.
+Recurrent blocks (Mamba2, Gated DeltaNet) advance the runner's state rows in place
+(`metadata.recurrent`); the snapshots a step asks for are copied from those rows after it.
 Weights stay in their stored formats (bfloat16, float16, int8 with per-column scales, float32;
 `cpu_linear.h` widens them in registers), and the KV caches may be bfloat16. `NativeMatrix`
 runs the same products one at a time, for the few-row products outside a decode step (the LM
@@ -45,8 +45,10 @@ from stillcut.engine.disk_cache import cache_dir
 from stillcut.kernels.cpu_decode_stack import (
     FORMATS,
     MAX_TABLES,
+    RECURRENT_MIXERS,
     Attention,
     Block,
+    GatedDelta,
     GatedMlp,
     Kind,
     Mamba2,
@@ -64,7 +66,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_suffix(".c")
 HEADERS = tuple(
-    SOURCE.with_name(name) for name in ("cpu_linear.h", "cpu_hybrid_kinds.h", "cpu_moe_kinds.h")
+    SOURCE.with_name(name)
+    for name in ("cpu_linear.h", "cpu_hybrid_kinds.h", "cpu_moe_kinds.h", "cpu_gated_delta.h")
 )
 KV_FORMATS = (torch.float32, torch.bfloat16)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -95,6 +98,7 @@ class _Attention(ctypes.Structure):
         )),
         ("scale", ctypes.c_float),
         ("soft_cap", ctypes.c_float),
+        ("gated", ctypes.c_int32),
     ]  # fmt: skip
 
 
@@ -151,6 +155,17 @@ class _Mamba2(ctypes.Structure):
             "num_heads", "head_dim", "state_size", "num_groups", "kernel", "state",
         )),
         ("time_step_min", ctypes.c_float),
+    ]  # fmt: skip
+
+
+class _GatedDelta(ctypes.Structure):
+    _fields_ = [
+        ("in_proj", _Matrix),
+        ("out_proj", _Matrix),
+        *((name, ctypes.c_void_p) for name in ("conv_weight", "dt_bias", "A", "gate_norm")),
+        *((name, ctypes.c_int32) for name in (
+            "num_k_heads", "num_v_heads", "k_dim", "v_dim", "kernel", "state",
+        )),
     ]  # fmt: skip
 
 
@@ -460,13 +475,10 @@ class CpuDecoder(_Kept):
         self.library = library
         self.hidden = stack.hidden
         # the recurrent blocks' keys in the step's `recurrent.states`, and their state shapes
-        self.state_shapes = {
-            block.mixer.state: block.mixer.state_shapes
-            for block in stack.blocks
-            if isinstance(block.mixer, Mamba2)
-        }
+        recurrent = [b.mixer for b in stack.blocks if isinstance(b.mixer, RECURRENT_MIXERS)]
+        self.state_shapes = {mixer.state: mixer.state_shapes for mixer in recurrent}
         self.state_layers = tuple(self.state_shapes)
-        if len(self.state_layers) != sum(isinstance(b.mixer, Mamba2) for b in stack.blocks):
+        if len(self.state_layers) != len(recurrent):
             raise ValueError("two recurrent blocks share one state")
         self.blocks = (_Block * len(stack.blocks))(*map(self._block, stack.blocks))
         self.vocab = 0  # the head's outputs (`_head`); 0: no head
@@ -742,6 +754,7 @@ def _attention_params(decoder: CpuDecoder, mixer: Attention) -> _Attention:
         mixer.cache,
         mixer.scale,
         mixer.soft_cap,
+        mixer.gated,
     )
 
 
@@ -823,6 +836,21 @@ def _mamba2_params(decoder: CpuDecoder, mixer: Mamba2) -> _Mamba2:
     )
 
 
+def _gated_delta_params(decoder: CpuDecoder, mixer: GatedDelta) -> _GatedDelta:
+    vectors = (mixer.conv_weight.contiguous(), mixer.dt_bias, mixer.A, mixer.gate_norm)
+    return _GatedDelta(
+        decoder._matrix(mixer.in_proj_weight, mixer.in_proj_scale),
+        decoder._matrix(mixer.out_proj_weight, mixer.out_proj_scale),
+        *map(decoder._address, vectors),
+        mixer.num_k_heads,
+        mixer.num_v_heads,
+        mixer.k_dim,
+        mixer.v_dim,
+        mixer.conv_weight.shape[1],
+        decoder.state_layers.index(mixer.state),
+    )
+
+
 _PARAMS = {
     Kind.ATTENTION: _attention_params,
     Kind.GATED_MLP: _gated_mlp_params,
@@ -830,6 +858,7 @@ _PARAMS = {
     Kind.MOE: _moe_params,
     Kind.SOFTMAX_MOE: _softmax_moe_params,
     Kind.MAMBA2: _mamba2_params,
+    Kind.GATED_DELTA: _gated_delta_params,
 }
 
 

@@ -5,7 +5,8 @@ optional RMSNorm on what it adds (sandwich norms). The mixer's type is the block
 kernel dispatches on it and never on a model family. A dense decoder layer is two blocks,
 `Attention` then `GatedMlp`; a hybrid whose layers are one mixer each is one block per layer (a
 hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`; a layer's softmax-routed gated
-experts, `SoftmaxMoe`, in place of its MLP). A new kind is a mixer class here
+experts, `SoftmaxMoe`, in place of its MLP; Qwen3.5's `GatedDelta` and gated `Attention`, two
+blocks a layer). A new kind is a mixer class here
 (with its `kind`), its struct and converter in `cpu_decode`, and its case in `cpu_decode.c` (or
 `cpu_hybrid_kinds.h`). Weights are `[in, out]` matrices in a stored format (`FORMATS`):
 float32 in either memory order (see `engine.models.matmul.matmul_layout`), bfloat16, float16 or
@@ -45,6 +46,7 @@ class Kind(IntEnum):
     MOE = 4
     MAMBA2 = 5
     SOFTMAX_MOE = 6
+    GATED_DELTA = 7
 
 
 class Activation(IntEnum):
@@ -245,7 +247,9 @@ class Attention:
     runner's: one per attention layer, in layer order, see `engine.cache_groups`): fused q|k|v
     projection (+ `qkv_bias`), an RMSNorm per q and k head (`qk_norm`, optional),
     rotary table `table` (None: no rotary embedding), scores times `scale` (soft-capped by
-    `soft_cap` when > 0), keys within `window` positions (0: all), output projection."""
+    `soft_cap` when > 0), keys within `window` positions (0: all), output projection. `gated`:
+    `qkv_weight` has `Hq * D` more columns after v, and each head's output is times the
+    sigmoid of its D of them before the projection (Qwen3.5)."""
 
     kind: ClassVar[Kind] = Kind.ATTENTION
     qkv_weight: torch.Tensor  # [hidden, (Hq + 2 Hkv) * D]: q, k, v columns
@@ -259,8 +263,9 @@ class Attention:
     window: int = 0
     table: int | None = 0
     soft_cap: float = 0.0
-    qkv_scale: torch.Tensor | None = None  # [(Hq + 2 Hkv) * D]: an int8 qkv_weight's
+    qkv_scale: torch.Tensor | None = None  # [qkv columns]: an int8 qkv_weight's
     o_scale: torch.Tensor | None = None  # [hidden]: an int8 o_weight's
+    gated: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -271,7 +276,9 @@ class Attention:
         for name in ("cache", "window", "table"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        width = (self.num_qk_heads + self.num_kv_heads) * self.head_dim
+        width = (
+            self.num_qk_heads + self.num_kv_heads + self.gated * self.num_heads
+        ) * self.head_dim
         _check_shape("o_weight", self.o_weight, self.num_heads * self.head_dim, self.hidden)
         _check_shape("qkv_weight", self.qkv_weight, self.hidden, width)
         _check_shape("qkv_bias", self.qkv_bias, width)
@@ -524,7 +531,72 @@ class Mamba2:
         return conv, (self.num_heads, head_dim, self.state_size)
 
 
-Mixer = Attention | GatedMlp | Mlp | Moe | SoftmaxMoe | Mamba2
+@dataclass(frozen=True, eq=False)
+class GatedDelta:
+    """A Gated DeltaNet's one-token update: `in_proj` gives q|k|v `[conv_dim]`, the output gate
+    z `[v_heads * v_dim]`, b and a `[v_heads]` each; q|k|v go through the depthwise causal
+    conv (`kernel` taps, SiLU, no bias) after the row's stored inputs; q and k are
+    L2-normalised per key head (q times `k_dim ** -0.5`); per value head, with its key head's q
+    and k, `g = A softplus(a + dt_bias)`, `beta = sigmoid(b)`, the state `[k_dim, v_dim]`
+    decays by `exp(g)` and takes `k (beta (v - k^T S))^T`, `y = S^T q`; y is RMS-normalised
+    over the head, times `gate_norm` and `silu(z)`; `out_proj`. Its states are `state`'s in the
+    step's recurrent states, a conv state `[conv_dim, kernel - 1]` and a delta-rule state
+    `[v_heads, k_dim, v_dim]` per state row, read and written in place."""
+
+    kind: ClassVar[Kind] = Kind.GATED_DELTA
+    in_proj_weight: torch.Tensor  # [hidden, conv_dim + v_heads * v_dim + 2 v_heads]
+    out_proj_weight: torch.Tensor  # [v_heads * v_dim, hidden]
+    conv_weight: torch.Tensor  # [conv_dim, kernel]
+    dt_bias: torch.Tensor  # [v_heads]
+    A: torch.Tensor  # [v_heads], negative
+    gate_norm: torch.Tensor  # [v_dim]
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    state: int
+    in_proj_scale: torch.Tensor | None = None  # an int8 in_proj_weight's
+    out_proj_scale: torch.Tensor | None = None  # an int8 out_proj_weight's
+
+    def __post_init__(self) -> None:
+        if self.num_k_heads < 1 or self.num_v_heads % self.num_k_heads or self.k_dim < 1:
+            raise ValueError(
+                f"num_k_heads={self.num_k_heads} must divide num_v_heads={self.num_v_heads}; "
+                f"k_dim={self.k_dim} must be >= 1"
+            )
+        values = self.num_v_heads * self.v_dim
+        _check_shape("out_proj_weight", self.out_proj_weight, values, self.hidden)
+        width = self.conv_dim + values + 2 * self.num_v_heads
+        _check_shape("in_proj_weight", self.in_proj_weight, self.hidden, width)
+        if self.conv_weight.shape[0] != self.conv_dim or self.conv_weight.shape[1] < 2:
+            raise ValueError(
+                f"conv_weight {tuple(self.conv_weight.shape)}: [{self.conv_dim}, >= 2]"
+            )
+        for name in ("dt_bias", "A"):
+            _check_shape(name, getattr(self, name), self.num_v_heads)
+        _check_weight("in_proj_weight", self.in_proj_weight, self.in_proj_scale, 1)
+        _check_weight("out_proj_weight", self.out_proj_weight, self.out_proj_scale, 1)
+
+    @property
+    def hidden(self) -> int:
+        return matrix_shape(self.out_proj_weight)[1]
+
+    @property
+    def v_dim(self) -> int:
+        return self.gate_norm.shape[0]
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per state row: the conv state's shape and the delta-rule state's."""
+        conv = (self.conv_dim, self.conv_weight.shape[1] - 1)
+        return conv, (self.num_v_heads, self.k_dim, self.v_dim)
+
+
+Mixer = Attention | GatedMlp | Mlp | Moe | SoftmaxMoe | Mamba2 | GatedDelta
+RECURRENT_MIXERS = (Mamba2, GatedDelta)  # the kinds that keep states (`state`, `state_shapes`)
 
 
 @dataclass(frozen=True, eq=False)

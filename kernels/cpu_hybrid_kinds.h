@@ -405,26 +405,37 @@ static float silu(float x) { return x / (1.0f + expf(-x)); }
 
 static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold */
 
+/* The depthwise causal conv of channels [first, first + count): each channel's input (plus
+ * its `input_bias`, when given) after the K - 1 it keeps in `states` [channels, K - 1] (zeros
+ * when `fresh`), times its `weight` [channels, K] taps (plus `bias`), SiLU, into `out`; its
+ * state advanced. */
+static void causal_conv(float *states, const float *input, const float *input_bias,
+                        const float *weight, const float *bias, int K, int first, int count,
+                        int fresh, float *out) {
+    for (int ch = first; ch < first + count; ch++) {
+        float value = input_bias ? input[ch] + input_bias[ch] : input[ch];
+        float *state = states + (size_t)ch * (K - 1);
+        if (fresh) memset(state, 0, sizeof(float) * (K - 1));
+        const float *w = weight + (size_t)ch * K;
+        float sum = 0.0f;
+        for (int k = 0; k < K - 1; k++) sum += state[k] * w[k];
+        sum += value * w[K - 1];
+        if (bias) sum += bias[ch];
+        out[ch] = silu(sum);
+        memmove(state, state + 1, sizeof(float) * (K - 2));
+        state[K - 2] = value;
+    }
+}
+
 /* The causal conv of channels [first, first + count) of row r, its conv state advanced. */
 static void mamba2_conv(const Context *c, const Mamba2 *m, int r, int first, int count,
                         const float *proj, float *conv_out) {
     const Step *step = c->step;
     int inner = mamba2_inner(m), C = mamba2_conv_dim(m), K = m->kernel;
-    const float *input = proj + (size_t)r * m->in_proj.out + inner;
     float *states = step->states[2 * m->state] + (size_t)step->state_rows[r] * C * (K - 1);
-    for (int ch = first; ch < first + count; ch++) {
-        float value = m->in_proj_bias ? input[ch] + m->in_proj_bias[inner + ch] : input[ch];
-        float *state = states + (size_t)ch * (K - 1);
-        if (step->fresh[r]) memset(state, 0, sizeof(float) * (K - 1));
-        const float *w = m->conv_weight + (size_t)ch * K;
-        float sum = 0.0f;
-        for (int k = 0; k < K - 1; k++) sum += state[k] * w[k];
-        sum += value * w[K - 1];
-        if (m->conv_bias) sum += m->conv_bias[ch];
-        conv_out[(size_t)r * C + ch] = silu(sum);
-        memmove(state, state + 1, sizeof(float) * (K - 2));
-        state[K - 2] = value;
-    }
+    causal_conv(states, proj + (size_t)r * m->in_proj.out + inner,
+                m->in_proj_bias ? m->in_proj_bias + inner : NULL, m->conv_weight, m->conv_bias,
+                K, first, count, step->fresh[r], conv_out + (size_t)r * C);
 }
 
 /* The SSM update of head h of row r: its state advanced in place, its y written. */
@@ -508,10 +519,14 @@ static int mamba2_check(const Model *model, const void *params) {
     return 0;
 }
 
-/* A state for the block, and every row's state slot within the tensors. */
-static int mamba2_fits(const void *params, const Step *step) {
-    if (((const Mamba2 *)params)->state >= step->num_states) return 0;
+/* A state `state` among the step's, and every row's state slot within the tensors. */
+static int state_fits(int state, const Step *step) {
+    if (state >= step->num_states) return 0;
     for (int r = 0; r < step->rows; r++)
         if (step->state_rows[r] < 0 || step->state_rows[r] >= step->state_slots) return 0;
     return 1;
+}
+
+static int mamba2_fits(const void *params, const Step *step) {
+    return state_fits(((const Mamba2 *)params)->state, step);
 }

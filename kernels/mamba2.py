@@ -14,9 +14,10 @@ prefix caching): a chunk's scan is then split at those tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,12 @@ class RecurrentMetadata:
     their request's prompt (each request's come first). `captures[b]` lists `(num_tokens,
     slot)`: save the state after request b's first `num_tokens` scheduled tokens into slot
     `slot` of `snapshots[layer_id]` (tensors `[num_slots, *shape]`), ascending.
+
+    Speculative decoding: `verifying[b]` says request b scores drafts this step; its tokens
+    (its last sampled token, then the drafts) advance its states one position at a time
+    (`verify_positions`), and the states after position j are also written to slot
+    `row * draft_stride + j` of `draft_states[layer_id]`, so that the runner can restore the
+    state after the last accepted token. Its captures save the state after position 0 only.
     """
 
     states: Mapping[int, tuple[torch.Tensor, ...]]
@@ -44,40 +51,81 @@ class RecurrentMetadata:
     prompt_token_mask: torch.Tensor  # [N] bool, on the model's device
     snapshots: Mapping[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     captures: list[list[tuple[int, int]]] = field(default_factory=list)
+    verifying: list[bool] = field(default_factory=list)
+    draft_states: Mapping[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    draft_stride: int = 0
 
     @cached_property
     def one_token_steps(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """The requests that advance a stored state by one token: their token indices and
         state rows `[D]` (on the device), and the batch indices of every other request (prompt
         chunks, fresh requests), which run the chunked scan."""
-        starts = self.query_start_loc_cpu
         tokens, rows, chunks = [], [], []
         for request, row in enumerate(self.state_rows_cpu):
-            if starts[request + 1] - starts[request] == 1 and not self.fresh[request]:
-                tokens.append(starts[request])
+            if self._steps_one_token(request):
+                tokens.append(self.query_start_loc_cpu[request])
                 rows.append(row)
-            else:
+            elif not self._verifies(request):
                 chunks.append(request)
-        device = self.prompt_token_mask.device
-        tokens_and_rows = torch.tensor([tokens, rows], dtype=torch.long, device=device)  # [2, D]
-        return tokens_and_rows[0], tokens_and_rows[1], chunks
+        tokens, rows = self._on_device([tokens, rows])
+        return tokens, rows, chunks
 
     @cached_property
     def one_token_captures(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Of the one-token steps (in `one_token_steps` order), which save their new state:
         their indices `[S]` and snapshot slots `[S]` (on the device); None when none do."""
-        starts = self.query_start_loc_cpu
         index, slots, num_steps = [], [], 0
         for request, captures in enumerate(self.captures):
-            if starts[request + 1] - starts[request] == 1 and not self.fresh[request]:
+            if self._steps_one_token(request):
                 index.extend(num_steps for _ in captures)
                 slots.extend(slot for _, slot in captures)
                 num_steps += 1
-        if not slots:
-            return None
-        device = self.prompt_token_mask.device
-        index_and_slots = torch.tensor([index, slots], dtype=torch.long, device=device)
-        return index_and_slots[0], index_and_slots[1]
+        return tuple(self._on_device([index, slots])) if slots else None
+
+    @cached_property
+    def verify_positions(self) -> list[VerifyPosition]:
+        """Position j of every verifying request with a token there, for j = 0, 1, ... (the
+        positions advance in turn: each starts from the states the one before left)."""
+        starts, positions = self.query_start_loc_cpu, []
+        verifying = [b for b in range(len(self.state_rows_cpu)) if self._verifies(b)]
+        length = max((starts[b + 1] - starts[b] for b in verifying), default=0)
+        for j in range(length):
+            at = [b for b in verifying if starts[b] + j < starts[b + 1]]
+            rows = [self.state_rows_cpu[b] for b in at]
+            index, slots = [], []
+            if j == 0 and self.captures:
+                for k, b in enumerate(at):
+                    index.extend(k for _ in self.captures[b])
+                    slots.extend(slot for _, slot in self.captures[b])
+            tokens, rows, drafts = self._on_device(
+                [[starts[b] + j for b in at], rows, [row * self.draft_stride + j for row in rows]]
+            )
+            captures = tuple(self._on_device([index, slots])) if slots else None
+            positions.append(VerifyPosition(tokens, rows, drafts, captures))
+        return positions
+
+    def _verifies(self, request: int) -> bool:
+        return bool(self.verifying) and self.verifying[request]
+
+    def _steps_one_token(self, request: int) -> bool:
+        starts = self.query_start_loc_cpu
+        one = starts[request + 1] - starts[request] == 1 and not self.fresh[request]
+        return one and not self._verifies(request)
+
+    def _on_device(self, lists: list[list[int]]) -> torch.Tensor:
+        """Equal-length lists of ints as one long tensor `[len(lists), n]` on the device."""
+        return torch.tensor(lists, dtype=torch.long, device=self.prompt_token_mask.device)
+
+
+class VerifyPosition(NamedTuple):
+    """One position of the verifying requests that have a token there: the token indices,
+    their state rows and draft-state slots `[V]`, and which of them save a snapshot there
+    (their indices and snapshot slots, or None), all on the device."""
+
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    draft_slots: torch.Tensor
+    captures: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def causal_conv1d(
@@ -187,18 +235,31 @@ def ssd_scan_with_states(
     initial_state: torch.Tensor | None,
     state_ends: list[int],
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`ssd_chunk_scan` split at `state_ends` (ascending, in `(0, L]`): `y` `[L, H, P]` and
-    the states after each of those tokens, then the final state. A run that restarts at one
-    of them from its state computes exactly what this one computes after it."""
+    """`ssd_chunk_scan` split at `state_ends` (`split_scan`): `y` `[L, H, P]` and the states
+    after each of those tokens, then the final state."""
+
+    def scan(x, dt, B, C, state):
+        return ssd_chunk_scan(x, dt, A, B, C, D, chunk_size, state)
+
+    return split_scan(scan, (x, dt, B, C), initial_state, state_ends)
+
+
+def split_scan(
+    scan: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    per_token: Sequence[torch.Tensor],
+    initial_state: torch.Tensor | None,
+    state_ends: list[int],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A scan over one sequence, `scan(*parts of per_token, state) -> (y, state)`, run in
+    parts split at `state_ends` (ascending, in `(0, L]`; `per_token` tensors are `[L, ...]`):
+    the whole `y` and the states after each of those tokens, then the final state. A run that
+    restarts at one of them from its state computes exactly what this one computes after it."""
     ys, states, start, state = [], [], 0, initial_state
-    for end in [*state_ends, x.shape[0]]:
+    for end in [*state_ends, per_token[0].shape[0]]:
         if end == start:  # the last end is the sequence's own
             states.append(state)
             continue
-        segment = slice(start, end)
-        y, state = ssd_chunk_scan(
-            x[segment], dt[segment], A, B[segment], C[segment], D, chunk_size, state
-        )
+        y, state = scan(*(tensor[start:end] for tensor in per_token), state)
         ys.append(y)
         states.append(state)
         start = end

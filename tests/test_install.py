@@ -85,6 +85,8 @@ def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
         "nemotron_h_omni",
         "qwen3_vl",
         "qwen3_vl_moe",
+        "qwen3_5",
+        "qwen3_5_moe",
     }
     for modules in found["families"].values():
         assert all(module.startswith("stillcut.engine.models.") for module in modules), modules

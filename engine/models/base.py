@@ -17,15 +17,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stillcut.engine.models.matmul import StoredMatrix, prepare_matrices, vocab_logits
+from stillcut.engine.models.matmul import (
+    StoredMatrix,
+    head_table,
+    prepare_matrices,
+    scale_of,
+    vocab_logits,
+)
 from stillcut.engine.models.weight_snapshot import WeightSnapshot
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode import CpuDecoder, bind
-from stillcut.kernels.cpu_decode_stack import (
-    Stack,
-)
+from stillcut.kernels.cpu_decode_stack import Block, Stack
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +132,30 @@ class PagedLanguageModel(nn.Module):
     def native_stack(self) -> Stack | None:
         """The model as the native CPU decode step reads it; None: it has none."""
         return None
+
+    def tables_stack(
+        self,
+        blocks: Sequence[Block],
+        inv_freqs: Sequence[torch.Tensor],
+        section: torch.Tensor,
+        eps: float,
+        table: str = "embed_tokens",
+    ) -> Stack:
+        """`blocks` between the model's token embedding (its attribute `table`; the tied head's
+        rows where that is None) and its final norm `norm` and head `lm_head` (and their int8
+        scales), with its rotary tables: a `native_stack`."""
+        tied = getattr(self, table) is None
+        return Stack(
+            blocks,
+            embedding=head_table(self.lm_head) if tied else getattr(self, table),
+            embedding_scales=scale_of(self, "lm_head" if tied else table),
+            final_norm=self.norm,
+            inv_freqs=inv_freqs,
+            section=section,
+            eps=eps,
+            head=self.lm_head,
+            head_scales=scale_of(self, "lm_head"),
+        )
 
     def prepare_weights(self) -> None:
         """Make the prepared matrices and the native decoder from the weights as they are

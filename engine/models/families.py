@@ -19,6 +19,8 @@ BUILT_IN = MappingProxyType(
         "gemma3": "stillcut.engine.models.gemma3.entry:GEMMA3",
         "qwen3_vl": "stillcut.engine.models.qwen3_vl.entry:QWEN3_VL",
         "qwen3_vl_moe": "stillcut.engine.models.qwen3_vl.entry:QWEN3_VL_MOE",
+        "qwen3_5": "stillcut.engine.models.qwen3_5.entry:QWEN3_5",
+        "qwen3_5_moe": "stillcut.engine.models.qwen3_5.entry:QWEN3_5_MOE",
         "nemotron_h_omni": "stillcut.engine.models.nemotron_omni.entry:NEMOTRON_H_OMNI",
     }
 )

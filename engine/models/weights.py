@@ -12,14 +12,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.anon_memory import release_freed_memory
-from stillcut.engine.loader import load_weights
-from stillcut.engine.models.matmul import matmul_layout, packing, scale_of
-from stillcut.engine.quantization import WeightFormat, plan_formats
+from stillcut.engine.loader import checkpoint_tensors, load_weights
+from stillcut.engine.models.matmul import head_layout, matmul_layout, packing, scale_of
+from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.cpu_decode_stack import (
     panel_rows,
 )
 
 LM_HEAD_PREFIX = "lm_head."
+LANGUAGE_MODEL_PREFIX = "language_model."
+
+Table = tuple[torch.Tensor, torch.Tensor | None]  # a weight and its int8 scales (or None)
 
 
 def empty_weight(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -67,6 +70,47 @@ def load_head(
     formats = plan_formats(head, weight_format, {"weight": 0}, unquantized=kept, heads=("weight",))
     load_weights(head, folder, LM_HEAD_PREFIX, device=device, formats=formats)
     return head
+
+
+def load_decoder(
+    stored: nn.Module,
+    folder: str | os.PathLike[str],
+    weight_format: WeightFormat,
+    device: torch.device | str,
+    *,
+    table: str,
+    tied: bool,
+    unused: tuple[str, ...] = (),
+    kept: str | None = None,
+) -> tuple[Table | None, Table]:
+    """Load a checkpoint's `language_model.*` tensors into `stored` (a meta-built layout whose
+    token embedding is the `nn.Embedding` named `table`), strictly, each in its planned format
+    (`plan_formats`; matrices whose names hold `kept` stay in the compute dtype, and tensors
+    under `unused` are skipped, logged), and its LM head.
+
+    Returns the embedding (and its int8 scales) and the head in `head_layout` (and its scales).
+    A `tied` checkpoint that stores no head of its own uses its embedding as the head: the
+    embedding returned is then None (the head is the table, see `head_table`)."""
+    head_is_table = tied and f"{LM_HEAD_PREFIX}weight" not in checkpoint_tensors(folder)
+    name = f"{table}.weight"
+    matmuls = matmul_weights(stored, {name: 0})
+    formats = plan_formats(
+        stored,
+        weight_format,
+        {key: axis for key, axis in matmuls.items() if kept is None or kept not in key},
+        unquantized=(name,) if head_is_table and not weight_format.quantizes("lm_head") else (),
+        heads=(name,) if head_is_table else (),
+    )
+    load_weights(
+        stored, folder, LANGUAGE_MODEL_PREFIX, device=device, unused=unused, formats=formats
+    )
+    embedding = getattr(stored, table)
+    embedding = (embedding.weight, scale_of(embedding, "weight"))
+    if head_is_table:
+        return None, (head_layout(embedding[0]), embedding[1])
+    hidden_size, vocab_size = embedding[0].shape[1], embedding[0].shape[0]
+    head = load_head(folder, hidden_size, vocab_size, weight_format, device)
+    return embedding, (head_layout(head.weight), scale_of(head, "weight"))
 
 
 def checkpoint_layout(vocab_size: int, hidden_size: int, layers: list[nn.Module]) -> nn.Module:

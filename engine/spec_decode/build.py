@@ -10,20 +10,9 @@ from stillcut.engine.spec_decode.speculator import Speculator
 from stillcut.engine.spec_decode.suffix import SuffixProposer
 
 
-def check_speculation_allowed(has_recurrent_state: bool) -> None:
-    """Recurrent layers cannot roll back a rejected draft's state change yet."""
-    if has_recurrent_state:
-        raise ValueError(
-            "speculative decoding is not supported for models with recurrent layers: rolling "
-            "back their state past rejected drafts is not implemented yet; allowed: "
-            "speculative=None for this model"
-        )
-
-
 def build_speculator(engine, config: SpeculativeConfig) -> Speculator:
     """The proposer of `config.method` and the K policy (calibrated when dynamic) of `engine`,
     whose model, runner and scheduler config are already built."""
-    check_speculation_allowed(engine.has_recurrent_state)
     draft_runner = None  # a draft model's proposals cost steps of its own
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

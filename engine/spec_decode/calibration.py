@@ -17,7 +17,8 @@ cost is never below the one of fewer drafts (a verify step of k drafts does all 
 one of k - 1, so a lower reading is noise: measured on a shared 2-core CPU, single readings put
 k = 1 at 0.90 of a plain step, and a request whose drafts were never accepted then went on
 speculating at 0.89x the tokens/s of none). Nothing is left behind: the blocks written are free
-and unhashed, and any later request writes its own slots before reading them.
+and unhashed, and any later request writes its own slots before reading them (a recurrent
+model's state rows too: a request's state starts from zeros or a snapshot).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from stillcut.engine.request import SamplingParams
 from stillcut.engine.row_sampler import RowSampler
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.mamba2 import RecurrentMetadata
 
 CONTEXT_TOKENS = 64  # context each calibration request attends to
 NUM_RUNS = 3  # timed runs of a step, after one to warm up: the median counts
@@ -103,6 +105,7 @@ def time_verify_step(
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
     )
+    metadata.recurrent = _recurrent_metadata(runner, batch, width)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = token_pos.repeat(batch).expand(runner.model.num_position_rows, -1).to(device)
     request_ids = [f"calibration-{r}" for r in range(batch)]
@@ -127,6 +130,23 @@ def time_verify_step(
                 sampler.sample(request_ids, params, _no_history, logits, drafts, [0] * batch)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _recurrent_metadata(runner, batch: int, width: int) -> RecurrentMetadata | None:
+    """A model with recurrent layers: `batch` requests in state rows 0, 1, ..., each
+    verifying `width - 1` drafts (none: a decode)."""
+    if not runner.recurrent_states:
+        return None
+    return RecurrentMetadata(
+        states=runner.recurrent_states,
+        state_rows_cpu=list(range(batch)),
+        fresh=[False] * batch,
+        query_start_loc_cpu=list(range(0, batch * width + 1, width)),
+        prompt_token_mask=torch.zeros(batch * width, dtype=torch.bool, device=runner.device),
+        verifying=[width > 1] * batch,
+        draft_states=runner.draft_states,
+        draft_stride=runner.draft_stride,
+    )
 
 
 def _no_history(index: int):

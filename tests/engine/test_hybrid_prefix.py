@@ -166,6 +166,11 @@ def test_a_held_prefix_extended_by_tubelets_serves_forks_like_fresh_requests(set
     _assert_all_free(engine)
 
 
+def test_streaming_requests_are_refused_since_mamba2_treats_prompt_tokens_apart(setup):
+    with pytest.raises(ValueError, match="compute prompt tokens otherwise than generated ones"):
+        setup.cold.add_request(list(range(100, 120)), GREEDY, streaming=True)
+
+
 def _run(engine: LLMEngine) -> None:
     while engine.has_unfinished_requests():
         engine.step()

@@ -304,14 +304,3 @@ def test_a_mismatched_draft_is_refused(target, draft, message):
     path, _, _, _ = target
     with pytest.raises(DraftMismatch, match=message):
         LLMEngine(path, _config(draft=cached_checkpoint("tiny", seed=2, **draft)))
-
-
-def test_a_model_with_recurrent_layers_refuses_speculation():
-    path = cached_checkpoint("tiny", family="nemotron_h_omni")
-    config = EngineConfig(
-        scheduler=SchedulerConfig(max_model_len=512),
-        cache=CacheConfig(num_blocks=64),
-        speculative=SpeculativeConfig(dynamic=False),
-    )
-    with pytest.raises(ValueError, match="recurrent layers"):
-        LLMEngine(path, config)

@@ -1,6 +1,7 @@
 """Streaming-input requests: input appended to a live request reaches the runner as its new
 tokens only, and the request then computes exactly what a fresh request over the whole
-sequence computes.
+sequence computes: on Qwen2.5-VL, and on Qwen3.5, whose Gated DeltaNet states stay in the
+held request's runner row from one append to the next.
 
 Each tubelet is its own one-tubelet video between text, as narration writes it, so the
 positions a generated token took when it was decoded equal those a fresh prompt gives it.
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import RequestStatus, SamplingParams
 from stillcut.vision.pipeline import VisionPipeline
@@ -32,15 +34,28 @@ def _engine(path, speculative: SpeculativeConfig | None = None) -> LLMEngine:
     )
 
 
-@pytest.fixture(scope="module")
-def tubelets(tiny_checkpoint):
-    pipeline = VisionPipeline(tiny_checkpoint)
+def _tubelets(path) -> list:
+    pipeline = VisionPipeline(path)
     rng = np.random.default_rng(7)
     frames = rng.integers(0, 256, (2, 56, 84, 3), dtype=np.uint8)
     item = pipeline.video(frames, frames_fps=2.0)
     return [
         replace(item, identifier=f"tubelet-{k}", embeds=item.embeds * (1 + k)) for k in range(6)
     ]
+
+
+@pytest.fixture(scope="module")
+def tubelets(tiny_checkpoint):
+    return _tubelets(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_5"])
+def streamed(request, tiny_checkpoint):
+    """A checkpoint and six tubelets of it: the tiny Qwen2.5-VL one, and a tiny Qwen3.5."""
+    if request.param == "qwen2_5_vl":
+        return tiny_checkpoint, _tubelets(tiny_checkpoint)
+    path = cached_checkpoint("tiny", seed=1, family=request.param)
+    return path, _tubelets(path)
 
 
 def _appended_input(engine, k, item) -> list[int]:
@@ -57,8 +72,9 @@ def _run_segment(engine, request_id) -> list:
     return outputs
 
 
-def test_appends_cost_their_new_tokens_and_match_a_fresh_request(tiny_checkpoint, tubelets):
-    engine = _engine(tiny_checkpoint)
+def test_appends_cost_their_new_tokens_and_match_a_fresh_request(streamed):
+    checkpoint, tubelets = streamed
+    engine = _engine(checkpoint)
     placed_sizes, rows_added = [], []
     extend_positions, add_row = engine.model.extend_positions, engine.runner._add_row
     engine.model.extend_positions = lambda c, ids, *a: (
@@ -89,7 +105,7 @@ def test_appends_cost_their_new_tokens_and_match_a_fresh_request(tiny_checkpoint
     ]
 
     # the last segment is what a fresh request over the whole sequence generates
-    fresh = _engine(tiny_checkpoint)
+    fresh = _engine(checkpoint)
     reference_id = fresh.add_request(sequence, SEGMENT, mm_items=items)
     (reference,) = [o for o in _run_segment(fresh, reference_id) if o.finished]
     assert list(last.token_ids) == list(reference.token_ids)
@@ -108,11 +124,12 @@ def test_appends_cost_their_new_tokens_and_match_a_fresh_request(tiny_checkpoint
     assert engine.scheduler.kv_cache.num_free_blocks == engine.scheduler.kv_cache.num_blocks
 
 
-def test_input_appended_while_decoding_joins_the_running_request(tiny_checkpoint, tubelets):
+def test_input_appended_while_decoding_joins_the_running_request(streamed):
     """A tubelet appended mid-segment: the tokens sampled so far stay, the input follows
     them in the next step (beside the other request's decode), and generation goes on as a
     fresh request over the whole sequence would."""
-    engine = _engine(tiny_checkpoint)
+    checkpoint, tubelets = streamed
+    engine = _engine(checkpoint)
     params = replace(SEGMENT, max_tokens=6)
     prompt = engine.processor.build_text("Narrate what you see.")
     request_id = engine.add_request(prompt, params, streaming=True)
@@ -130,7 +147,7 @@ def test_input_appended_while_decoding_joins_the_running_request(tiny_checkpoint
     result = engine.runner.execute(scheduled)
     engine.scheduler.update_from_output(scheduled, result.sampled)
     outputs = _run_segment(engine, request_id)
-    fresh = _engine(tiny_checkpoint)
+    fresh = _engine(checkpoint)
     reference_id = fresh.add_request([*sequence, *new_ids], params, mm_items=[tubelets[0]])
     (reference,) = [o for o in _run_segment(fresh, reference_id) if o.finished]
     assert list(outputs[-1].token_ids) == list(reference.token_ids)

@@ -1,5 +1,6 @@
-"""Qwen3-VL, dense and MoE, behind the server: the official `openai` client with a
-`video_url`, plain and streamed, gets transformers' greedy answer (EVS off). The reference is
+"""Qwen3-VL and Qwen3.5 (which shares its tower and prompt), dense and MoE, behind the server:
+the official `openai` client with a `video_url`, plain and streamed, gets transformers'
+greedy answer (EVS off). The reference is
 fed the frames the server sampled (decoded here with the same settings) as transformers' video
 processor builds pixels from them: the clip is 224 x 224, a multiple of 32, so no resize comes
 between."""
@@ -24,7 +25,7 @@ DECODE = DecodeConfig(fps=2.0, max_frames=5)
 QUESTION = "What happens in this video?"
 
 
-@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe"])
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
 def served(request, samples_dir, tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 

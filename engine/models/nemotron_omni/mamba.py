@@ -26,14 +26,9 @@ from stillcut.engine.models.nemotron_omni.blocks import (
 )
 from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
 from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.conv_scan import conv_scan_chunk, conv_scan_steps
 from stillcut.kernels.cpu_decode_stack import Mamba2
-from stillcut.kernels.mamba2 import (
-    causal_conv1d,
-    causal_conv1d_step,
-    conv_state_after,
-    selective_state_step,
-    ssd_scan_with_states,
-)
+from stillcut.kernels.mamba2 import selective_state_step, ssd_scan_with_states
 
 
 class Mamba2Block(NemotronBlock):
@@ -75,10 +70,8 @@ class Mamba2Block(NemotronBlock):
         scanned = torch.empty(
             hidden.shape[0], config.mamba_num_heads, config.mamba_head_dim, device=hidden.device
         )  # [N, heads, head_dim] float32
-        step_tokens, _, chunks = recurrent.one_token_steps
-        if step_tokens.numel():
-            self._step(recurrent, conv_in, dt, scanned)
-        for request in chunks:
+        self._step(recurrent, conv_in, dt, scanned)
+        for request in recurrent.one_token_steps[2]:
             self._chunk(request, recurrent, conv_in, dt, scanned)
         y = self._gated_norm(scanned.flatten(1), gate).to(hidden.dtype)  # [N, inner]
         out = linear(y, self.matrix("out_proj"), self.out_proj_bias)
@@ -116,63 +109,32 @@ class Mamba2Block(NemotronBlock):
         return x.reshape(heads), B.reshape(groups), C.reshape(groups)
 
     def _step(self, recurrent, conv_in, dt, scanned) -> None:
-        """One token for every decoding request at once (`one_token_steps`: token indices and
-        state rows `[D]`), saving the new states the step's captures ask for."""
-        tokens, rows, _ = recurrent.one_token_steps
-        conv_states, ssm_states = recurrent.states[self.layer_id]
-        conv_out, new_conv = causal_conv1d_step(
-            conv_in[tokens], conv_states[rows], self.conv_weight, self.conv_bias
+        """The requests that advance a token at a time: decodes, and drafts verified
+        (`conv_scan_steps`)."""
+
+        def step(tokens, conv_out, states):
+            x, B, C = self._split_xbc(conv_out)
+            return selective_state_step(states, x, dt[tokens], self.A, B, C, self.D)
+
+        conv_scan_steps(
+            recurrent, self.layer_id, conv_in, self.conv_weight, self.conv_bias, step, scanned
         )
-        conv_states[rows] = new_conv.to(conv_states.dtype)
-        x, B, C = self._split_xbc(conv_out)
-        y, new_state = selective_state_step(ssm_states[rows], x, dt[tokens], self.A, B, C, self.D)
-        ssm_states[rows] = new_state.to(ssm_states.dtype)
-        scanned[tokens] = y
-        if recurrent.one_token_captures is not None:
-            index, slots = recurrent.one_token_captures
-            conv_snapshots, ssm_snapshots = recurrent.snapshots[self.layer_id]
-            conv_snapshots[slots] = new_conv[index].to(conv_snapshots.dtype)
-            ssm_snapshots[slots] = new_state[index].to(ssm_snapshots.dtype)
 
     def _chunk(self, request, recurrent, conv_in, dt, scanned) -> None:
         """A prompt chunk (or a fresh request's tokens) through the chunked scan, split where
-        its state is saved."""
-        starts = recurrent.query_start_loc_cpu
-        tokens = slice(starts[request], starts[request + 1])
-        row, fresh = recurrent.state_rows_cpu[request], recurrent.fresh[request]
-        conv_states, ssm_states = recurrent.states[self.layer_id]
-        conv_state = None if fresh else conv_states[row].clone()  # the row is rewritten below
-        conv_out, new_conv = causal_conv1d(
-            conv_in[tokens], conv_state, self.conv_weight, self.conv_bias
-        )
-        conv_states[row] = new_conv.to(conv_states.dtype)
-        captures = recurrent.captures[request] if recurrent.captures else []
-        x, B, C = self._split_xbc(conv_out)
-        y, states = ssd_scan_with_states(
-            x,
-            dt[tokens],
-            self.A,
-            B,
-            C,
-            self.D,
-            self.config.chunk_size,
-            None if fresh else ssm_states[row],
-            [num_tokens for num_tokens, _ in captures],
-        )
-        ssm_states[row] = states[-1].to(ssm_states.dtype)
-        scanned[tokens] = y
-        if captures:
-            self._save(recurrent, captures, conv_state, conv_in[tokens], states)
+        its state is saved (`conv_scan_chunk`)."""
 
-    def _save(self, recurrent, captures, conv_state, conv_in, states) -> None:
-        """The states after each capture's tokens of one chunk (`states`: the scan's, in
-        capture order) into their snapshot slots."""
-        conv_snapshots, ssm_snapshots = recurrent.snapshots[self.layer_id]
-        for (num_tokens, slot), state in zip(captures, states, strict=False):
-            conv_snapshots[slot] = conv_state_after(
-                conv_state, conv_in, num_tokens, self.conv_weight.shape[1]
-            ).to(conv_snapshots.dtype)
-            ssm_snapshots[slot] = state.to(ssm_snapshots.dtype)
+        def scan(tokens, conv_out, state, ends):
+            x, B, C = self._split_xbc(conv_out)
+            chunk_size = self.config.chunk_size
+            return ssd_scan_with_states(
+                x, dt[tokens], self.A, B, C, self.D, chunk_size, state, ends
+            )
+
+        tokens, y = conv_scan_chunk(
+            recurrent, self.layer_id, request, conv_in, self.conv_weight, self.conv_bias, scan
+        )
+        scanned[tokens] = y
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """`y * silu(gate)` RMS-normalised over each of `n_groups` slices, times the weight;

@@ -20,13 +20,11 @@ import torch
 from torch import nn
 
 from stillcut.engine.loader import (
-    checkpoint_tensors,
     load_model_config,
-    load_weights,
     resolve_checkpoint,
 )
 from stillcut.engine.models.base import PagedLanguageModel
-from stillcut.engine.models.matmul import head_layout, head_table, scale_of
+from stillcut.engine.models.matmul import head_table, scale_of
 from stillcut.engine.models.nemotron_omni.blocks import (
     AttentionBlock,
     MLPBlock,
@@ -46,13 +44,12 @@ from stillcut.engine.models.nemotron_omni.text_config import (
     NemotronTextConfig,
     nemotron_text_config,
 )
-from stillcut.engine.models.weights import LM_HEAD_PREFIX, embedding_rows, load_head, set_weight
+from stillcut.engine.models.weights import embedding_rows, load_decoder, set_weight
 from stillcut.engine.multimodal import MultiModalItem
-from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
+from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.attention import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Block, Stack
 
-LANGUAGE_MODEL_PREFIX = "language_model."
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
 
 
@@ -118,17 +115,9 @@ class NemotronHLanguageModel(PagedLanguageModel):
         for block in self.layers:
             blocks.append(Block(block.norm, block.native_mixer(num_caches)))
             num_caches += isinstance(block, AttentionBlock)
-        tied = self.embeddings is None
-        return Stack(
-            blocks,
-            embedding=head_table(self.lm_head) if tied else self.embeddings,
-            embedding_scales=scale_of(self, "lm_head" if tied else "embeddings"),
-            final_norm=self.norm,
-            inv_freqs=[],
-            section=torch.zeros(0, dtype=torch.int64),
-            eps=self.config.layer_norm_epsilon,
-            head=self.lm_head,
-            head_scales=scale_of(self, "lm_head"),
+        no_rotary = torch.zeros(0, dtype=torch.int64)
+        return self.tables_stack(
+            blocks, [], no_rotary, self.config.layer_norm_epsilon, table="embeddings"
         )
 
     def prompt_positions(
@@ -158,35 +147,17 @@ class NemotronHLanguageModel(PagedLanguageModel):
         folder = resolve_checkpoint(path)
         config = nemotron_text_config(load_model_config(folder))
         weight_format = weight_format.resolved(folder)
-        head_is_table = config.tie_word_embeddings and (
-            f"{LM_HEAD_PREFIX}weight" not in checkpoint_tensors(folder)
-        )
         stored = _checkpoint_layout(config)
-        table = "embeddings.weight"
-        formats = plan_formats(
-            stored,
-            weight_format,
-            matmul_weights(stored, {table: 0}),
-            unquantized=(table,)
-            if head_is_table and not weight_format.quantizes("lm_head")
-            else (),
-            heads=(table,) if head_is_table else (),
-        )
-        load_weights(
+        embeddings, lm_head = load_decoder(
             stored,
             folder,
-            LANGUAGE_MODEL_PREFIX,
-            device=device,
+            weight_format,
+            device,
+            table="embeddings",
+            tied=config.tie_word_embeddings,
             unused=UNUSED_PREFIXES,
-            formats=formats,
         )
         blocks = [_block(stored.layers[i], config, i) for i in range(config.num_layers)]
-        embeddings = (stored.embeddings.weight, scale_of(stored.embeddings, "weight"))
-        if head_is_table:
-            lm_head, embeddings = (head_layout(embeddings[0]), embeddings[1]), None
-        else:
-            head = load_head(folder, config.hidden_size, config.vocab_size, weight_format, device)
-            lm_head = (head_layout(head.weight), scale_of(head, "weight"))
         model = cls(config, blocks, embeddings, stored.norm_f.weight, lm_head)
         model.weight_format = weight_format
         return model.eval()

@@ -223,7 +223,8 @@ def _layer_kinds(text: Mapping[str, Any]) -> tuple[str, ...]:
 
 def nemotron_cache_groups(config: ModelConfig) -> tuple[CacheGroup, ...]:
     """Attention layers page K/V; Mamba2 layers keep a conv state `[conv_dim, conv_kernel - 1]`
-    (the last inputs of the causal conv) and an SSM state `[heads, head_dim, state_size]`."""
+    (the last inputs of the causal conv) and an SSM state `[heads, head_dim, state_size]`,
+    dt floored for prompt tokens only (`prompt_dependent`)."""
     text = nemotron_text_config(config)
     groups: list[CacheGroup] = [
         AttentionGroup(text.layer_ids(ATTENTION), text.num_kv_heads, text.head_dim)
@@ -231,5 +232,5 @@ def nemotron_cache_groups(config: ModelConfig) -> tuple[CacheGroup, ...]:
     if mamba_layers := text.layer_ids(MAMBA):
         conv_state = (text.conv_dim, text.conv_kernel - 1)
         ssm_state = (text.mamba_num_heads, text.mamba_head_dim, text.ssm_state_size)
-        groups.append(RecurrentGroup(mamba_layers, (conv_state, ssm_state)))
+        groups.append(RecurrentGroup(mamba_layers, (conv_state, ssm_state), prompt_dependent=True))
     return tuple(groups)

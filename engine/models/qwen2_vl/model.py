@@ -327,17 +327,8 @@ class Qwen2LanguageModel(PagedLanguageModel):
             )
             blocks += [Block(layer.input_layernorm, attention)]
             blocks += [Block(layer.post_attention_layernorm, layer.native_mlp())]
-        tied = self.embed_tokens is None
-        return Stack(
-            blocks,
-            embedding=head_table(self.lm_head) if tied else self.embed_tokens,
-            embedding_scales=scale_of(self, "lm_head" if tied else "embed_tokens"),
-            final_norm=self.norm,
-            inv_freqs=[self.rotary.inv_freq],
-            section=self.rotary.section,
-            eps=config.rms_norm_eps,
-            head=self.lm_head,
-            head_scales=scale_of(self, "lm_head"),
+        return self.tables_stack(
+            blocks, [self.rotary.inv_freq], self.rotary.section, config.rms_norm_eps
         )
 
 

@@ -159,18 +159,23 @@ class Qwen3VLCheckpoints(QwenCheckpoints):
         }
 
     def check(self, spec: CheckpointSpec) -> None:
-        head_dim = spec.text["head_dim"]
         sections = spec.text["rope_parameters"].get("mrope_section", ())
-        if sum(sections) != head_dim // 2:
+        name, rotary_dim = self.rotary_dim(spec.text)
+        if sum(sections) != rotary_dim // 2:
             raise ValueError(
                 f"text rope_parameters.mrope_section={sections} must sum to "
-                f"head_dim / 2 = {head_dim // 2}"
+                f"{name} / 2 = {rotary_dim // 2}"
             )
         if spec.vision["out_hidden_size"] != spec.text["hidden_size"]:
             raise ValueError(
                 f"vision out_hidden_size={spec.vision['out_hidden_size']} must equal text "
                 f"hidden_size={spec.text['hidden_size']}"
             )
+
+    @staticmethod
+    def rotary_dim(text: Fields) -> tuple[str, int]:
+        """How many of each head's dims rotate, and their name in errors: all of them."""
+        return "head_dim", text["head_dim"]
 
     def processor_files(self, spec: CheckpointSpec) -> dict[str, dict[str, Any]]:
         budget = ProcessorSpec(**spec.options["processor"])

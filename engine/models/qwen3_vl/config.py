@@ -169,14 +169,7 @@ def text_config(config: ModelConfig) -> Qwen3TextConfig:
     """The language model's config from a checkpoint; CheckpointError for what is missing or
     what the model does not implement (another activation, q/k/v bias, another rotary type)."""
     text = config.text
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if text.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"text hidden_act={text['hidden_act']!r}; supported: 'silu'")
-    if text.get("attention_bias"):
-        raise CheckpointError("text attention_bias=true is not supported")
-    if rope_type != "default":
-        raise CheckpointError(f"text rope type {rope_type!r}; supported: 'default'")
+    rope = supported_rope(text)
     try:
         num_heads = int(text["num_attention_heads"])
         num_layers = int(text["num_hidden_layers"])
@@ -202,6 +195,20 @@ def text_config(config: ModelConfig) -> Qwen3TextConfig:
         raise CheckpointError(f"text config field {error} is missing") from error
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"text config: {error}") from error
+
+
+def supported_rope(text: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text section's rotary parameters, once the section is one Qwen3's attention and MLP
+    serve: SiLU, no attention bias, the default rotary type (else CheckpointError)."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if text.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"text hidden_act={text['hidden_act']!r}; supported: 'silu'")
+    if text.get("attention_bias"):
+        raise CheckpointError("text attention_bias=true is not supported")
+    if rope_type != "default":
+        raise CheckpointError(f"text rope type {rope_type!r}; supported: 'default'")
+    return rope
 
 
 def qwen3_cache_groups(config: ModelConfig) -> tuple[AttentionGroup, ...]:

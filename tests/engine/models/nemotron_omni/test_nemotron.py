@@ -22,7 +22,6 @@ from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
-from stillcut.kernels import cpu_decode
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.decode import DecodeConfig
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
@@ -91,20 +90,6 @@ def _assert_all_free(engine):
     assert kv.num_free_blocks == kv.num_blocks
     runner = engine.runner
     assert not runner.rows and sorted(runner.free_rows) == list(range(len(runner.token_ids)))
-
-
-@pytest.fixture
-def native_steps(monkeypatch):
-    """The rows of each step the native decode step ran (the test's own calls only)."""
-    rows = []
-    decode = cpu_decode.CpuDecoder.decode
-
-    def counted(decoder, input_ids, *args):
-        rows.append(input_ids.shape[0])
-        return decode(decoder, input_ids, *args)
-
-    monkeypatch.setattr(cpu_decode.CpuDecoder, "decode", counted)
-    return rows
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -75,7 +75,7 @@ def test_the_cache_groups_page_attention_and_keep_mamba2_state(config_json, tmp_
     attention, recurrent = config.cache_groups
     assert attention == AttentionGroup((2, 5), num_kv_heads=2, head_dim=16)
     conv_dim = 8 * 8 + 2 * 2 * 16  # x, then B and C of 2 groups of 16
-    assert recurrent == RecurrentGroup((0, 3), ((conv_dim, 3), (8, 8, 16)))
+    assert recurrent == RecurrentGroup((0, 3), ((conv_dim, 3), (8, 8, 16)), prompt_dependent=True)
     assert config.native_evs_rate == 0.5
     assert _read(tmp_path, dict(config_json, video_pruning_rate=0.0)).native_evs_rate == 0.0
     # its registry entry serves no live sessions (its prompt format has no live form)
