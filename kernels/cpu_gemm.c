@@ -60,6 +60,7 @@
 #define QUAD 4           /* a quad panel's inputs side by side */
 #define BLOCK_ROWS 32    /* rows per block: two tiles of 16 */
 #define CHUNK_BYTES (512 << 10) /* a chunk's converted rows, kept in L2 */
+#define GROUP_BYTES (256 << 10) /* a group of panels laid out, kept in L2 */
 
 enum isa { VECTOR = 1, TILES = 2 };
 enum product { BF16 = 0, W8A8 = 1, SUMS = 2 };
@@ -105,8 +106,11 @@ int gemm_isas(void) {
 
 #if BF16_VECTOR || I8_VECTOR || I8_TILES
 
+#define EXACT _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC /* never fused into an FMA */
+
 /* The result of one block: `sums` [32][32] (float32, or int32 for W8A8 and SUMS) of rows
- * [row, row + count) and panel `panel`, into `y` (scaled, plus `add`). */
+ * [row, row + count) and panel `panel`, into `y` (W8A8: as torch's, sums.float() * s_x * s_w,
+ * then + add; BF16: + add). */
 static void store_block(const Product *p, const void *sums, const float *row_scales, int row,
                         int count, int panel) {
     size_t column = (size_t)panel * COLUMNS;
@@ -116,16 +120,19 @@ static void store_block(const Product *p, const void *sums, const float *row_sca
             memcpy((int32_t *)p->y + at, (const int32_t *)sums + i * COLUMNS, COLUMNS * 4);
             continue;
         }
-        float *y = (float *)p->y + at;
         const float *add = p->add ? p->add + (size_t)(row + i) * p->add_stride + column : NULL;
-        for (int j = 0; j < COLUMNS; j++) {
-            float value;
-            if (p->kind == W8A8) /* as torch's: sums.float() * s_x * s_w, then + add */
-                value = (float)((const int32_t *)sums)[i * COLUMNS + j] * row_scales[i] *
-                        p->scales[column + j];
-            else
-                value = ((const float *)sums)[i * COLUMNS + j];
-            y[j] = add ? value + add[j] : value;
+        for (int j = 0; j < COLUMNS; j += 16) {
+            __m512 value;
+            if (p->kind == W8A8) {
+                __m512i whole = _mm512_loadu_si512((const int32_t *)sums + i * COLUMNS + j);
+                value = _mm512_mul_round_ps(_mm512_cvtepi32_ps(whole),
+                                            _mm512_set1_ps(row_scales[i]), EXACT);
+                value = _mm512_mul_round_ps(value, _mm512_loadu_ps(p->scales + column + j), EXACT);
+            } else {
+                value = _mm512_loadu_ps((const float *)sums + i * COLUMNS + j);
+            }
+            if (add) value = _mm512_add_round_ps(value, _mm512_loadu_ps(add + j), EXACT);
+            _mm512_storeu_ps((float *)p->y + at + j, value);
         }
     }
 }
@@ -345,88 +352,142 @@ static void tiles_i8_block(const int8_t *a, int padded, const int8_t *panel, con
 
 #endif
 
+#if BF16_VECTOR || I8_VECTOR || I8_TILES
+
+/* A thread's buffers: a chunk of its rows as the dot products read them (`padded` inputs of
+ * `element` bytes each, zeros past `in`), their scales (W8A8), and a group of panels laid out
+ * (BF16: `pairs`; W8A8 by tiles: each panel's `tails`, see `tiles_i8_block`). */
+typedef struct {
+    char *rows;
+    uint16_t *pairs;
+    int8_t *tails;
+    float *row_scales;
+    int padded, element, chunk, group;
+} Work;
+
+static Work work_for(const Product *p, int num_rows) {
+    Work w = {0};
+    int integer = p->kind != BF16;
+    w.padded = round_up(p->in, integer ? 64 : 32);
+    w.element = integer ? 1 : 2;
+    size_t row_bytes = (size_t)w.padded * w.element;
+    w.chunk = CHUNK_BYTES / row_bytes / BLOCK_ROWS * BLOCK_ROWS;
+    if (w.chunk < BLOCK_ROWS) w.chunk = BLOCK_ROWS;
+    if (w.chunk > round_up(num_rows, BLOCK_ROWS)) w.chunk = round_up(num_rows, BLOCK_ROWS);
+    w.group = GROUP_BYTES / (row_bytes * COLUMNS);
+    if (w.group < 1) w.group = 1;
+    w.rows = aligned_alloc(64, (size_t)w.chunk * row_bytes);
+    w.row_scales = malloc(w.chunk * sizeof *w.row_scales);
+    if (!integer) w.pairs = aligned_alloc(64, (size_t)w.group * w.padded * COLUMNS * 2);
+    if (integer) w.tails = aligned_alloc(64, (size_t)w.group * 16 * QUAD * COLUMNS);
+    return w;
+}
+
+static void free_work(Work *w) {
+    free(w->rows);
+    free(w->row_scales);
+    free(w->pairs);
+    free(w->tails);
+}
+
+/* Rows [first, first + count) of `p`'s x into `w->rows` (and the rows up to the next whole
+ * block zero). */
+static void load_rows(const Product *p, const Work *w, int first, int count) {
+    size_t row_bytes = (size_t)w->padded * w->element;
+    memset(w->rows + count * row_bytes, 0, (round_up(count, BLOCK_ROWS) - count) * row_bytes);
+    if (p->kind == SUMS) {
+        for (int i = 0; i < count; i++) {
+            memcpy(w->rows + i * row_bytes, (const int8_t *)p->x + (first + i) * p->x_stride, p->in);
+            memset(w->rows + i * row_bytes + p->in, 0, w->padded - p->in);
+        }
+        return;
+    }
+    const float *x = (const float *)p->x + first * p->x_stride;
+    if (p->kind == W8A8)
+        quantize_rows(x, p->x_stride, count, p->in, w->padded, (int8_t *)w->rows, w->row_scales);
+#if BF16_VECTOR
+    else
+        bf16_rows(x, p->x_stride, count, p->in, w->padded, (uint16_t *)w->rows);
+#endif
+}
+
+/* Panels [panel, panel + count) laid out for the dot products (see `Work`). */
+static void lay_out_panels(const Product *p, const Work *w, int panel, int count) {
+    for (int q = 0; q < count; q++) {
+#if BF16_VECTOR
+        if (p->kind == BF16)
+            pair_panel(p->weight, p->in, p->out, panel + q, w->padded,
+                       w->pairs + (size_t)q * w->padded * COLUMNS);
+#endif
+        if (p->kind != BF16 && p->isa == TILES && p->in % 64) {
+            size_t whole = (size_t)p->in / 64 * 64, tail_bytes = 16 * QUAD * COLUMNS;
+            const int8_t *quads = (const int8_t *)p->weight + (size_t)(panel + q) * p->in * COLUMNS;
+            memset(w->tails + q * tail_bytes, 0, tail_bytes);
+            memcpy(w->tails + q * tail_bytes, quads + whole * COLUMNS, (p->in - whole) * COLUMNS);
+        }
+    }
+}
+
+/* `sums` [32][32] of the block of rows at `x` and panel `panel`, the `q`th of its group. */
+static void block_product(const Product *p, const Work *w, const char *x, int panel, int q,
+                          void *sums) {
+    if (p->kind != BF16) {
+        const int8_t *quads = (const int8_t *)p->weight + (size_t)panel * p->in * COLUMNS;
+#if I8_TILES
+        if (p->isa == TILES)
+            tiles_i8_block((const int8_t *)x, w->padded, quads,
+                           w->tails + (size_t)q * 16 * QUAD * COLUMNS, p->in, sums);
+#endif
+#if I8_VECTOR
+        if (p->isa == VECTOR) vector_i8_block((const int8_t *)x, w->padded, quads, p->in, sums);
+#endif
+        return;
+    }
+#if BF16_VECTOR
+    const uint16_t *pairs = w->pairs + (size_t)q * w->padded * COLUMNS;
+#if BF16_TILES
+    if (p->isa == TILES) tiles_bf16_block((const uint16_t *)x, w->padded, pairs, sums);
+#endif
+    if (p->isa == VECTOR) vector_bf16_block((const uint16_t *)x, w->padded, pairs, sums);
+#endif
+}
+
+#endif
+
 /* One thread's share: rows [row_begin, row_end) of panels [panel_begin, panel_end), a chunk of
- * rows at a time. */
+ * rows at a time, and within it a group of panels at a time (laid out once per chunk), each
+ * block of the chunk's rows through every panel of the group. */
 static void run_share(const Product *p, int row_begin, int row_end, int panel_begin,
                       int panel_end) {
 #if BF16_VECTOR || I8_VECTOR || I8_TILES
-    int integer = p->kind != BF16, in = p->in;
-    int padded = round_up(in, integer ? 64 : 32), element = integer ? 1 : 2;
-    int chunk = CHUNK_BYTES / ((size_t)padded * element) / BLOCK_ROWS * BLOCK_ROWS;
-    if (chunk < BLOCK_ROWS) chunk = BLOCK_ROWS;
-    if (chunk > round_up(row_end - row_begin, BLOCK_ROWS))
-        chunk = round_up(row_end - row_begin, BLOCK_ROWS);
-    char *a = aligned_alloc(64, (size_t)chunk * padded * element);
-    uint16_t *pairs = integer ? NULL : aligned_alloc(64, (size_t)padded * COLUMNS * 2);
-    int8_t tail[16 * QUAD * COLUMNS] __attribute__((aligned(64)));
-    float row_scales[CHUNK_BYTES / 64];
+    Work w = work_for(p, row_end - row_begin);
     union {
         float floats[BLOCK_ROWS * COLUMNS];
         int32_t ints[BLOCK_ROWS * COLUMNS];
     } sums __attribute__((aligned(64)));
-    const int8_t *quads = p->weight;
-    size_t panel_bytes = (size_t)in * COLUMNS;
 #if BF16_TILES || I8_TILES
     if (p->isa == TILES) configure_tiles();
 #endif
-    for (int first = row_begin; first < row_end; first += chunk) {
-        int count = row_end - first < chunk ? row_end - first : chunk;
-        int blocks = round_up(count, BLOCK_ROWS);
-        memset(a + (size_t)count * padded * element, 0, (size_t)(blocks - count) * padded * element);
-        if (p->kind == SUMS)
-            for (int i = 0; i < count; i++) {
-                memcpy(a + (size_t)i * padded, (const int8_t *)p->x + (first + i) * p->x_stride, in);
-                memset(a + (size_t)i * padded + in, 0, padded - in);
-            }
-        else if (p->kind == W8A8)
-            quantize_rows((const float *)p->x + first * p->x_stride, p->x_stride, count, in,
-                          padded, (int8_t *)a, row_scales);
-#if BF16_VECTOR
-        else
-            bf16_rows((const float *)p->x + first * p->x_stride, p->x_stride, count, in, padded,
-                      (uint16_t *)a);
-#endif
-        for (int panel = panel_begin; panel < panel_end; panel++) {
-            const int8_t *quad_panel = quads + panel * panel_bytes;
-#if BF16_VECTOR
-            if (!integer) pair_panel(p->weight, in, p->out, panel, padded, pairs);
-#endif
-            if (integer && p->isa == TILES && in % 64) {
-                size_t whole = (size_t)in / 64 * 64;
-                memset(tail, 0, sizeof tail);
-                memcpy(tail, quad_panel + whole * COLUMNS, (in - whole) * COLUMNS);
-            }
-            for (int block = 0; block < blocks; block += BLOCK_ROWS) {
+    for (int first = row_begin; first < row_end; first += w.chunk) {
+        int count = row_end - first < w.chunk ? row_end - first : w.chunk;
+        load_rows(p, &w, first, count);
+        for (int group = panel_begin; group < panel_end; group += w.group) {
+            int panels = panel_end - group < w.group ? panel_end - group : w.group;
+            lay_out_panels(p, &w, group, panels);
+            for (int block = 0; block < count; block += BLOCK_ROWS) {
+                const char *x = w.rows + (size_t)block * w.padded * w.element;
                 int rows = count - block < BLOCK_ROWS ? count - block : BLOCK_ROWS;
-                const char *x = a + (size_t)block * padded * element;
-                if (integer) {
-#if I8_TILES
-                    if (p->isa == TILES)
-                        tiles_i8_block((const int8_t *)x, padded, quad_panel, tail, in, sums.ints);
-#endif
-#if I8_VECTOR
-                    if (p->isa == VECTOR)
-                        vector_i8_block((const int8_t *)x, padded, quad_panel, in, sums.ints);
-#endif
-                } else {
-#if BF16_TILES
-                    if (p->isa == TILES)
-                        tiles_bf16_block((const uint16_t *)x, padded, pairs, sums.floats);
-#endif
-#if BF16_VECTOR
-                    if (p->isa == VECTOR)
-                        vector_bf16_block((const uint16_t *)x, padded, pairs, sums.floats);
-#endif
+                for (int q = 0; q < panels; q++) {
+                    block_product(p, &w, x, group + q, q, &sums);
+                    store_block(p, &sums, w.row_scales + block, first + block, rows, group + q);
                 }
-                store_block(p, &sums, row_scales + block, first + block, rows, panel);
             }
         }
     }
 #if BF16_TILES || I8_TILES
     if (p->isa == TILES) _tile_release();
 #endif
-    free(a);
-    free(pairs);
+    free_work(&w);
 #else
     (void)p, (void)row_begin, (void)row_end, (void)panel_begin, (void)panel_end;
 #endif
