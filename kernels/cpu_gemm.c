@@ -185,9 +185,11 @@ static void bf16_rows(const float *x, int64_t stride, int count, int in, int pad
     }
 }
 
-/* Panel `panel` (32 columns) of a packed bf16 weight as pairs of inputs: `b` [padded / 2][32][2]
- * (inputs past `in` zero), each pair of packed rows interleaved in registers. */
-static void pair_panel(const uint16_t *weight, int in, int out, int panel, int padded, uint16_t *b) {
+/* Panels [panel, panel + count) (32 columns each) of a packed bf16 weight as pairs of inputs:
+ * `b` [count][padded / 2][32][2] (inputs past `in` zero), each pair of packed rows interleaved
+ * in registers; the weight is read in its memory order (a group of rows, then its tiles). */
+static void pair_panels(const uint16_t *weight, int in, int out, int panel, int count,
+                        int padded, uint16_t *b) {
     /* lanes 2c and 2c + 1 of a pair row: column c of the first and of the second row */
     static const uint16_t order[2][32] = {
         {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
@@ -196,18 +198,21 @@ static void pair_panel(const uint16_t *weight, int in, int out, int panel, int p
          24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63},
     };
     __m512i first = _mm512_loadu_si512(order[0]), second = _mm512_loadu_si512(order[1]);
-    size_t tiles = out / COLUMNS;
+    size_t tiles = out / COLUMNS, panel_elements = (size_t)padded * COLUMNS;
     for (int k = 0; k < padded; k += 2) {
-        uint16_t *pair = b + (size_t)k * COLUMNS;
-        if (k >= in) { /* in is whole groups of 8: a pair is all inside or all past it */
-            memset(pair, 0, 2 * COLUMNS * sizeof *pair);
-            continue;
+        for (int q = 0; q < count; q++) {
+            uint16_t *pair = b + q * panel_elements + (size_t)k * COLUMNS;
+            if (k >= in) { /* in is whole groups of 8: a pair is all inside or all past it */
+                memset(pair, 0, 2 * COLUMNS * sizeof *pair);
+                continue;
+            }
+            const uint16_t *row =
+                weight + ((size_t)(k / PACK_ROWS) * tiles + panel + q) * PACK_ROWS * COLUMNS +
+                (k % PACK_ROWS) * COLUMNS;
+            __m512i top = _mm512_loadu_si512(row), bottom = _mm512_loadu_si512(row + COLUMNS);
+            _mm512_storeu_si512(pair, _mm512_permutex2var_epi16(top, first, bottom));
+            _mm512_storeu_si512(pair + COLUMNS, _mm512_permutex2var_epi16(top, second, bottom));
         }
-        const uint16_t *row = weight + ((size_t)(k / PACK_ROWS) * tiles + panel) * PACK_ROWS * COLUMNS +
-                              (k % PACK_ROWS) * COLUMNS;
-        __m512i top = _mm512_loadu_si512(row), bottom = _mm512_loadu_si512(row + COLUMNS);
-        _mm512_storeu_si512(pair, _mm512_permutex2var_epi16(top, first, bottom));
-        _mm512_storeu_si512(pair + COLUMNS, _mm512_permutex2var_epi16(top, second, bottom));
     }
 }
 
@@ -413,12 +418,10 @@ static void load_rows(const Product *p, const Work *w, int first, int count) {
 
 /* Panels [panel, panel + count) laid out for the dot products (see `Work`). */
 static void lay_out_panels(const Product *p, const Work *w, int panel, int count) {
-    for (int q = 0; q < count; q++) {
 #if BF16_VECTOR
-        if (p->kind == BF16)
-            pair_panel(p->weight, p->in, p->out, panel + q, w->padded,
-                       w->pairs + (size_t)q * w->padded * COLUMNS);
+    if (p->kind == BF16) pair_panels(p->weight, p->in, p->out, panel, count, w->padded, w->pairs);
 #endif
+    for (int q = 0; q < count; q++) {
         if (p->kind != BF16 && p->isa == TILES && p->in % 64) {
             size_t whole = (size_t)p->in / 64 * 64, tail_bytes = 16 * QUAD * COLUMNS;
             const int8_t *quads = (const int8_t *)p->weight + (size_t)(panel + q) * p->in * COLUMNS;
