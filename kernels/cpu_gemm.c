@@ -23,8 +23,9 @@
  * stride), so int8 reads the weight in place; a bfloat16 packed tile holds its rows whole, so
  * each pair of rows is interleaved in registers into a panel of `in * 64` bytes that stays in
  * L2 (what `vdpbf16ps` and `tdpbf16ps` take: the two inputs of a column side by side).
- * Measured on the 2-core AMX CPU (one thread, `bench/prefill_products.py`), laying the panels
- * out took under 5 % of a 512 x 512 x 3072 product and up to a third of a 512 x 1536 x 512 one.
+ * Measured on the 2-core AMX CPU (one thread, busy), laying the panels out took 25-40 % of a
+ * bf16 product's time at 512 rows (512 x 3072 and 1536 x 512 weights) and 10-25 % at 4,096: what
+ * a bf16 weight stored as pairs would save, were the decode step to read that layout as well.
  */
 
 #include <omp.h>
@@ -62,7 +63,8 @@
 #define COLUMNS 32       /* a packed tile's and a quad panel's columns: one block's */
 #define QUAD 4           /* a quad panel's inputs side by side */
 #define BLOCK_ROWS 32    /* rows per block: two tiles of 16 */
-#define CHUNK_BYTES (512 << 10) /* a chunk's converted rows, kept in L2 */
+#define CHUNK_BYTES (1 << 20) /* a chunk's converted rows, kept in L2 (measured: 512 KB laid
+                                 * the panels of 1536-input weights out twice as often) */
 #define GROUP_BYTES (256 << 10) /* a group of panels laid out, kept in L2 */
 
 enum isa { VECTOR = 1, TILES = 2 };
