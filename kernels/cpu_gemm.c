@@ -306,61 +306,43 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-#endif
+/* Each of a block's four 16 x 16 sums (tiles 0-3) by `product` of its slices of x and panel. */
+#define BLOCK_PRODUCTS(product)                                                                   \
+    do {                                                                                          \
+        product(0, 4, 6);                                                                         \
+        product(1, 4, 7);                                                                         \
+        product(2, 5, 6);                                                                         \
+        product(3, 5, 7);                                                                         \
+    } while (0)
 
-#if BF16_TILES
-
-/* `c` [32][32] = a [32][padded] @ the pair panel `b`, by `tdpbf16ps` (32 inputs a step). */
-static void tiles_bf16_block(const uint16_t *a, int padded, const uint16_t *b, float *c) {
-    size_t stride = (size_t)padded * 2;
+/* `c` [32][32] = the sums of a block `a` [32][row_bytes] (bf16 or int8 inputs) @ a laid-out
+ * panel `b`, by tiles: each step takes 64 bytes of each row (`tdpbf16ps`: 32 inputs;
+ * `tdpbssd`: 64, exact int32 sums) and the panel's 16 pair or quad rows for them, two 16-column
+ * slices at its 128-byte stride. A step past the first `whole` bytes of a row (int8 inputs
+ * short of a whole step) reads its panel rows from `tail` (those quads, then zeros) instead. */
+static void tiles_block(int integer, const char *a, size_t row_bytes, const char *b,
+                        size_t whole, const char *tail, void *c) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int k = 0; k < padded; k += 32) {
-        _tile_loadd(4, a + k, stride);
-        _tile_loadd(5, a + 16 * (size_t)padded + k, stride);
-        _tile_loadd(6, b + (size_t)k * COLUMNS, 2 * COLUMNS * 2);
-        _tile_loadd(7, b + (size_t)k * COLUMNS + COLUMNS, 2 * COLUMNS * 2);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-    }
-    _tile_stored(0, c, COLUMNS * 4);
-    _tile_stored(1, c + 16, COLUMNS * 4);
-    _tile_stored(2, c + 16 * COLUMNS, COLUMNS * 4);
-    _tile_stored(3, c + 16 * COLUMNS + 16, COLUMNS * 4);
-}
-
-#endif
-
+    for (size_t k = 0; k < row_bytes; k += 64) {
+        const char *rows = k + 64 <= whole ? b + k * COLUMNS : tail; /* 4 bytes of a : 128 of b */
+        _tile_loadd(4, a + k, row_bytes);
+        _tile_loadd(5, a + 16 * row_bytes + k, row_bytes);
+        _tile_loadd(6, rows, 4 * COLUMNS);
+        _tile_loadd(7, rows + 64, 4 * COLUMNS);
 #if I8_TILES
-
-/* `c` [32][32] = the exact int32 sums of a [32][padded] int8 @ quad panel `panel`, by
- * `tdpbssd` (64 inputs a step, the panel's quads loaded in place at its 128-byte stride), the
- * inputs past the last whole step from `tail` (those quads, then zeros). */
-static void tiles_i8_block(const int8_t *a, int padded, const int8_t *panel, const int8_t *tail,
-                           int in, int32_t *c) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int k = 0; k < padded; k += 64) {
-        const int8_t *quads = k + 64 <= in ? panel + (size_t)k * COLUMNS : tail;
-        _tile_loadd(4, a + k, padded);
-        _tile_loadd(5, a + 16 * (size_t)padded + k, padded);
-        _tile_loadd(6, quads, QUAD * COLUMNS);
-        _tile_loadd(7, quads + 64, QUAD * COLUMNS);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 4, 7);
-        _tile_dpbssd(2, 5, 6);
-        _tile_dpbssd(3, 5, 7);
+        if (integer) BLOCK_PRODUCTS(_tile_dpbssd);
+#endif
+#if BF16_TILES
+        if (!integer) BLOCK_PRODUCTS(_tile_dpbf16ps);
+#endif
     }
     _tile_stored(0, c, COLUMNS * 4);
-    _tile_stored(1, c + 16, COLUMNS * 4);
-    _tile_stored(2, c + 16 * COLUMNS, COLUMNS * 4);
-    _tile_stored(3, c + 16 * COLUMNS + 16, COLUMNS * 4);
+    _tile_stored(1, (char *)c + 64, COLUMNS * 4);
+    _tile_stored(2, (char *)c + 16 * COLUMNS * 4, COLUMNS * 4);
+    _tile_stored(3, (char *)c + 16 * COLUMNS * 4 + 64, COLUMNS * 4);
 }
 
 #endif
@@ -445,10 +427,10 @@ static void block_product(const Product *p, const Work *w, const char *x, int pa
                           void *sums) {
     if (p->kind != BF16) {
         const int8_t *quads = (const int8_t *)p->weight + (size_t)panel * p->in * COLUMNS;
-#if I8_TILES
+#if BF16_TILES || I8_TILES
         if (p->isa == TILES)
-            tiles_i8_block((const int8_t *)x, w->padded, quads,
-                           w->tails + (size_t)q * 16 * QUAD * COLUMNS, p->in, sums);
+            tiles_block(1, x, w->padded, (const char *)quads, p->in,
+                        (const char *)w->tails + (size_t)q * 16 * QUAD * COLUMNS, sums);
 #endif
 #if I8_VECTOR
         if (p->isa == VECTOR) vector_i8_block((const int8_t *)x, w->padded, quads, p->in, sums);
@@ -458,7 +440,9 @@ static void block_product(const Product *p, const Work *w, const char *x, int pa
 #if BF16_VECTOR
     const uint16_t *pairs = w->pairs + (size_t)q * w->padded * COLUMNS;
 #if BF16_TILES
-    if (p->isa == TILES) tiles_bf16_block((const uint16_t *)x, w->padded, pairs, sums);
+    size_t row_bytes = (size_t)w->padded * 2;
+    if (p->isa == TILES)
+        tiles_block(0, x, row_bytes, (const char *)pairs, row_bytes, NULL, sums);
 #endif
     if (p->isa == VECTOR) vector_bf16_block((const uint16_t *)x, w->padded, pairs, sums);
 #endif
