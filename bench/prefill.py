@@ -8,9 +8,14 @@ of a text prompt. Modes:
 
   fp32           float32 weights, float32 arithmetic
   bf16 widened   bfloat16 weights widened to float32 for each product (compute_dtype=float32)
-  bf16           bfloat16 weights, bfloat16 arithmetic (compute_dtype=bfloat16)
+  bf16           bfloat16 weights, bfloat16 arithmetic (compute_dtype=bfloat16): the native
+                 product (`kernels.cpu_gemm`, AMX or AVX-512) reading the packed weight
   int8           int8 weights (per output channel), widened to float32
-  w8a8           int8 weights, rows quantized per token, int32 sums (torch's `_int_mm`)
+  w8a8           int8 weights, rows quantized per token, exact int32 sums: the native product
+                 (AMX `tdpbssd` or AVX-512 `vpdpbusd`) reading the quad panels
+  bf16 torch     bf16 with torch's GEMMs instead of the native products (the weight unpacked
+                 for each product; `STILLCUT_CPU_FLAGS` emptied while it runs)
+  w8a8 torch     w8a8 likewise (torch's `_int_mm`)
 
 Beside each mode, "linear share" is the time torch's own GEMMs take for the model's linear
 layers at that many rows, in that mode's arithmetic (x @ w of every projection's shape, the
@@ -27,19 +32,21 @@ GGUF named, for the same prompt lengths and threads. To build one: `pip download
 model.
 
     python bench/prefill.py [--preset lm180m] [--tokens 512,4096] [--rounds 3]
-        [--modes fp32,bf16,int8,w8a8] [--llama-bench PATH --gguf BF16=model-bf16.gguf ...]
+        [--modes "fp32,bf16,int8,w8a8,bf16 torch,w8a8 torch"]
+        [--llama-bench PATH --gguf BF16=model-bf16.gguf ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import time
 
 import torch
 
-from stillcut.engine.arithmetic import BF16_FLAGS, cpu_flags
+from stillcut.engine.arithmetic import BF16_FLAGS, FLAGS_VARIABLE, cpu_flags
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
@@ -51,8 +58,12 @@ MODES = {
     "bf16": {"dtype": "bfloat16", "compute_dtype": "bfloat16"},
     "int8": {"quantization": "int8", "compute_dtype": "float32"},
     "w8a8": {"quantization": "w8a8", "compute_dtype": "float32"},
+    "bf16 torch": {"dtype": "bfloat16", "compute_dtype": "bfloat16"},
+    "w8a8 torch": {"quantization": "w8a8", "compute_dtype": "float32"},
 }
+TORCH_PRODUCTS = ("bf16 torch", "w8a8 torch")  # no CPU flags: no native products
 NEEDS = {"bf16": BF16_FLAGS, "w8a8": ("avx512_vnni", "avx_vnni", "amx_int8")}
+NEEDS.update({"bf16 torch": NEEDS["bf16"], "w8a8 torch": NEEDS["w8a8"]})
 ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
 
 
@@ -67,7 +78,20 @@ def make_engine(path, mode: str, max_tokens: int) -> LLMEngine:
     return LLMEngine(path, config)
 
 
-def prefill_seconds(engine: LLMEngine, num_tokens: int, seed: int) -> float:
+def prefill_seconds(engine: LLMEngine, num_tokens: int, seed: int, torch_products: bool) -> float:
+    flags = os.environ.get(FLAGS_VARIABLE)
+    if torch_products:
+        os.environ[FLAGS_VARIABLE] = ""
+    try:
+        return _timed_prefill(engine, num_tokens, seed)
+    finally:
+        if flags is None:
+            os.environ.pop(FLAGS_VARIABLE, None)
+        else:
+            os.environ[FLAGS_VARIABLE] = flags
+
+
+def _timed_prefill(engine: LLMEngine, num_tokens: int, seed: int) -> float:
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.model.config.vocab_size
     prompt = torch.randint(0, vocab, (num_tokens,), generator=generator).tolist()
@@ -120,7 +144,7 @@ def main() -> None:
     parser.add_argument("--preset", default="lm180m")
     parser.add_argument("--tokens", default="512,4096")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default="fp32,bf16 widened,bf16,int8,w8a8")
     parser.add_argument("--llama-bench", help="path of llama.cpp's llama-bench")
     parser.add_argument("--gguf", action="append", default=[], help="NAME=FILE, repeated")
     args = parser.parse_args()
@@ -137,7 +161,7 @@ def main() -> None:
     for round_index in range(args.rounds + 1):  # the first round warms up
         for n in lengths:
             for mode, engine in engines.items():
-                elapsed = prefill_seconds(engine, n, seed=round_index)
+                elapsed = prefill_seconds(engine, n, round_index, mode in TORCH_PRODUCTS)
                 if round_index:
                     seconds[mode, n].append(elapsed)
     print(f"{'mode':14} {'tokens':>7} {'tokens/s':>10} {'linear share':>13}")

@@ -235,31 +235,8 @@ def load() -> ctypes.CDLL | None:
     once) when it cannot be built here."""
     if not enabled():
         return None
-    compiler = os.environ.get("CC", "cc")
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
-        ).stdout
-        sources = (path.read_text() for path in (SOURCE, *HEADERS))
-        key = hashlib.sha256(
-            "\0".join((*sources, compiler, version, *FLAGS, _cpu())).encode()
-        ).hexdigest()[:16]
-        target = cache_dir() / "native" / f"cpu_decode-{key}.so"
-        if not target.exists():
-            # the first run sits silent for tens of seconds otherwise
-            print(
-                "stillcut: compiling the native CPU decode step for this machine, once "
-                f"(about 30 s; kept in {target.parent})...",
-                file=sys.stderr,
-                flush=True,
-            )
-            started = time.perf_counter()
-            _compile(compiler, target)
-            log.info("compiled the native CPU decode step in %.1f s", time.perf_counter() - started)
-        library = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or error
-        log.warning("native CPU decode unavailable, using torch ops: %s", detail)
+    library = compiled(SOURCE, HEADERS, "the native CPU decode step", "about 30 s")
+    if library is None:
         return None
     library.decode_step.restype = library.check_model.restype = ctypes.c_int
     library.matmul.restype = ctypes.c_int
@@ -318,7 +295,39 @@ def _tensors(stack: Stack) -> Iterator[tuple[torch.Tensor, bool]]:
                 parts.append(value)
 
 
-def _compile(compiler: str, target: Path) -> None:
+def compiled(source: Path, headers: Sequence[Path], what: str, duration: str) -> ctypes.CDLL | None:
+    """`source` (including `headers`) compiled for this machine into the stillcut cache, once
+    per source, compiler and CPU, and loaded; None (logged) when it cannot be built here.
+    `what` and `duration` are what the first compile says on stderr."""
+    compiler = os.environ.get("CC", "cc")
+    try:
+        version = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
+        ).stdout
+        sources = (path.read_text() for path in (source, *headers))
+        key = hashlib.sha256(
+            "\0".join((*sources, compiler, version, *FLAGS, _cpu())).encode()
+        ).hexdigest()[:16]
+        target = cache_dir() / "native" / f"{source.stem}-{key}.so"
+        if not target.exists():
+            # the first run sits silent for tens of seconds otherwise
+            print(
+                f"stillcut: compiling {what} for this machine, once "
+                f"({duration}; kept in {target.parent})...",
+                file=sys.stderr,
+                flush=True,
+            )
+            started = time.perf_counter()
+            _compile(compiler, source, target)
+            log.info("compiled %s in %.1f s", what, time.perf_counter() - started)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", None) or error
+        log.warning("%s unavailable, using torch ops: %s", what, detail)
+        return None
+
+
+def _compile(compiler: str, source: Path, target: Path) -> None:
     """Compile into a private file beside `target`, then rename: readers never see half a
     library, and two processes compiling at once both end with a whole one."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -326,7 +335,7 @@ def _compile(compiler: str, target: Path) -> None:
     os.close(handle)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"],
+            [compiler, *FLAGS, "-o", partial, str(source), "-lm"],
             capture_output=True,
             text=True,
             check=True,

@@ -7,8 +7,11 @@ their stored format (`engine.quantization`): on CPU a bfloat16, float16 or int8 
 (`<name>_scale` beside an int8 `<name>`) meets float32 activations in the native kernel's
 product for a few rows, and is widened a slice of columns at a time for longer batches.
 Longer batches (prefill) compute in the model's arithmetic (`engine.arithmetic`): in bfloat16,
-their rows are rounded to bfloat16 and meet a bfloat16 weight as stored in a bfloat16 GEMM
-(torch's oneDNN path, float32 sums), the result back in float32.
+their rows are rounded to bfloat16 and meet a bfloat16 weight as stored in bf16 x bf16
+products with float32 sums; in W8A8 (`w8a8`), rows quantized per token meet the int8 weight in
+exact integer sums. Where the CPU has the dot products for it, the native product
+(`kernels.cpu_gemm`: AMX tiles or AVX-512) reads the weight in the layout decode stores it in;
+elsewhere torch's GEMMs (oneDNN, `_int_mm`) multiply it unpacked a slice at a time.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from stillcut.kernels.cpu_decode_stack import (
     to_head_panels,
     unpacked,
 )
+from stillcut.kernels.cpu_gemm import bf16_product, w8a8_product
 
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
@@ -252,7 +256,7 @@ def linear(
     weight = matrix.weight
     long_batch = x.is_cpu and x.shape[0] > NATIVE_MAX_ROWS
     if long_batch and matrix.arithmetic not in (None, x.dtype):
-        return _widened_product(x, matrix, add)
+        return _long_product(x, matrix, add)
     if weight.dim() != 2 or (x.is_cpu and (weight.dtype != x.dtype or matrix.scale is not None)):
         if x.is_cpu and matrix.native is not None and not long_batch:
             return matrix.native(x, add)
@@ -291,6 +295,17 @@ BANDED_MAX_ROWS = 16
 # weight for 17 to 48 rows by 1.3-2x (a short prompt chunk, such as the question after a
 # prefix-cache hit), and was no faster at 64.
 NATIVE_MAX_ROWS = 32
+
+
+def _long_product(x: torch.Tensor, matrix: StoredMatrix, add: torch.Tensor | None) -> torch.Tensor:
+    """`linear` of a long batch computing in the matrix's arithmetic: the native product
+    reading the stored layout where this CPU has its dot products, else `_widened_product`."""
+    result = None
+    if matrix.arithmetic == torch.bfloat16:
+        result = bf16_product(x, matrix.weight, add)
+    elif matrix.arithmetic == torch.int8:  # W8A8 (`stored_matrix` keeps it only with a scale)
+        result = w8a8_product(x, matrix.weight, matrix.scale, add)
+    return _widened_product(x, matrix, add) if result is None else result
 
 
 def _widened_product(

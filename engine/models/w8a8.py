@@ -4,9 +4,11 @@
 `engine.quantization`). A batch of more than `matmul.NATIVE_MAX_ROWS` rows (prefill) quantizes
 its activations too, dynamically and symmetrically per row: `s_x = max|row| / 127`,
 `q_x = round_half_even(x / s_x)` clipped to ±127 (a zero row has scale 0 and q 0); the int8
-products are summed in int32 (torch's `_int_mm`) and scaled back by both scales,
-`y[n, j] = s_x[n] * s_w[j] * sum_k q_x[n, k] * q_w[k, j]`. Decode keeps the native step's
-weight-only product.
+products are summed exactly in int32 and scaled back by both scales,
+`y[n, j] = s_x[n] * s_w[j] * sum_k q_x[n, k] * q_w[k, j]`. Here in torch (`_int_mm`); where the
+CPU has integer dot products, the native product (`kernels.cpu_gemm.w8a8_product`: AMX or
+AVX-512 VNNI, reading the quad panels) computes the same values bit for bit. Decode keeps the
+native step's weight-only product.
 """
 
 from __future__ import annotations

@@ -18,12 +18,14 @@ import copy
 import pytest
 import torch
 
-from stillcut.engine.arithmetic import FLAGS_VARIABLE
+from stillcut.engine.arithmetic import FLAGS_VARIABLE, _proc_cpu_flags
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.models import matmul
 from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.request import SamplingParams
+from stillcut.kernels import cpu_gemm
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
 from .models.qwen3_vl.qwen3_reference import hand_pixels, random_frames
@@ -103,6 +105,29 @@ def test_bf16_prefill_within_twice_transformers_bf16_spread(setup, case):
         if mine != their:
             assert margin <= bound, f"step {step}: margin {margin} > {bound}, yet tokens differ"
             break
+
+
+@pytest.mark.parametrize("flag", ["amx_bf16", "avx512_bf16"])
+def test_native_bf16_products_within_the_same_bound(setup, monkeypatch, flag):
+    """The native products (`kernels.cpu_gemm`: AMX tiles, or AVX-512 alone) in place of
+    torch's, where this CPU has `flag`: the text prompt's prefill within the same bound."""
+    if flag not in _proc_cpu_flags():
+        pytest.skip(f"no {flag} here")
+    engine, _, reference, _, _ = setup
+    monkeypatch.setenv(FLAGS_VARIABLE, flag)
+    ran = []
+
+    def native(*args, **kwargs):
+        product = cpu_gemm.bf16_product(*args, **kwargs)
+        ran.append(product is not None)
+        return product
+
+    monkeypatch.setattr(matmul, "bf16_product", native)
+    prompt, hf_inputs = _build(setup, PROMPTS["text"])
+    bound = 2 * _spread(reference, hf_inputs)
+    error = (prefill_logits(engine.model, prompt) - _hf_logits(reference, hf_inputs)).abs().max()
+    print(f"{flag}: max |ours - fp32 reference| {error.item():.4g}, bound {bound:.4g}")
+    assert any(ran) and 0 < error.item() <= bound, (ran, error.item(), bound)
 
 
 def test_bf16_arithmetic_really_ran(setup):
