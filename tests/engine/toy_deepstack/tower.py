@@ -16,9 +16,12 @@ class DeepStackTower(Qwen2_5_VLVisionTower):
         width = config.out_hidden_size
         self.deepstack = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in FEATURES)
 
-    def encode(self, patches_list: list[torch.Tensor], grids: list) -> list[TowerOutput]:
-        """Each input's embeddings [tokens, out_hidden] and its `deepstack.k` of the same rows."""
-        encoded = super().encode(patches_list, grids)
+    def encode(
+        self, patches_list: list[torch.Tensor], grids: list, kept: list | None = None
+    ) -> list[TowerOutput]:
+        """Each input's embeddings [tokens, out_hidden] (with `kept`, per input a bool mask
+        or None, the kept tokens') and its `deepstack.k` of the same rows."""
+        encoded = super().encode(patches_list, grids, kept)
         return [
             TowerOutput(
                 embeds, {n: proj(embeds) for n, proj in zip(FEATURES, self.deepstack, strict=True)}
