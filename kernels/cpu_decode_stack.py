@@ -5,8 +5,8 @@ optional RMSNorm on what it adds (sandwich norms). The mixer's type is the block
 kernel dispatches on it and never on a model family. A dense decoder layer is two blocks,
 `Attention` then `GatedMlp`; a hybrid whose layers are one mixer each is one block per layer (a
 hybrid's `Mamba2`, `Moe`, `Mlp` and rotary-free `Attention`; a layer's softmax-routed gated
-experts, `SoftmaxMoe`, in place of its MLP; Qwen3.5's `GatedDelta` and gated `Attention`, two
-blocks a layer). A new kind is a mixer class here
+experts, `SoftmaxMoe`, in place of its MLP; a Gated DeltaNet hybrid's `GatedDelta` and gated
+`Attention`, two blocks a layer). A new kind is a mixer class here
 (with its `kind`), its struct and converter in `cpu_decode`, and its case in `cpu_decode.c` (or
 `cpu_hybrid_kinds.h`). Weights are `[in, out]` matrices in a stored format (`FORMATS`):
 float32 in either memory order (see `engine.models.matmul.matmul_layout`), bfloat16, float16 or
@@ -249,7 +249,7 @@ class Attention:
     rotary table `table` (None: no rotary embedding), scores times `scale` (soft-capped by
     `soft_cap` when > 0), keys within `window` positions (0: all), output projection. `gated`:
     `qkv_weight` has `Hq * D` more columns after v, and each head's output is times the
-    sigmoid of its D of them before the projection (Qwen3.5)."""
+    sigmoid of its D of them before the projection."""
 
     kind: ClassVar[Kind] = Kind.ATTENTION
     qkv_weight: torch.Tensor  # [hidden, (Hq + 2 Hkv) * D]: q, k, v columns

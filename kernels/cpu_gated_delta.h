@@ -1,4 +1,4 @@
-/* The Gated DeltaNet kind of the native decode step (Qwen3.5's linear-attention layers).
+/* The Gated DeltaNet kind of the native decode step (a hybrid's linear-attention layers).
  * Included by `cpu_decode.c` after `cpu_hybrid_kinds.h` (it uses `Context`, `rms_norm`,
  * `residual_projection`, `silu`, `softplus`, `causal_conv` and `state_fits`); the five
  * functions of its row of `KINDS`.

@@ -1,8 +1,8 @@
 """The pixel stage's metric: what EVS compares before the vision tower runs.
 
-A token of a Qwen-style tower is one merge group (2x2 patches of a tubelet), which the
-preprocessing lays out as `merge**2` consecutive rows of normalised pixels (channel, frame, y,
-x). Its feature is that group's pixels less their frame's mean colour (per channel, over the
+A token of a tower that merges patches 2x2 is one merge group (2x2 patches of a tubelet), which
+the preprocessing lays out as `merge**2` consecutive rows of normalised pixels (channel, frame,
+y, x). Its feature is that group's pixels less their frame's mean colour (per channel, over the
 whole frame), flattened, plus one constant coordinate `PIXEL_FLOOR * sqrt(dim)`; the existing
 EVS kernels then compare features with `1 - cos` exactly as they compare embeddings, in both
 modes, on torch or Triton.
