@@ -160,7 +160,8 @@ class Qwen35LanguageModel(PagedLanguageModel):
         """Each layer as two blocks for the native CPU decode step: its mixer (a `GatedDelta`,
         or gated attention whose partial rotary is the full-width table of `PartialMRoPE`) and
         its SwiGLU MLP; the embedding is the tied head's rows when there is no table of its
-        own. None for the MoE model: the native step has no softmax-routed kind."""
+        own. None for the MoE model: the native softmax-routed kind (`SoftmaxMoe`) has no shared
+        expert behind a sigmoid gate yet."""
         if self.config.num_experts:
             return None
         blocks, num_caches = [], 0  # attention blocks take the step's K/V caches in order
