@@ -16,16 +16,17 @@ model, after its vision work: the part EVS shortens). Modes, side by side in one
   d   the same as b, asking a second question about the same videos (prefix + encoder cache)
   e   the same with EVS rate 0.75 before the tower (`stage="pixels"`: it encodes kept tokens)
 
-Time breakdown: decode (video decode + preprocess), encode (vision tower), prefill (steps
-that hold prefill tokens) and generation (decode-only steps); transformers' prefill is
-measured as time to its first token minus the tower, and its "in LM" TTFT from the `generate`
-call (which runs the tower inside).
+Time breakdown: decode (video decode + preprocess), evs (EVS itself), encode (vision tower),
+prefill (steps that hold prefill tokens) and generation (decode-only steps); transformers'
+prefill is measured as time to its first token minus the tower, and its "in LM" TTFT from the
+`generate` call (which runs the tower inside).
 
 Modes b, c and e each start with both caches cleared and assert that no video hit a cache; with
 `--rounds R` they run R times interleaved (b, d, c, e, b, d, ...) and every figure is the
-median over rounds. Mode e's line beside its targets: encode time e / b, the TTFT e / b would
-reach with no encode time at all (its floor: each request's TTFT less the encode time spent
-before it joined), and the encode time per kept token beside b's per token.
+median over rounds. Mode e's lines beside its targets: encode time e / b (e's EVS time, its
+pixel features and choice, counted in), the TTFT e / b would reach with no encode time at all
+(its floor: each request's TTFT less the encode time spent before it joined), and the encode
+time per kept token beside b's per token.
 
     python bench/engine.py [--requests 16] [--skip-hf] [--rounds 1]
 """
@@ -78,6 +79,7 @@ class Job:
 @dataclass
 class Timings:
     decode: float = 0.0
+    evs: float = 0.0  # EVS's own time (before the tower: pixel features and the choice)
     encode: float = 0.0
     prefill: float = 0.0
     generation: float = 0.0
@@ -133,6 +135,7 @@ def run_stillcut(engine, pipeline, work, evs, question) -> Timings:
     for job in work:
         item = pipeline.video(job.clip, evs=evs, max_frames=job.num_frames, end=job.num_frames / 2)
         timings.decode += item.stats.get("decode_s", 0.0) + item.stats.get("preprocess_s", 0.0)
+        timings.evs += item.stats.get("evs_s", 0.0)
         timings.encode += 0.0 if item.stats["cache_hit"] else item.stats["encode_s"]
         timings.encoded_tokens += 0 if item.stats["cache_hit"] else item.num_tokens
         timings.cache_hits += item.stats["cache_hit"]
@@ -293,6 +296,8 @@ FIGURES = {
     "floor": lambda t: statistics.median(t.floor_ttfts),
     "decode": lambda t: t.decode,
     "encode": lambda t: t.encode,
+    "evs": lambda t: t.evs,
+    "encode_evs": lambda t: t.encode + t.evs,
     "prefill": lambda t: t.prefill,
     "generate": lambda t: t.generation,
     "wall": lambda t: t.wall,
@@ -302,14 +307,15 @@ FIGURES = {
 
 def print_table(rows: dict[str, list[Timings]]) -> None:
     print(
-        f"{'mode':<40}{'tok/s':>8}{'TTFT p50':>10}{'in LM':>8}{'decode':>8}{'encode':>8}"
+        f"{'mode':<40}{'tok/s':>8}{'TTFT p50':>10}{'in LM':>8}{'decode':>8}{'evs':>7}{'encode':>8}"
         f"{'prefill':>9}{'generate':>10}{'wall':>8}"
     )
     for name, runs in rows.items():
         f = {key: median_of(runs, figure) for key, figure in FIGURES.items()}
         print(
             f"{name:<40}{f['tok/s']:>8.1f}{f['ttft']:>9.2f}s{f['in_lm']:>7.2f}s"
-            f"{f['decode']:>7.1f}s{f['encode']:>7.1f}s{f['prefill']:>8.1f}s{f['generate']:>9.1f}s"
+            f"{f['decode']:>7.1f}s{f['evs']:>6.2f}s{f['encode']:>7.1f}s{f['prefill']:>8.1f}s"
+            f"{f['generate']:>9.1f}s"
             f"{f['wall']:>7.1f}s"
         )
 
@@ -363,12 +369,14 @@ def print_targets(rows: dict[str, list[Timings]]) -> None:
         return {name[:2].strip(): median_of(runs, FIGURES[key]) for name, runs in rows.items()}
 
     ttft, tput, encode = figure("ttft"), figure("tok/s"), figure("encode")
+    if "e" in encode:  # before the tower, EVS's own time is part of what the encode costs
+        encode["e"] = figure("encode_evs")["e"]
     targets = [
         ("throughput b / a1", ("b", "a1"), tput, ">=", 2.5),
         ("throughput b / a2", ("b", "a2"), tput, ">=", 1.3),
         ("median TTFT c / b", ("c", "b"), ttft, "<=", 0.5),
         ("median TTFT d / b", ("d", "b"), ttft, "<=", 0.1),
-        ("encode time e / b", ("e", "b"), encode, "<=", 0.45),
+        ("encode+evs e / b", ("e", "b"), encode, "<=", 0.45),
         ("throughput e / c", ("e", "c"), tput, ">=", 0.97),
     ]
     for label, (top, bottom), values, op, bound in targets:

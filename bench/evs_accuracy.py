@@ -261,7 +261,10 @@ def pixel_stage_rows(llm: VideoLLM, count: int, calibration_count: int) -> None:
         rows = [accuracy_row(llm, clips, evs) for evs in (after, before)]
         print_row(f"after:  {name_after}", *rows[0])
         print_row(f"before: {name_before}", *rows[1])
-        gaps = {kind: 100 * (rows[1][1][kind] - rows[0][1][kind]) for kind in QUESTION_TYPES}
+        # in points, rounded so that exactly 2 points below counts as 2
+        gaps = {
+            kind: round(100 * (rows[1][1][kind] - rows[0][1][kind]), 6) for kind in QUESTION_TYPES
+        }
         cells = "".join(f"{gaps[kind]:>+9.1f}p" for kind in QUESTION_TYPES)
         verdict = "met" if min(gaps.values()) >= -POINTS_BELOW else "MISSED"
         print(f"{'  before - after':<32}{cells}  (>= -{POINTS_BELOW:g} points: {verdict})")

@@ -120,7 +120,9 @@ class QwenMedia:
         kept: list[torch.Tensor | None] | None = None,
     ) -> list[torch.Tensor]:
         """Every input in one tower pass: [tokens, hidden] each, or with `kept` (per input a
-        [tokens] bool mask, or None: all) the kept tokens' [num_kept, hidden]."""
+        [tokens] bool mask, or None: all) the kept tokens' [num_kept, hidden]. A tower is
+        given masks only when there are some (a family refusing the stage takes none)."""
+        masks = () if kept is None else (kept,)
         return tower.encode(
-            [p.patches.to(device) for p in prepared], [p.grid_thw for p in prepared], kept
+            [p.patches.to(device) for p in prepared], [p.grid_thw for p in prepared], *masks
         )
