@@ -11,8 +11,12 @@ kept as uint8 (a 12-frame clip at 112x84 is 0.3 MB), so training patchifies them
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,16 +61,40 @@ def training_clips(
     *,
     mix: SceneMix = SceneMix(),
     log_every: int = 500,
+    workers: int = 1,
 ) -> list[TrainingClip]:
     """The training scenes of `seeds` in `mix`, filmed at the sampling rate and prepared for
-    the model."""
-    clips, started = [], time.perf_counter()
-    for index, seed in enumerate(seeds):
+    the model, in order. With `workers` > 1 they are rendered by that many processes: each clip
+    depends on its seed alone (x264 runs single-threaded), so the clips are the same."""
+    if workers < 1:
+        raise ValueError(f"workers={workers}: must be >= 1")
+    seeds, clips, started = list(seeds), [], time.perf_counter()
+    batches = [seeds[start : start + _BATCH] for start in range(0, len(seeds), _BATCH)]
+    with contextlib.ExitStack() as stack:
+        rendered: Iterable[list[TrainingClip]] = map(
+            _render, batches, itertools.repeat(config), itertools.repeat(mix)
+        )
+        if workers > 1 and len(batches) > 1:
+            context = multiprocessing.get_context("spawn")  # no forked OpenMP state
+            pool = stack.enter_context(ProcessPoolExecutor(workers, mp_context=context))
+            rendered = pool.map(_render, batches, itertools.repeat(config), itertools.repeat(mix))
+        for batch in rendered:
+            done = len(clips)
+            clips += batch
+            if log_every and len(clips) // log_every > done // log_every:
+                print(f"  {len(clips)} clips, {time.perf_counter() - started:.0f} s", flush=True)
+    return clips
+
+
+_BATCH = 50  # clips a rendering process prepares per task
+
+
+def _render(seeds: list[int], config: VideoPreprocessConfig, mix: SceneMix) -> list[TrainingClip]:
+    clips = []
+    for seed in seeds:
         scene = sample_scene(seed, fps=round(SAMPLE_FPS), mix=mix)
         frames = model_frames(clip_bytes(scene), config)
         times = [k / SAMPLE_FPS for k in range(len(frames))]  # every frame is a sampled one
         grid = (frames.shape[1] // config.factor, frames.shape[2] // config.factor)
         clips.append(TrainingClip(scene, frames, token_labels(scene, times, grid)))
-        if log_every and (index + 1) % log_every == 0:
-            print(f"  {index + 1} clips, {time.perf_counter() - started:.0f} s", flush=True)
     return clips

@@ -182,3 +182,19 @@ def test_token_labels_name_the_ground_of_every_token_and_mirror_left_and_right()
             assert moving.any()
             assert (flipped[:, :, ::-1][..., 2][moving] != MOTIONS.index(scene.motion)).all()
     assert {sample_scene(seed).ground for seed in seeds} == set(GROUNDS)
+
+
+def test_rendering_processes_make_the_same_clips_in_order(trained, monkeypatch):
+    import stillcut.demo.training_data as training_data
+
+    monkeypatch.setattr(training_data, "_BATCH", 2)  # three batches over two processes
+    config = VideoPreprocessConfig.from_checkpoint(trained[0])
+    seeds = training_seeds(5)
+    alone = training_clips(seeds, config)
+    shared = training_clips(seeds, config, workers=2)
+    assert [c.scene for c in shared] == [c.scene for c in alone]
+    for ours, theirs in zip(shared, alone, strict=True):
+        assert np.array_equal(ours.frames, theirs.frames)
+        assert np.array_equal(ours.labels, theirs.labels)
+    with pytest.raises(ValueError, match="workers=0"):
+        training_clips(seeds, config, workers=0)
