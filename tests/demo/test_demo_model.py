@@ -54,10 +54,6 @@ def test_shipped_checkpoint_is_small_bf16_safetensors():
         assert (folder / name).is_file(), name
 
 
-# The trainer now also teaches narration, chunk captions and summaries (task version 3); the
-# shipped checkpoint was made by the version 2 recipe until it is retrained. Strict: the marker
-# must go when the retrained checkpoint ships.
-@pytest.mark.xfail(strict=True, reason="the shipped checkpoint predates the task version 3 recipe")
 def test_trainer_defaults_are_the_shipped_recipe():
     config = json.loads((demo_checkpoint() / "config.json").read_text())
     assert config["stillcut_demo"] == {

@@ -3,9 +3,12 @@
 `stillcut describe` on each task sample must print a description that the strict scorer
 accepts (every object, what each does, the ground, nothing invented), and `stillcut narrate`
 on the moving and the appearing sample must say, for every tubelet it speaks about, the change
-that tubelet shows. The checkpoint shipped now predates narration training and the strict
-description (task version 3), so both are expected to fail until it is retrained; the markers
-are strict, so they must go when the retrained checkpoint ships.
+that tubelet shows. The shipped checkpoint (task version 3, its first shipped recipe) names every
+subject right but not yet every still object: it lists "a green triangle and a green cross" for
+a green triangle and a blue circle on `vertical_motion`, and a purple square for an orange one on
+`still_scene`; and it says "The green triangle leaves." where `appearing_object`'s triangle
+moves. Both are expected to fail until a longer recipe ships; the markers are strict, so they
+must go when it does.
 """
 
 import runpy
@@ -18,7 +21,7 @@ from stillcut.demo.sample_clips import SAMPLES_DIR
 from stillcut.service.api import VideoLLM
 
 TASK_SCENES = runpy.run_path(str(SAMPLES_DIR / "make_samples.py"))["task_sample_scenes"]()
-RETRAIN = "the shipped checkpoint predates the task version 3 recipe"
+RETRAIN = "the shipped checkpoint misnames still objects and one departure (see above)"
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,9 @@ answered within one chunk of the scene's start for at least 90 % of the scenes.
 """
 
 import itertools
-import json
 
 import pytest
 
-from stillcut.demo import demo_checkpoint
 from stillcut.demo.clips import HELD_OUT_START, TASK_X264_PARAMS, encode_h264
 from stillcut.demo.questions import DIRECTIONS, keywords_match
 from stillcut.demo.render import frames
@@ -27,15 +25,10 @@ MOVING = SceneMix(moving=1.0, changing=0.0, still=0.0, moving_event=0.0)
 FIRST_SEED = HELD_OUT_START + 20_000  # apart from the held-out seeds the benches use
 
 
-def _trained_on_chunks() -> bool:
-    config = json.loads((demo_checkpoint() / "config.json").read_text())
-    return config.get("stillcut_demo", {}).get("task_version", 0) >= 3
-
-
-pytestmark = pytest.mark.skipif(
-    not _trained_on_chunks(),
-    reason="the shipped demo checkpoint predates the chunk-caption tasks (task version 3)",
-)
+# The shipped checkpoint (task version 3's first shipped recipe) gets 16 of the 30 timeline
+# entries and 16 of the 20 "when" answers right: it mostly drops the second scene of a chunk
+# across a cut. Strict: the marker must go when a checkpoint that meets the bar ships.
+NOT_YET = "the shipped demo drops the second scene of most chunks across a cut"
 
 
 def distinct_scenes() -> list:
@@ -74,6 +67,7 @@ def covered(start_s: float, end_s: float) -> list[int]:
     return list(range(first, min(last, NUM_SCENES - 1) + 1))
 
 
+@pytest.mark.xfail(strict=True, reason=NOT_YET)
 def test_the_timeline_names_each_scenes_colour_and_direction(scenes, summary):
     timeline = summary.timeline
     assert len(timeline) == NUM_SCENES * DURATION_S / CHUNK_S
@@ -95,6 +89,7 @@ def test_the_timeline_names_each_scenes_colour_and_direction(scenes, summary):
     assert right >= 0.9 * len(timeline), [entry.text for entry in timeline]
 
 
+@pytest.mark.xfail(strict=True, reason=NOT_YET)
 def test_when_a_shape_appears_is_answered_within_one_chunk(scenes, summary):
     starts = [index * DURATION_S for index in range(NUM_SCENES)]
     right = sum(
