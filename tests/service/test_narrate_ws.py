@@ -136,6 +136,8 @@ def test_queue_narrates_every_tubelet_in_order_and_frees_everything(family_serve
         ({"max_context_tokens": 1}, "max_context_tokens=1 must be null or an integer in"),
         ({"keep_last_s": 1e9}, "keep_last_s=1000000000.0 must be a number in [0, 3600]"),
         ({"max_tokens_per_segment": 3000}, "max_tokens_per_segment=3000 leaves no room"),
+        ({"stage": "pixels", "threshold": None}, "stage='pixels' needs a threshold (EVS is off)"),
+        ({"stage": "sideways"}, "stage='sideways' is not one of ('embeddings', 'pixels')"),
     ],
 )
 def test_bad_narrate_options_end_the_socket_with_a_clear_error(server, option, phrase):
