@@ -19,17 +19,16 @@ from stillcut.service.config import ServerConfig
 from stillcut.service.live_options import LiveLimits
 from stillcut.service.narration import Narration
 
-from .conftest import make_llm, random_frame, running_server, settled_pool_state
+from .conftest import (
+    NARRATE_START,
+    make_llm,
+    random_frame,
+    running_server,
+    settled_pool_state,
+)
 
 CAP = 2
-START = {
-    "type": "start",
-    "mode": "narrate",
-    "prompt": "Say what you see.",
-    "lag": "queue",
-    "threshold": None,
-    "max_tokens_per_segment": 2,
-}
+START = {**NARRATE_START, "max_tokens_per_segment": 2}
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,13 @@ and the server goes on serving."""
 
 import contextlib
 import dataclasses
-import io
 import json
 import shutil
-import struct
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -28,7 +25,7 @@ from stillcut.service.api import VideoLLM
 from stillcut.service.config import ServerConfig
 from stillcut.vision.pixel_stage import merged_grid
 
-from .conftest import ENGINE_CONFIG, make_llm, running_server, settled_pool_state
+from .conftest import ENGINE_CONFIG, make_llm, png_frame, running_server, settled_pool_state
 
 PROMPT = "Say what changes."
 NUM_STATIC = 8  # frames: the first tubelet is kept whole, the next three are emptied
@@ -90,12 +87,6 @@ def test_the_tower_encodes_only_the_groups_the_pixel_metric_keeps(llm, monkeypat
         assert torch.equal(kept.flatten(), expected[k])
 
 
-def _png_frame(timestamp: float, pixels: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return struct.pack("<d", timestamp) + buffer.getvalue()
-
-
 def _socket(server):
     return connect(server.url.replace("http://", "ws://") + "/v1/stream", proxy=None)
 
@@ -107,7 +98,7 @@ def _narrate(server, start: dict, frames: np.ndarray) -> tuple[list[dict], int]:
         socket.send(json.dumps({"type": "start", "mode": "narrate", **start}))
         with contextlib.suppress(ConnectionClosed):  # a refused start closes before the frames
             for timestamp, pixels in _timed(frames):
-                socket.send(_png_frame(timestamp, pixels))
+                socket.send(png_frame(timestamp, pixels))
             socket.send(json.dumps({"type": "stop"}))
         with pytest.raises(ConnectionClosed) as closed:
             while True:
@@ -167,7 +158,7 @@ def test_a_family_refusing_the_stage_ends_the_start_and_the_server_goes_on(toy_c
 
 def test_the_python_api_refuses_the_stage_before_any_frame_is_encoded(toy_checkpoint):
     llm = VideoLLM(toy_checkpoint, engine_config=ENGINE_CONFIG)
-    with pytest.raises(ValueError, match=f"stage 'pixels'.*toy_whole_frames: {REFUSAL}"):
+    with pytest.raises(ValueError, match=f"stage 'pixels'.*toy_whole_frames checkpoints: {REFUSAL}"):
         next(llm.narrate(_timed(_frames()), PROMPT, stage="pixels"))
     assert llm.pipeline.work.tower_passes == 0
 
