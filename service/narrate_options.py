@@ -2,9 +2,9 @@
 
 The same spelling as question-answer sessions for what both have (EVS: `threshold`,
 `max_per_tubelet`, `floor`, `stage`, with `"threshold": null` turning EVS off; `fps`;
-sampling), plus
-the instruction (`prompt`), how a segment ends (`max_tokens_per_segment`, `segment_end`), the
-lag policy and the rollover window. Answer-only options are refused, not ignored.
+sampling), plus the instruction (`prompt`), how a segment ends (`max_tokens_per_segment`,
+`segment_end`), the lag policy and the rollover window. Answer-only options are refused, not
+ignored.
 """
 
 from __future__ import annotations

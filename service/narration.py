@@ -13,11 +13,11 @@ Under lag `queue` every tubelet is appended in order, and at most `max_queued_tu
 while that many do, a frame is refused (`BacklogFull`, the session goes on), so a client that
 sends faster than the model speaks is told so instead of queueing without bound. Under
 `latest` only the newest tubelet waits (a newer one replaces it) and the speaker reports how
-many it skipped. A tubelet EVS emptied is not appended. When the next
-append would pass `max_context_tokens` or the engine's `max_visual_tokens_per_request`, the
-request is replaced by a fresh one holding the instruction and the last `keep_last_s` seconds
-of tubelets, cut to half the context and half the visual tokens so that a rollover is followed
-by room for many tubelets (a `rollover` message). So a narration goes on however long its
+many it skipped. A tubelet EVS emptied is not appended. When the next append would pass
+`max_context_tokens` or the engine's `max_visual_tokens_per_request`, the request is replaced
+by a fresh one holding the instruction and the last `keep_last_s` seconds of tubelets, cut to
+half the context and half the visual tokens so that a rollover is followed by room for many
+tubelets (a `rollover` message). So a narration goes on however long its
 stream, and nothing it holds grows with it.
 
 An engine error ends the narration: it is reported (`error`), its request is freed, `drain`

@@ -158,7 +158,8 @@ def test_a_family_refusing_the_stage_ends_the_start_and_the_server_goes_on(toy_c
 
 def test_the_python_api_refuses_the_stage_before_any_frame_is_encoded(toy_checkpoint):
     llm = VideoLLM(toy_checkpoint, engine_config=ENGINE_CONFIG)
-    with pytest.raises(ValueError, match=f"stage 'pixels'.*toy_whole_frames checkpoints: {REFUSAL}"):
+    refused = f"stage 'pixels'.*toy_whole_frames checkpoints: {REFUSAL}"
+    with pytest.raises(ValueError, match=refused):
         next(llm.narrate(_timed(_frames()), PROMPT, stage="pixels"))
     assert llm.pipeline.work.tower_passes == 0
 
