@@ -157,15 +157,16 @@ def precision_options(args: argparse.Namespace) -> dict:
 
 
 def add_evs_arguments(parser: argparse.ArgumentParser, *, rate: bool = True) -> None:
-    """`--evs-rate` and `--evs-stage` (unless `rate` is False), `--evs-threshold`, `--no-evs`:
-    the EVS setting when none is asked for."""
-    if rate:
-        parser.add_argument(
-            "--evs-stage",
-            choices=("embeddings", "pixels"),
-            help="where EVS prunes, with --evs-rate or --evs-threshold: 'embeddings' after the "
-            "vision tower (default), 'pixels' before it (the tower encodes only kept tokens)",
-        )
+    """`--evs-rate` (unless `rate` is False), `--evs-threshold`, `--no-evs` and `--evs-stage`:
+    the EVS setting when none is asked for. Without `--evs-rate` the stage goes with the
+    threshold, given or the stage's default."""
+    needs = "with --evs-rate or --evs-threshold" if rate else "with --evs-threshold or alone"
+    parser.add_argument(
+        "--evs-stage",
+        choices=("embeddings", "pixels"),
+        help=f"where EVS prunes, {needs}: 'embeddings' after the vision tower (default), "
+        "'pixels' before it (the tower encodes only kept tokens)",
+    )
     evs = parser.add_mutually_exclusive_group()
     if rate:
         evs.add_argument(

@@ -1,8 +1,9 @@
 """`stillcut narrate VIDEO`: running commentary on a video, printed segment by segment.
 
-Describe's names for the shared options; EVS is threshold mode (the live default) or off:
-there is no `--evs-rate`, since rate mode ranks the whole clip and a narration sees it only as
-it comes. `--realtime` paces frames at their timestamps (then `--lag latest` may skip).
+Describe's names for the shared options; EVS is threshold mode (the live default; after the
+tower, or before it with `--evs-stage pixels`) or off: there is no `--evs-rate`, since rate
+mode ranks the whole clip and a narration sees it only as it comes. `--realtime` paces frames
+at their timestamps (then `--lag latest` may skip).
 """
 
 from __future__ import annotations
@@ -49,8 +50,12 @@ def run(args: argparse.Namespace) -> int:
         "lag": args.lag,
         "max_tokens_per_segment": args.max_tokens_per_segment,
     }
-    if args.no_evs or args.evs_threshold is not None:  # else the live default threshold
+    if args.no_evs or args.evs_threshold is not None:  # else the stage's default threshold
         options["threshold"] = None if args.no_evs else args.evs_threshold
+    if args.evs_stage is not None:
+        if args.no_evs:
+            raise ValueError(f"--evs-stage {args.evs_stage} needs EVS: drop --no-evs")
+        options["stage"] = args.evs_stage
     llm = VideoLLM(args.model, compute_dtype=args.compute_dtype)
     if llm.is_random_demo:
         print(RANDOM_WEIGHTS_NOTICE, file=sys.stderr)

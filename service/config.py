@@ -20,6 +20,7 @@ _COUNTS = (
     "retry_after_s",
     "max_sessions",
     "max_session_frames",
+    "max_queued_tubelets",
     "max_message_bytes",
     "max_connections",
     "limit_frames",
@@ -71,6 +72,7 @@ class ServerConfig:
     limit_mm_per_prompt: int = 8  # media parts in one request
     max_sessions: int = 4  # live WebSocket sessions at once
     max_session_frames: int = 7200
+    max_queued_tubelets: int = 16  # a narration under lag "queue" falls behind by at most these
     max_session_s: float = 3600.0
     session_idle_s: float = 60.0
     session_start_s: float = 5.0  # a WebSocket must send a valid start by then

@@ -26,6 +26,12 @@ CLOSE_POLICY = 1008
 DEFAULT_THRESHOLDS = {"embeddings": 0.1, "pixels": PIXEL_THRESHOLD}
 
 
+def default_threshold(stage: str) -> float:
+    """The threshold of a session that gives none, at `stage` (a stage that is none of them
+    gets any: `EVSConfig` then names it)."""
+    return DEFAULT_THRESHOLDS[stage] if stage in STAGES else 0.0
+
+
 class LiveError(ValueError):
     """A client mistake in a live session; the message says what was wrong and what is allowed.
 
@@ -66,11 +72,14 @@ def _check_count(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class LiveLimits:
-    """Bounds of one session, set by the server: frames it may send, bytes and pixels each."""
+    """Bounds of one session, set by the server: frames it may send, bytes and pixels each, and
+    the tubelets a narration under lag "queue" may hold waiting to be spoken about (past it a
+    frame is refused: `narration.BacklogFull`)."""
 
     max_frames: int = 7200
     max_frame_bytes: int = 8 << 20
     max_frame_pixels: int = 3840 * 2160
+    max_queued_tubelets: int = 16
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -114,13 +123,9 @@ class LiveOptions:
     @property
     def evs(self) -> EVSConfig:
         """Threshold-mode EVS: causal, so streaming and the whole clip prune alike."""
-        threshold = self.threshold
-        if threshold is None:
-            # a stage that is none of them: EVSConfig names it
-            threshold = DEFAULT_THRESHOLDS[self.stage] if self.stage in STAGES else 0.0
         return EVSConfig(
             mode="threshold",
-            threshold=threshold,
+            threshold=default_threshold(self.stage) if self.threshold is None else self.threshold,
             max_per_tubelet=self.max_per_tubelet,
             floor=self.floor,
             stage=self.stage,

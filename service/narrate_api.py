@@ -5,10 +5,12 @@
 same code and the same frames (sent losslessly, as PNG) as a WebSocket narration, so the two
 give the same segments under lag `queue`. `realtime` paces frames at their timestamps; without
 it, the feed waits while `FEED_AHEAD_TUBELETS` tubelets wait to be spoken about, so a model
-slower than decoding does not queue up the whole video. A file is decoded as it is narrated
-(`file_frames`, one frame ahead on a worker thread), so memory does not grow with its length:
-there is no duration cap beyond the decode config's safety caps, and the frame limit of a
-file's narration is what those caps admit at its rate (`for_file`).
+slower than decoding does not queue up the whole video. Under `queue` it also waits (paced or
+not) while the backlog is full (`max_queued_tubelets`), where a socket's frame is refused.
+A file is decoded as it is narrated (`file_frames`, one frame ahead on a worker thread), so
+memory does not grow with its length: there is no duration cap beyond the decode config's
+safety caps, and the frame limit of a file's narration is what those caps admit at its rate
+(`for_file`).
 """
 
 from __future__ import annotations
@@ -156,7 +158,8 @@ async def _feed(session: Narration, frames: Frames, realtime: bool, stop: thread
             timestamp, frame = got
             if realtime:
                 await asyncio.sleep(max(0.0, start + timestamp - time.monotonic()))
-            elif session.num_ready >= FEED_AHEAD_TUBELETS:
+            # a full backlog would refuse the frame: an iterator is read later instead
+            if session.backlog_full or (not realtime and session.num_ready >= FEED_AHEAD_TUBELETS):
                 await session.drain()
             buffer = io.BytesIO()
             Image.fromarray(np.ascontiguousarray(frame)).save(buffer, format="PNG")

@@ -1,9 +1,10 @@
 """What a narrating live session may do: the client's `start` options in narrate mode.
 
 The same spelling as question-answer sessions for what both have (EVS: `threshold`,
-`max_per_tubelet`, `floor`, with `"threshold": null` turning EVS off; `fps`; sampling), plus
-the instruction (`prompt`), how a segment ends (`max_tokens_per_segment`, `segment_end`), the
-lag policy and the rollover window. Answer-only options are refused, not ignored.
+`max_per_tubelet`, `floor`, `stage`, with `"threshold": null` turning EVS off; `fps`;
+sampling), plus the instruction (`prompt`), how a segment ends (`max_tokens_per_segment`,
+`segment_end`), the lag policy and the rollover window. Answer-only options are refused, not
+ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Literal, get_args
 
 from stillcut.engine.request import MAX_COUNT, SamplingParams
 from stillcut.kernels.evs import EVSConfig
-from stillcut.service.live_options import LiveLimits
+from stillcut.service.live_options import LiveLimits, default_threshold
 
 LagPolicy = Literal["queue", "latest"]
 ANSWER_ONLY = ("max_tokens", "stop", "logprobs")
@@ -29,7 +30,9 @@ _EVERY_TOKEN = 2**31 - 1  # a floor no tubelet reaches: every token is kept
 class NarrateOptions:
     """A narration's settings. `max_context_tokens=None` means the engine's `max_model_len`
     (a larger value is cut to it; the instruction, one tubelet and a segment must fit);
-    `keep_last_s` seconds of tubelets are re-prefilled when the sequence rolls over."""
+    `keep_last_s` seconds of tubelets are re-prefilled when the sequence rolls over. EVS is
+    threshold mode at `stage` ("embeddings" after the tower, "pixels" before it); `threshold`
+    "default" is the stage's default (`DEFAULT_THRESHOLDS`), None turns EVS off."""
 
     prompt: str = ""
     fps: float = 2.0
@@ -42,9 +45,10 @@ class NarrateOptions:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    threshold: float | None = 0.1
+    threshold: float | None | Literal["default"] = "default"
     max_per_tubelet: int | None = None
     floor: int = 0
+    stage: Literal["embeddings", "pixels"] = "embeddings"
     limits: LiveLimits = LiveLimits()
 
     def __post_init__(self) -> None:
@@ -109,12 +113,19 @@ class NarrateOptions:
         if self.threshold is None:
             if self.max_per_tubelet is not None or self.floor:
                 raise ValueError("max_per_tubelet and floor need a threshold (EVS is off)")
-            return EVSConfig(mode="threshold", threshold=0.0, floor=_EVERY_TOKEN)
+            off = EVSConfig(mode="threshold", threshold=0.0, floor=_EVERY_TOKEN, stage=self.stage)
+            if off.before_tower:  # EVS off has no stage: one setting, one spelling
+                raise ValueError(f"stage={self.stage!r} needs a threshold (EVS is off)")
+            return off
+        threshold = self.threshold
+        if isinstance(threshold, str) and threshold == "default":
+            threshold = default_threshold(self.stage)
         return EVSConfig(
             mode="threshold",
-            threshold=self.threshold,
+            threshold=threshold,
             max_per_tubelet=self.max_per_tubelet,
             floor=self.floor,
+            stage=self.stage,
         )
 
     def sampling(self, segment_end_ids: frozenset[int]) -> SamplingParams:

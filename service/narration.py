@@ -9,12 +9,15 @@ streams the segment the model says about it; each `segment` message says how man
 video tokens EVS kept (`kept_tokens`), how many tokens were prefilled for it
 (`prefill_tokens`: those, their wrapper and the last segment's final token) and how long after
 its tubelet's last frame arrived its first token came (`lag_s`).
-Under lag `queue` every tubelet is appended in order; under `latest` the speaker skips to the
-newest and reports how many it skipped. A tubelet EVS emptied is not appended. When the next
-append would pass `max_context_tokens` or the engine's `max_visual_tokens_per_request`, the
-request is replaced by a fresh one holding the instruction and the last `keep_last_s` seconds
-of tubelets, cut to half the context and half the visual tokens so that a rollover is followed
-by room for many tubelets (a `rollover` message). So a narration goes on however long its
+Under lag `queue` every tubelet is appended in order, and at most `max_queued_tubelets` wait:
+while that many do, a frame is refused (`BacklogFull`, the session goes on), so a client that
+sends faster than the model speaks is told so instead of queueing without bound. Under
+`latest` only the newest tubelet waits (a newer one replaces it) and the speaker reports how
+many it skipped. A tubelet EVS emptied is not appended. When the next append would pass
+`max_context_tokens` or the engine's `max_visual_tokens_per_request`, the request is replaced
+by a fresh one holding the instruction and the last `keep_last_s` seconds of tubelets, cut to
+half the context and half the visual tokens so that a rollover is followed by room for many
+tubelets (a `rollover` message). So a narration goes on however long its
 stream, and nothing it holds grows with it.
 
 An engine error ends the narration: it is reported (`error`), its request is freed, `drain`
@@ -37,7 +40,7 @@ from stillcut.engine.processor import Prompt
 from stillcut.engine.request import PlaceholderRange
 from stillcut.service.async_engine import AsyncEngine, EngineStopped, QueueFull, RequestAborted
 from stillcut.service.errors import step_failed
-from stillcut.service.live_options import LiveLimitExceeded
+from stillcut.service.live_options import LiveError, LiveLimitExceeded
 from stillcut.service.live_session import LiveSession, Runner
 from stillcut.service.narrate_options import NarrateOptions
 from stillcut.vision.pipeline import VisionPipeline
@@ -54,6 +57,11 @@ class NarrationFailed(RuntimeError):
         super().__init__(message)
         self.code = code
         self.caused_by_client = caused_by_client
+
+
+class BacklogFull(LiveError):
+    """A frame while `max_queued_tubelets` tubelets wait under lag "queue": it is not taken
+    (as if never sent) and the session goes on."""
 
 
 logger = logging.getLogger("stillcut.service")
@@ -74,11 +82,12 @@ class Narration(LiveSession):
         run_encode: Runner = asyncio.to_thread,
         run_prompt: Runner = asyncio.to_thread,
     ) -> None:
+        family = pipeline.model_config.family
+        if family.narration_timestamp is None:  # said first: no other option would help
+            raise ValueError(f"{family.model_type!r} models do not narrate")
         super().__init__(
             pipeline, engine, options, session_id, run_encode=run_encode, run_prompt=run_prompt
         )
-        if pipeline.model_config.family.narration_timestamp is None:
-            raise ValueError(f"{pipeline.model_config.family.model_type!r} models do not narrate")
         max_model_len = engine.engine.config.scheduler.max_model_len
         self._max_context = min(options.max_context_tokens or max_model_len, max_model_len)
         self._max_visual = engine.engine.config.scheduler.max_visual_tokens_per_request
@@ -90,8 +99,10 @@ class Narration(LiveSession):
             )
         self._emit = emit
         self._separate_tubelets = True  # each tubelet is its own video: t = 0, grid (1, h, w)
-        # ready tubelets, each with when its last frame arrived (monotonic seconds)
+        # ready tubelets, each with when its last frame arrived (monotonic seconds); under
+        # lag "latest" only the newest, and the count of those it replaced
         self._ready: collections.deque[tuple[MultiModalItem, float]] = collections.deque()
+        self._num_replaced = 0
         self._frame_arrived_at = 0.0
         self._kept: collections.deque[MultiModalItem] = collections.deque()  # the window
         self._wake = asyncio.Event()
@@ -116,6 +127,12 @@ class Narration(LiveSession):
         """Tubelets waiting to be spoken about."""
         return len(self._ready)
 
+    @property
+    def backlog_full(self) -> bool:
+        """True while a frame would be refused: `max_queued_tubelets` wait under lag "queue"."""
+        limit = self.options.limits.max_queued_tubelets
+        return self.options.lag == "queue" and len(self._ready) >= limit
+
     async def drain(self) -> None:
         """Wait until every ready tubelet has been spoken about (or skipped), or the narration
         failed."""
@@ -123,11 +140,24 @@ class Narration(LiveSession):
 
     # ---- tubelets ------------------------------------------------------------------------------
 
+    def _check_frame(self, timestamp: float, image: bytes) -> None:
+        super()._check_frame(timestamp, image)
+        if self.backlog_full:
+            limit = self.options.limits.max_queued_tubelets
+            raise BacklogFull(
+                f"the frame at {timestamp:g} s was not taken: {len(self._ready)} tubelets wait to "
+                f"be narrated (max_queued_tubelets={limit}, lag 'queue'); send frames no faster "
+                "than they are narrated, or use lag 'latest' to skip to the newest"
+            )
+
     async def _commit(self, item: MultiModalItem) -> None:
         # no list of every tubelet: what outlives speaking is the rollover window (`_kept`)
         self._chain = item.identifier
         if not item.num_tokens or self.failure.done():
             return  # nothing changed enough to show, or nothing more is said
+        if self.options.lag == "latest":
+            self._num_replaced += len(self._ready)
+            self._ready.clear()
         self._ready.append((item, self._frame_arrived_at))
         self._idle.clear()
         self._wake.set()
@@ -149,13 +179,8 @@ class Narration(LiveSession):
                 self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
-            skipped = 0
-            if self.options.lag == "latest":
-                skipped = len(self._ready) - 1
-                item, arrived_at = self._ready[-1]
-                self._ready.clear()
-            else:
-                item, arrived_at = self._ready.popleft()
+            item, arrived_at = self._ready.popleft()
+            skipped, self._num_replaced = self._num_replaced, 0
             try:
                 await self._append(item)
                 text, num_prefilled, lag_s = await self._segment(arrived_at)

@@ -263,7 +263,9 @@ async def _start(
         raise SessionEnd(CLOSE_POLICY, "a valid API key is required", "invalid_api_key")
     inbox.authenticated = True
     limits = LiveLimits(
-        max_frames=config.max_session_frames, max_frame_bytes=config.max_message_bytes
+        max_frames=config.max_session_frames,
+        max_frame_bytes=config.max_message_bytes,
+        max_queued_tubelets=config.max_queued_tubelets,
     )
     mode = message.pop("mode", None)
     try:

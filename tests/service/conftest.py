@@ -68,12 +68,28 @@ def data_url(data: bytes, media_type: str = "video/mp4") -> str:
     return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
-def random_frame(timestamp: float, seed: int) -> bytes:
-    """A live-stream frame: the timestamp, then a random 84x56 PNG."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+# a narration's start message: every tubelet in order, EVS off, short segments
+NARRATE_START = {
+    "type": "start",
+    "mode": "narrate",
+    "prompt": "Say what you see.",
+    "lag": "queue",
+    "threshold": None,
+    "max_tokens_per_segment": 3,
+}
+
+
+def png_frame(timestamp: float, pixels: np.ndarray) -> bytes:
+    """A live-stream frame: the timestamp, then `pixels` [H, W, 3] uint8 as PNG."""
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return struct.pack("<d", timestamp) + buffer.getvalue()
+
+
+def random_frame(timestamp: float, seed: int) -> bytes:
+    """A live-stream frame: the timestamp, then a random 84x56 PNG."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    return png_frame(timestamp, pixels)
 
 
 def engine_call(server: BackgroundServer, fn):

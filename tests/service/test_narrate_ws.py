@@ -7,9 +7,7 @@ narration and what each append prefills are checked on Qwen3-VL too (its tubelet
 
 import asyncio
 import contextlib
-import io
 import json
-import struct
 import time
 from dataclasses import replace
 
@@ -17,7 +15,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -27,17 +24,10 @@ from stillcut.service.config import ServerConfig
 from stillcut.service.narrate_api import file_frames
 from stillcut.service.narration import Narration
 
-from .conftest import make_llm, running_server, settled_pool_state
+from .conftest import NARRATE_START, make_llm, png_frame, running_server, settled_pool_state
 
 NUM_TUBELETS = 4
-START = {
-    "type": "start",
-    "mode": "narrate",
-    "prompt": "Say what you see.",
-    "lag": "queue",
-    "threshold": None,
-    "max_tokens_per_segment": 3,
-}
+START = NARRATE_START
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +65,7 @@ def _pixels(seed: int) -> np.ndarray:
 
 
 def _frame(timestamp: float, seed: int) -> bytes:
-    return _png_frame(timestamp, _pixels(seed))
-
-
-def _png_frame(timestamp: float, pixels: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return struct.pack("<d", timestamp) + buffer.getvalue()
+    return png_frame(timestamp, _pixels(seed))
 
 
 def _connect(server):
@@ -136,6 +120,8 @@ def test_queue_narrates_every_tubelet_in_order_and_frees_everything(family_serve
         ({"max_context_tokens": 1}, "max_context_tokens=1 must be null or an integer in"),
         ({"keep_last_s": 1e9}, "keep_last_s=1000000000.0 must be a number in [0, 3600]"),
         ({"max_tokens_per_segment": 3000}, "max_tokens_per_segment=3000 leaves no room"),
+        ({"stage": "pixels", "threshold": None}, "stage='pixels' needs a threshold (EVS is off)"),
+        ({"stage": "sideways"}, "stage='sideways' is not one of ('embeddings', 'pixels')"),
     ],
 )
 def test_bad_narrate_options_end_the_socket_with_a_clear_error(server, option, phrase):
@@ -211,7 +197,7 @@ def test_video_llm_narrate_on_a_file_equals_the_websocket_narration(
     # sampled tokens (seeded) make the texts tell the two apart if anything differs
     options = {"max_tokens_per_segment": 4, "temperature": 1.0, "seed": 7, "threshold": 0.05}
     segments = list(make_llm(checkpoint).narrate(path, START["prompt"], **options))
-    frames = [_png_frame(t, pixels) for t, pixels in file_frames(path, 2.0)]
+    frames = [png_frame(t, pixels) for t, pixels in file_frames(path, 2.0)]
     messages, code = _narrate(family_server, {**START, **options}, len(frames), frames)
     sent = [m for m in messages if m["type"] == "segment"]
     assert code == 1000 and len(segments) == 3 and any(s.text for s in segments)
@@ -292,7 +278,7 @@ def test_latest_skips_to_the_newest_tubelet_when_the_model_falls_behind(tiny_che
 @pytest.mark.parametrize(
     ("bad_frame", "code"),
     [
-        (_png_frame(1.0, np.zeros((84, 56, 3), np.uint8)), 1003),  # another size
+        (png_frame(1.0, np.zeros((84, 56, 3), np.uint8)), 1003),  # another size
         (_frame(0.2, seed=1), 1003),  # back in time
         (b"\0" * 4, 1003),  # no room for a timestamp
     ],
