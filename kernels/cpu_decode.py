@@ -139,6 +139,8 @@ class _SoftmaxMoe(ctypes.Structure):
         ("router", _Matrix),
         ("experts_gate_up", ctypes.c_void_p),
         ("experts_down", ctypes.c_void_p),
+        ("shared", _GatedMlp),
+        ("shared_gate", _Matrix),
         *((name, ctypes.c_int32) for name in ("num_experts", "top_k", "activation")),
     ]
 
@@ -816,10 +818,13 @@ def _moe_params(decoder: CpuDecoder, mixer: Moe) -> _Moe:
 
 
 def _softmax_moe_params(decoder: CpuDecoder, mixer: SoftmaxMoe) -> _SoftmaxMoe:
+    shared = mixer.shared
     return _SoftmaxMoe(
         decoder._matrix(mixer.router),
         _experts(decoder, mixer.experts_gate_up_weight, mixer.experts_gate_up_scale),
         _experts(decoder, mixer.experts_down_weight, mixer.experts_down_scale),
+        _GatedMlp() if shared is None else _gated_mlp_params(decoder, shared),
+        decoder._matrix(mixer.shared_gate_weight, mixer.shared_gate_scale),
         mixer.num_experts,
         mixer.top_k,
         mixer.activation,

@@ -430,8 +430,9 @@ class Moe(_Routed):
 class SoftmaxMoe(_Routed):
     """A mixture of gated experts with softmax routing: `softmax(x @ router)` over all experts
     (float32), the `top_k` best taken and their probabilities renormalised to sum 1; each
-    expert `(act(x @ W_gate) * (x @ W_up)) @ W_down`, gate and up fused side by side; no
-    shared expert. Only the experts a row routes to are read."""
+    expert `(act(x @ W_gate) * (x @ W_up)) @ W_down`, gate and up fused side by side. With a
+    `shared` expert (a gated MLP every row takes), `sigmoid(x @ shared_gate_weight) * shared(x)` is
+    added to the experts' sum. Only the experts a row routes to are read."""
 
     kind: ClassVar[Kind] = Kind.SOFTMAX_MOE
     router: torch.Tensor  # [hidden, E] float32
@@ -441,6 +442,9 @@ class SoftmaxMoe(_Routed):
     activation: Activation = Activation.SILU
     experts_gate_up_scale: torch.Tensor | None = None  # [E, 2 mid]: int8 experts' scales
     experts_down_scale: torch.Tensor | None = None  # [E, hidden]
+    shared: GatedMlp | None = None
+    shared_gate_weight: torch.Tensor | None = None  # [hidden, 1], with `shared`
+    shared_gate_scale: torch.Tensor | None = None  # [1]: an int8 shared_gate_weight's
 
     def __post_init__(self) -> None:
         num_experts, hidden, width = matrix_shape(self.experts_gate_up_weight)
@@ -461,6 +465,13 @@ class SoftmaxMoe(_Routed):
         for name in ("experts_gate_up", "experts_down"):
             weight, scale = getattr(self, f"{name}_weight"), getattr(self, f"{name}_scale")
             _check_weight(f"{name}_weight", weight, scale, 2)
+        if (self.shared is None) != (self.shared_gate_weight is None):
+            raise ValueError("shared and shared_gate_weight come together")
+        if self.shared is not None:
+            if self.shared.hidden != hidden:
+                raise ValueError(f"the shared expert is not {hidden} wide")
+            _check_shape("shared_gate_weight", self.shared_gate_weight, hidden, 1)
+            _check_weight("shared_gate_weight", self.shared_gate_weight, self.shared_gate_scale, 1)
 
 
 @dataclass(frozen=True, eq=False)

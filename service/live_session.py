@@ -51,8 +51,8 @@ _ENGINE_LIMITS = (RequestTooLong, TooManyVisualTokens, ResourceExhausted)
 
 
 class LiveSessionsUnsupported(ValueError):
-    """The served model serves no live sessions: its registry entry says so, or it keeps
-    recurrent state (see `ModelConfig.live_sessions_refusal`)."""
+    """The served model serves no live sessions: its registry entry says so (see
+    `ModelConfig.live_sessions_refusal`)."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ fed the whole sequence (prompt, every tubelet's pixels, every segment) in one fo
 own positions (`get_rope_index`): at every generated position its argmax is our token, and
 each segment ends where the rules say. For Qwen2.5-VL and for Qwen3-VL, whose narration writes
 each tubelet as its processor does (`<t seconds>`, t the mean of the tubelet's frame times), and
-whose DeepStack features reach the first layers at each tubelet's tokens.
+whose DeepStack features reach the first layers at each tubelet's tokens; and for Qwen3.5 and
+Qwen3.5-MoE (Qwen3-VL's tower and prompt), whose Gated DeltaNet states carry the narration from
+one append to the next in the request's own runner row.
 """
 
 from dataclasses import replace
@@ -30,9 +32,15 @@ MAX_TOKENS_PER_SEGMENT = 5
 FPS = 2.0
 TOP = 5  # logprobs compared per generated token
 VIDEO_TYPE = 2  # transformers' mm_token_type_ids: 0 text, 1 image, 2 video
-# (height, width) of the frames: Qwen3-VL's are multiples of 32 that a 2-frame clip keeps, so
-# transformers' processor (built by hand) takes them as they are
-FRAME_SIZES = {"qwen2_5_vl": (56, 84), "qwen3_vl": (96, 128)}
+# (height, width) of the frames: Qwen3-VL's (and Qwen3.5's, its tower) are multiples of 32 that a
+# 2-frame clip keeps, so transformers' processor (built by hand) takes them as they are
+QWEN3_VL_FRAMES = (96, 128)
+FRAME_SIZES = {
+    "qwen2_5_vl": (56, 84),
+    "qwen3_vl": QWEN3_VL_FRAMES,
+    "qwen3_5": QWEN3_VL_FRAMES,
+    "qwen3_5_moe": QWEN3_VL_FRAMES,
+}
 
 
 def _narrate(engine, items, params):
@@ -67,8 +75,8 @@ def _narrate(engine, items, params):
 
 def _transformers_media(family, clips, pipeline):
     """What transformers' model takes for the tubelets: their pixels, grids (and for
-    Qwen2.5-VL their seconds per grid step)."""
-    if family == "qwen3_vl":
+    Qwen2.5-VL their seconds per grid step; the others take Qwen3-VL's)."""
+    if family != "qwen2_5_vl":
         pixels = [hand_pixels(clip) for clip in clips]
         return {
             "pixel_values_videos": torch.cat([patches for patches, _ in pixels]),

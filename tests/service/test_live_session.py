@@ -1,8 +1,10 @@
 """Live sessions: streamed frames answer like the whole clip, asks reuse the held prefix, a
 pending odd frame is padded for one answer only, empty tubelets extend the video, and closing
-frees every block. The answers are checked on Qwen2.5-VL (the stream one video) and Qwen3-VL
-(each tubelet its own timestamped video): its frames are sized so that Qwen3-VL's whole-clip
-pixel budget binds on no clip here, as a stream resizes each tubelet for itself."""
+frees every block. The answers are checked on Qwen2.5-VL (the stream one video), Qwen3-VL
+(each tubelet its own timestamped video) and Qwen3.5 and Qwen3.5-MoE (Qwen3-VL's prompt over a
+Gated DeltaNet hybrid: a question forks the held prefix from its recurrent-state snapshot, and
+the stream goes on from the held request's own states): their frames are sized so that the
+whole-clip pixel budget binds on no clip here, as a stream resizes each tubelet for itself."""
 
 import asyncio
 import io
@@ -76,7 +78,7 @@ class Family:
     tokens_per_tubelet: int
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def family(request):
     if request.param == "qwen2_5_vl":
         fixtures = [request.getfixturevalue(n) for n in ("pipeline", "llm_engine", "reference_llm")]

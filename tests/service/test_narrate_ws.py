@@ -3,7 +3,8 @@ a real server: segments per tubelet under `queue`, the engine's own narration of
 frames, bad start options, rollover at the context limit, a client that vanishes mid-segment.
 Every block is back once a session ends or drops. Narrating in order, the engine's own
 narration and what each append prefills are checked on Qwen3-VL too (its tubelets behind
-`<t seconds>`, t their mean frame time)."""
+`<t seconds>`, t their mean frame time), and on Qwen3.5 and Qwen3.5-MoE (Qwen3-VL's prompt over
+a Gated DeltaNet hybrid, whose states carry a narration from one append to the next)."""
 
 import asyncio
 import contextlib
@@ -36,7 +37,7 @@ def server(tiny_checkpoint):
         yield server
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"])
 def family(request):
     return request.param
 
@@ -237,8 +238,8 @@ def test_a_moving_stream_prefills_each_appends_kept_tokens_and_its_wrapper(famil
     wrapper and the last segment's final token, the 12th as the 2nd (nothing grows with the
     stream)."""
     llm = make_llm(checkpoint)
-    # a tubelet's tokens after the 2 x 2 merge (Qwen3-VL's frames are resized to 128 x 160)
-    dense = {"qwen2_5_vl": 4 * 6, "qwen3_vl": 4 * 5}[family]
+    # a tubelet's tokens after the 2 x 2 merge (Qwen3-VL's tower resizes frames to 128 x 160)
+    dense = 4 * 6 if family == "qwen2_5_vl" else 4 * 5
     ground = np.random.default_rng(0).integers(0, 256, (112, 168, 3), dtype=np.uint8)
     frames = []
     for k in range(24):

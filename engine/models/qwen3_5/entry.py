@@ -1,6 +1,8 @@
 """The registry entries of Qwen3.5: `qwen3_5` (dense MLPs) and `qwen3_5_moe` (a mixture with a
 shared expert), both the Gated DeltaNet hybrid language model with Qwen3-VL's tower (without
-DeepStack), whole-clip preprocessing and timestamped per-tubelet prompt."""
+DeepStack), whole-clip preprocessing and timestamped per-tubelet prompt, which live sessions and
+narration write as Qwen3-VL's do (a question forks a held prefix from its recurrent-state
+snapshot; narration appends go through the held request's own states)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import dataclasses
 
 from stillcut.engine.models.qwen2_vl.entry import QWEN_WEIGHT_PREFIXES
 from stillcut.engine.models.qwen3_5.config import qwen3_5_cache_groups, read_qwen3_5
-from stillcut.engine.models.qwen3_vl.prompt import TimestampedTubeletFormat
+from stillcut.engine.models.qwen3_vl.prompt import TIMESTAMP, TimestampedTubeletFormat
 from stillcut.engine.models.registry import ModelFamily
 
 # Releases keep their multi-token-prediction layers at the top level (`mtp.*`); read as the
@@ -23,6 +25,8 @@ QWEN3_5 = ModelFamily(
     media="stillcut.engine.models.qwen3_vl.media:Qwen3Media",
     prompt_format=TimestampedTubeletFormat(),
     positions="mrope",
+    live_sessions=True,
+    narration_timestamp=TIMESTAMP,
     weight_prefixes=QWEN3_5_WEIGHT_PREFIXES,
     checkpoints="stillcut.engine.models.qwen3_5.checkpoint:QWEN3_5_CHECKPOINTS",
 )

@@ -7,11 +7,13 @@ in transformers' order. Checkpoints store each expert as its own `gate_proj`, `u
 `down_proj` (transformers stacks them at load, and unstacks them when it saves); they are
 stacked here once. The experts stay in the compute dtype under every weight format
 (`EXPERTS` names them for `plan_formats`); the shared expert's projections are prepared like
-any dense MLP's.
+any dense MLP's. The native CPU decode step reads the mixture as its softmax-routed kind with
+the shared expert and its gate (`native_mixer`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -21,7 +23,7 @@ from stillcut.engine.models.matmul import ProjectingModule, linear, scale_of
 from stillcut.engine.models.qwen2_vl.model import Qwen2DecoderLayer
 from stillcut.engine.models.softmax_moe import SoftmaxMoE
 from stillcut.engine.models.weights import fused_weight, set_weight
-from stillcut.kernels.cpu_decode_stack import Activation, GatedMlp
+from stillcut.kernels.cpu_decode_stack import Activation, GatedMlp, SoftmaxMoe
 
 
 class SwiGLU(ProjectingModule):
@@ -85,6 +87,16 @@ class SharedExpertMoE(ProjectingModule):
         shared = self.feed_forward(normed, None)  # [N, hidden]
         weight = torch.sigmoid(linear(normed, self.matrix("shared_gate")))  # [N, 1]
         return residual + self.routed(normed, weight * shared)
+
+    def native_mixer(self) -> SoftmaxMoe:
+        """The mixture as the native CPU decode step reads it: the routed experts' kind with
+        the shared expert and its gate."""
+        return dataclasses.replace(
+            self.routed.native_mixer(),
+            shared=SwiGLU.native_mixer(self),
+            shared_gate_weight=self.shared_gate,
+            shared_gate_scale=scale_of(self, "shared_gate"),
+        )
 
 
 def stored_shared_expert_moe(config) -> nn.Module:

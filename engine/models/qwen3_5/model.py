@@ -159,11 +159,8 @@ class Qwen35LanguageModel(PagedLanguageModel):
     def native_stack(self) -> Stack | None:
         """Each layer as two blocks for the native CPU decode step: its mixer (a `GatedDelta`,
         or gated attention whose partial rotary is the full-width table of `PartialMRoPE`) and
-        its SwiGLU MLP; the embedding is the tied head's rows when there is no table of its
-        own. None for the MoE model: the native softmax-routed kind (`SoftmaxMoe`) has no shared
-        expert behind a sigmoid gate yet."""
-        if self.config.num_experts:
-            return None
+        its MLP (SwiGLU, or the softmax-routed `SoftmaxMoe` with its gated shared expert); the
+        embedding is the tied head's rows when there is no table of its own."""
         blocks, num_caches = [], 0  # attention blocks take the step's K/V caches in order
         for layer in self.layers:
             mixer = layer.mixer

@@ -1,7 +1,8 @@
 """Qwen3-VL's live-stream and narration prompts against transformers' `Qwen3VLProcessor`: a
 stream's held prefix, tubelet by tubelet, writes each tubelet's `<t seconds>` block exactly as
 the processor writes the whole clip's frames (t the mean of the tubelet's two frame times, an
-odd last frame standing in for its missing twin), and a narration writes the same t."""
+odd last frame standing in for its missing twin), and a narration writes the same t. Qwen3.5,
+which takes Qwen3-VL's prompt, writes them alike."""
 
 from dataclasses import replace
 from functools import partial
@@ -20,9 +21,9 @@ GRID_HW = (6, 8)  # patches: 3 x 4 merged tokens a tubelet
 TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def processor():
-    return PromptProcessor.from_checkpoint(cached_checkpoint("tiny", seed=1, family="qwen3_vl"))
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def processor(request):
+    return PromptProcessor.from_checkpoint(cached_checkpoint("tiny", seed=1, family=request.param))
 
 
 def _video(num_frames: int, kept: list[int] | None = None) -> MultiModalItem:
