@@ -62,9 +62,10 @@ def test_a_family_without_a_budget_takes_none():
         gemma.with_pixel_budget(object(), {"max_pixels": 1000})
 
 
-@pytest.fixture(scope="module")
-def qwen3_pipeline():
-    return VisionPipeline(cached_checkpoint("tiny", seed=1, family="qwen3_vl"))
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def qwen3_pipeline(request):
+    """Qwen3-VL's budget, and Qwen3.5's: the same tower and media."""
+    return VisionPipeline(cached_checkpoint("tiny", seed=1, family=request.param))
 
 
 def _transformers_clip_size(in_force, num_frames, height, width, monkeypatch):
@@ -140,9 +141,10 @@ def test_qwen_vl_utils_values_map_onto_the_processors(qwen3_pipeline):
         ),
         ({"min_pixels": 9000, "total_pixels": 4000}, "min_pixels=9000 must be <= 2 x total_pixels"),
         ({"shortest_edge": 9000, "longest_edge": 4000}, "shortest_edge=9000 must be <= longest"),
-        ({"frames": 3}, "frames: not a pixel budget option of qwen3_vl (allowed: shortest_edge"),
+        ({"frames": 3}, "frames: not a pixel budget option of {family} (allowed: shortest_edge"),
     ],
 )
 def test_bad_qwen3_budgets_name_the_option_and_what_is_allowed(qwen3_pipeline, budget, phrase):
-    with pytest.raises(ValueError, match=re.escape(phrase)):
-        qwen3_pipeline.family.with_pixel_budget(qwen3_pipeline.media, budget)
+    family = qwen3_pipeline.family
+    with pytest.raises(ValueError, match=re.escape(phrase.format(family=family.model_type))):
+        family.with_pixel_budget(qwen3_pipeline.media, budget)

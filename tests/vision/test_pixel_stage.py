@@ -150,6 +150,20 @@ def test_qwen3_vl_items_carry_the_deepstack_sets_of_the_kept_tokens():
     torch.testing.assert_close(item.embeds, expected.embeds, rtol=0, atol=0)
 
 
+def test_qwen3_5_items_are_its_towers_output_for_the_kept_groups():
+    from stillcut.engine.factory import cached_checkpoint
+
+    qwen3_5 = VisionPipeline(cached_checkpoint("tiny", seed=1, family="qwen3_5"))
+    frames = moving_frames()
+    item = qwen3_5.video(frames, evs=RATE)
+    prepared = qwen3_5.media.prepare_video(frames, 2.0)
+    mask = prune(qwen3_5.media.pixel_features(prepared), item.llm_grid, RATE).mask
+    with torch.inference_mode():
+        (expected,) = qwen3_5.tower.encode([prepared.patches], [prepared.grid_thw], [mask])
+    assert item.num_tokens == int(mask.sum()) < mask.numel()
+    torch.testing.assert_close(item.embeds, expected.embeds, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("model_type", ["gemma3", "nemotron_h_omni"])
 def test_families_whose_tower_cannot_prune_refuse_the_stage(model_type):
     family = FAMILIES.get(model_type)
