@@ -37,10 +37,11 @@ from stillcut.engine.cache_groups import (
     recurrent_groups,
     state_bytes_per_request,
 )
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.config import EngineConfig, SchedulerConfig
 from stillcut.engine.cuda_graphs import decode_buckets, graphs_unavailable
 from stillcut.engine.detokenizer import IncrementalDetokenizer
-from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.loader import checkpoint_dtype, resolve_checkpoint
 from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.outputs import RequestMetrics, RequestOutput, Snapshot
@@ -118,7 +119,7 @@ class LLMEngine:
             config.quantization_skip,
             config.device,
             config.compute_dtype,
-        ).resolved(self.path)
+        ).resolved(checkpoint_dtype(self.path, self.model_config))
         self.model = model_class.from_checkpoint(
             self.path, self.weight_format, device=config.device
         )

@@ -32,8 +32,15 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from stillcut.engine.anon_memory import release_freed_memory
-from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
-from stillcut.engine.quantization import Conversion, quantize_int8, quantize_stack, row_blocks
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.model_config import CheckpointError, ModelConfig
+from stillcut.engine.quantization import (
+    STORED_DTYPES,
+    Conversion,
+    quantize_int8,
+    quantize_stack,
+    row_blocks,
+)
 from stillcut.kernels.cpu_decode_stack import PANEL_COLUMNS, head_panels_shape, to_head_panels
 
 log = logging.getLogger(__name__)
@@ -43,9 +50,9 @@ __all__ = [
     "ModelConfig",
     "canonical_tensor_name",
     "checkpoint_tensors",
-    "load_model_config",
     "load_weights",
     "resolve_checkpoint",
+    "checkpoint_dtype",
     "stored_floating_dtype",
 ]
 
@@ -283,6 +290,16 @@ _SAFETENSORS_DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+def checkpoint_dtype(folder: str | PathLike[str], config: ModelConfig) -> torch.dtype:
+    """The dtype a checkpoint says it is stored in (config.json `dtype` / `torch_dtype`), else
+    the dtype of its first floating tensor."""
+    for section in (config.raw, config.raw.get("text_config") or {}):
+        name = section.get("dtype") or section.get("torch_dtype")
+        if name in STORED_DTYPES:
+            return STORED_DTYPES[name]
+    return stored_floating_dtype(folder)
 
 
 def stored_floating_dtype(path: str | PathLike[str]) -> torch.dtype:

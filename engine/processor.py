@@ -27,8 +27,9 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from stillcut.engine.chat_template import ChatTemplate
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.loader import resolve_checkpoint
-from stillcut.engine.model_config import CheckpointError, load_model_config
+from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.registry import ModelFamily
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.prompt_formats import MarkerTexts, videos_as_frames

@@ -45,7 +45,7 @@ from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.row_sampler import RowSampler, StepResult
 from stillcut.engine.scheduler_output import AppendedInput, NewRequestData, SchedulerOutput
 from stillcut.engine.step_buffers import StepBuffers
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
 

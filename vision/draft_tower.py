@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.loader import checkpoint_dtype, resolve_checkpoint
 from stillcut.engine.model_config import ModelConfig
 from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.spec_decode.draft import check_draft
@@ -52,7 +53,7 @@ class DraftTower:
         path = resolve_checkpoint(model)
         config = load_model_config(path)
         check_draft(target_path, target_config, path, config)
-        resolved = weight_format.resolved(path)
+        resolved = weight_format.resolved(checkpoint_dtype(path, config))
         tower = load_encoder(
             path, resolved, device, enforce_eager, max_graph_shapes, role="draft vision encoder"
         )

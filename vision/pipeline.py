@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.loader import checkpoint_dtype, resolve_checkpoint
 from stillcut.engine.multimodal import MultiModalItem, TowerOutput, dense_coords, select_rows
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, EVSResult, prune
@@ -119,7 +120,7 @@ class VisionPipeline:
         self.path = resolve_checkpoint(model)
         self.model_config = load_model_config(self.path)
         self.family = self.model_config.family
-        self.weight_format = weight_format.resolved(self.path)
+        self.weight_format = weight_format.resolved(checkpoint_dtype(self.path, self.model_config))
         self.device = torch.device(device)
         graphs = (enforce_eager, max_graph_shapes)
         self.tower = load_encoder(self.path, self.weight_format, self.device, *graphs)

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.loader import checkpoint_dtype, load_weights, resolve_checkpoint
 from stillcut.engine.model_config import ModelConfig
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats, widened
 
@@ -47,7 +48,7 @@ def load_vision_tower(
     tower = build_vision_tower(model_config, device="meta")
     unused = getattr(tower, "unused_tensors", lambda: ())()
     extra = getattr(tower, "matmul_parameters", dict)()
-    tower_format = weight_format.resolved(path).for_tower()
+    tower_format = weight_format.resolved(checkpoint_dtype(path, model_config)).for_tower()
     formats = plan_formats(tower, tower_format, matmul_weights(tower, extra))
     load_weights(tower, path, VISION_PREFIX, device=device, unused=unused, formats=formats)
     compute_dtype = tower_format.compute_dtype

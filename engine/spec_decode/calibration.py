@@ -32,7 +32,7 @@ import torch
 
 from stillcut.engine.request import SamplingParams
 from stillcut.engine.row_sampler import RowSampler
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
 CONTEXT_TOKENS = 64  # context each calibration request attends to

@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 
 from stillcut.engine.cache_groups import kv_bytes_per_block, recurrent_groups
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.config import SpeculativeConfig
 from stillcut.engine.kv_cache import KVCacheManager
-from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.loader import checkpoint_dtype, resolve_checkpoint
 from stillcut.engine.multimodal import DRAFT
 from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.request import PlaceholderRange, Request, SamplingParams
@@ -107,7 +108,7 @@ class DraftProposer:
         # the target's precision settings, resolved for the draft's own checkpoint
         weight_format = WeightFormat.for_engine(
             target.dtype, target.quantization, target.quantization_skip, target.device
-        ).resolved(path)
+        ).resolved(checkpoint_dtype(path, draft_config))
         model = family.language_model_class().from_checkpoint(
             path, weight_format, device=target.device
         )

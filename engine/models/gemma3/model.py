@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.loader import checkpoint_dtype, load_weights, resolve_checkpoint
 from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.base import PagedLanguageModel
 from stillcut.engine.models.gemma3.positions import gemma3_positions
@@ -49,7 +50,7 @@ from stillcut.engine.models.weights import (
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
@@ -270,7 +271,7 @@ class Gemma3LanguageModel(PagedLanguageModel):
         config = gemma3_text_config(model_config)
         if not config.tie_word_embeddings:
             raise CheckpointError("Gemma 3 with tie_word_embeddings=false is not supported")
-        weight_format = weight_format.resolved(folder)
+        weight_format = weight_format.resolved(checkpoint_dtype(folder, model_config))
         stored = _checkpoint_layout(config)
         table = "embed_tokens.weight"  # the tied head: laid out as its transpose
         formats = plan_formats(

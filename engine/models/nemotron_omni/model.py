@@ -19,10 +19,8 @@ from os import PathLike
 import torch
 from torch import nn
 
-from stillcut.engine.loader import (
-    load_model_config,
-    resolve_checkpoint,
-)
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.loader import checkpoint_dtype, resolve_checkpoint
 from stillcut.engine.models.base import PagedLanguageModel
 from stillcut.engine.models.matmul import head_table, scale_of
 from stillcut.engine.models.nemotron_omni.blocks import (
@@ -47,7 +45,7 @@ from stillcut.engine.models.nemotron_omni.text_config import (
 from stillcut.engine.models.weights import embedding_rows, load_decoder, set_weight
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Block, Stack
 
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
@@ -145,8 +143,9 @@ class NemotronHLanguageModel(PagedLanguageModel):
         head uses its embedding as the head. The MoE routers are float32 whatever the format.
         """
         folder = resolve_checkpoint(path)
-        config = nemotron_text_config(load_model_config(folder))
-        weight_format = weight_format.resolved(folder)
+        model_config = load_model_config(folder)
+        config = nemotron_text_config(model_config)
+        weight_format = weight_format.resolved(checkpoint_dtype(folder, model_config))
         stored = _checkpoint_layout(config)
         embeddings, lm_head = load_decoder(
             stored,

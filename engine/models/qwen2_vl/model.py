@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.loader import checkpoint_dtype, load_weights, resolve_checkpoint
 from stillcut.engine.model_config import ModelConfig
 from stillcut.engine.models.base import PagedLanguageModel
 from stillcut.engine.models.matmul import (
@@ -52,7 +53,7 @@ from stillcut.engine.models.weights import (
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import Conversion, WeightFormat, matmul_weights, plan_formats
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Mixer, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
@@ -255,7 +256,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
         folder = resolve_checkpoint(path)
         model_config = load_model_config(folder)
         config = cls.read_text_config(model_config)
-        weight_format = weight_format.resolved(folder)
+        weight_format = weight_format.resolved(checkpoint_dtype(folder, model_config))
         rope_spec = MRopeSpec(
             model_config.image_token_id,
             model_config.video_token_id,

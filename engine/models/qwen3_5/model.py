@@ -20,10 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.loader import (
-    load_model_config,
-    resolve_checkpoint,
-)
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.loader import checkpoint_dtype, resolve_checkpoint
 from stillcut.engine.models.base import PagedLanguageModel
 from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
 from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
@@ -43,7 +41,7 @@ from stillcut.engine.models.qwen3_5.mlp import (
 )
 from stillcut.engine.models.weights import Table, load_decoder, set_weight
 from stillcut.engine.quantization import WeightFormat
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Block, Stack
 
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
@@ -192,7 +190,7 @@ class Qwen35LanguageModel(PagedLanguageModel):
         folder = resolve_checkpoint(path)
         model_config = load_model_config(folder)
         config = text_config(model_config)
-        weight_format = weight_format.resolved(folder)
+        weight_format = weight_format.resolved(checkpoint_dtype(folder, model_config))
         stored = checkpoint_layout(config)
         embed_tokens, lm_head = load_decoder(
             stored,
