@@ -18,9 +18,8 @@ import time
 
 import torch
 
-from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.checkpoint import load_model_config, resolve_checkpoint
 from stillcut.engine.factory import random_demo_checkpoint
-from stillcut.engine.loader import resolve_checkpoint
 from stillcut.kernels.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 16

@@ -59,6 +59,7 @@ from collections.abc import Callable
 
 import torch
 
+from stillcut.engine import runner as runner_module
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
@@ -207,11 +208,11 @@ def loop_round(engine: LLMEngine, batch: int) -> tuple[float, float, float]:
     generate's. Means, not medians: a generate's mean per token takes the pauses a shared
     machine inflicts, so the model calls it is compared with must take theirs too."""
     runner, step = engine.runner, engine.step
-    prepare = runner._prepare
+    prepare = runner_module.prepare_inputs
     last_batch, replays, steps, extra = [], [], [], []
 
-    def capturing(output):
-        last_batch[:] = [prepare(output)]
+    def capturing(prepared_runner, output):
+        last_batch[:] = [prepare(prepared_runner, output)]
         return last_batch[0]
 
     def stepping():
@@ -225,13 +226,14 @@ def loop_round(engine: LLMEngine, batch: int) -> tuple[float, float, float]:
             extra.append(time.perf_counter() - ended)
         return outputs
 
-    runner._prepare, engine.step = capturing, stepping
+    runner_module.prepare_inputs, engine.step = capturing, stepping
     prompt = engine.processor.build_text(PROMPT)
     try:
         engine.generate([prompt] * batch, SamplingParams(max_tokens=LOOP_TOKENS, ignore_eos=True))
         finished = time.perf_counter()
     finally:
-        del runner._prepare, engine.step
+        runner_module.prepare_inputs = prepare
+        del engine.step
     assert len(steps) == LOOP_TOKENS - 1, len(steps)
     starts = [started for started, _ in steps]
     walls = [b - a - e for a, b, e in zip(starts, [*starts[1:], finished], extra, strict=True)]
@@ -299,10 +301,10 @@ def host_breakdown(engine: LLMEngine, batch: int, num_steps: int = 20) -> dict[s
             "step": (engine, "step"),
             "schedule": (scheduler, "schedule"),
             "rows": (runner, "_update_rows"),
-            "inputs": (runner, "_prepare"),
+            "inputs": (runner_module, "prepare_inputs"),
             "sample": (runner, "_sample"),
             "update": (scheduler, "update_from_output"),
-            "outputs": (engine, "_postprocess"),
+            "outputs": (engine.outputs, "process"),
             **model_parts(engine.model),
         }
     )
