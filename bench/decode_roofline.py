@@ -55,6 +55,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+import types
 from collections.abc import Callable
 
 import torch
@@ -115,18 +116,26 @@ def timed(call: Callable[[], object]) -> float:
 
 class PartTimer:
     """Seconds spent in each call of some methods, recorded by wrapping them on the given
-    instances (the engine, its scheduler, runner or model)."""
+    instances (the engine, its scheduler, runner or model) or modules (a module's function)."""
 
     def __init__(self, parts: dict[str, tuple[object, str]]) -> None:
         self.parts = parts
         self.calls: dict[str, list[tuple[float, float]]] = {name: [] for name in parts}
+        self._module_functions = {
+            (owner, method): getattr(owner, method)
+            for owner, method in parts.values()
+            if isinstance(owner, types.ModuleType)
+        }
         for name, (owner, method) in parts.items():
             setattr(owner, method, self._timed(getattr(owner, method), self.calls[name]))
 
     def stop(self) -> None:
-        """Unwrap the methods (back to the class's own)."""
+        """Unwrap the methods (back to the class's own) and the module functions."""
         for owner, method in self.parts.values():
-            delattr(owner, method)
+            if (owner, method) in self._module_functions:
+                setattr(owner, method, self._module_functions[owner, method])
+            else:
+                delattr(owner, method)
 
     def seconds(self, name: str) -> list[float]:
         return [end - start for start, end in self.calls[name]]
