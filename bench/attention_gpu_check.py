@@ -23,7 +23,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from stillcut.kernels.attention import AttentionMetadata, paged_attention
+from stillcut.kernels.attention import paged_attention
+from stillcut.kernels.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 16
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # max abs error against torch fp32

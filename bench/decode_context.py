@@ -18,9 +18,9 @@ import time
 
 import torch
 
+from stillcut.engine.checkpoint import load_model_config, resolve_checkpoint
 from stillcut.engine.factory import random_demo_checkpoint
-from stillcut.engine.loader import load_model_config, resolve_checkpoint
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 
 BLOCK_SIZE = 16
 ROUNDS = 7

@@ -55,10 +55,12 @@ import statistics
 import sys
 import time
 import tracemalloc
+import types
 from collections.abc import Callable
 
 import torch
 
+from stillcut.engine import runner as runner_module
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
@@ -114,18 +116,26 @@ def timed(call: Callable[[], object]) -> float:
 
 class PartTimer:
     """Seconds spent in each call of some methods, recorded by wrapping them on the given
-    instances (the engine, its scheduler, runner or model)."""
+    instances (the engine, its scheduler, runner or model) or modules (a module's function)."""
 
     def __init__(self, parts: dict[str, tuple[object, str]]) -> None:
         self.parts = parts
         self.calls: dict[str, list[tuple[float, float]]] = {name: [] for name in parts}
+        self._module_functions = {
+            (owner, method): getattr(owner, method)
+            for owner, method in parts.values()
+            if isinstance(owner, types.ModuleType)
+        }
         for name, (owner, method) in parts.items():
             setattr(owner, method, self._timed(getattr(owner, method), self.calls[name]))
 
     def stop(self) -> None:
-        """Unwrap the methods (back to the class's own)."""
+        """Unwrap the methods (back to the class's own) and the module functions."""
         for owner, method in self.parts.values():
-            delattr(owner, method)
+            if (owner, method) in self._module_functions:
+                setattr(owner, method, self._module_functions[owner, method])
+            else:
+                delattr(owner, method)
 
     def seconds(self, name: str) -> list[float]:
         return [end - start for start, end in self.calls[name]]
@@ -207,11 +217,11 @@ def loop_round(engine: LLMEngine, batch: int) -> tuple[float, float, float]:
     generate's. Means, not medians: a generate's mean per token takes the pauses a shared
     machine inflicts, so the model calls it is compared with must take theirs too."""
     runner, step = engine.runner, engine.step
-    prepare = runner._prepare
+    prepare = runner_module.prepare_inputs
     last_batch, replays, steps, extra = [], [], [], []
 
-    def capturing(output):
-        last_batch[:] = [prepare(output)]
+    def capturing(prepared_runner, output):
+        last_batch[:] = [prepare(prepared_runner, output)]
         return last_batch[0]
 
     def stepping():
@@ -225,13 +235,14 @@ def loop_round(engine: LLMEngine, batch: int) -> tuple[float, float, float]:
             extra.append(time.perf_counter() - ended)
         return outputs
 
-    runner._prepare, engine.step = capturing, stepping
+    runner_module.prepare_inputs, engine.step = capturing, stepping
     prompt = engine.processor.build_text(PROMPT)
     try:
         engine.generate([prompt] * batch, SamplingParams(max_tokens=LOOP_TOKENS, ignore_eos=True))
         finished = time.perf_counter()
     finally:
-        del runner._prepare, engine.step
+        runner_module.prepare_inputs = prepare
+        del engine.step
     assert len(steps) == LOOP_TOKENS - 1, len(steps)
     starts = [started for started, _ in steps]
     walls = [b - a - e for a, b, e in zip(starts, [*starts[1:], finished], extra, strict=True)]
@@ -299,10 +310,10 @@ def host_breakdown(engine: LLMEngine, batch: int, num_steps: int = 20) -> dict[s
             "step": (engine, "step"),
             "schedule": (scheduler, "schedule"),
             "rows": (runner, "_update_rows"),
-            "inputs": (runner, "_prepare"),
+            "inputs": (runner_module, "prepare_inputs"),
             "sample": (runner, "_sample"),
             "update": (scheduler, "update_from_output"),
-            "outputs": (engine, "_postprocess"),
+            "outputs": (engine.outputs, "process"),
             **model_parts(engine.model),
         }
     )

@@ -121,7 +121,7 @@ def _stillcut(fast: bool):
     from dataclasses import replace
 
     from stillcut.demo import demo_checkpoint
-    from stillcut.engine.loader import load_model_config
+    from stillcut.engine.checkpoint import load_model_config
     from stillcut.engine.models.qwen2_vl.media import QwenMedia
     from stillcut.vision.decode import DecodeConfig, open_video
 

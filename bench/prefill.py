@@ -46,11 +46,11 @@ import time
 
 import torch
 
-from stillcut.engine.arithmetic import BF16_FLAGS, FLAGS_VARIABLE, cpu_flags
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.request import SamplingParams
+from stillcut.kernels.cpu_flags import BF16_FLAGS, FLAGS_VARIABLE, cpu_flags
 
 MODES = {
     "fp32": {"dtype": "float32", "compute_dtype": "float32"},

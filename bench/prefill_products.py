@@ -34,12 +34,12 @@ import time
 
 import torch
 
-from stillcut.engine.arithmetic import FLAGS_VARIABLE, cpu_flags
 from stillcut.engine.models.matmul import linear, stored_matrix
 from stillcut.engine.models.qwen2_vl.checkpoint import PRESETS
 from stillcut.engine.quantization import quantize_int8
 from stillcut.kernels.cpu_decode import native_matrix
 from stillcut.kernels.cpu_decode_stack import pack_matrix, pack_quads, quads_fit
+from stillcut.kernels.cpu_flags import FLAGS_VARIABLE, cpu_flags
 
 # option -> (the CPU flags it runs under, the stored weight's kind, its arithmetic)
 OPTIONS = {

@@ -18,10 +18,10 @@ import statistics
 import time
 from pathlib import Path
 
-from stillcut.engine.arithmetic import BF16_FLAGS, cpu_flags
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.request import SamplingParams
+from stillcut.kernels.cpu_flags import BF16_FLAGS, cpu_flags
 from stillcut.kernels.evs.config import EVSConfig
 from stillcut.service.api import VideoLLM
 from stillcut.vision.pipeline import VideoInput

@@ -154,7 +154,7 @@ def measure_rss(side: str, folder: Path, args: argparse.Namespace) -> float:
 
 def compare_arithmetic(args: argparse.Namespace) -> None:
     """`--compute`: see the module docstring."""
-    from stillcut.engine.arithmetic import BF16_FLAGS, cpu_flags
+    from stillcut.kernels.cpu_flags import BF16_FLAGS, cpu_flags
 
     if not cpu_flags().intersection(BF16_FLAGS):
         print(f"skipped (no {' or '.join(BF16_FLAGS)} in this CPU's flags)")

@@ -67,8 +67,8 @@ from stillcut.demo.token_labels import (
     mirrored_labels,
 )
 from stillcut.demo.training_data import SAMPLE_FPS, TrainingClip, training_clips
-from stillcut.engine.disk_cache import atomic_folder
-from stillcut.engine.model_config import load_model_config
+from stillcut.disk_cache import atomic_folder
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
 from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, preprocess_video
 from stillcut.engine.models.qwen2_vl.tower_2_5 import Qwen2_5_VLVisionTower

@@ -5,21 +5,18 @@ arithmetic of what is bound by it rather than by reading weights: prefill's long
 the vision tower. On CPU, "auto" picks bfloat16 for bfloat16 weights where the CPU's flags show
 bfloat16 dot products (avx512_bf16 or amx_bf16), else float32 (on CUDA everything computes in
 the weights' dtype, `WeightFormat.resolved`: bfloat16 for bfloat16 weights). The
-CPU's flags are read at run time from /proc/cpuinfo, never assumed; `STILLCUT_CPU_FLAGS`
-replaces them (space-separated; empty: none), so the detection can be forced off.
+CPU's flags are read at run time (`kernels.cpu_flags`), never assumed.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import NamedTuple
 
 import torch
 
+from stillcut.kernels.cpu_flags import BF16_FLAGS, cpu_flags
+
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-FLAGS_VARIABLE = "STILLCUT_CPU_FLAGS"
 
 
 class Arithmetic(NamedTuple):
@@ -35,28 +32,6 @@ class Arithmetic(NamedTuple):
     def to_dict(self) -> dict[str, str]:
         """As /health and `inspect --json` report it."""
         return {"dtype": self.name, "reason": self.reason}
-
-
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags: `STILLCUT_CPU_FLAGS` when set, else /proc/cpuinfo's (none
-    where there is no such file)."""
-    forced = os.environ.get(FLAGS_VARIABLE)
-    if forced is not None:
-        return frozenset(forced.split())
-    return _proc_cpu_flags()
-
-
-@functools.cache
-def _proc_cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                name, _, value = line.partition(":")
-                if name.strip() == "flags":
-                    return frozenset(value.split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def resolve_arithmetic(name: str, stored: torch.dtype, quantization: str | None) -> Arithmetic:

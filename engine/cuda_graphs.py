@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from stillcut.engine.runner import ModelRunner

@@ -1,6 +1,6 @@
-"""Checkpoint loading: find a Hugging Face checkpoint folder and load its weights into modules.
+"""Checkpoint loading: load a Hugging Face checkpoint's weights into modules.
 
-A checkpoint is a folder with config.json (read by `model_config.load_model_config`) and
+A checkpoint is a folder with config.json (read once, by `checkpoint.open_checkpoint`) and
 safetensors weights, one file or shards with an index. Checkpoints of one family name their
 tensors in several layouts (releases, and saves by different transformers versions); the
 family's registry entry maps each stored prefix to one canonical naming: `visual.*` (everything
@@ -20,8 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
-import re
 from collections.abc import Callable, Collection, Mapping
 from os import PathLike
 from pathlib import Path
@@ -32,8 +30,15 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from stillcut.engine.anon_memory import release_freed_memory
-from stillcut.engine.model_config import CheckpointError, ModelConfig, load_model_config
-from stillcut.engine.quantization import Conversion, quantize_int8, quantize_stack, row_blocks
+from stillcut.engine.checkpoint import Checkpoint, CheckpointLike, open_checkpoint
+from stillcut.engine.model_config import CheckpointError, ModelConfig
+from stillcut.engine.quantization import (
+    STORED_DTYPES,
+    Conversion,
+    quantize_int8,
+    quantize_stack,
+    row_blocks,
+)
 from stillcut.kernels.cpu_decode_stack import PANEL_COLUMNS, head_panels_shape, to_head_panels
 
 log = logging.getLogger(__name__)
@@ -43,58 +48,13 @@ __all__ = [
     "ModelConfig",
     "canonical_tensor_name",
     "checkpoint_tensors",
-    "load_model_config",
     "load_weights",
-    "resolve_checkpoint",
+    "checkpoint_dtype",
     "stored_floating_dtype",
 ]
 
-HUB_ETAG_TIMEOUT_S = 5.0
-# Files a checkpoint needs: config, weights, tokenizer and chat template (never .bin/.pth).
-HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja")
-_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _MAX_NAMES_IN_ERROR = 8
 _T = TypeVar("_T")
-
-
-def resolve_checkpoint(model: str | PathLike[str]) -> Path:
-    """A local checkpoint folder for `model`: an existing folder, or a hub id to download.
-
-    Hub downloads need the hub to be reachable; offline (HF_HUB_OFFLINE=1 or no network) a hub
-    id resolves only from the local Hugging Face cache, otherwise this fails at once with a
-    CheckpointError that names the id and says to pass a local folder.
-    """
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise CheckpointError(f"{path} is a file; pass a checkpoint folder (with config.json)")
-    name = str(model)
-    if not _HUB_ID.match(name):
-        raise CheckpointError(f"checkpoint folder {name!r} does not exist")
-    return _download_from_hub(name)
-
-
-def _download_from_hub(repo_id: str) -> Path:
-    # Imported here: only hub ids need it, and it costs a noticeable import time.
-    from huggingface_hub import snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    try:
-        folder = snapshot_download(
-            repo_id,
-            allow_patterns=list(HUB_ALLOW_PATTERNS),
-            etag_timeout=HUB_ETAG_TIMEOUT_S,
-            local_files_only=offline,
-        )
-    except Exception as error:  # any hub or network failure means the same to the user
-        summary = (str(error).strip().splitlines() or [""])[0]
-        reason = "HF_HUB_OFFLINE is set and it is not in the local cache" if offline else summary
-        raise CheckpointError(
-            f"cannot fetch hub model {repo_id!r}: {reason} ({type(error).__name__}); "
-            "pass a local checkpoint folder instead"
-        ) from error
-    return Path(folder)
 
 
 def canonical_tensor_name(name: str, prefixes: Mapping[str, str]) -> str:
@@ -106,10 +66,11 @@ def canonical_tensor_name(name: str, prefixes: Mapping[str, str]) -> str:
     return name
 
 
-def checkpoint_tensors(path: str | PathLike[str]) -> dict[str, tuple[Path, str]]:
+def checkpoint_tensors(checkpoint: CheckpointLike) -> dict[str, tuple[Path, str]]:
     """Canonical tensor name -> (safetensors file, name stored in it); reads headers only."""
-    folder = Path(path)
-    prefixes = load_model_config(folder).family.weight_prefixes
+    checkpoint = open_checkpoint(checkpoint)
+    folder = checkpoint.folder
+    prefixes = checkpoint.config.family.weight_prefixes
     index_file = folder / "model.safetensors.index.json"
     single_file = folder / "model.safetensors"
     if index_file.is_file():
@@ -140,7 +101,7 @@ def checkpoint_tensors(path: str | PathLike[str]) -> dict[str, tuple[Path, str]]
 
 def load_weights(
     module: nn.Module,
-    path: str | PathLike[str],
+    path: CheckpointLike,
     prefix: str,
     dtype: torch.dtype | None = torch.float32,
     device: torch.device | str = "cpu",
@@ -158,9 +119,11 @@ def load_weights(
     tensors, other unexpected tensors under `prefix` and wrong shapes raise CheckpointError
     naming them before anything is assigned; an unreadable safetensors file raises naming it.
     """
+    checkpoint = open_checkpoint(path)
+    path = checkpoint.folder  # what errors name
     stored = {
         name[len(prefix) :]: location
-        for name, location in checkpoint_tensors(path).items()
+        for name, location in checkpoint_tensors(checkpoint).items()
         if name.startswith(prefix)
     }
     skipped = [name for name in stored if name.startswith(tuple(unused))]
@@ -285,14 +248,26 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def stored_floating_dtype(path: str | PathLike[str]) -> torch.dtype:
+def checkpoint_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """The dtype a checkpoint says it is stored in (config.json `dtype` / `torch_dtype`), else
+    the dtype of its first floating tensor."""
+    raw = checkpoint.config.raw
+    for section in (raw, raw.get("text_config") or {}):
+        name = section.get("dtype") or section.get("torch_dtype")
+        if name in STORED_DTYPES:
+            return STORED_DTYPES[name]
+    return stored_floating_dtype(checkpoint)
+
+
+def stored_floating_dtype(checkpoint: CheckpointLike) -> torch.dtype:
     """The dtype of a checkpoint's first floating tensor (its headers only)."""
-    for file, name in checkpoint_tensors(path).values():
+    checkpoint = open_checkpoint(checkpoint)
+    for file, name in checkpoint_tensors(checkpoint).values():
         with _open_safetensors(file) as handle:
             dtype = _SAFETENSORS_DTYPES.get(_read(handle.get_slice, file, name).get_dtype())
         if dtype is not None and dtype.is_floating_point:
             return dtype
-    raise CheckpointError(f"{path} holds no floating tensor")
+    raise CheckpointError(f"{checkpoint.folder} holds no floating tensor")
 
 
 def _plan_loads(

@@ -1,19 +1,16 @@
 """What stillcut needs from a checkpoint's config.json, whatever its family.
 
-`model_type` picks the family's registry entry (`models.families`); its config reader turns the
-vision section into the family's own frozen vision config and reads the media token ids. The
-text section stays a read-only dict for the family's language model to interpret: transformers
-5.x nests it in `text_config`, older saves keep its fields at the top level.
+`model_type` picks the family's registry entry (`checkpoint.load_model_config` reads the file);
+its config reader turns the vision section into the family's own frozen vision config and reads
+the media token ids (`FamilyConfig`). The text section stays a read-only dict for the family's
+language model to interpret: transformers 5.x nests it in `text_config`, older saves keep its
+fields at the top level.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from os import PathLike
-from pathlib import Path
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,6 +20,34 @@ if TYPE_CHECKING:
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: unsupported config, missing or mismatched weights."""
+
+
+@dataclass(frozen=True)
+class MediaTokenIds:
+    """The ids a family's prompts place media with. `video_token_id` is None for a family
+    without a video placeholder (its videos are written as image items, one per frame); the
+    vision start/end ids are None for a family whose prompt format writes its own delimiters
+    as text."""
+
+    image_token_id: int
+    video_token_id: int | None
+    vision_start_token_id: int | None
+    vision_end_token_id: int | None
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if (value is None and name == "image_token_id") or (value is not None and value < 0):
+                raise ValueError(f"{name}={value} must be >= 0")
+        if self.image_token_id == self.video_token_id:
+            raise ValueError(f"image_token_id={self.image_token_id} must differ from video's")
+
+
+@dataclass(frozen=True)
+class FamilyConfig:
+    """What a family's config reader takes from config.json besides the text section."""
+
+    vision: Any  # the family's own frozen vision config
+    token_ids: MediaTokenIds
 
 
 @dataclass(frozen=True)
@@ -70,42 +95,3 @@ class ModelConfig:
         if self.family.live_sessions:
             return None
         return f"live sessions are not supported for {self.model_type!r} checkpoints"
-
-
-def load_model_config(path: str | PathLike[str]) -> ModelConfig:
-    """Read `<path>/config.json` (or a config.json path) into a ModelConfig."""
-    from stillcut.engine.models.families import FAMILIES
-
-    file = Path(path)
-    file = file / "config.json" if file.is_dir() else file
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"cannot read model config {file}: {error}") from error
-    model_type = raw.get("model_type")
-    family = FAMILIES.get(model_type)
-    if family is None:
-        raise CheckpointError(
-            f"{file}: model_type {model_type!r} is not supported; "
-            f"supported: {', '.join(FAMILIES.model_types)}"
-        )
-    text = raw.get("text_config") or {k: v for k, v in raw.items() if k != "vision_config"}
-    try:
-        read = family.read_config(raw)
-        rate = None if family.native_evs_rate is None else family.native_evs_rate(raw)
-        return ModelConfig(
-            model_type=model_type,
-            family=family,
-            vision=read.vision,
-            text=MappingProxyType(text),
-            tie_word_embeddings=bool(
-                raw.get("tie_word_embeddings") or text.get("tie_word_embeddings")
-            ),
-            raw=MappingProxyType(raw),
-            native_evs_rate=rate,
-            **read.token_ids.__dict__,
-        )
-    except KeyError as error:
-        raise CheckpointError(f"{file}: required field {error} is missing") from error
-    except (TypeError, ValueError) as error:
-        raise CheckpointError(f"{file}: {error}") from error

@@ -20,15 +20,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from os import PathLike
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from stillcut.engine.chat_template import ChatTemplate
-from stillcut.engine.loader import resolve_checkpoint
-from stillcut.engine.model_config import CheckpointError, load_model_config
+from stillcut.engine.checkpoint import CheckpointLike, open_checkpoint
+from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.registry import ModelFamily
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.prompt_formats import MarkerTexts, videos_as_frames
@@ -127,15 +126,17 @@ class PromptProcessor:
             self._video_prefix_ids, _ = self._split_at_video_pad("")
 
     @classmethod
-    def from_checkpoint(cls, path: str | PathLike[str]) -> PromptProcessor:
-        """Load the tokenizer, chat template and special ids of a checkpoint folder or hub id."""
-        folder = resolve_checkpoint(path)
+    def from_checkpoint(cls, path: CheckpointLike) -> PromptProcessor:
+        """Load the tokenizer, chat template and special ids of a checkpoint (or its folder or
+        hub id)."""
+        checkpoint = open_checkpoint(path)
+        folder = checkpoint.folder
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise CheckpointError(f"{folder} has no tokenizer.json")
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
         tokenizer_config = _read_json(folder / "tokenizer_config.json")
-        config = load_model_config(folder)
+        config = checkpoint.config
         special = SpecialTokenIds(
             image_token_id=config.image_token_id,
             video_token_id=config.video_token_id,

@@ -21,10 +21,8 @@ the LM head (and a tied table, which is the head) in `dtype`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -86,10 +84,10 @@ class WeightFormat:
         if unknown:
             raise ValueError(f"skip={self.skip}: unknown {sorted(unknown)}; allowed {SKIPPABLE}")
 
-    def resolved(self, folder: str | Path) -> WeightFormat:
-        """This format with `dtype` (the checkpoint's own when None), `compute_dtype` (the
-        stored one when None) and `arithmetic` set."""
-        dtype = self.dtype if self.dtype is not None else checkpoint_dtype(folder)
+    def resolved(self, checkpoint_dtype: torch.dtype) -> WeightFormat:
+        """This format with `dtype` (`checkpoint_dtype`, the checkpoint's own, when None),
+        `compute_dtype` (the stored one when None) and `arithmetic` set."""
+        dtype = self.dtype if self.dtype is not None else checkpoint_dtype
         compute_dtype = self.compute_dtype or dtype
         arithmetic = self.arithmetic
         if arithmetic is None and torch.device(self.device).type != "cpu":
@@ -154,20 +152,6 @@ class Conversion(NamedTuple):
     through: torch.dtype | None = None
     head: bool = False
     stacked: bool = False
-
-
-def checkpoint_dtype(folder: str | Path) -> torch.dtype:
-    """The dtype a checkpoint says it is stored in (config.json `dtype` / `torch_dtype`), else
-    the dtype of its first floating tensor."""
-    folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    for section in (config, config.get("text_config") or {}):
-        name = section.get("dtype") or section.get("torch_dtype")
-        if name in STORED_DTYPES:
-            return STORED_DTYPES[name]
-    from stillcut.engine.loader import stored_floating_dtype
-
-    return stored_floating_dtype(folder)
 
 
 def matmul_weights(module: nn.Module, extra: Mapping[str, int] = {}) -> dict[str, int]:

@@ -258,6 +258,29 @@ class Request:
         self._num_visual_tokens += sum(item.num_tokens for item in items)
         return start
 
+    def append_output(
+        self, token_ids: Sequence[int]
+    ) -> tuple[list[int], RequestStatus | None, int | None]:
+        """Append sampled tokens up to the first that stops the request. Returns them, the
+        finished status if one stopped it, and the stop token id (None for EOS, as OpenAI)."""
+        for index, token_id in enumerate(token_ids):
+            self.output_token_ids.append(token_id)
+            status, stop_reason = self.stop_after(token_id)
+            if status is not None:
+                return list(token_ids[: index + 1]), status, stop_reason
+        return list(token_ids), None, None
+
+    def stop_after(self, token_id: int) -> tuple[RequestStatus | None, int | None]:
+        """Whether the output token just appended ends the request, and its stop token id."""
+        params = self.sampling_params
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token_id
+        if len(self.output_token_ids) >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
     def chunk_end_at_or_before(self, position: int) -> int:
         """The largest chunk end <= `position` that does not split a bidirectional item.
 

@@ -26,27 +26,27 @@ row after its tokens, as that many one-token rows of the attention metadata (so 
 is a step of decodes, which the native CPU step takes), and samples at each of them (see
 `RowSampler.sample`); rejected drafts stay in the row until later tokens overwrite them. Its
 recurrent states cannot be overwritten so: the verify step keeps them after each scored token,
-and the request's next step restores those after its last accepted one (`_roll_back`).
+and the request's next step restores those after its last accepted one
+(`RecurrentRows.roll_back`). Input preparation lives in `step_inputs`, the recurrent states and
+their snapshot and verify bookkeeping in `recurrent_rows`.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from stillcut.engine.cache_groups import CacheGroup, attention_groups, recurrent_groups
-from stillcut.engine.cuda_graphs import DecodeGraphs, bucket_for
+from stillcut.engine.cache_groups import CacheGroup, attention_groups
+from stillcut.engine.cuda_graphs import DecodeGraphs
 from stillcut.engine.multimodal import MultiModalItem
+from stillcut.engine.recurrent_rows import RecurrentRows
 from stillcut.engine.request import PlaceholderRange, SamplingParams
 from stillcut.engine.row_sampler import RowSampler, StepResult
 from stillcut.engine.scheduler_output import AppendedInput, NewRequestData, SchedulerOutput
 from stillcut.engine.step_buffers import StepBuffers
-from stillcut.kernels.attention import AttentionMetadata
-from stillcut.kernels.mamba2 import RecurrentMetadata
+from stillcut.engine.step_inputs import prepare_inputs
 
 
 @dataclass
@@ -103,22 +103,18 @@ class ModelRunner:
         self.kv_caches = _paged_kv_caches(
             cache_groups, num_cache_blocks, block_size, kv_dtype, device
         )
-        # layer id -> its state tensors, each [max_num_reqs, *shape]: row r is request row r's
-        state_dtype = state_dtype or kv_dtype
-        self.recurrent_states = _recurrent_states(cache_groups, max_num_reqs, state_dtype, device)
-        # layer id -> its snapshot tensors, each [num_state_snapshots, *shape]
-        self.state_snapshots = _recurrent_states(
-            cache_groups, num_state_snapshots, state_dtype, device
+        self.recurrent = RecurrentRows(
+            cache_groups,
+            max_num_reqs=max_num_reqs,
+            num_snapshots=num_state_snapshots,
+            max_spec_tokens=max_spec_tokens,
+            max_num_batched_tokens=max_num_batched_tokens,
+            dtype=state_dtype or kv_dtype,
+            device=self.device,
         )
-        # layer id -> the states after each position of a verify step, each
-        # [max_num_reqs * (1 + max_spec_tokens), *shape]: slot row * (1 + K) + j is row's after
-        # its j-th scored token (see `_roll_back`)
-        self.draft_stride = 1 + max_spec_tokens
-        self.draft_states = _recurrent_states(
-            cache_groups, max_num_reqs * self.draft_stride if max_spec_tokens else 0,
-            state_dtype, device,
-        )  # fmt: skip
-        self._verified: dict[str, int] = {}  # request id -> where its last verify step started
+        self.recurrent_states = self.recurrent.states
+        self.state_snapshots = self.recurrent.snapshots
+        self.draft_states = self.recurrent.draft_states
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = torch.zeros(max_num_reqs, max_model_len, dtype=torch.long)
         self.block_table = torch.zeros(max_num_reqs, max_blocks, dtype=torch.int32)
@@ -139,13 +135,10 @@ class ModelRunner:
             block_size=block_size,
             device=self.device,
         )
-        # `_prepare` writes token inputs straight into the staging views.
+        # `prepare_inputs` writes token inputs straight into the staging views.
         self.input_ids = self.buffers.host.input_ids
         self.positions = self.buffers.host.positions
         self.slot_mapping = self.buffers.host.slot_mapping
-        # which scheduled tokens are prompt tokens (for recurrent layers), staged on the host
-        self.prompt_mask = torch.zeros(max_num_batched_tokens, dtype=torch.bool)
-        self.prompt_array = self.prompt_mask.numpy()
         self.graphs: DecodeGraphs | None = None
         # the items' extra feature sets the model consumes (admission checked every item
         # carries them); none: no step gathers any
@@ -172,7 +165,7 @@ class ModelRunner:
         self._update_rows(output)
         if not output.num_scheduled_tokens:
             return StepResult({}, {})
-        batch = self._prepare(output)
+        batch = prepare_inputs(self, output)
         with torch.inference_mode():
             if self.graphs is not None and batch.bucket in self.graphs.logits:
                 logits = self.graphs.replay(batch.bucket)[: batch.num_sampled]
@@ -204,7 +197,8 @@ class ModelRunner:
         for request_id in output.preempted_ids:
             self._drop_row(request_id)
         for cached in output.scheduled_cached:
-            self._roll_back(cached.request_id, cached.num_computed_tokens)
+            row = self.rows[cached.request_id].row
+            self.recurrent.roll_back(cached.request_id, row, cached.num_computed_tokens)
         for new in output.scheduled_new:
             assert new.request_id not in self.rows, "a request with a row is never new"
             self._add_row(new)
@@ -241,9 +235,7 @@ class ModelRunner:
         self.sampling.admit(new.request_id, new.sampling_params)
         if new.restore_slot is not None:
             # before this step's forward, which may save other states into the same slot
-            for layer, states in self.recurrent_states.items():
-                for tensor, snapshot in zip(states, self.state_snapshots[layer], strict=True):
-                    tensor[row] = snapshot[new.restore_slot]
+            self.recurrent.restore(row, new.restore_slot)
 
     def _append_input(self, state: RowState, appended: AppendedInput) -> None:
         """Write appended input into a row: the sampled tokens it follows become placed (at the
@@ -291,200 +283,13 @@ class ModelRunner:
         self.block_array[state.row, start : start + len(block_ids)] = block_ids
         state.block_ids.extend(block_ids)
 
-    def _roll_back(self, request_id: str, num_computed: int) -> None:
-        """A request whose last step verified drafts runs again with `num_computed` tokens
-        computed (the scheduler rolled back those past the first rejected draft, or past a
-        stop): its row's recurrent states become those after its last computed token, kept
-        by the verify step (`RecurrentMetadata.verify_positions`). Per-position states cost
-        (1 + K) states per row in memory, and writing them about as much as the update itself
-        (each position's update rewrites the whole state anyway); recomputing the accepted
-        tokens instead would cost another forward of the model."""
-        start = self._verified.pop(request_id, None)
-        if start is None or num_computed == start + self.draft_stride:
-            return  # every scored token accepted: the row holds their states already
-        slot = self.rows[request_id].row * self.draft_stride + num_computed - start - 1
-        for layer, states in self.recurrent_states.items():
-            for tensor, drafts in zip(states, self.draft_states[layer], strict=True):
-                tensor[self.rows[request_id].row] = drafts[slot]
-
     def _drop_row(self, request_id: str) -> None:
-        self._verified.pop(request_id, None)
+        self.recurrent.verified.pop(request_id, None)
         state = self.rows.pop(request_id, None)
         if state is not None:
             # the attention backends read a row's padding as block 0, never as someone else's
             self.block_table[state.row, : len(state.block_ids)] = 0
             self.free_rows.append(state.row)
-
-    # ---- inputs ------------------------------------------------------------------------------
-
-    def _prepare(self, output: SchedulerOutput) -> _Batch:
-        request_ids = list(output.num_scheduled_tokens)
-        self.buffers.staging()  # the previous step's copy has read the staging buffer
-        computed = {c.request_id: c.num_computed_tokens for c in output.scheduled_cached}
-        computed.update({n.request_id: n.num_computed_tokens for n in output.scheduled_new})
-        query_start = [0]
-        seq_lens, rows = [], []
-        items = _StepItems({name: [] for name in self.feature_names})
-        sample_ids, sample_index = [], []
-        decodes: list[tuple[int, int, int, int]] = []  # (row in the batch, id, position, slot)
-        size, max_blocks = self.block_size, 0
-        for request_id in request_ids:
-            state = self.rows[request_id]
-            start = computed[request_id]
-            end = start + output.num_scheduled_tokens[request_id]
-            q0, q1 = query_start[-1], query_start[-1] + end - start
-            drafts = output.spec_token_ids.get(request_id, ())
-            if drafts:  # scored after the last sampled token; overwritten unless accepted
-                self.token_array[state.row, end - len(drafts) : end] = drafts
-            if end - start == 1 and start >= state.prompt_len:
-                # one sampled token: its values are Python ints, written for all decodes at once
-                after = start - state.prompt_len
-                slot = state.block_ids[start // size] * size + start % size
-                decodes.append((q0, state.output_ids[after], state.next_position + after, slot))
-            else:
-                self.input_ids[q0:q1] = self.token_ids[state.row, start:end]
-                self.positions[:, q0:q1] = self._positions(state, start, end)
-                token_index = torch.arange(start, end)
-                blocks = self.block_table[state.row, token_index // size].long()
-                self.slot_mapping[q0:q1] = blocks * size + token_index % size
-                meta_row = len(seq_lens)  # this request's row in the attention metadata
-                self._gather_items(state, start, end, q0, meta_row, items)
-            if drafts:
-                # a verify step is 1 + K one-token rows of the request, each seeing the ones
-                # before it: a step of decodes (the native step takes it), causal inside
-                query_start.extend(range(q0 + 1, q1 + 1))
-                seq_lens.extend(range(start + 1, end + 1))
-                rows.extend([state.row] * (end - start))
-            else:
-                query_start.append(q1)
-                seq_lens.append(end)
-                rows.append(state.row)
-            max_blocks = max(max_blocks, len(state.block_ids))
-            if end == state.num_tokens + len(drafts) and not state.hold:
-                sample_ids.append(request_id)
-                sample_index.extend(range(q1 - 1 - len(drafts), q1))
-        if decodes:
-            self._write_decodes(decodes)
-        recurrent = self._recurrent_metadata(output, request_ids, computed)
-        every_token_samples = len(sample_index) == query_start[-1]  # a step of decodes only
-        bucket = None
-        if every_token_samples and len(seq_lens) == query_start[-1] and recurrent is None:
-            # one-token rows that all sample (decodes, verify rows): padded to a bucket of rows
-            bucket = bucket_for(len(seq_lens), self.decode_buckets)
-        if items.embeds:
-            self.buffers.stage_items(query_start[-1], items.spans, items.ranges)
-        if bucket is not None:
-            self.buffers.stage_pads(query_start, seq_lens, bucket, self.sink_block)
-        self.buffers.stage_requests(
-            query_start,
-            seq_lens,
-            self.block_array,
-            rows,
-            max_blocks,
-            None if every_token_samples else sample_index,
-        )
-        metadata = self.buffers.metadata(query_start, seq_lens, max(seq_lens), len(items.ranges))
-        metadata.recurrent = recurrent
-        metadata.prefill_dtype = self.model.prefill_dtype
-        input_ids, positions, _, _, mm_mask = self.buffers.token_views(query_start[-1])
-        return _Batch(
-            input_ids=input_ids,
-            positions=positions,
-            metadata=metadata,
-            mm_embeds=torch.cat(items.embeds).to(self.device) if items.embeds else None,
-            mm_mask=mm_mask if items.embeds else None,
-            mm_features=items.feature_tensors(self.device),
-            sample_ids=sample_ids,
-            sample_index=(
-                None if every_token_samples else self.buffers.token_views(len(sample_index))[3]
-            ),
-            num_sampled=len(sample_index),
-            bucket=bucket,
-        )
-
-    def _write_decodes(self, decodes: list[tuple[int, int, int, int]]) -> None:
-        """Token id, position and slot of each decode: one sampled text token (t = h = w)."""
-        batch_rows, ids, positions, slots = zip(*decodes, strict=True)
-        host = self.buffers.host_arrays
-        if batch_rows[-1] == len(batch_rows) - 1:  # decodes are scheduled first: rows 0..D-1
-            batch_rows = slice(0, len(batch_rows))
-        else:
-            batch_rows = list(batch_rows)
-        host.input_ids[batch_rows] = ids
-        host.positions[:, batch_rows] = positions
-        host.slot_mapping[batch_rows] = slots
-
-    def _recurrent_metadata(
-        self, output: SchedulerOutput, request_ids: list[str], computed: dict[str, int]
-    ) -> RecurrentMetadata | None:
-        """Each request's state row, whether its state starts fresh (its first computed
-        token is token 0: a new request, or one recomputed after preemption), which
-        scheduled tokens are prompt tokens, where to save snapshots, and which requests verify
-        drafts (their start is kept for `_roll_back`). None for a model without recurrent
-        layers."""
-        if not self.recurrent_states:
-            return None
-        # a request resuming after cached tokens had its state restored from a snapshot
-        assert all(
-            n.num_computed_tokens == 0 or n.restore_slot is not None for n in output.scheduled_new
-        ), "a state resumed without a snapshot"
-        scheduled = output.num_scheduled_tokens
-        query_start = [0, *itertools.accumulate(scheduled[r] for r in request_ids)]
-        prompt_token_mask = self.prompt_array[: query_start[-1]]
-        prompt_token_mask[:] = False
-        for b, request_id in enumerate(request_ids):
-            # a request's prompt tokens come first among its scheduled ones
-            num_prompt = max(self.rows[request_id].prompt_len - computed[request_id], 0)
-            end = min(query_start[b] + num_prompt, query_start[b + 1])
-            prompt_token_mask[query_start[b] : end] = True
-        verifying = [bool(output.spec_token_ids.get(r)) for r in request_ids]
-        for request_id, verifies in zip(request_ids, verifying, strict=True):
-            if verifies:
-                self._verified[request_id] = computed[request_id]
-        return RecurrentMetadata(
-            states=self.recurrent_states,
-            state_rows_cpu=[self.rows[r].row for r in request_ids],
-            fresh=[computed[r] == 0 for r in request_ids],
-            query_start_loc_cpu=query_start,
-            prompt_token_mask=self._on_device(self.prompt_mask[: query_start[-1]]),
-            snapshots=self.state_snapshots,
-            captures=[
-                [capture[:2] for capture in output.state_captures.get(r, ())] for r in request_ids
-            ],
-            verifying=verifying,
-            draft_states=self.draft_states,
-            draft_stride=self.draft_stride,
-        )
-
-    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the model's device (itself on CPU, without a call into torch)."""
-        return tensor if self.device.type == "cpu" else tensor.to(self.device)
-
-    def _positions(self, state: RowState, start: int, end: int) -> torch.Tensor:
-        """Positions of tokens [start, end): the prompt's from its table, later ones count on."""
-        split = min(max(start, state.prompt_len), end)
-        prompt_part = state.positions[:, start:split]
-        after = torch.arange(split, end) - state.prompt_len + state.next_position
-        return torch.cat([prompt_part, after.expand(prompt_part.shape[0], -1)], dim=1)
-
-    def _gather_items(self, state, start, end, q0, b, items: _StepItems) -> None:
-        """Into `items`: embeddings (and consumed feature sets) of item tokens in [start, end),
-        the batch spans they fill, and the bidirectional ranges to honour (at any step:
-        appended input may follow decodes)."""
-        # placements are sorted and disjoint: the overlapping ones start at the first ending after
-        first = bisect.bisect_right(state.placements, start, key=lambda p: p.end)
-        for index in range(first, len(state.placements)):
-            item, place = state.items[index], state.placements[index]
-            if place.offset >= end:
-                break
-            lo, hi = max(start, place.offset), min(end, place.end)
-            rows = slice(lo - place.offset, hi - place.offset)
-            items.embeds.append(item.embeds[rows])
-            for name, pieces in items.features.items():
-                pieces.append(item.features[name][rows])
-            items.spans.append((q0 + lo - start, q0 + hi - start))
-            if item.bidirectional:
-                items.ranges.append((b, place.offset, place.end))
 
     # ---- sampling ----------------------------------------------------------------------------
 
@@ -511,52 +316,6 @@ class ModelRunner:
             state.num_tokens += len(new_tokens)
             state.output_ids.extend(new_tokens)
         return result
-
-
-@dataclass
-class _StepItems:
-    """The item tokens one step computes, gathered request by request."""
-
-    features: dict[str, list[torch.Tensor]]  # name -> its rows of them, beside `embeds`
-    embeds: list[torch.Tensor] = field(default_factory=list)  # [rows, hidden] pieces
-    spans: list[tuple[int, int]] = field(default_factory=list)  # batch rows each piece fills
-    ranges: list[tuple[int, int, int]] = field(default_factory=list)  # bidirectional ones
-
-    def feature_tensors(self, device: torch.device) -> dict[str, torch.Tensor] | None:
-        """Name -> [M, width] on `device`; None when no feature set is consumed or no item
-        token runs in this step."""
-        if not self.features or not self.embeds:
-            return None
-        return {name: torch.cat(pieces).to(device) for name, pieces in self.features.items()}
-
-
-@dataclass
-class _Batch:
-    input_ids: torch.Tensor  # [N]
-    positions: torch.Tensor  # [num_position_rows, N]
-    metadata: AttentionMetadata
-    mm_embeds: torch.Tensor | None  # [M, hidden]
-    mm_mask: torch.Tensor | None  # [N] bool
-    mm_features: dict[str, torch.Tensor] | None  # name -> [M, width]; None: no sets consumed
-    sample_ids: list[str]
-    sample_index: torch.Tensor | None  # [S]; None when every token samples
-    num_sampled: int  # S: rows whose hidden state samples (1 + K for a verifying request)
-    bucket: int | None = None  # decode rows padded to this many; None: not padded
-
-
-def _recurrent_states(
-    groups: Sequence[CacheGroup], num_slots: int, dtype: torch.dtype, device: torch.device | str
-) -> dict[int, tuple[torch.Tensor, ...]]:
-    """Layer id -> its zeroed state tensors, each [num_slots, *shape], for recurrent layers (in
-    the group's own dtype, else `dtype`)."""
-    return {
-        layer: tuple(
-            torch.zeros(num_slots, *shape, dtype=group.dtype or dtype, device=device)
-            for shape in group.state_shapes
-        )
-        for group in recurrent_groups(groups)
-        for layer in group.layer_ids
-    }
 
 
 def _paged_kv_caches(

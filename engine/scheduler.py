@@ -253,7 +253,7 @@ class Scheduler:
         request.num_computed_tokens -= len(drafts) - num_accepted
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += num_accepted
-        appended = self._append_tokens(request, sampled)
+        appended = request.append_output(sampled)
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         # only now are the tokens in the request: a block is hashed once all of it is accepted
         self.kv_cache.cache_full_blocks(request)
@@ -399,18 +399,6 @@ class Scheduler:
         # to the front: preempted requests resume before new ones, oldest victim first
         self.waiting.appendleft(request)
 
-    def _append_tokens(
-        self, request: Request, token_ids: Sequence[int]
-    ) -> tuple[list[int], RequestStatus | None, int | None]:
-        """Append sampled tokens up to the first that stops the request. Returns them, the
-        finished status if one stopped it, and the stop token id (None for EOS, as OpenAI)."""
-        for index, token_id in enumerate(token_ids):
-            request.output_token_ids.append(token_id)
-            status, stop_reason = _stop(request, token_id)
-            if status is not None:
-                return list(token_ids[: index + 1]), status, stop_reason
-        return list(token_ids), None, None
-
     def _end_segment(
         self,
         request: Request,
@@ -501,18 +489,6 @@ def _segment_tokens(request: Request) -> int:
 def _num_reserved_blocks(request: Request, block_size: int) -> int:
     """Blocks a live request pins: its prompt and a whole segment after it."""
     return -(-(request.num_prompt_tokens + _segment_tokens(request)) // block_size)
-
-
-def _stop(request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
-    """Whether the output token just appended ends the request, and its stop token id."""
-    params = request.sampling_params
-    if token_id in request.eos_token_ids and not params.ignore_eos:
-        return RequestStatus.FINISHED_STOPPED, None
-    if token_id in params.stop_token_ids:
-        return RequestStatus.FINISHED_STOPPED, token_id
-    if len(request.output_token_ids) >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH, None
-    return None, None
 
 
 def max_num_live_requests(config: SchedulerConfig) -> int:

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 
 _ALIGN = 8  # bytes: every field starts where an int64 may
 # Row counts up to this get their device views made once and kept (decode steps and short

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from stillcut.engine.disk_cache import cache_dir
+from stillcut.disk_cache import cache_dir
 from stillcut.kernels.cpu_decode_stack import (
     FORMATS,
     MAX_TABLES,

@@ -12,7 +12,7 @@ quad panels), take float32 rows and give float32 sums:
                  scaled by both scales
   int8_sums      the integer sums alone, of rows already quantized
 
-Which dot products run follows the CPU's flags (`engine.arithmetic.cpu_flags`: /proc/cpuinfo,
+Which dot products run follows the CPU's flags (`cpu_flags`: /proc/cpuinfo,
 or `STILLCUT_CPU_FLAGS`): AMX tiles where `amx_bf16` / `amx_int8`, else AVX-512 where
 `avx512_bf16` / `avx512_vnni`, as far as this build and the OS allow (`isas`); elsewhere the
 functions return None and the caller keeps torch's products. The library is compiled like the
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from stillcut.engine.arithmetic import cpu_flags
 from stillcut.kernels import cpu_decode
 from stillcut.kernels.cpu_decode_stack import is_packed, is_quads, matrix_shape
+from stillcut.kernels.cpu_flags import cpu_flags
 
 SOURCE = Path(__file__).with_suffix(".c")
 

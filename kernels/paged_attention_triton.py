@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_DOT_SIZE = 16  # tl.dot needs every tile side >= 16 on GPU

@@ -123,7 +123,7 @@ class VideoLLM:
         self.engine = LLMEngine(demo_checkpoint() if model is None else model, engine_config)
         self.path: Path = self.engine.path
         self.pipeline = VisionPipeline(
-            self.path,
+            self.engine.checkpoint,
             weight_format=self.engine.weight_format,
             device=engine_config.device,
             decode_config=decode_config,

@@ -17,7 +17,7 @@ DEFAULT_MAX_TOKENS = 128
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import (
+    from stillcut.service.cli_options import (
         add_precision_arguments,
         add_speculative_arguments,
         add_video_arguments,
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from stillcut.service.api import DEFAULT_ENGINE_CONFIG, VideoLLM
-    from stillcut.service.cli import (
+    from stillcut.service.cli_options import (
         RANDOM_WEIGHTS_NOTICE,
         check_video_command,
         evs_config,

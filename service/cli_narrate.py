@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_compute_dtype_argument, add_evs_arguments
+    from stillcut.service.cli_options import add_compute_dtype_argument, add_evs_arguments
 
     parser = commands.add_parser("narrate", help="narrate a video as it plays")
     parser.set_defaults(run=run)
@@ -39,7 +39,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import DEFAULT_NARRATE_PROMPT, VideoLLM
-    from stillcut.service.cli import (
+    from stillcut.service.cli_options import (
         RANDOM_WEIGHTS_NOTICE,
         check_video_command,
     )

@@ -32,7 +32,7 @@ WILDCARD_ADDRESSES = ("0.0.0.0", "::")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import (
+    from stillcut.service.cli_options import (
         add_evs_arguments,
         add_precision_arguments,
         add_speculative_arguments,
@@ -178,7 +178,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import VideoLLM
-    from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE, evs_config
+    from stillcut.service.cli_options import RANDOM_WEIGHTS_NOTICE, evs_config
     from stillcut.service.server import serve
 
     logging.basicConfig(
@@ -208,7 +208,7 @@ def server_settings(
 ) -> tuple[ServerConfig, EngineConfig, DecodeConfig]:
     """The flags' `ServerConfig`, `EngineConfig` and `DecodeConfig`."""
     from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from stillcut.service.cli import precision_options, speculative_config
+    from stillcut.service.cli_options import precision_options, speculative_config
     from stillcut.service.config import MIB, ServerConfig
     from stillcut.vision.decode import DecodeConfig
 
@@ -251,7 +251,7 @@ def cluster_settings(args: argparse.Namespace) -> tuple[ReplicaSpec, ClusterConf
     """With `--replicas N`: the `ReplicaSpec` every replica loads and the `ClusterConfig`."""
     from stillcut.demo import demo_checkpoint
     from stillcut.service.api import DEMO_MODEL_NAME
-    from stillcut.service.cli import evs_config
+    from stillcut.service.cli_options import evs_config
     from stillcut.service.cluster.launch import ClusterConfig
     from stillcut.service.cluster.replica import ReplicaSpec
 

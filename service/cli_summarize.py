@@ -14,7 +14,7 @@ import time
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from stillcut.service.cli import add_precision_arguments, add_video_arguments
+    from stillcut.service.cli_options import add_precision_arguments, add_video_arguments
 
     parser = commands.add_parser(
         "summarize", help="caption a long video chunk by chunk with times, then summarise it"
@@ -51,7 +51,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stillcut.service.api import VideoLLM
-    from stillcut.service.cli import (
+    from stillcut.service.cli_options import (
         RANDOM_WEIGHTS_NOTICE,
         check_video_command,
         evs_config,

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.checkpoint import open_checkpoint
+from stillcut.engine.loader import checkpoint_dtype
 from stillcut.engine.model_config import ModelConfig
 from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.spec_decode.draft import check_draft
@@ -49,15 +50,20 @@ class DraftTower:
     ) -> DraftTower:
         """The draft `model` for the target at `target_path`, its weights in `weight_format`
         (resolved against the draft's checkpoint); raises `DraftMismatch` as the engine does."""
-        path = resolve_checkpoint(model)
-        config = load_model_config(path)
+        checkpoint = open_checkpoint(model)
+        path, config = checkpoint.folder, checkpoint.config
         check_draft(target_path, target_config, path, config)
-        resolved = weight_format.resolved(path)
+        resolved = weight_format.resolved(checkpoint_dtype(checkpoint))
         tower = load_encoder(
-            path, resolved, device, enforce_eager, max_graph_shapes, role="draft vision encoder"
+            checkpoint,
+            resolved,
+            device,
+            enforce_eager,
+            max_graph_shapes,
+            role="draft vision encoder",
         )
         media = config.family.media_class()(path, config)
-        return cls(path, tower, media, model_fingerprint(path, resolved.embedding_key()))
+        return cls(path, tower, media, model_fingerprint(checkpoint, resolved.embedding_key()))
 
     def encode(self, prepared: list, device: torch.device, *kept: list) -> list:
         """The draft tower's output for preprocessed inputs, as its media class's `encode`

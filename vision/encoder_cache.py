@@ -12,13 +12,15 @@ whole bound is not stored at all.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
+
+from stillcut.engine.checkpoint import Checkpoint
 
 
 @dataclass(frozen=True)
@@ -98,11 +100,12 @@ class EncoderCache:
             self._nbytes = 0
 
 
-def model_fingerprint(path: Path, weight_format: str = "") -> str:
+def model_fingerprint(checkpoint: Checkpoint, weight_format: str = "") -> str:
     """Identify a checkpoint cheaply: its config plus the names, sizes and mtimes of weights,
     and the format its weights are stored in (`WeightFormat.describe`)."""
-    digest = hashlib.sha256((path / "config.json").read_bytes() + weight_format.encode())
-    for weights in sorted(path.glob("*.safetensors")):
+    config = json.dumps(dict(checkpoint.config.raw), sort_keys=True)
+    digest = hashlib.sha256(config.encode() + weight_format.encode())
+    for weights in sorted(checkpoint.folder.glob("*.safetensors")):
         stat = weights.stat()
         digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return digest.hexdigest()

@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from stillcut.engine.checkpoint import CheckpointLike
 from stillcut.engine.quantization import WeightFormat
 from stillcut.vision.towers import load_vision_tower
 
@@ -47,7 +47,7 @@ def encoder_graphs_unavailable(
 
 
 def load_encoder(
-    path: Path,
+    path: CheckpointLike,
     weight_format: WeightFormat,
     device: torch.device,
     enforce_eager: bool,

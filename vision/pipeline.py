@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.checkpoint import open_checkpoint
+from stillcut.engine.loader import checkpoint_dtype
 from stillcut.engine.multimodal import MultiModalItem, TowerOutput, dense_coords, select_rows
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.evs import EVSConfig, EVSResult, prune
@@ -116,13 +117,14 @@ class VisionPipeline:
         if not (isinstance(window_frames, int) and window_frames >= 2 and window_frames % 2 == 0):
             raise ValueError(f"window_frames must be an even integer >= 2, got {window_frames!r}")
         self.window_frames = window_frames
-        self.path = resolve_checkpoint(model)
-        self.model_config = load_model_config(self.path)
+        checkpoint = open_checkpoint(model)
+        self.path = checkpoint.folder
+        self.model_config = checkpoint.config
         self.family = self.model_config.family
-        self.weight_format = weight_format.resolved(self.path)
+        self.weight_format = weight_format.resolved(checkpoint_dtype(checkpoint))
         self.device = torch.device(device)
         graphs = (enforce_eager, max_graph_shapes)
-        self.tower = load_encoder(self.path, self.weight_format, self.device, *graphs)
+        self.tower = load_encoder(checkpoint, self.weight_format, self.device, *graphs)
         self.media = self.family.media_class()(self.path, self.model_config)
         self.draft = None
         if draft_model is not None:
@@ -134,7 +136,7 @@ class VisionPipeline:
         self.decode_config = decode_config
         self.cache = EncoderCache(cache_bytes)
         # the weights as stored shape the embeddings: a format is part of the model's identity
-        self.model_key = model_fingerprint(self.path, self.weight_format.embedding_key())
+        self.model_key = model_fingerprint(checkpoint, self.weight_format.embedding_key())
         self.work = VisionWork()
 
     def encode_prepared(

@@ -15,13 +15,12 @@ reads the `compute_dtype` every module of the tower is given).
 
 from __future__ import annotations
 
-from os import PathLike
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
+from stillcut.engine.checkpoint import CheckpointLike, open_checkpoint
+from stillcut.engine.loader import checkpoint_dtype, load_weights
 from stillcut.engine.model_config import ModelConfig
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats, widened
 
@@ -36,20 +35,20 @@ def build_vision_tower(model_config: ModelConfig, device: torch.device | str = "
 
 
 def load_vision_tower(
-    model: str | PathLike[str],
+    model: CheckpointLike,
     weight_format: WeightFormat = WeightFormat(),
     device: torch.device | str = "cpu",
 ) -> nn.Module:
-    """The vision encoder of a checkpoint folder or hub id, weights loaded and stored as
-    `weight_format` says (default: as the checkpoint stores them), in eval mode."""
-    path = resolve_checkpoint(model)
-    model_config = load_model_config(path)
+    """The vision encoder of a checkpoint (or its folder or hub id), weights loaded and stored
+    as `weight_format` says (default: as the checkpoint stores them), in eval mode."""
+    checkpoint = open_checkpoint(model)
+    model_config = checkpoint.config
     tower = build_vision_tower(model_config, device="meta")
     unused = getattr(tower, "unused_tensors", lambda: ())()
     extra = getattr(tower, "matmul_parameters", dict)()
-    tower_format = weight_format.resolved(path).for_tower()
+    tower_format = weight_format.resolved(checkpoint_dtype(checkpoint)).for_tower()
     formats = plan_formats(tower, tower_format, matmul_weights(tower, extra))
-    load_weights(tower, path, VISION_PREFIX, device=device, unused=unused, formats=formats)
+    load_weights(tower, checkpoint, VISION_PREFIX, device=device, unused=unused, formats=formats)
     compute_dtype = tower_format.compute_dtype
     _widen_linears(tower, compute_dtype)
     for module in tower.modules():

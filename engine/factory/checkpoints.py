@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from stillcut.engine.disk_cache import atomic_folder, cache_dir, short_hash
+from stillcut.disk_cache import atomic_folder, cache_dir, short_hash
 from stillcut.engine.factory.recipe import RANDOM_DEMO, CheckpointRecipe
 from stillcut.engine.factory.streamed import write_streamed
 from stillcut.engine.models.families import DEFAULT_MODEL_TYPE, FAMILIES

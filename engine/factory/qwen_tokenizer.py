@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stillcut.engine.disk_cache import atomic_folder, cache_dir, short_hash
+from stillcut.disk_cache import atomic_folder, cache_dir, short_hash
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 RECIPE_VERSION = 1  # bump when `qwen_style_backend` changes, so cached tokenizers are rebuilt

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stillcut.engine.disk_cache import short_hash
+from stillcut.disk_cache import short_hash
 
 CORPUS = (
     "A person walks a brown dog along the river in the early morning light.",

@@ -27,7 +27,7 @@ from stillcut.engine.models.matmul import (
 from stillcut.engine.models.weight_snapshot import WeightSnapshot
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode import CpuDecoder, bind
 from stillcut.kernels.cpu_decode_stack import Block, Stack
 

@@ -11,7 +11,8 @@ adding a family is its own folder plus one `register` call (the built-in ones ar
 `families`, each imported on first use of its `model_type`). Classes are named as
 "module:attribute" and imported on first use: the engine never imports a vision tower, and
 nothing imports PyAV. An entry also names the family's test-checkpoint recipe
-(`checkpoints`), which `build_checkpoint` hands to the shared factory.
+(`checkpoints`), which the checkpoint factory (`engine.factory`, above the registry) builds
+with: `build_checkpoint(folder, preset, family=model_type)`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import contextlib
 import importlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from os import PathLike
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -29,38 +28,10 @@ from stillcut.engine.cache_groups import CacheGroup
 from stillcut.engine.prompt_formats import PromptFormat
 
 if TYPE_CHECKING:
-    from stillcut.engine.model_config import ModelConfig
+    from stillcut.engine.model_config import FamilyConfig, ModelConfig
 
 PositionsKind = Literal["mrope", "1d", "none"]
 POSITION_ROWS: Mapping[str, int] = MappingProxyType({"mrope": 3, "1d": 1, "none": 1})
-
-
-@dataclass(frozen=True)
-class MediaTokenIds:
-    """The ids a family's prompts place media with. `video_token_id` is None for a family
-    without a video placeholder (its videos are written as image items, one per frame); the
-    vision start/end ids are None for a family whose prompt format writes its own delimiters
-    as text."""
-
-    image_token_id: int
-    video_token_id: int | None
-    vision_start_token_id: int | None
-    vision_end_token_id: int | None
-
-    def __post_init__(self) -> None:
-        for name, value in self.__dict__.items():
-            if (value is None and name == "image_token_id") or (value is not None and value < 0):
-                raise ValueError(f"{name}={value} must be >= 0")
-        if self.image_token_id == self.video_token_id:
-            raise ValueError(f"image_token_id={self.image_token_id} must differ from video's")
-
-
-@dataclass(frozen=True)
-class FamilyConfig:
-    """What a family's config reader takes from config.json besides the text section."""
-
-    vision: Any  # the family's own frozen vision config
-    token_ids: MediaTokenIds
 
 
 @dataclass(frozen=True)
@@ -147,15 +118,6 @@ class ModelFamily:
         if self.checkpoints is None:
             raise ValueError(f"model_type {self.model_type!r} has no test-checkpoint recipe")
         return _resolve(self.checkpoints)
-
-    def build_checkpoint(
-        self, folder: str | PathLike[str], preset: str = "tiny", seed: int = 0, **overrides: Any
-    ) -> Path:
-        """Write a random-weight checkpoint of this family into `folder` (new or empty): the
-        factory's `build_checkpoint` with `family` set to this entry's `model_type`."""
-        from stillcut.engine.factory.checkpoints import build_checkpoint
-
-        return build_checkpoint(folder, preset, seed=seed, family=self.model_type, **overrides)
 
     def with_pixel_budget(self, media: Any, budget: Mapping[str, int]) -> Any:
         """`media` (this family's media object) with a request's pixel budget, checked: a name

@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from stillcut.kernels.attention import paged_attention, write_kv
+from stillcut.kernels.attention_metadata import AttentionMetadata
 
 
 def rotary_tables(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

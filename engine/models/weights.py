@@ -5,13 +5,12 @@ rows from a table in any of its stored layouts.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.anon_memory import release_freed_memory
+from stillcut.engine.checkpoint import CheckpointLike
 from stillcut.engine.loader import checkpoint_tensors, load_weights
 from stillcut.engine.models.matmul import head_layout, matmul_layout, packing, scale_of
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
@@ -56,7 +55,7 @@ def embedding_rows(
 
 
 def load_head(
-    folder: str | os.PathLike[str],
+    folder: CheckpointLike,
     hidden_size: int,
     vocab_size: int,
     weight_format: WeightFormat,
@@ -74,7 +73,7 @@ def load_head(
 
 def load_decoder(
     stored: nn.Module,
-    folder: str | os.PathLike[str],
+    folder: CheckpointLike,
     weight_format: WeightFormat,
     device: torch.device | str,
     *,

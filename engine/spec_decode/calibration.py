@@ -32,7 +32,7 @@ import torch
 
 from stillcut.engine.request import SamplingParams
 from stillcut.engine.row_sampler import RowSampler
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
 CONTEXT_TOKENS = 64  # context each calibration request attends to
@@ -145,7 +145,7 @@ def _recurrent_metadata(runner, batch: int, width: int) -> RecurrentMetadata | N
         prompt_token_mask=torch.zeros(batch * width, dtype=torch.bool, device=runner.device),
         verifying=[width > 1] * batch,
         draft_states=runner.draft_states,
-        draft_stride=runner.draft_stride,
+        draft_stride=runner.recurrent.draft_stride,
     )
 
 

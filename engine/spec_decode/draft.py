@@ -8,7 +8,7 @@ accepted drafts and its correction, from the first token where they differ, so a
 is rolled back by overwriting) are computed in one step that samples the first draft; then
 K - 1 one-token steps sample the rest, all mirrors batched. Memory: the draft's pool has as many
 blocks as the target's, and when the target's pool is sized from a memory budget the two split
-it in proportion to their bytes per block (`LLMEngine._num_blocks`), so both hold the same
+it in proportion to their bytes per block (`memory_plan`), so both hold the same
 number of tokens.
 
 Images and video: the draft sees what the target sees. The vision pipeline built with the
@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 
 from stillcut.engine.cache_groups import kv_bytes_per_block, recurrent_groups
+from stillcut.engine.checkpoint import open_checkpoint
 from stillcut.engine.config import SpeculativeConfig
 from stillcut.engine.kv_cache import KVCacheManager
-from stillcut.engine.loader import load_model_config, resolve_checkpoint
+from stillcut.engine.loader import checkpoint_dtype
 from stillcut.engine.multimodal import DRAFT
 from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.request import PlaceholderRange, Request, SamplingParams
@@ -74,7 +75,7 @@ def draft_block_bytes(config: SpeculativeConfig, block_size: int, dtype_bytes: i
     """Bytes of one K/V block of the draft model (0 without one)."""
     if config.method != "draft":
         return 0
-    groups = load_model_config(resolve_checkpoint(config.draft_model)).cache_groups
+    groups = open_checkpoint(config.draft_model).config.cache_groups
     return kv_bytes_per_block(groups, block_size, dtype_bytes)
 
 
@@ -99,17 +100,17 @@ class DraftProposer:
     @classmethod
     def for_target(cls, engine, config: SpeculativeConfig) -> DraftProposer:
         """Load and check the draft for `engine`'s target; raises `DraftMismatch`."""
-        path = resolve_checkpoint(config.draft_model)
-        draft_config = load_model_config(path)
+        checkpoint = open_checkpoint(config.draft_model)
+        path, draft_config = checkpoint.folder, checkpoint.config
         check_draft(engine.path, engine.model_config, path, draft_config)
         family = draft_config.family
         target = engine.config
         # the target's precision settings, resolved for the draft's own checkpoint
         weight_format = WeightFormat.for_engine(
             target.dtype, target.quantization, target.quantization_skip, target.device
-        ).resolved(path)
+        ).resolved(checkpoint_dtype(checkpoint))
         model = family.language_model_class().from_checkpoint(
-            path, weight_format, device=target.device
+            checkpoint, weight_format, device=target.device
         )
         if _num_parameters(model) > _num_parameters(engine.model):
             raise DraftMismatch(

@@ -26,7 +26,7 @@ from ray import serve
 from stillcut.engine.config import EngineConfig
 from stillcut.service.api import VideoLLM
 from stillcut.service.app import create_app, service_health
-from stillcut.service.cli import RANDOM_WEIGHTS_NOTICE
+from stillcut.service.cli_options import RANDOM_WEIGHTS_NOTICE
 from stillcut.service.cluster.affinity import RouteHint
 from stillcut.service.cluster.forwarding import ForwardedRequest, run_forwarded
 from stillcut.service.cluster.logs import configure_logging

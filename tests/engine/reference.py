@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 
 
 def hf_greedy(reference, inputs: dict, num_new_tokens: int) -> list[int]:

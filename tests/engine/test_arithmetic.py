@@ -5,15 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stillcut.engine.arithmetic import (
-    FLAGS_VARIABLE,
-    Arithmetic,
-    cpu_flags,
-    resolve_arithmetic,
-    salted,
-)
+from stillcut.engine.arithmetic import Arithmetic, resolve_arithmetic, salted
 from stillcut.engine.config import EngineConfig
 from stillcut.engine.quantization import WeightFormat
+from stillcut.kernels.cpu_flags import FLAGS_VARIABLE, cpu_flags
 from stillcut.vision.pipeline import VisionPipeline
 
 

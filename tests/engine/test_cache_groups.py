@@ -9,8 +9,8 @@ from stillcut.engine.cache_groups import (
     check_cache_groups,
     num_blocks_for_budget,
 )
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.factory import cached_checkpoint
-from stillcut.engine.loader import load_model_config
 from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
 from stillcut.engine.runner import ModelRunner
 

@@ -18,7 +18,6 @@ import copy
 import pytest
 import torch
 
-from stillcut.engine.arithmetic import FLAGS_VARIABLE, _proc_cpu_flags
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
@@ -26,6 +25,7 @@ from stillcut.engine.models import matmul
 from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.request import SamplingParams
 from stillcut.kernels import cpu_gemm
+from stillcut.kernels.cpu_flags import FLAGS_VARIABLE, _proc_cpu_flags
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
 from .models.qwen3_vl.qwen3_reference import hand_pixels, random_frames

@@ -28,7 +28,7 @@ SHAPE = {
 CHILD = """
 import json, sys
 from stillcut.engine.anon_memory import rss_anon
-from stillcut.engine.loader import load_model_config
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.quantization import WeightFormat, stored_bytes
 from stillcut.vision.towers import load_vision_tower
 

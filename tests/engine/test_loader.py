@@ -12,13 +12,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+from stillcut.engine.checkpoint import load_model_config, resolve_checkpoint
 from stillcut.engine.loader import (
     CheckpointError,
     canonical_tensor_name,
     checkpoint_tensors,
-    load_model_config,
     load_weights,
-    resolve_checkpoint,
 )
 from stillcut.engine.models.qwen2_vl.entry import QWEN_WEIGHT_PREFIXES
 from stillcut.engine.quantization import WeightFormat

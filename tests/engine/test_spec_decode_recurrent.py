@@ -17,8 +17,8 @@ import torch
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
+from stillcut.engine.recurrent_rows import RecurrentRows
 from stillcut.engine.request import SamplingParams
-from stillcut.engine.runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0)
 
@@ -76,15 +76,15 @@ def test_greedy_output_equals_no_speculation_and_rejected_drafts_roll_the_state_
     engine = _engine(path, _ngram())
     spec_states = _states_by_computed_tokens(engine, monkeypatch)
     rolled_back = []
-    roll_back = ModelRunner._roll_back
+    roll_back = RecurrentRows.roll_back
 
-    def recording_roll_back(runner, request_id, num_computed):
-        start = runner._verified.get(request_id)
-        if start is not None and num_computed != start + runner.draft_stride:
+    def recording_roll_back(recurrent, request_id, row, num_computed):
+        start = recurrent.verified.get(request_id)
+        if start is not None and num_computed != start + recurrent.draft_stride:
             rolled_back.append(num_computed)  # a draft was rejected
-        roll_back(runner, request_id, num_computed)
+        roll_back(recurrent, request_id, row, num_computed)
 
-    monkeypatch.setattr(ModelRunner, "_roll_back", recording_roll_back)
+    monkeypatch.setattr(RecurrentRows, "roll_back", recording_roll_back)
     (ours,) = engine.generate([prompt], GREEDY)
     assert ours.token_ids == expected.token_ids
     sampled = [[logprob for *_, logprob in o.logprobs] for o in (ours, expected)]
@@ -97,7 +97,7 @@ def test_greedy_output_equals_no_speculation_and_rejected_drafts_roll_the_state_
         ):
             torch.testing.assert_close(ours_state, theirs, atol=1e-5, rtol=1e-5)
     engine.step()  # drops the finished row
-    assert not engine.runner._verified and not engine.runner.rows
+    assert not engine.runner.recurrent.verified and not engine.runner.rows
 
 
 def test_a_dynamic_k_calibrated_on_recurrent_verify_steps_gives_the_same_output(setup):

@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stillcut.engine.arithmetic import FLAGS_VARIABLE, _proc_cpu_flags
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.kernels import cpu_gemm
 from stillcut.kernels.cpu_decode_stack import is_quads
+from stillcut.kernels.cpu_flags import FLAGS_VARIABLE, _proc_cpu_flags
 from stillcut.vision.pipeline import VisionPipeline
 
 from .reference import prefill_logits

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from stillcut.kernels import attention
-from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from stillcut.kernels.attention import paged_attention, write_kv
+from stillcut.kernels.attention_metadata import AttentionMetadata
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 NEEDS_TRITON = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

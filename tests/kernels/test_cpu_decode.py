@@ -39,7 +39,7 @@ from stillcut.engine.models.rotary import fused_qkv_attention, rotary_tables
 from stillcut.engine.models.weights import embedding_rows
 from stillcut.engine.quantization import WeightFormat, dense, quantize_int8
 from stillcut.kernels import cpu_decode
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import (
     Activation,
     Attention,

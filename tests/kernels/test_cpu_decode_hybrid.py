@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from stillcut.engine.cache_groups import attention_groups, recurrent_groups
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.factory import cached_checkpoint
-from stillcut.engine.model_config import load_model_config
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels import cpu_decode
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import is_packed, pack_matrix, unpacked
 from stillcut.kernels.mamba2 import RecurrentMetadata
 

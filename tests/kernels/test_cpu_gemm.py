@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stillcut.engine.arithmetic import FLAGS_VARIABLE, _proc_cpu_flags
 from stillcut.engine.models.matmul import _widened_product, linear, stored_matrix
 from stillcut.engine.models.w8a8 import quantized_rows, scaled_sums
 from stillcut.engine.quantization import quantize_int8
 from stillcut.kernels import cpu_gemm
 from stillcut.kernels.cpu_decode_stack import pack_matrix, pack_quads
+from stillcut.kernels.cpu_flags import FLAGS_VARIABLE, _proc_cpu_flags
 
 
 def _isa(product: str, isa: cpu_gemm.Isa) -> cpu_gemm.Isa:

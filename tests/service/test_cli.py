@@ -9,6 +9,7 @@ import torch
 
 from stillcut.service import cli, cli_serve, server
 from stillcut.service.cli_describe import DEFAULT_MAX_TOKENS
+from stillcut.service.cli_options import RANDOM_WEIGHTS_NOTICE
 
 MiB = 2**20
 
@@ -29,7 +30,7 @@ def test_describe_prints_the_answer_and_its_costs(tiny_checkpoint, clip_path, ca
     assert "generated 3" in lines["tokens"]
     for stage in ("load model", "decode", "encode", "queue", "ttft", "total"):
         assert f"{stage} " in lines["timings"]
-    assert cli.RANDOM_WEIGHTS_NOTICE in err
+    assert RANDOM_WEIGHTS_NOTICE in err
 
 
 def test_describe_json_with_threshold_evs(tiny_checkpoint, clip_path, capsys):

@@ -19,6 +19,7 @@ import pytest
 from stillcut.demo.questions import DIRECTIONS, PROMPTS
 from stillcut.demo.scenes import Scene
 from stillcut.service import cli
+from stillcut.service.cli_options import RANDOM_WEIGHTS_NOTICE
 from stillcut.service.page_routes import STATIC_DIR
 
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "samples"
@@ -44,7 +45,7 @@ def test_describe_names_the_true_colour_and_direction(name, capsys):
     answer = out.split("\n\n")[0]
     assert names_true_colour_and_direction(TASK_SCENES[name], answer), answer
     assert "evs:rate:q=0.75" in out
-    assert cli.RANDOM_WEIGHTS_NOTICE not in err
+    assert RANDOM_WEIGHTS_NOTICE not in err
 
 
 def test_the_pages_copy_is_what_the_demo_answers_now():

@@ -16,10 +16,10 @@ import pytest
 import torch
 from websockets.sync.client import connect
 
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
-from stillcut.engine.loader import load_model_config
 from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.families import FAMILIES
 from stillcut.engine.models.qwen2_vl.checkpoint import VIDEO_TOKEN_ID

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stillcut.engine.models.registry import FamilyConfig, MediaTokenIds
+from stillcut.engine.model_config import FamilyConfig, MediaTokenIds
 
 # transformers' SiglipVisionConfig defaults, for fields that config.json may omit.
 _SIGLIP_DEFAULTS: dict[str, Any] = {

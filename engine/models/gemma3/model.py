@@ -14,13 +14,13 @@ the tied embedding, `[hidden, vocab]`. Weights are fused, laid out and stored as
 from __future__ import annotations
 
 from collections.abc import Sequence
-from os import PathLike
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
+from stillcut.engine.checkpoint import CheckpointLike, open_checkpoint
+from stillcut.engine.loader import checkpoint_dtype, load_weights
 from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.base import PagedLanguageModel
 from stillcut.engine.models.gemma3.positions import gemma3_positions
@@ -49,7 +49,7 @@ from stillcut.engine.models.weights import (
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
@@ -254,7 +254,7 @@ class Gemma3LanguageModel(PagedLanguageModel):
     @classmethod
     def from_checkpoint(
         cls,
-        path: str | PathLike[str],
+        path: CheckpointLike,
         weight_format: WeightFormat = WeightFormat(),
         device: torch.device | str = "cpu",
     ) -> Gemma3LanguageModel:
@@ -265,12 +265,12 @@ class Gemma3LanguageModel(PagedLanguageModel):
         misshapen tensors raise CheckpointError. The head is the tied embedding; a saved
         `lm_head.weight` is that same tensor and is not read.
         """
-        folder = resolve_checkpoint(path)
-        model_config = load_model_config(folder)
+        checkpoint = open_checkpoint(path)
+        model_config = checkpoint.config
         config = gemma3_text_config(model_config)
         if not config.tie_word_embeddings:
             raise CheckpointError("Gemma 3 with tie_word_embeddings=false is not supported")
-        weight_format = weight_format.resolved(folder)
+        weight_format = weight_format.resolved(checkpoint_dtype(checkpoint))
         stored = _checkpoint_layout(config)
         table = "embed_tokens.weight"  # the tied head: laid out as its transpose
         formats = plan_formats(
@@ -280,7 +280,7 @@ class Gemma3LanguageModel(PagedLanguageModel):
             unquantized=() if weight_format.quantizes("lm_head") else (table,),
             heads=(table,),
         )
-        load_weights(stored, folder, LANGUAGE_MODEL_PREFIX, device=device, formats=formats)
+        load_weights(stored, checkpoint, LANGUAGE_MODEL_PREFIX, device=device, formats=formats)
         model = cls(
             config,
             image_token_id=model_config.image_token_id,

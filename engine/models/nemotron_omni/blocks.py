@@ -20,7 +20,8 @@ from torch import nn
 from stillcut.engine.models.matmul import ProjectingModule, StoredMatrix, linear, scale_of
 from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
 from stillcut.engine.models.weights import fused_weight, set_weight
-from stillcut.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from stillcut.kernels.attention import paged_attention, write_kv
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Mixer, Mlp
 
 

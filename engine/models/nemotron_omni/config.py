@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stillcut.engine.model_config import CheckpointError
+from stillcut.engine.model_config import CheckpointError, FamilyConfig, MediaTokenIds
 from stillcut.engine.models.nemotron_omni.text_config import text_section
-from stillcut.engine.models.registry import FamilyConfig, MediaTokenIds
 
 log = logging.getLogger(__name__)
 

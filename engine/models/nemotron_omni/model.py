@@ -14,15 +14,12 @@ skips them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from os import PathLike
 
 import torch
 from torch import nn
 
-from stillcut.engine.loader import (
-    load_model_config,
-    resolve_checkpoint,
-)
+from stillcut.engine.checkpoint import CheckpointLike, open_checkpoint
+from stillcut.engine.loader import checkpoint_dtype
 from stillcut.engine.models.base import PagedLanguageModel
 from stillcut.engine.models.matmul import head_table, scale_of
 from stillcut.engine.models.nemotron_omni.blocks import (
@@ -47,7 +44,7 @@ from stillcut.engine.models.nemotron_omni.text_config import (
 from stillcut.engine.models.weights import embedding_rows, load_decoder, set_weight
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Block, Stack
 
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
@@ -133,7 +130,7 @@ class NemotronHLanguageModel(PagedLanguageModel):
     @classmethod
     def from_checkpoint(
         cls,
-        path: str | PathLike[str],
+        path: CheckpointLike,
         weight_format: WeightFormat = WeightFormat(),
         device: torch.device | str = "cpu",
     ) -> NemotronHLanguageModel:
@@ -144,13 +141,14 @@ class NemotronHLanguageModel(PagedLanguageModel):
         unexpected or misshapen tensors raise CheckpointError. A tied checkpoint that stores no
         head uses its embedding as the head. The MoE routers are float32 whatever the format.
         """
-        folder = resolve_checkpoint(path)
-        config = nemotron_text_config(load_model_config(folder))
-        weight_format = weight_format.resolved(folder)
+        checkpoint = open_checkpoint(path)
+        model_config = checkpoint.config
+        config = nemotron_text_config(model_config)
+        weight_format = weight_format.resolved(checkpoint_dtype(checkpoint))
         stored = _checkpoint_layout(config)
         embeddings, lm_head = load_decoder(
             stored,
-            folder,
+            checkpoint,
             weight_format,
             device,
             table="embeddings",

@@ -26,7 +26,7 @@ from stillcut.engine.models.nemotron_omni.blocks import (
     stored_mlp,
 )
 from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Moe, pack_matrices
 
 

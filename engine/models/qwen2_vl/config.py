@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stillcut.engine.cache_groups import AttentionGroup
-from stillcut.engine.model_config import CheckpointError, ModelConfig
-from stillcut.engine.models.registry import FamilyConfig, MediaTokenIds
+from stillcut.engine.model_config import CheckpointError, FamilyConfig, MediaTokenIds, ModelConfig
 
 # transformers' defaults for fields that real config.json files may omit.
 _QWEN2_5_VISION_DEFAULTS: dict[str, Any] = {

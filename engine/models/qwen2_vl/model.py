@@ -15,13 +15,13 @@ in the compute dtype, which is the dtype of everything the layers compute.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from os import PathLike
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.loader import load_model_config, load_weights, resolve_checkpoint
+from stillcut.engine.checkpoint import CheckpointLike, open_checkpoint
+from stillcut.engine.loader import checkpoint_dtype, load_weights
 from stillcut.engine.model_config import ModelConfig
 from stillcut.engine.models.base import PagedLanguageModel
 from stillcut.engine.models.matmul import (
@@ -52,7 +52,7 @@ from stillcut.engine.models.weights import (
 )
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import Conversion, WeightFormat, matmul_weights, plan_formats
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Mixer, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
@@ -241,7 +241,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
     @classmethod
     def from_checkpoint(
         cls,
-        path: str | PathLike[str],
+        path: CheckpointLike,
         weight_format: WeightFormat = WeightFormat(),
         device: torch.device | str = "cpu",
     ) -> Qwen2LanguageModel:
@@ -252,10 +252,10 @@ class Qwen2LanguageModel(PagedLanguageModel):
         loader: missing, unexpected or misshapen tensors raise CheckpointError. A tied
         checkpoint's `lm_head.weight`, if saved at all, is the embedding and is not read.
         """
-        folder = resolve_checkpoint(path)
-        model_config = load_model_config(folder)
+        checkpoint = open_checkpoint(path)
+        model_config = checkpoint.config
         config = cls.read_text_config(model_config)
-        weight_format = weight_format.resolved(folder)
+        weight_format = weight_format.resolved(checkpoint_dtype(checkpoint))
         rope_spec = MRopeSpec(
             model_config.image_token_id,
             model_config.video_token_id,
@@ -264,7 +264,7 @@ class Qwen2LanguageModel(PagedLanguageModel):
         stored = cls.checkpoint_layout(config)
         load_weights(
             stored,
-            folder,
+            checkpoint,
             LANGUAGE_MODEL_PREFIX,
             device=device,
             formats=_stored_formats(
@@ -280,7 +280,9 @@ class Qwen2LanguageModel(PagedLanguageModel):
         if config.tie_word_embeddings:
             set_weight(model, "lm_head", head_layout(table.weight), scale_of(table, "weight"))
         else:
-            head = load_head(folder, config.hidden_size, config.vocab_size, weight_format, device)
+            head = load_head(
+                checkpoint, config.hidden_size, config.vocab_size, weight_format, device
+            )
             set_weight(model, "embed_tokens", table.weight, scale_of(table, "weight"))
             set_weight(model, "lm_head", head_layout(head.weight), scale_of(head, "weight"))
         model.prepare_weights()

@@ -26,7 +26,7 @@ from stillcut.engine.models.qwen2_vl.model import MRoPE
 from stillcut.engine.models.qwen3_5.config import Qwen35TextConfig
 from stillcut.engine.models.rotary import fused_qkv_attention
 from stillcut.engine.models.weights import fused_weight, set_weight
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Attention
 
 

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from stillcut.engine.cache_groups import AttentionGroup, CacheGroup, RecurrentGroup
-from stillcut.engine.model_config import CheckpointError, ModelConfig
+from stillcut.engine.model_config import CheckpointError, FamilyConfig, MediaTokenIds, ModelConfig
 from stillcut.engine.models.qwen3_vl.config import read_qwen3_vl, supported_rope
-from stillcut.engine.models.registry import FamilyConfig, MediaTokenIds
 
 LINEAR, FULL = "linear_attention", "full_attention"
 # Qwen3.5's own ids (its 248k vocabulary), for a config.json that leaves them out

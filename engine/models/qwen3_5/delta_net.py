@@ -19,7 +19,7 @@ from torch import nn
 from stillcut.engine.models.matmul import ProjectingModule, linear, scale_of
 from stillcut.engine.models.qwen3_5.config import Qwen35TextConfig
 from stillcut.engine.models.weights import fused_weight, set_weight
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.conv_scan import conv_scan_chunk, conv_scan_steps
 from stillcut.kernels.cpu_decode_stack import GatedDelta
 from stillcut.kernels.gated_delta import gated_delta_step, gated_delta_with_states, normalized_qk

@@ -14,16 +14,13 @@ their own). Weights load as the checkpoint stores them; multi-token-prediction t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from os import PathLike
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stillcut.engine.loader import (
-    load_model_config,
-    resolve_checkpoint,
-)
+from stillcut.engine.checkpoint import CheckpointLike, open_checkpoint
+from stillcut.engine.loader import checkpoint_dtype
 from stillcut.engine.models.base import PagedLanguageModel
 from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
 from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
@@ -43,7 +40,7 @@ from stillcut.engine.models.qwen3_5.mlp import (
 )
 from stillcut.engine.models.weights import Table, load_decoder, set_weight
 from stillcut.engine.quantization import WeightFormat
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Block, Stack
 
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
@@ -175,7 +172,7 @@ class Qwen35LanguageModel(PagedLanguageModel):
     @classmethod
     def from_checkpoint(
         cls,
-        path: str | PathLike[str],
+        path: CheckpointLike,
         weight_format: WeightFormat = WeightFormat(),
         device: torch.device | str = "cpu",
     ) -> Qwen35LanguageModel:
@@ -186,14 +183,14 @@ class Qwen35LanguageModel(PagedLanguageModel):
         or misshapen tensors raise CheckpointError; `mtp.*` tensors are skipped (logged). The
         routed experts stay in the compute dtype.
         """
-        folder = resolve_checkpoint(path)
-        model_config = load_model_config(folder)
+        checkpoint = open_checkpoint(path)
+        model_config = checkpoint.config
         config = text_config(model_config)
-        weight_format = weight_format.resolved(folder)
+        weight_format = weight_format.resolved(checkpoint_dtype(checkpoint))
         stored = checkpoint_layout(config)
         embed_tokens, lm_head = load_decoder(
             stored,
-            folder,
+            checkpoint,
             weight_format,
             device,
             table="embed_tokens",

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stillcut.engine.cache_groups import AttentionGroup
-from stillcut.engine.model_config import CheckpointError, ModelConfig
+from stillcut.engine.model_config import CheckpointError, FamilyConfig, ModelConfig
 from stillcut.engine.models.qwen2_vl.config import VisionConfig, _common_vision_fields, _token_ids
-from stillcut.engine.models.registry import FamilyConfig
 
 _VISION_DEFAULTS: dict[str, Any] = {
     "hidden_act": "gelu_pytorch_tanh",

@@ -30,7 +30,7 @@ from stillcut.engine.models.weights import (
     fuse_projections,
     set_weight,
 )
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.cpu_decode_stack import Stack
 
 

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from stillcut.engine.factory import build_checkpoint
 from stillcut.engine.models.families import BUILT_IN, FAMILIES
 from stillcut.engine.models.registry import FamilyRegistry
 
@@ -59,8 +60,8 @@ def test_a_pending_entry_is_listed_replaced_and_resolved_once():
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_vl", "gemma3"])
-def test_an_entry_builds_its_own_family_s_checkpoint(model_type, tmp_path):
-    folder = FAMILIES.get(model_type).build_checkpoint(tmp_path / "model", "tiny", seed=3)
+def test_the_factory_builds_each_family_s_checkpoint(model_type, tmp_path):
+    folder = build_checkpoint(tmp_path / "model", "tiny", seed=3, family=model_type)
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == model_type and config["stillcut_seed"] == 3
 

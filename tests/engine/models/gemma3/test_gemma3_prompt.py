@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from stillcut.engine.chat_template import ChatTemplate
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.detokenizer import IncrementalDetokenizer, detokenize
 from stillcut.engine.factory import cached_checkpoint
-from stillcut.engine.loader import load_model_config
 from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.gemma3.positions import gemma3_positions
 from stillcut.engine.models.gemma3.text_config import gemma3_text_config

@@ -17,12 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-from stillcut.engine.loader import (
-    CheckpointError,
-    canonical_tensor_name,
-    checkpoint_tensors,
-    load_model_config,
-)
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.loader import CheckpointError, canonical_tensor_name, checkpoint_tensors
 from stillcut.engine.models.gemma3.entry import GEMMA3
 from stillcut.engine.models.gemma3.tower import Gemma3VisionEncoder
 from stillcut.engine.models.qwen2_vl.config import text_config

@@ -17,7 +17,7 @@ from torch import nn
 from stillcut.engine.models.nemotron_omni.mamba import Mamba2Block
 from stillcut.engine.models.nemotron_omni.moe import MoEBlock
 from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
 HIDDEN = 32

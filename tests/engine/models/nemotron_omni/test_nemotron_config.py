@@ -11,10 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stillcut.engine.cache_groups import AttentionGroup, RecurrentGroup
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
-from stillcut.engine.model_config import CheckpointError, load_model_config
+from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.nemotron_omni.text_config import nemotron_text_config
 from stillcut.engine.processor import PromptError
 from stillcut.engine.request import SamplingParams

@@ -22,14 +22,15 @@ from transformers import (
     Qwen2VLForConditionalGeneration,
 )
 
-from stillcut.engine.loader import CheckpointError, canonical_tensor_name, load_model_config
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.loader import CheckpointError, canonical_tensor_name
 from stillcut.engine.models.qwen2_vl.config import TextConfig, text_config
 from stillcut.engine.models.qwen2_vl.entry import QWEN_WEIGHT_PREFIXES
 from stillcut.engine.models.qwen2_vl.model import Qwen2LanguageModel
 from stillcut.engine.models.qwen2_vl.positions import MRopeSpec, mrope_positions
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat
-from stillcut.kernels.attention import AttentionMetadata
+from stillcut.kernels.attention_metadata import AttentionMetadata
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 4

@@ -20,9 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
-from stillcut.engine.model_config import CheckpointError, load_model_config
+from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.qwen3_5.config import text_config
 from stillcut.vision.pipeline import VisionPipeline
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.factory import build_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
-from stillcut.engine.models.families import FAMILIES
 from stillcut.engine.request import SamplingParams
 from stillcut.vision.pipeline import VisionPipeline
 
@@ -39,7 +39,7 @@ def checkpoint(request, tmp_path_factory):
     """A tiny checkpoint of the dense family, then of the MoE one (experts in two of its three
     layers)."""
     folder = tmp_path_factory.mktemp(request.param) / "checkpoint"
-    return FAMILIES.get(request.param).build_checkpoint(folder, seed=1)
+    return build_checkpoint(folder, seed=1, family=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from stillcut.engine.factory import build_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
-from stillcut.engine.models.families import FAMILIES
 from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.pipeline import VisionPipeline
 
@@ -33,7 +33,7 @@ def setup(request, tmp_path_factory):
     from transformers import AutoModelForImageTextToText
 
     folder = tmp_path_factory.mktemp(request.param) / "checkpoint"
-    folder = FAMILIES.get(request.param).build_checkpoint(folder, seed=2)
+    folder = build_checkpoint(folder, seed=2, family=request.param)
     config = EngineConfig(
         scheduler=SchedulerConfig(max_num_batched_tokens=512, max_model_len=2048),
         cache=CacheConfig(num_blocks=128, block_size=16),

@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from stillcut.engine.model_config import CheckpointError, load_model_config
-from stillcut.engine.models.families import FAMILIES
+from stillcut.engine.checkpoint import load_model_config
+from stillcut.engine.factory import build_checkpoint
+from stillcut.engine.model_config import CheckpointError
 from stillcut.engine.models.qwen3_vl.config import read_qwen3_vl, text_config
 from stillcut.engine.models.qwen3_vl.preprocess import VIDEO_DEFAULTS, ClipBudget, clip_size
 from stillcut.engine.models.qwen3_vl.prompt import tubelet_times
@@ -19,7 +20,7 @@ from stillcut.engine.multimodal import MultiModalItem
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe") / "checkpoint"
-    return FAMILIES.get("qwen3_vl_moe").build_checkpoint(folder)
+    return build_checkpoint(folder, family="qwen3_vl_moe")
 
 
 def _rewrite(folder, tmp_path, **text):
@@ -128,9 +129,7 @@ def test_the_8b_preset_is_written_tensor_by_tensor_and_loads(tmp_path):
     text |= {"num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 96}
     vision = {"depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 48}
     vision |= {"num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1, 2]}
-    path = FAMILIES.get("qwen3_vl").build_checkpoint(
-        tmp_path / "8b", "8b", text=text, vision=vision
-    )
+    path = build_checkpoint(tmp_path / "8b", "8b", family="qwen3_vl", text=text, vision=vision)
     _, info = AutoModelForImageTextToText.from_pretrained(path, output_loading_info=True)
     assert not any(info.values()), info  # nothing missing, unexpected or mismatched
     engine = LLMEngine(path)
