@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from stillcut.engine import llm_engine
+from stillcut.engine import memory_plan
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from stillcut.engine.cuda_graphs import (
     bucket_for,
@@ -76,7 +76,7 @@ def test_padding_decodes_to_a_bucket_gives_the_unpadded_tokens(
     tiny_checkpoint, unpadded, monkeypatch
 ):
     # Pretend graphs are possible, without capturing: decode steps are padded, run eagerly.
-    monkeypatch.setattr(llm_engine, "graphs_unavailable", lambda *args: None)
+    monkeypatch.setattr(memory_plan, "graphs_unavailable", lambda *args: None)
     monkeypatch.setattr(ModelRunner, "capture_decode_graphs", lambda self: None)
     engine = _engine(tiny_checkpoint)
     assert engine.runner.decode_buckets == (1, 2, 4, 8)
@@ -97,7 +97,7 @@ def test_verify_steps_are_padded_to_buckets_of_rows(tiny_checkpoint, monkeypatch
     speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, dynamic=False)
     greedy = [SamplingParams(max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 10, 8)]
     unpadded = _tokens_and_logprobs(_engine(tiny_checkpoint, speculative=speculative), greedy)
-    monkeypatch.setattr(llm_engine, "graphs_unavailable", lambda *args: None)
+    monkeypatch.setattr(memory_plan, "graphs_unavailable", lambda *args: None)
     monkeypatch.setattr(ModelRunner, "capture_decode_graphs", lambda self: None)
     engine = _engine(tiny_checkpoint, speculative=speculative)
     assert engine.runner.decode_buckets == (1, 2, 4, 8, 16, 32)  # 8 seqs x (1 + 3) rows
@@ -114,7 +114,7 @@ def test_verify_steps_are_padded_to_buckets_of_rows(tiny_checkpoint, monkeypatch
 
 
 def test_the_step_graphs_are_captured_on_writes_only_the_sink_block(tiny_checkpoint, monkeypatch):
-    monkeypatch.setattr(llm_engine, "graphs_unavailable", lambda *args: None)
+    monkeypatch.setattr(memory_plan, "graphs_unavailable", lambda *args: None)
     monkeypatch.setattr(ModelRunner, "capture_decode_graphs", lambda self: None)
     engine = _engine(tiny_checkpoint)
     engine.generate(PROMPTS[:1], PARAMS[:1])  # real K/V in some blocks
