@@ -8,11 +8,11 @@
 #include "formats.h"
 
 /* partial[k][c] += sum over j < GROUP_DEPTH of x[k][i + j] * w[i + j][c] for the `group` rows k
- * of x and columns c in [c0, c1): each widened vector of w serves the whole group, and each
- * row's sums stay in a register through the GROUP_DEPTH input rows (x's values broadcast from
- * memory inside the FMAs). Eight rather
- * than four: each pass moves the group's partial sums (larger than L2 for a vocabulary) once
- * per eight weight rows read instead of twice per four (figures: `bench/RESULTS.md`, "The native kernels' choices"). */
+ * of x and columns c in [c0, c1): each widened vector of w serves the whole group, and each row's
+ * sums stay in a register through the GROUP_DEPTH input rows (x's values broadcast from memory
+ * inside the FMAs). Eight rather than four: each pass moves the group's partial sums (larger than
+ * L2 for a vocabulary) once per eight weight rows read instead of twice per four (figures:
+ * `bench/RESULTS.md`, "The native kernels' choices"). */
 INLINE void band_group(int format, int packed, int group, const float *x, size_t stride,
                        const void *w, int out, int i, int c0, int c1, float *partial) {
     size_t o = row_step(packed, out);
@@ -38,8 +38,9 @@ INLINE void band_group(int format, int packed, int group, const float *x, size_t
 }
 
 #if LANES == 16
-/* 32 bf16 of one row at `p` in one load, widened as two vectors: the even columns (a shift)
- * and the odd ones (a mask). Half the loads of `widenw` and no shuffle (figures: `bench/RESULTS.md`, "The native kernels' choices"). */
+/* 32 bf16 of one row at `p` in one load, widened as two vectors: the even columns (a shift) and
+ * the odd ones (a mask). Half the loads of `widenw` and no shuffle (figures: `bench/RESULTS.md`,
+ * "The native kernels' choices"). */
 INLINE void widen_bf16_pair(const void *p, vecw *even, vecw *odd) {
     __m512i v = _mm512_loadu_si512(p);
     *even = (vecw)_mm512_slli_epi32(v, 16);
@@ -137,7 +138,8 @@ INLINE void band_row(int format, const float *x, size_t stride, int rows, const 
 #define TILE 512
 /* Outputs of at most this many columns: a one-row product takes its input rows one at a time
  * (`band_row`), a single stream through w with the partial sums (at most 4 KiB) in L1. At 2,048
- * columns and more, eight rows per pass stay ahead (figures: `bench/RESULTS.md`, "The native kernels' choices"). */
+ * columns and more, eight rows per pass stay ahead (figures: `bench/RESULTS.md`, "The native
+ * kernels' choices"). */
 #define NARROW_COLUMNS 1024
 INLINE void band_product_as(int format, int packed, const float *x, size_t stride, int rows,
                             const void *w, int out, int i0, int i1, int cb, int ce,

@@ -25,8 +25,8 @@
  * The kernel reads only the description: which kind each block is, its weights and options.
  * A new kind is a struct beside `Attention`, its functions beside `attention`'s (check,
  * fits, work, widest output, run) and one row of `KINDS`. A weight is a `Matrix` in its
- * stored format, multiplied by through `linear` (`linear.h`; `formats.h` is where a format is read); a
- * new storage format is a case there. RMSNorm is x / sqrt(mean(x^2) + eps) * scale.
+ * stored format, multiplied by through `linear` (`linear.h`; `formats.h` is where a format is
+ * read); a new storage format is a case there. RMSNorm is x / sqrt(mean(x^2) + eps) * scale.
  *
  * Rotation is rotate_half's: x * cos + (x[d + D/2], the first half negated) * sin. A KV cache
  * is [2, num_blocks, block_size, num_kv_heads, head_dim] in F32 or BF16 (`Step.kv_format`: new

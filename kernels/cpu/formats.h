@@ -20,10 +20,10 @@ typedef struct {
 } Matrix;
 
 /* A packed matrix holds each group of PACK_ROWS input rows as PACK_COLUMNS-column tiles, one
- * after another, each tile its PACK_ROWS rows of PACK_COLUMNS contiguous elements: the pass of
- * a group of rows over all columns reads one contiguous stream (the [in, out] layout reads one
- * stream per row). Fewer streams
- * read faster than eight row streams at once (figures: `bench/RESULTS.md`, "The native kernels' choices"). */
+ * after another, each tile its PACK_ROWS rows of PACK_COLUMNS contiguous elements: the pass of a
+ * group of rows over all columns reads one contiguous stream (the [in, out] layout reads one
+ * stream per row). Fewer streams read faster than eight row streams at once (figures:
+ * `bench/RESULTS.md`, "The native kernels' choices"). */
 #define PACK_ROWS 8
 #define PACK_COLUMNS 32
 #define PANELS 2         /* `Matrix.packed` of a matrix stored as panels (`panel_product`) */
@@ -99,7 +99,8 @@ INLINE vec8 widen8(int format, const void *data, size_t at) {
 
 /* The products' own vectors: 16 lanes where the CPU has AVX-512, else 8. With half the
  * instructions per byte, more of the weight's cache lines are in flight at once, and the read
- * reaches the bandwidth torch's own reductions reach (figures: `bench/RESULTS.md`, "The native kernels' choices"). */
+ * reaches the bandwidth torch's own reductions reach (figures: `bench/RESULTS.md`, "The native
+ * kernels' choices"). */
 #if defined(__AVX512F__)
 #define LANES 16
 #else
@@ -178,9 +179,10 @@ INLINE void prefetch_rows(int format, const void *w, size_t at, size_t stride, i
         __builtin_prefetch((const char *)w + (at + j * stride + ahead) * bytes);
 }
 
-/* Rows of x a `band_group` takes at once: their sums stay in registers beside a weight vector
- * (16 rows would leave too few of AVX-512's 32 registers); more rows are split into groups of
- * equal size, one group of 8 being faster than two of 4 (figures: `bench/RESULTS.md`, "The native kernels' choices"). */
+/* Rows of x a `band_group` takes at once: their sums stay in registers beside a weight vector (16
+ * rows would leave too few of AVX-512's 32 registers); more rows are split into groups of equal
+ * size, one group of 8 being faster than two of 4 (figures: `bench/RESULTS.md`, "The native
+ * kernels' choices"). */
 #if LANES == 16
 #define MAX_GROUP 8
 #else

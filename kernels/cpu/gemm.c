@@ -24,8 +24,8 @@
  * each pair of rows is interleaved in registers into a panel of `in * 64` bytes that stays in
  * L2 (what `vdpbf16ps` and `tdpbf16ps` take: the two inputs of a column side by side).
  * Laying the panels out is a sizeable share of a bf16 product's time at a few hundred rows
- * (figures: `bench/RESULTS.md`, "The native kernels' choices"): what a bf16 weight stored as pairs would save,
- * were the decode step to read that layout as well.
+ * (figures: `bench/RESULTS.md`, "The native kernels' choices"): what a bf16 weight stored as
+ * pairs would save, were the decode step to read that layout as well.
  */
 
 #include <omp.h>

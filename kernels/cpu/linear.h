@@ -12,25 +12,23 @@
  *         panels on a CPU with AVX-512 VNNI: exact integer sums, see `quad_product`)
  *
  * `linear` is what every kind of block multiplies by (inside the decode step's parallel region)
- * and `matmul` in `decode.c` the same product on its own (the LM head, products of the
- * torch path). A weight is read either as a contiguous [in, out] (each thread streams its own
- * band of input rows into a private partial sum, taking the rest of a slower thread's band at
- * the end, see `linear_band_shared`, rows of x in groups of up to 8 so that each
- * widened weight vector serves the whole group, whose sums stay in registers through eight input
- * rows (`band_group`); a single row of x takes eight input rows per load and store of its
- * partial sums, in four independent chains, which brings one-row products of the narrow
- * formats near their read floors, or, through outputs at most
- * `NARROW_COLUMNS` wide, one input row at a time (one stream);
- * the partials are then added by column; a one-row bf16 product widens 32 columns per load
- * and keeps its sums in the order that gives them, see `band_bf16_deinterleaved`),
- * as the same [in, out] packed by groups of eight input rows (`PACK_ROWS`, the narrow formats'
- * layout wherever the shape allows: the same passes, each group of rows one stream),
- * as panels of 32 columns (an LM head, `panel_product`) or, in I8, quad panels
- * (`quad_product`): each thread whole panels, sums in registers over every input row,
- * or, in F32 only, as a contiguous [out, in] (each thread owns a band of output rows: dot
- * products). Widening in registers keeps a one-row product at its read floor in every
- * format, and grouping rows makes many-row products of the narrow formats faster than
- * widening once per row (figures: `bench/RESULTS.md`, "The native kernels' choices").
+ * and `matmul` in `decode.c` the same product on its own (the LM head, products of the torch
+ * path). A weight is read either as a contiguous [in, out] (each thread streams its own band of
+ * input rows into a private partial sum, taking the rest of a slower thread's band at the end,
+ * see `linear_band_shared`, rows of x in groups of up to 8 so that each widened weight vector
+ * serves the whole group, whose sums stay in registers through eight input rows (`band_group`); a
+ * single row of x takes eight input rows per load and store of its partial sums, in four
+ * independent chains, which brings one-row products of the narrow formats near their read floors,
+ * or, through outputs at most `NARROW_COLUMNS` wide, one input row at a time (one stream); the
+ * partials are then added by column; a one-row bf16 product widens 32 columns per load and keeps
+ * its sums in the order that gives them, see `band_bf16_deinterleaved`), as the same [in, out]
+ * packed by groups of eight input rows (`PACK_ROWS`, the narrow formats' layout wherever the
+ * shape allows: the same passes, each group of rows one stream), as panels of 32 columns (an LM
+ * head, `panel_product`) or, in I8, quad panels (`quad_product`): each thread whole panels, sums
+ * in registers over every input row, or, in F32 only, as a contiguous [out, in] (each thread owns
+ * a band of output rows: dot products). Widening in registers keeps a one-row product at its read
+ * floor in every format, and grouping rows makes many-row products of the narrow formats faster
+ * than widening once per row (figures: `bench/RESULTS.md`, "The native kernels' choices").
  * Vectors are 16 floats where the compiler targets AVX-512 and 8 elsewhere (`LANES`), and rows
  * are prefetched ahead where the hardware alone fell short (`PREFETCH_BYTES`).
  */
@@ -85,12 +83,13 @@ INLINE int chunk_rows(const Matrix *matrix) {
 }
 
 /* `linear_band` where a thread that finished its band takes the chunks other threads have not
- * reached yet, from the far end of theirs: a thread another process slowed leaves less for
- * the barrier to wait for, and each thread still streams its own band in order. The chunks
- * left to each thread are one word in the region's `Barrier`, which its owner sets as its
- * band starts: a thread that looks earlier sees the last product's, all taken. Reads x
- * whole: x must be written before (a barrier). Dealing every chunk out from one counter instead (threads taking turns through the
- * weight) breaks each thread's stream at every chunk (figures: `bench/RESULTS.md`, "The native kernels' choices"). */
+ * reached yet, from the far end of theirs: a thread another process slowed leaves less for the
+ * barrier to wait for, and each thread still streams its own band in order. The chunks left to
+ * each thread are one word in the region's `Barrier`, which its owner sets as its band starts: a
+ * thread that looks earlier sees the last product's, all taken. Reads x whole: x must be written
+ * before (a barrier). Dealing every chunk out from one counter instead (threads taking turns
+ * through the weight) breaks each thread's stream at every chunk (figures: `bench/RESULTS.md`,
+ * "The native kernels' choices"). */
 static void linear_band_shared(const float *x, size_t stride, int rows, const Matrix *matrix,
                                float *partials) {
     Barrier *b = region_barrier_of_thread;

@@ -1,11 +1,13 @@
+/* Panels: a matrix stored as [out / PANEL_COLUMNS][in][PANEL_COLUMNS], each panel its columns'
+ * input rows one after another (an LM head: `engine.models.matmul.head_layout`). A thread
+ * takes whole panels, and each panel is one contiguous stream whose sums stay in registers
+ * through every input row: no partial sums leave them (figures: `bench/RESULTS.md`, "The
+ * native kernels' choices"). */
+
 #pragma once
 
 #include "formats.h"
 
-/* Panels: a matrix stored as [out / PANEL_COLUMNS][in][PANEL_COLUMNS], each panel its columns'
- * input rows one after another (an LM head: `engine.models.matmul.head_layout`). A thread
- * takes whole panels, and each panel is one contiguous stream whose sums stay in registers
- * through every input row: no partial sums leave them. (figures: `bench/RESULTS.md`, "The native kernels' choices"). */
 #define PANEL_VECTORS (PANEL_COLUMNS / LANES)
 
 /* The sums of panel `p`'s columns into y's row at `y` (times I8's scale, + add's row). */

@@ -1,7 +1,3 @@
-#pragma once
-
-#include "formats.h"
-
 /* Quad panels: an I8 matrix stored as [out / 32][in / 4][32][4], each panel its 32 columns'
  * input rows four at a time, the four rows of a column side by side (`QUADS`). A thread takes
  * whole panels (as `panel_product`), and with AVX-512 VNNI sums them in integers: x's row is
@@ -13,8 +9,14 @@
  * output's is x's to 2^-s, where 2^(30 - s) exceeds max |x|: exact for every element within
  * 2^7 of the largest, at most max |x| * 2^-31 off for the rest (float32 sums round at each
  * of `in` additions instead). Integer dot products lift the cost of widening each vector to
- * float32, which bounds a one-row int8 product otherwise (figures: `bench/RESULTS.md`, "The native kernels' choices"). Without VNNI, or where x is not finite, the panel's
- * weights are widened. */
+ * float32, which bounds a one-row int8 product otherwise (figures: `bench/RESULTS.md`, "The
+ * native kernels' choices"). Without VNNI, or where x is not finite, the panel's weights are
+ * widened. */
+
+#pragma once
+
+#include "formats.h"
+
 #define QUAD_GROUP 3 /* rows of x through a panel at once: 8 integer sums of 32 lanes each */
 
 /* Each thread's digits of x, kept for its next product (rows * in int32). */
