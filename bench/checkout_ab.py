@@ -7,8 +7,8 @@ from round to round) with that checkout's own virtual environment, reads the num
 `--metric NAME=REGEX` (the first group of the regex, in the bench's output), and the table gives
 each side's median and the median over rounds of new ÷ base (the two runs of a round are
 adjacent in time); each round's line also shows the host's 1-minute load average. By default it
-runs `bench/decode_roofline.py` and reads its batch-1 native step, that step ÷ its read floor
-(measured in the same process) and the layers' share of it.
+runs `bench/decode_roofline.py` and reads its batch-1 native step and that step ÷ its read
+floor (measured in the same process).
 
     python bench/checkout_ab.py --base ../other-checkout [--rounds 6] [-- bench args...]
 """
@@ -27,7 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 ROOFLINE_METRICS = (
     r"step ms=^\s+1\s+native step\s+([\d.]+)",
     r"step/floor=^\s+1\s+native step\s+[\d.]+\s+[\d.]+\s+([\d.]+)",
-    r"layers ms=where a step goes: layers ([\d.]+) ms",
 )
 
 

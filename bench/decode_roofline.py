@@ -12,7 +12,7 @@ at batch 1 and 8 next to that floor, measured in back-to-back pairs (the ratio i
 the pairs' ratios); the target at batch 1, for a model of at least 100M parameters, is a ratio
 of 1.25 or less (1.3 for a hybrid with recurrent layers, whose step also scans states and
 routes tokens through many small expert matrices). On CPU a model runs its decode steps as one
-native call (`kernels/cpu_decode`) where the kernel builds; the last row runs the same steps
+native call (`kernels/cpu`) where the kernel builds; the last row runs the same steps
 through the model's torch ops, for comparison. The native call also makes the step's logits
 (the LM head's product in the same threaded region), so it is shown as one part; beside the
 model's forward (which checks the weights and the step's inputs first) stands that call alone

@@ -1,5 +1,5 @@
 """The native product `x @ W` with W stored as float32, bfloat16, float16 and int8 (per-column
-scales), against each format's read floor: the microkernel measurement behind `cpu_linear.h`.
+scales), against each format's read floor: the microkernel measurement behind `kernels/cpu/band.h`.
 
 Widening a narrow weight in registers costs instructions that compete with the FMAs for the
 same ports (int8: a sign extension and a conversion per 8 values), so a narrow format reads
@@ -14,7 +14,7 @@ A weight of a few MB stays in the caches when one product is timed over and over
 decode step it comes from memory (the other layers' weights have streamed through the caches
 since). `--from-memory` times each product over copies of its weight that together outgrow
 any cache (`FROM_MEMORY_BYTES` of float32), one after another, and reads a buffer as large as
-the float32 copies for the floor: the measurement behind `NARROW_COLUMNS` in `cpu_linear.h`.
+the float32 copies for the floor: the measurement behind `NARROW_COLUMNS` in `kernels/cpu/band.h`.
 Each product is one call from Python here (tens of microseconds of its own, which a decode
 step's products do not pay), so for weights of 1-2 MB compare formats and builds, not floors.
 
@@ -31,7 +31,7 @@ import time
 import torch
 
 from stillcut.engine.quantization import quantize_int8
-from stillcut.kernels import cpu_decode
+from stillcut.kernels.cpu import decoder
 
 ROWS = (1, 8)
 FROM_MEMORY_BYTES = 256 << 20  # float32 copies of the weight for --from-memory: past any L3
@@ -69,7 +69,7 @@ def main() -> None:
     copies = [stored(torch.randn(num_in, num_out, generator=generator)) for _ in range(num_copies)]
     products = {}  # format -> (its product with each copy, the bytes of one)
     for name, (tensor, scale) in copies[0].items():
-        natives = [cpu_decode.native_matrix(*copy[name]) for copy in copies]
+        natives = [decoder.native_matrix(*copy[name]) for copy in copies]
         if None in natives:
             raise SystemExit("the native kernel did not build here")
         scale_bytes = 0 if scale is None else 4 * scale.numel()

@@ -9,7 +9,7 @@ of a text prompt. Modes:
   fp32           float32 weights, float32 arithmetic
   bf16 widened   bfloat16 weights widened to float32 for each product (compute_dtype=float32)
   bf16           bfloat16 weights, bfloat16 arithmetic (compute_dtype=bfloat16): the native
-                 product (`kernels.cpu_gemm`, AMX or AVX-512) reading the packed weight
+                 product (`kernels.cpu.gemm`, AMX or AVX-512) reading the packed weight
   int8           int8 weights (per output channel), widened to float32
   w8a8           int8 weights, rows quantized per token, exact int32 sums: the native product
                  (AMX `tdpbssd` or AVX-512 `vpdpbusd`) reading the quad panels

@@ -7,7 +7,7 @@ count through `matmul.linear`, as prefill calls it, in every option the CPU allo
                      rounded to bfloat16, torch's bf16 GEMM (oneDNN), the result widened back
   bf16 plain         the layout option: the weight kept as a contiguous [in, out] (no unpack),
                      the rest as above
-  bf16 tiles         the native product reading the packed weight, AMX tiles (`cpu_gemm`)
+  bf16 tiles         the native product reading the packed weight, AMX tiles (`kernels.cpu.gemm`)
   bf16 vector        the same with AVX-512 `vdpbf16ps`
   int8 weight-only   `--quantization int8`: the int8 weight widened to float32, float32 GEMM
   w8a8 _int_mm       the torch W8A8 path: rows quantized, quad panels unpacked, `_int_mm`
@@ -37,8 +37,8 @@ import torch
 from stillcut.engine.models.matmul import linear, stored_matrix
 from stillcut.engine.models.qwen2_vl.checkpoint import PRESETS
 from stillcut.engine.quantization import quantize_int8
-from stillcut.kernels.cpu_decode import native_matrix
-from stillcut.kernels.cpu_decode_stack import pack_matrix, pack_quads, quads_fit
+from stillcut.kernels.cpu.decoder import native_matrix
+from stillcut.kernels.cpu.packing import pack_matrix, pack_quads, quads_fit
 from stillcut.kernels.cpu_flags import FLAGS_VARIABLE, cpu_flags
 
 # option -> (the CPU flags it runs under, the stored weight's kind, its arithmetic)

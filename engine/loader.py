@@ -39,7 +39,7 @@ from stillcut.engine.quantization import (
     quantize_stack,
     row_blocks,
 )
-from stillcut.kernels.cpu_decode_stack import PANEL_COLUMNS, head_panels_shape, to_head_panels
+from stillcut.kernels.cpu.packing import PANEL_COLUMNS, head_panels_shape, to_head_panels
 
 log = logging.getLogger(__name__)
 

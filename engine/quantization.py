@@ -5,7 +5,7 @@ A `WeightFormat` says how a model's weights live in memory: floating tensors in 
 the dtype activations are computed in (float32 on CPU, whatever the weights; the weights'
 dtype on CUDA), and the arithmetic of long products (prefill batches, the vision tower:
 `engine.arithmetic`). On CPU only the matrices stay narrow — products widen them in registers
-(`kernels/cpu_linear.h`) — while norms, biases, position tables and the like, a small share of
+(`kernels/cpu/formats.h`) — while norms, biases, position tables and the like, a small share of
 the bytes, are rounded to `dtype` and kept in the compute dtype, so the model computes exactly
 what an fp32 model with every tensor rounded to `dtype` computes.
 

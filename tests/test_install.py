@@ -18,7 +18,7 @@ PROBE = """
 import json, stillcut
 from stillcut.demo import demo_checkpoint
 from stillcut.engine.models.families import FAMILIES
-from stillcut.kernels import cpu_decode
+from stillcut.kernels.cpu import library
 families = {}
 for model_type in FAMILIES.model_types:
     entry = FAMILIES.get(model_type)
@@ -28,7 +28,7 @@ for model_type in FAMILIES.model_types:
 print(json.dumps({
     "package": stillcut.__file__,
     "families": families,
-    "c_sources": [p.name for p in (cpu_decode.SOURCE, *cpu_decode.HEADERS) if p.is_file()],
+    "c_sources": [p.name for p in library.HERE.iterdir() if p.suffix in (".c", ".h")],
     "demo": str(demo_checkpoint()),
 }))
 """
@@ -90,7 +90,7 @@ def test_wheel_installs_the_folders_as_one_stillcut_namespace(tmp_path):
     }
     for modules in found["families"].values():
         assert all(module.startswith("stillcut.engine.models.") for module in modules), modules
-    headers = {"cpu_linear.h", "cpu_hybrid_kinds.h", "cpu_moe_kinds.h"}
-    assert {"cpu_decode.c", *headers} <= set(found["c_sources"])
+    headers = {"linear.h", "kinds_dense.h", "kinds_hybrid.h", "kinds_softmax_moe.h"}
+    assert {"decode.c", "gemm.c", *headers} <= set(found["c_sources"])
     demo = Path(found["demo"])
     assert str(demo).startswith(str(site_folder)) and (demo / "model.safetensors").is_file()

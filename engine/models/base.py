@@ -28,8 +28,8 @@ from stillcut.engine.models.weight_snapshot import WeightSnapshot
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode import CpuDecoder, bind
-from stillcut.kernels.cpu_decode_stack import Block, Stack
+from stillcut.kernels.cpu.decoder import CpuDecoder, bind
+from stillcut.kernels.cpu.stack import Block, Stack
 
 log = logging.getLogger(__name__)
 

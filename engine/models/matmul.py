@@ -10,7 +10,7 @@ Longer batches (prefill) compute in the model's arithmetic (`engine.arithmetic`)
 their rows are rounded to bfloat16 and meet a bfloat16 weight as stored in bf16 x bf16
 products with float32 sums; in W8A8 (`w8a8`), rows quantized per token meet the int8 weight in
 exact integer sums. Where the CPU has the dot products for it, the native product
-(`kernels.cpu_gemm`: AMX tiles or AVX-512) reads the weight in the layout decode stores it in;
+(`kernels.cpu.gemm`: AMX tiles or AVX-512) reads the weight in the layout decode stores it in;
 elsewhere torch's GEMMs (oneDNN, `_int_mm`) multiply it unpacked a slice at a time.
 """
 
@@ -23,8 +23,9 @@ from torch import nn
 
 from stillcut.engine.models.w8a8 import quantized_rows, scaled_sums
 from stillcut.engine.quantization import dense
-from stillcut.kernels.cpu_decode import NativeMatrix, native_matrix
-from stillcut.kernels.cpu_decode_stack import (
+from stillcut.kernels.cpu.decoder import NativeMatrix, native_matrix
+from stillcut.kernels.cpu.gemm import bf16_product, w8a8_product
+from stillcut.kernels.cpu.packing import (
     PACK_COLUMNS,
     PANEL_COLUMNS,
     head_panels_shape,
@@ -38,12 +39,11 @@ from stillcut.kernels.cpu_decode_stack import (
     to_head_panels,
     unpacked,
 )
-from stillcut.kernels.cpu_gemm import bf16_product, w8a8_product
 
 
 def matmul_layout(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [in, out] stored for `linear`: in a narrow format on CPU, packed in groups of
-    rows and tiles of columns where its shape allows (`cpu_decode_stack.pack_matrix`: the
+    rows and tiles of columns where its shape allows (`kernels.cpu.packing.pack_matrix`: the
     native kernel reads a group of rows as one stream; int8 on a CPU with integer dot products
     as quad panels, `pack_quads`), else a contiguous `[in, out]`; in
     float32 a contiguous `[in, out]` when out >= in (qkv, gate/up), else the `[in, out]` view
@@ -69,7 +69,7 @@ def packing(dtype: torch.dtype, device: torch.device, num_in: int, num_out: int)
 def head_layout(weight: torch.Tensor) -> torch.Tensor:
     """An LM head `[vocab, hidden]` (or a tied embedding) stored for `vocab_logits`: on CPU,
     where the vocabulary is whole panels, as panels `[vocab / 32, hidden, 32]`
-    (`cpu_decode_stack.panels_shape`: the native product reads each thread's panels as one
+    (`kernels.cpu.packing.panels_shape`: the native product reads each thread's panels as one
     stream, its sums in registers; an int8 one as quad panels `[vocab / 32, hidden / 4, 32, 4]`
     where `quads_fit`), else a contiguous `[hidden, vocab]`, read in column bands
     by one matvec per thread. The loader makes either as it reads the table (`Conversion.head`),

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from stillcut.engine.models.matmul import expert_matrices, linear, scale_of
-from stillcut.kernels import cpu_decode_stack
-from stillcut.kernels.cpu_decode_stack import Activation, pack_matrices
+from stillcut.kernels.cpu import stack
+from stillcut.kernels.cpu.packing import pack_matrices
+from stillcut.kernels.cpu.stack import Activation
 
 # each stacked tensor of a `StoredExperts` -> the axis of its matrices' output channels
 EXPERT_STACKS = MappingProxyType({"experts.gate_up_proj": 1, "experts.down_proj": 1})
@@ -114,9 +115,9 @@ class SoftmaxMoE(nn.Module):
         routed = torch.zeros_like(x).index_add_(0, token_of, weighted)  # as transformers sums
         return residual + routed.to(residual.dtype)
 
-    def native_mixer(self) -> cpu_decode_stack.SoftmaxMoe:
+    def native_mixer(self) -> stack.SoftmaxMoe:
         """This MLP as a block of the native CPU decode step."""
-        return cpu_decode_stack.SoftmaxMoe(
+        return stack.SoftmaxMoe(
             self.router.T,  # [H, E]
             self.experts_gate_up,
             self.experts_down,

@@ -14,9 +14,7 @@ from stillcut.engine.checkpoint import CheckpointLike
 from stillcut.engine.loader import checkpoint_tensors, load_weights
 from stillcut.engine.models.matmul import head_layout, matmul_layout, packing, scale_of
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
-from stillcut.kernels.cpu_decode_stack import (
-    panel_rows,
-)
+from stillcut.kernels.cpu.packing import panel_rows
 
 LM_HEAD_PREFIX = "lm_head."
 LANGUAGE_MODEL_PREFIX = "language_model."

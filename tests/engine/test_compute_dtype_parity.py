@@ -24,7 +24,7 @@ from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.models import matmul
 from stillcut.engine.quantization import WeightFormat
 from stillcut.engine.request import SamplingParams
-from stillcut.kernels import cpu_gemm
+from stillcut.kernels.cpu import gemm as cpu_gemm
 from stillcut.kernels.cpu_flags import FLAGS_VARIABLE, _proc_cpu_flags
 from stillcut.vision.pipeline import VideoInput, VisionPipeline
 
@@ -109,7 +109,7 @@ def test_bf16_prefill_within_twice_transformers_bf16_spread(setup, case):
 
 @pytest.mark.parametrize("flag", ["amx_bf16", "avx512_bf16"])
 def test_native_bf16_products_within_the_same_bound(setup, monkeypatch, flag):
-    """The native products (`kernels.cpu_gemm`: AMX tiles, or AVX-512 alone) in place of
+    """The native products (`kernels.cpu.gemm`: AMX tiles, or AVX-512 alone) in place of
     torch's, where this CPU has `flag`: the text prompt's prefill within the same bound."""
     if flag not in _proc_cpu_flags():
         pytest.skip(f"no {flag} here")

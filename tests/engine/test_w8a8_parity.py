@@ -6,7 +6,7 @@ its activations per token, must land within twice it, and its logits must differ
 weight-only ones (else its integer path never ran). On Qwen2.5-VL and on Qwen3-VL, whose
 video prompt also runs its tower (int8 weights computing in the tower's arithmetic, as every
 tower does under w8a8) and the DeepStack sets. It runs with torch's `_int_mm` (no CPU flags
-named) and, on Qwen2.5-VL, with each native product this CPU has (`kernels.cpu_gemm`: AMX or
+named) and, on Qwen2.5-VL, with each native product this CPU has (`kernels.cpu.gemm`: AMX or
 AVX-512).
 """
 
@@ -18,8 +18,8 @@ import torch
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
-from stillcut.kernels import cpu_gemm
-from stillcut.kernels.cpu_decode_stack import is_quads
+from stillcut.kernels.cpu import gemm as cpu_gemm
+from stillcut.kernels.cpu.packing import is_quads
 from stillcut.kernels.cpu_flags import FLAGS_VARIABLE, _proc_cpu_flags
 from stillcut.vision.pipeline import VisionPipeline
 

@@ -17,7 +17,8 @@ from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.processor import PromptProcessor
 from stillcut.engine.request import SamplingParams
-from stillcut.kernels import cpu_decode
+from stillcut.kernels.cpu import decoder as native_decoder
+from stillcut.kernels.cpu import library
 
 NUM_NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
@@ -82,7 +83,7 @@ def _config() -> EngineConfig:
 
 @pytest.mark.parametrize("how", list(REPLACEMENTS))
 def test_replaced_weights_decode_their_own_tokens(checkpoints, how, monkeypatch):
-    if cpu_decode.load() is None:
+    if library.load() is None:
         pytest.skip("no C compiler: the native CPU decode kernel is not built")
     _, first, second, expected = checkpoints
     engine = LLMEngine(first, _config())
@@ -93,13 +94,13 @@ def test_replaced_weights_decode_their_own_tokens(checkpoints, how, monkeypatch)
     REPLACEMENTS[how](engine.model, type(engine.model).from_checkpoint(second))
     gc.collect()  # the first checkpoint's tensors have no owner left but the decoder
     native_rows = []
-    decode = cpu_decode.CpuDecoder.decode
+    decode = native_decoder.CpuDecoder.decode
 
     def counted(decoder, input_ids, *args):
         native_rows.append(input_ids.shape[0])
         return decode(decoder, input_ids, *args)
 
-    monkeypatch.setattr(cpu_decode.CpuDecoder, "decode", counted)
+    monkeypatch.setattr(native_decoder.CpuDecoder, "decode", counted)
     (after,) = engine.generate([prompt], GREEDY)
     assert after.token_ids == expected
     assert len(set(expected)) > 1  # not one token over and over

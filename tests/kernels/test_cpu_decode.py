@@ -38,20 +38,11 @@ from stillcut.engine.models.qwen3_vl.moe_model import Qwen3MoeLanguageModel
 from stillcut.engine.models.rotary import fused_qkv_attention, rotary_tables
 from stillcut.engine.models.weights import embedding_rows
 from stillcut.engine.quantization import WeightFormat, dense, quantize_int8
-from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import (
-    Activation,
-    Attention,
-    Block,
-    GatedMlp,
-    Kind,
-    Mlp,
-    Stack,
-    is_quads,
-    pack_quads,
-    unpacked,
-)
+from stillcut.kernels.cpu import decoder as native_decoder
+from stillcut.kernels.cpu import library
+from stillcut.kernels.cpu.packing import is_quads, pack_quads, unpacked
+from stillcut.kernels.cpu.stack import Activation, Attention, Block, GatedMlp, Kind, Mlp, Stack
 
 BLOCK_SIZE = 4
 # 17 short requests, then one long one (request 17) whose keys get split across threads
@@ -83,7 +74,7 @@ NARROW_EXPERTS = {
 def _redrawn(model_class, spec: dict, weight_format: WeightFormat = WeightFormat()):
     """The tiny checkpoint's model with its weights redrawn in place (an int8 one keeps its
     values and gets scales to match)."""
-    if cpu_decode.load() is None:
+    if library.load() is None:
         if os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):
             pytest.fail("the native CPU decode kernel did not build here")
         pytest.skip("no C compiler: the native CPU decode kernel is not built")
@@ -255,22 +246,22 @@ def test_native_decode_takes_only_small_decode_steps(model):
 
 @pytest.fixture
 def fresh_load(monkeypatch, tmp_path):
-    """`cpu_decode.load` with its memo cleared and an empty cache folder; cleared again after."""
+    """`library.load` with its memo cleared and an empty cache folder; cleared again after."""
     monkeypatch.setenv("STILLCUT_CACHE", str(tmp_path))
-    cpu_decode.load.cache_clear()
+    library.load.cache_clear()
     yield tmp_path
-    cpu_decode.load.cache_clear()
+    library.load.cache_clear()
 
 
 def test_without_a_compiler_the_torch_layers_run(fresh_load, monkeypatch, tiny_checkpoint):
     """A model loaded where nothing compiles decodes through its torch layers, and gives the
     tokens (and, within the kernel's tolerance, the logits) of one that has the native step."""
     monkeypatch.setenv("CC", str(fresh_load / "no-such-compiler"))
-    assert cpu_decode.load() is None
+    assert library.load() is None
     fallback = Qwen2LanguageModel.from_checkpoint(tiny_checkpoint)
     assert fallback.cpu_decoder is None
     monkeypatch.undo()  # the real compiler and the session's cache, where the kernel is built
-    cpu_decode.load.cache_clear()
+    library.load.cache_clear()
     native = Qwen2LanguageModel.from_checkpoint(tiny_checkpoint)
     if native.cpu_decoder is None:
         if os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):
@@ -291,24 +282,24 @@ def test_a_failed_compile_leaves_nothing_behind(fresh_load, monkeypatch):
     compiler.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho broken >&2; exit 1\n')
     compiler.chmod(0o755)
     monkeypatch.setenv("CC", str(compiler))
-    assert cpu_decode.load() is None
+    assert library.load() is None
     assert not any((fresh_load / "native").iterdir())  # no partial library left
 
 
 def test_it_can_be_switched_off(fresh_load, monkeypatch):
     monkeypatch.setenv("STILLCUT_NATIVE_DECODE", "0")
-    assert cpu_decode.load() is None
+    assert library.load() is None
     assert not (fresh_load / "native").exists()
 
 
 def test_the_library_is_built_once_into_the_cache(fresh_load):
-    if cpu_decode.load() is None:
+    if library.load() is None:
         pytest.skip("no C compiler")
     (built,) = (fresh_load / "native").iterdir()
     assert built.suffix == ".so"
-    cpu_decode.load.cache_clear()
+    library.load.cache_clear()
     modified = built.stat().st_mtime_ns
-    assert cpu_decode.load() is not None
+    assert library.load() is not None
     assert built.stat().st_mtime_ns == modified  # found, not compiled again
 
 
@@ -562,7 +553,7 @@ def test_a_stack_of_any_blocks_matches_its_torch_reading(case):
     """The kernel follows the description block by block, whatever the order of the kinds,
     their options and activations, the caches they use (none without attention), and the
     formats its weights and caches are stored in."""
-    if cpu_decode.load() is None:
+    if library.load() is None:
         pytest.skip("no C compiler: the native CPU decode kernel is not built")
     blocks, weight_dtype, kv_dtype, threads = STORED[case]
     stack = _mixed_stack() if blocks == "mixed" else _mlps_only(_mixed_stack())
@@ -584,7 +575,7 @@ def test_a_stack_of_any_blocks_matches_its_torch_reading(case):
         head = head.to(weight_dtype)
         head_scales, head_meaning = None, head.float()
     stack = dataclasses.replace(stack, head=head_layout(head), head_scales=head_scales)
-    decoder = cpu_decode.bind(stack)
+    decoder = native_decoder.bind(stack)
     assert decoder is not None and decoder.vocab == head_vocab
     requests = [0, 1, LONG]
     lens = [PROMPT_LENS[r] for r in requests]
@@ -640,5 +631,5 @@ def test_a_stack_that_does_not_fit_together_is_refused_with_its_reason():
         blocks = [Block(stack.blocks[0].norm, dataclasses.replace(attention, table=2))]
         dataclasses.replace(stack, blocks=blocks)
     with pytest.raises(ValueError, match="KV cache 0 is used by two attention blocks"):
-        cpu_decode.CpuDecoder(cpu_decode.load(), dataclasses.replace(
+        native_decoder.CpuDecoder(library.load(), dataclasses.replace(
             stack, blocks=[stack.blocks[0], stack.blocks[0]]))  # fmt: skip

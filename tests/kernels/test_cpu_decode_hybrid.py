@@ -29,9 +29,9 @@ from stillcut.engine.cache_groups import attention_groups, recurrent_groups
 from stillcut.engine.checkpoint import load_model_config
 from stillcut.engine.factory import cached_checkpoint
 from stillcut.engine.quantization import WeightFormat
-from stillcut.kernels import cpu_decode
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import is_packed, pack_matrix, unpacked
+from stillcut.kernels.cpu import library
+from stillcut.kernels.cpu.packing import is_packed, pack_matrix, unpacked
 from stillcut.kernels.mamba2 import RecurrentMetadata
 
 BLOCK_SIZE = 4
@@ -78,7 +78,7 @@ VARIANTS = {  # name: (family, checkpoint overrides, weight format, KV dtype, th
 @pytest.fixture(scope="module")
 def models():
     """Each variant's model and its cache groups, loaded once (variants share checkpoints)."""
-    if cpu_decode.load() is None:
+    if library.load() is None:
         if os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):
             pytest.fail("the native CPU decode kernel did not build here")
         pytest.skip("no C compiler: the native CPU decode kernel is not built")

@@ -1,4 +1,4 @@
-"""The native prefill products (`cpu_gemm`) against torch references, each way this CPU has.
+"""The native prefill products (`kernels.cpu.gemm`) against torch references, each way this CPU has.
 
 bf16: float32 rows rounded to bfloat16 times a packed bfloat16 weight, against float64 sums of
 the same rounded values (float32 accumulation is the only difference allowed). W8A8: the
@@ -15,8 +15,8 @@ import torch
 from stillcut.engine.models.matmul import _widened_product, linear, stored_matrix
 from stillcut.engine.models.w8a8 import quantized_rows, scaled_sums
 from stillcut.engine.quantization import quantize_int8
-from stillcut.kernels import cpu_gemm
-from stillcut.kernels.cpu_decode_stack import pack_matrix, pack_quads
+from stillcut.kernels.cpu import gemm as cpu_gemm
+from stillcut.kernels.cpu.packing import pack_matrix, pack_quads
 from stillcut.kernels.cpu_flags import FLAGS_VARIABLE, _proc_cpu_flags
 
 

@@ -115,18 +115,18 @@ def test_bad_flag_values_are_refused_in_their_own_name_before_the_model_loads(
 
 
 def test_the_first_native_compile_says_so_on_stderr(tmp_path, monkeypatch, capsys):
-    from stillcut.kernels import cpu_decode
+    from stillcut.kernels.cpu import library
 
     def fails(*arguments):
         raise OSError("no compiler here")
 
     monkeypatch.setenv("STILLCUT_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_decode, "_compile", fails)
-    cpu_decode.load.cache_clear()
+    monkeypatch.setattr(library, "_compile", fails)
+    library.load.cache_clear()
     try:
-        assert cpu_decode.load() is None
+        assert library.load() is None
     finally:
-        cpu_decode.load.cache_clear()  # the next caller builds (or finds) the real library
+        library.load.cache_clear()  # the next caller builds (or finds) the real library
     err = capsys.readouterr().err
     assert "compiling the native CPU decode step for this machine, once" in err
     assert str(tmp_path / "native") in err

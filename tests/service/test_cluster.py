@@ -63,17 +63,20 @@ def cluster(tiny_checkpoint) -> str:
     config = ClusterConfig(
         num_replicas=2, num_cpus_per_replica=0.5, affinity_margin=MARGIN, num_cpus=2
     )
+    before = set(_descendants(os.getpid()))  # e.g. multiprocessing's resource tracker
     with running_cluster(spec, config) as url:
         yield url
-    assert _leftover_processes() == []
+    assert _leftover_processes(before) == []
 
 
-def _leftover_processes(timeout_s: float = 45.0) -> list[str]:
-    """This process's descendants (Ray's daemons and workers) still alive after `timeout_s`
-    (on a loaded 2-core machine a worker restarted after a kill has taken over 15 s to exit:
-    late, not leaked; the wait ends as soon as none is left)."""
+def _leftover_processes(before: set[str], timeout_s: float = 45.0) -> list[str]:
+    """This process's descendants that were not there `before` the cluster started (Ray's
+    daemons and workers) still alive after `timeout_s` (on a loaded 2-core machine a worker
+    restarted after a kill has taken over 15 s to exit: late, not leaked; the wait ends as
+    soon as none is left). A child an earlier test left for the whole run (multiprocessing's
+    resource tracker, started by the first spawned pool) is not the cluster's."""
     deadline = time.monotonic() + timeout_s
-    while (left := _descendants(os.getpid())) and time.monotonic() < deadline:
+    while (left := sorted(set(_descendants(os.getpid())) - before)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 

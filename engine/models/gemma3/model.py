@@ -50,7 +50,7 @@ from stillcut.engine.models.weights import (
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Stack
+from stillcut.kernels.cpu.stack import Activation, Attention, Block, GatedMlp, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 # A checkpoint layer's norms -> ours (their `1 + weight`, float32).

@@ -22,7 +22,7 @@ from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
 from stillcut.engine.models.weights import fused_weight, set_weight
 from stillcut.kernels.attention import paged_attention, write_kv
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Activation, Attention, Mixer, Mlp
+from stillcut.kernels.cpu.stack import Activation, Attention, Mixer, Mlp
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ from stillcut.engine.models.nemotron_omni.blocks import (
 from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
 from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.conv_scan import conv_scan_chunk, conv_scan_steps
-from stillcut.kernels.cpu_decode_stack import Mamba2
+from stillcut.kernels.cpu.stack import Mamba2
 from stillcut.kernels.mamba2 import selective_state_step, ssd_scan_with_states
 
 

@@ -5,7 +5,7 @@ A stack of Mamba2, attention, MoE and MLP blocks (`nemotron_mamba`, `nemotron_bl
 paged K/V caches in layer order; Mamba2 layers read and write the runner's recurrent states
 through `metadata.recurrent`. Positions play no part (no rotary anywhere), so the position row
 the runner passes is ignored. On CPU a step of decodes runs as one native call (`native_stack`:
-each block as its kind for `kernels/cpu_decode`). Weights load as the checkpoint stores them
+each block as its kind for `kernels/cpu`). Weights load as the checkpoint stores them
 (release layout: `backbone.layers.{i}.mixer.*`, one tensor per expert) and are rearranged once
 into `[in, out]` matrices; multi-token-prediction tensors, if any, are skipped as transformers
 skips them.
@@ -45,7 +45,7 @@ from stillcut.engine.models.weights import embedding_rows, load_decoder, set_wei
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Block, Stack
+from stillcut.kernels.cpu.stack import Block, Stack
 
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
 

@@ -27,7 +27,8 @@ from stillcut.engine.models.nemotron_omni.blocks import (
 )
 from stillcut.engine.models.nemotron_omni.text_config import NemotronTextConfig
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Moe, pack_matrices
+from stillcut.kernels.cpu.packing import pack_matrices
+from stillcut.kernels.cpu.stack import Moe
 
 
 class MoEBlock(NemotronBlock):

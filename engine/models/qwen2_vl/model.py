@@ -53,7 +53,7 @@ from stillcut.engine.models.weights import (
 from stillcut.engine.multimodal import MultiModalItem
 from stillcut.engine.quantization import Conversion, WeightFormat, matmul_weights, plan_formats
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Activation, Attention, Block, GatedMlp, Mixer, Stack
+from stillcut.kernels.cpu.stack import Activation, Attention, Block, GatedMlp, Mixer, Stack
 
 LANGUAGE_MODEL_PREFIX = "language_model."
 

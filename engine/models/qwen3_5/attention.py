@@ -27,7 +27,7 @@ from stillcut.engine.models.qwen3_5.config import Qwen35TextConfig
 from stillcut.engine.models.rotary import fused_qkv_attention
 from stillcut.engine.models.weights import fused_weight, set_weight
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Attention
+from stillcut.kernels.cpu.stack import Attention
 
 
 def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:

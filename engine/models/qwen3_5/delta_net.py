@@ -21,7 +21,7 @@ from stillcut.engine.models.qwen3_5.config import Qwen35TextConfig
 from stillcut.engine.models.weights import fused_weight, set_weight
 from stillcut.kernels.attention_metadata import AttentionMetadata
 from stillcut.kernels.conv_scan import conv_scan_chunk, conv_scan_steps
-from stillcut.kernels.cpu_decode_stack import GatedDelta
+from stillcut.kernels.cpu.stack import GatedDelta
 from stillcut.kernels.gated_delta import gated_delta_step, gated_delta_with_states, normalized_qk
 
 CHUNK_SIZE = 64  # tokens per chunk of the prompt form, as transformers' default

@@ -23,7 +23,7 @@ from stillcut.engine.models.matmul import ProjectingModule, linear, scale_of
 from stillcut.engine.models.qwen2_vl.model import Qwen2DecoderLayer
 from stillcut.engine.models.softmax_moe import SoftmaxMoE
 from stillcut.engine.models.weights import fused_weight, set_weight
-from stillcut.kernels.cpu_decode_stack import Activation, GatedMlp, SoftmaxMoe
+from stillcut.kernels.cpu.stack import Activation, GatedMlp, SoftmaxMoe
 
 
 class SwiGLU(ProjectingModule):

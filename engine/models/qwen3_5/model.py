@@ -41,7 +41,7 @@ from stillcut.engine.models.qwen3_5.mlp import (
 from stillcut.engine.models.weights import Table, load_decoder, set_weight
 from stillcut.engine.quantization import WeightFormat
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Block, Stack
+from stillcut.kernels.cpu.stack import Block, Stack
 
 UNUSED_PREFIXES = ("mtp.",)  # multi-token-prediction layers: transformers never loads them
 

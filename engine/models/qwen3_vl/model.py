@@ -31,7 +31,7 @@ from stillcut.engine.models.weights import (
     set_weight,
 )
 from stillcut.kernels.attention_metadata import AttentionMetadata
-from stillcut.kernels.cpu_decode_stack import Stack
+from stillcut.kernels.cpu.stack import Stack
 
 
 class InterleavedMRoPE(MRoPE):

@@ -14,7 +14,7 @@ from torch import nn
 from stillcut.engine.models.qwen3_vl.config import Qwen3TextConfig
 from stillcut.engine.models.qwen3_vl.model import Qwen3DecoderLayer, Qwen3LanguageModel
 from stillcut.engine.models.softmax_moe import SoftmaxMoE, expert_stacks, stored_experts
-from stillcut.kernels.cpu_decode_stack import Mixer
+from stillcut.kernels.cpu.stack import Mixer
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):

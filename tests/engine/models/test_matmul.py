@@ -23,8 +23,8 @@ from stillcut.engine.models.matmul import (
 from stillcut.engine.models.weights import embedding_rows
 from stillcut.engine.quantization import dense, quantize_int8
 from stillcut.engine.sampler import first_argmax, first_argmax_ids
-from stillcut.kernels import cpu_decode
-from stillcut.kernels.cpu_decode_stack import (
+from stillcut.kernels.cpu import library
+from stillcut.kernels.cpu.packing import (
     integer_dots,
     is_packed,
     is_quads,
@@ -80,7 +80,7 @@ def _stored(weight: torch.Tensor, dtype: torch.dtype):
 def _native_products(threads: int, seed: int):
     """Torch (and the native product) on `threads` threads, seeded; skipped without a C
     compiler."""
-    if cpu_decode.load() is None:
+    if library.load() is None:
         pytest.skip("no C compiler: the native product is not built")
     torch.manual_seed(seed)
     before = torch.get_num_threads()
@@ -216,7 +216,7 @@ def test_a_head_in_panels_equals_the_product_with_it_widened(dtype, threads, mon
 def test_a_vocabulary_wide_product_equals_the_product_with_it_widened(dtype):
     """A weight as wide as a vocabulary is shared between threads by columns, not by input
     rows (ranges of 32 columns, the last one short)."""
-    if cpu_decode.load() is None:
+    if library.load() is None:
         pytest.skip("no C compiler: the native product is not built")
     torch.manual_seed(11)
     num_out = 32768 + 45

@@ -15,7 +15,7 @@ import torch
 from stillcut.engine.models.matmul import NATIVE_MAX_ROWS, linear, stored_matrix
 from stillcut.engine.models.w8a8 import integer_sums, quantized_rows
 from stillcut.engine.quantization import dense, quantize_int8
-from stillcut.kernels.cpu_decode_stack import pack_matrix, pack_quads
+from stillcut.kernels.cpu.packing import pack_matrix, pack_quads
 
 
 def _rule(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

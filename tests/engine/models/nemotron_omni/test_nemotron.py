@@ -7,7 +7,7 @@ at once under a small token budget, so prefill chunks split the Mamba2 layers' s
 their state across steps. The reference prompts come from transformers' own processor code
 (its video processor, and the tubelet labels its processor writes); with EVS on, transformers
 prunes inside its forward pass with `compute_retention_mask`, and our prompt holds exactly the
-tokens it keeps. Decode steps run natively (`kernels/cpu_decode`) where the kernel builds; with
+tokens it keeps. Decode steps run natively (`kernels/cpu`) where the kernel builds; with
 `STILLCUT_REQUIRE_NATIVE_DECODE` set (as CI sets it) a decode step the kernel declines fails the
 parity test instead of quietly running the torch layers.
 """

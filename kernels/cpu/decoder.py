@@ -1,4 +1,4 @@
-"""Decode steps of a decoder stack on CPU in one native call (`cpu_decode.c`).
+"""Decode steps of a decoder stack on CPU in one native call (`decode.c`).
 
 A batch-1 decode step is bound by reading the weights, but op by op in torch each of a layer's
 ~40 small ops also costs a fixed few microseconds, every parallel op wakes the thread pool
@@ -7,43 +7,31 @@ final norm took 0.3 ms there, 0.07 ms when repeated); on the 2-core CPU that ove
 than the layers' own weight reads. The C kernel goes from token ids to the final norm (embedding
 rows, M-RoPE tables, every block) inside one OpenMP parallel region, the threads meeting at
 barriers, reading each weight once in contiguous per-thread bands. A model describes itself as
-a `cpu_decode_stack.Stack` of blocks, each of a kind; `bind` turns that into the C structs.
+a `stack.Stack` of blocks, each of a kind; `bind` turns that into the C structs.
 Recurrent blocks (Mamba2, Gated DeltaNet) advance the runner's state rows in place
 (`metadata.recurrent`); the snapshots a step asks for are copied from those rows after it.
 Weights stay in their stored formats (bfloat16, float16, int8 with per-column scales, float32;
-`cpu_linear.h` widens them in registers), and the KV caches may be bfloat16. `NativeMatrix`
+`formats.h` widens them in registers), and the KV caches may be bfloat16. `NativeMatrix`
 runs the same products one at a time, for the few-row products outside a decode step (the LM
 head, the torch path's).
 
-The C file is compiled on first use with the system C compiler (`$CC`, else `cc`) into the
-stillcut cache, keyed by the sources (with the header it includes), the compiler and the CPU. It
-links libgomp, the OpenMP runtime torch's Linux wheels have already loaded under the same name,
-so both share one thread pool. Without a compiler, or with `STILLCUT_NATIVE_DECODE=0`, `load()`
-returns None and the model runs its torch ops instead.
+The library is built and loaded by `library.load` (None without a compiler, or with
+`STILLCUT_NATIVE_DECODE=0`: the model then runs its torch ops).
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
-import hashlib
 import logging
 import operator
-import os
-import platform
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import torch
 
-from stillcut.disk_cache import cache_dir
-from stillcut.kernels.cpu_decode_stack import (
-    FORMATS,
+from stillcut.kernels.cpu.library import load
+from stillcut.kernels.cpu.packing import FORMATS, is_packed, is_quads, matrix_shape, panels_shape
+from stillcut.kernels.cpu.stack import (
     MAX_TABLES,
     RECURRENT_MIXERS,
     Attention,
@@ -56,215 +44,29 @@ from stillcut.kernels.cpu_decode_stack import (
     Moe,
     SoftmaxMoe,
     Stack,
-    is_packed,
-    is_quads,
-    matrix_shape,
-    panels_shape,
+)
+from stillcut.kernels.cpu.structs import (
+    MAX_BLOCK_SIZE,
+    PANELS,
+    QUADS,
+    _Attention,
+    _Block,
+    _Embedding,
+    _GatedDelta,
+    _GatedMlp,
+    _Mamba2,
+    _Matrix,
+    _Mlp,
+    _Model,
+    _Moe,
+    _SoftmaxMoe,
+    _Step,
 )
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_suffix(".c")
-HEADERS = tuple(
-    SOURCE.with_name(name)
-    for name in ("cpu_linear.h", "cpu_hybrid_kinds.h", "cpu_moe_kinds.h", "cpu_gated_delta.h")
-)
 KV_FORMATS = (torch.float32, torch.bfloat16)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 MAX_ROWS = 16  # past this many rows a step is a gemm, torch's own territory
-MAX_BLOCK_SIZE = 256  # `MAX_BLOCK` in the C file
-PANELS = 2  # `Matrix.packed` of a matrix stored as panels, `PANELS` in the C file
-QUADS = 3  # `Matrix.packed` of an int8 matrix as quad panels, `QUADS` in the C file
-ENABLE_VARIABLE = "STILLCUT_NATIVE_DECODE"
-COMPILE_TIMEOUT_S = 120
-
-
-class _Matrix(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in ("format", "out_in", "num_in", "num_out", "packed")),
-    ]
-
-
-class _Attention(ctypes.Structure):
-    _fields_ = [
-        ("qkv", _Matrix),
-        ("o", _Matrix),
-        ("qkv_bias", ctypes.c_void_p),
-        ("qk_norm", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in (
-            "num_heads", "num_kv_heads", "head_dim", "window", "table", "cache",
-        )),
-        ("scale", ctypes.c_float),
-        ("soft_cap", ctypes.c_float),
-        ("gated", ctypes.c_int32),
-    ]  # fmt: skip
-
-
-class _GatedMlp(ctypes.Structure):
-    _fields_ = [("gate_up", _Matrix), ("down", _Matrix), ("activation", ctypes.c_int32)]
-
-
-class _Mlp(ctypes.Structure):
-    _fields_ = [
-        ("up", _Matrix),
-        ("down", _Matrix),
-        ("up_bias", ctypes.c_void_p),
-        ("down_bias", ctypes.c_void_p),
-        ("activation", ctypes.c_int32),
-    ]
-
-
-class _Moe(ctypes.Structure):
-    _fields_ = [
-        ("router", _Matrix),
-        ("correction_bias", ctypes.c_void_p),
-        ("experts_up", ctypes.c_void_p),
-        ("experts_down", ctypes.c_void_p),
-        ("shared", _Mlp),
-        ("latent_in", _Matrix),
-        ("latent_out", _Matrix),
-        ("latent_in_bias", ctypes.c_void_p),
-        ("latent_out_bias", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in (
-            "num_experts", "top_k", "num_groups", "kept_groups", "normalize",
-        )),
-        ("scaling", ctypes.c_float),
-    ]  # fmt: skip
-
-
-class _SoftmaxMoe(ctypes.Structure):
-    _fields_ = [
-        ("router", _Matrix),
-        ("experts_gate_up", ctypes.c_void_p),
-        ("experts_down", ctypes.c_void_p),
-        ("shared", _GatedMlp),
-        ("shared_gate", _Matrix),
-        *((name, ctypes.c_int32) for name in ("num_experts", "top_k", "activation")),
-    ]
-
-
-class _Mamba2(ctypes.Structure):
-    _fields_ = [
-        ("in_proj", _Matrix),
-        ("out_proj", _Matrix),
-        *((name, ctypes.c_void_p) for name in (
-            "in_proj_bias", "out_proj_bias", "conv_weight", "conv_bias", "dt_bias", "A", "D",
-            "gate_norm",
-        )),
-        *((name, ctypes.c_int32) for name in (
-            "num_heads", "head_dim", "state_size", "num_groups", "kernel", "state",
-        )),
-        ("time_step_min", ctypes.c_float),
-    ]  # fmt: skip
-
-
-class _GatedDelta(ctypes.Structure):
-    _fields_ = [
-        ("in_proj", _Matrix),
-        ("out_proj", _Matrix),
-        *((name, ctypes.c_void_p) for name in ("conv_weight", "dt_bias", "A", "gate_norm")),
-        *((name, ctypes.c_int32) for name in (
-            "num_k_heads", "num_v_heads", "k_dim", "v_dim", "kernel", "state",
-        )),
-    ]  # fmt: skip
-
-
-class _Block(ctypes.Structure):
-    _fields_ = [
-        ("kind", ctypes.c_int32),
-        ("norm", ctypes.c_void_p),
-        ("out_norm", ctypes.c_void_p),
-        ("params", ctypes.c_void_p),
-    ]
-
-
-class _Embedding(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("scales", ctypes.c_void_p),
-        ("row_stride", ctypes.c_int64),
-        ("column_stride", ctypes.c_int64),
-        ("format", ctypes.c_int32),
-        ("scale", ctypes.c_float),
-        ("panels", ctypes.c_int32),
-    ]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        ("embedding", _Embedding),
-        ("final_norm", ctypes.c_void_p),
-        ("inv_freq", ctypes.c_void_p * MAX_TABLES),
-        ("section", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in ("hidden", "num_tables", "rotary_dim")),
-        ("eps", ctypes.c_float),
-        ("head", ctypes.c_void_p),
-    ]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [
-        ("rows", ctypes.c_int32),
-        ("threads", ctypes.c_int32),
-        ("ids", ctypes.c_void_p),
-        ("positions", ctypes.c_void_p),
-        ("positions_stride", ctypes.c_int64),
-        ("block_tables", ctypes.c_void_p),
-        ("block_table_stride", ctypes.c_int32),
-        ("seq_lens", ctypes.c_void_p),
-        ("slot_mapping", ctypes.c_void_p),
-        ("kv_caches", ctypes.c_void_p),
-        *((name, ctypes.c_int32) for name in (
-            "num_kv_caches", "cache_blocks", "block_size", "kv_format",
-        )),
-        ("states", ctypes.c_void_p),
-        ("num_states", ctypes.c_int32),
-        ("state_slots", ctypes.c_int32),
-        *((name, ctypes.c_void_p) for name in ("state_rows", "fresh", "prompt")),
-    ]  # fmt: skip
-
-
-def enabled() -> bool:
-    """False when `STILLCUT_NATIVE_DECODE` is set to 0 (the torch ops then run instead)."""
-    return os.environ.get(ENABLE_VARIABLE, "1") != "0"
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, built once per source, compiler and CPU; None (logged
-    once) when it cannot be built here."""
-    if not enabled():
-        return None
-    library = compiled(SOURCE, HEADERS, "the native CPU decode step", "about 30 s")
-    if library is None:
-        return None
-    library.decode_step.restype = library.check_model.restype = ctypes.c_int
-    library.matmul.restype = ctypes.c_int
-    # declared, so that the per-step calls pass plain ints as addresses (no wrapper objects)
-    address = ctypes.c_void_p
-    library.decode_step.argtypes = [
-        address,
-        address,
-        ctypes.c_int,
-        address,
-        address,
-        address,
-        address,
-    ]
-    library.matmul.argtypes = [
-        address,
-        address,
-        ctypes.c_int64,
-        ctypes.c_int,
-        address,
-        address,
-        address,
-        ctypes.c_int,
-    ]
-    library.scratch_floats.restype = ctypes.c_int64
-    return library
 
 
 def bind(stack: Stack) -> CpuDecoder | None:
@@ -297,71 +99,9 @@ def _tensors(stack: Stack) -> Iterator[tuple[torch.Tensor, bool]]:
                 parts.append(value)
 
 
-def compiled(source: Path, headers: Sequence[Path], what: str, duration: str) -> ctypes.CDLL | None:
-    """`source` (including `headers`) compiled for this machine into the stillcut cache, once
-    per source, compiler and CPU, and loaded; None (logged) when it cannot be built here.
-    `what` and `duration` are what the first compile says on stderr."""
-    compiler = os.environ.get("CC", "cc")
-    try:
-        version = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
-        ).stdout
-        sources = (path.read_text() for path in (source, *headers))
-        key = hashlib.sha256(
-            "\0".join((*sources, compiler, version, *FLAGS, _cpu())).encode()
-        ).hexdigest()[:16]
-        target = cache_dir() / "native" / f"{source.stem}-{key}.so"
-        if not target.exists():
-            # the first run sits silent for tens of seconds otherwise
-            print(
-                f"stillcut: compiling {what} for this machine, once "
-                f"({duration}; kept in {target.parent})...",
-                file=sys.stderr,
-                flush=True,
-            )
-            started = time.perf_counter()
-            _compile(compiler, source, target)
-            log.info("compiled %s in %.1f s", what, time.perf_counter() - started)
-        return ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or error
-        log.warning("%s unavailable, using torch ops: %s", what, detail)
-        return None
-
-
-def _compile(compiler: str, source: Path, target: Path) -> None:
-    """Compile into a private file beside `target`, then rename: readers never see half a
-    library, and two processes compiling at once both end with a whole one."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(handle)
-    try:
-        subprocess.run(
-            [compiler, *FLAGS, "-o", partial, str(source), "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=COMPILE_TIMEOUT_S,
-        )
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-
-
-def _cpu() -> str:
-    """What `-march=native` depends on: the CPU's model and feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags")
-    return "\n".join(sorted({line for line in info if line.startswith(wanted)}))
-
-
 def _out_in(weight: torch.Tensor) -> int:
     """1 when `weight` `[in, out]` is the view of a contiguous `[out, in]` (float32 only), 0
-    when it is a contiguous `[in, out]` itself or packed (`cpu_decode_stack.pack_matrix`)."""
+    when it is a contiguous `[in, out]` itself or packed (`packing.pack_matrix`)."""
     if weight.is_contiguous():
         return 0
     if weight.T.is_contiguous() and weight.dtype == torch.float32:

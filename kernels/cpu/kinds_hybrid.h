@@ -1,7 +1,7 @@
 /* The block kinds of hybrid decoders in the native decode step: a plain MLP, a mixture of
- * experts and Mamba2's one-token update. Included by `cpu_decode.c` (it uses its `Context`,
- * `rms_norm`, `activate` and `residual_projection`); each kind has the five functions of a row
- * of `KINDS` there.
+ * experts and Mamba2's one-token update. It uses `step.h`'s `Context`, `rms_norm`, `activate`
+ * and `residual_projection`; each kind has the five functions of a row of `KINDS` in
+ * `decode.c`.
  *
  *   MLP     y = act(x @ Wup (+ b)) @ Wdown (+ b), act relu² (or SiLU, tanh GELU)
  *   MOE     scores = sigmoid(x @ Wrouter); the experts are chosen by scores + a correction bias
@@ -30,6 +30,10 @@
  * MoE's expert products all share their phases; a Mamba2 row's groups (their heads, B, C and
  * norm slice) are one unit of work from the conv to the gated norm.
  */
+
+#pragma once
+
+#include "step.h"
 
 typedef struct {
     Matrix up;                   /* [in, mid] */

@@ -1,7 +1,6 @@
 /* The Gated DeltaNet kind of the native decode step (a hybrid's linear-attention layers).
- * Included by `cpu_decode.c` after `cpu_hybrid_kinds.h` (it uses `Context`, `rms_norm`,
- * `residual_projection`, `silu`, `softplus`, `causal_conv` and `state_fits`); the five
- * functions of its row of `KINDS`.
+ * It uses `step.h`'s `Context`, `rms_norm` and `residual_projection` and `kinds_hybrid.h`'s
+ * `silu`, `softplus`, `causal_conv` and `state_fits`; the five functions of its row of `KINDS`.
  *
  *   GATED_DELTA  q|k|v, z, b, a = x @ Win; q|k|v through the depthwise causal conv after the
  *                row's last K - 1 inputs (SiLU, no bias); q and k L2-normalised per key head
@@ -15,6 +14,10 @@
  * starts from zeros whatever its slot held. One unit of work is a (row, key head): the conv of
  * its q, k and its value heads' v, then each of those value heads' update, output and norm.
  */
+
+#pragma once
+
+#include "kinds_hybrid.h"
 
 #define L2_NORM_EPS 1e-6f
 

@@ -1,7 +1,7 @@
 /* The softmax-routed mixture of gated experts in the native decode step, a decoder layer's MLP
- * in place of a dense one. Included by `cpu_decode.c` after `cpu_hybrid_kinds.h`, whose
- * expert machinery it shares (`top_experts`, `group_pairs`, `expert_products`; `gate_rows` is
- * the dense gated MLP's); it has the five functions of a row of `KINDS`.
+ * in place of a dense one. It shares `kinds_hybrid.h`'s expert machinery (`top_experts`,
+ * `group_pairs`, `expert_products`; `gate_rows` is the dense gated MLP's); it has the five
+ * functions of a row of `KINDS`.
  *
  *   SOFTMAX_MOE  p = softmax(x @ Wrouter) over all experts (float32); the `top_k` largest
  *                are taken (ties to the lower id) and their p renormalised to sum 1;
@@ -15,6 +15,11 @@
  * expert phases' own (the shared expert's products and its gate's run in them), and one on each
  * side of the gating (a pair's gate and up columns may have been written by different threads).
  */
+
+#pragma once
+
+#include "kinds_dense.h"
+#include "kinds_hybrid.h"
 
 typedef struct {
     Matrix router;                 /* [hidden, experts] float32 */

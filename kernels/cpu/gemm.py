@@ -1,7 +1,7 @@
-"""Long-batch products on CPU in the CPU's dot-product arithmetic (`cpu_gemm.c`).
+"""Long-batch products on CPU in the CPU's dot-product arithmetic (`gemm.c`).
 
 A prefill's products are bound by arithmetic, not by reading weights. torch's bfloat16 GEMM is
-fast here, but a weight the decode step stores packed (`cpu_decode_stack.pack_matrix`) had to
+fast here, but a weight the decode step stores packed (`packing.pack_matrix`) had to
 be copied unpacked for every product, and the rows rounded to bfloat16 and the sums widened
 back in passes of their own; torch's int8 `_int_mm` on CPU is slower than its float32 GEMM.
 The native products read the decode step's layouts as they are (packed bfloat16 tiles, int8
@@ -16,7 +16,7 @@ Which dot products run follows the CPU's flags (`cpu_flags`: /proc/cpuinfo,
 or `STILLCUT_CPU_FLAGS`): AMX tiles where `amx_bf16` / `amx_int8`, else AVX-512 where
 `avx512_bf16` / `avx512_vnni`, as far as this build and the OS allow (`isas`); elsewhere the
 functions return None and the caller keeps torch's products. The library is compiled like the
-decode step's (`cpu_decode.compiled`) and off with it (`STILLCUT_NATIVE_DECODE=0`).
+decode step's (`library.compiled`) and off with it (`STILLCUT_NATIVE_DECODE=0`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from stillcut.kernels import cpu_decode
-from stillcut.kernels.cpu_decode_stack import is_packed, is_quads, matrix_shape
+from stillcut.kernels.cpu.library import compiled, enabled
+from stillcut.kernels.cpu.packing import is_packed, is_quads, matrix_shape
 from stillcut.kernels.cpu_flags import cpu_flags
 
 SOURCE = Path(__file__).with_suffix(".c")
@@ -54,9 +54,9 @@ FEATURES = {
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot be built or native code is off."""
-    if not cpu_decode.enabled():
+    if not enabled():
         return None
-    library = cpu_decode.compiled(SOURCE, (), "the native CPU prefill products", "about 5 s")
+    library = compiled(SOURCE, (), "the native CPU prefill products", "about 5 s")
     if library is None:
         return None
     address, int32, int64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64

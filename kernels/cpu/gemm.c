@@ -23,9 +23,9 @@
  * stride), so int8 reads the weight in place; a bfloat16 packed tile holds its rows whole, so
  * each pair of rows is interleaved in registers into a panel of `in * 64` bytes that stays in
  * L2 (what `vdpbf16ps` and `tdpbf16ps` take: the two inputs of a column side by side).
- * Measured on the 2-core AMX CPU (one thread, busy), laying the panels out took 25-40 % of a
- * bf16 product's time at 512 rows (512 x 3072 and 1536 x 512 weights) and 10-25 % at 4,096: what
- * a bf16 weight stored as pairs would save, were the decode step to read that layout as well.
+ * Laying the panels out is a sizeable share of a bf16 product's time at a few hundred rows
+ * (figures: `bench/RESULTS.md`, "The native kernels' choices"): what a bf16 weight stored as
+ * pairs would save, were the decode step to read that layout as well.
  */
 
 #include <omp.h>
@@ -59,7 +59,7 @@
 #define I8_TILES 0
 #endif
 
-#define PACK_ROWS 8      /* a packed weight's row groups, as `cpu_linear.h` */
+#define PACK_ROWS 8      /* a packed weight's row groups, as `formats.h` */
 #define COLUMNS 32       /* a packed tile's and a quad panel's columns: one block's */
 #define QUAD 4           /* a quad panel's inputs side by side */
 #define BLOCK_ROWS 32    /* rows per block: two tiles of 16 */
