@@ -74,11 +74,16 @@ def load() -> ctypes.CDLL | None:
     return library
 
 
+def c_compiler() -> str:
+    """The C compiler the libraries are built with: `$CC`, else `cc`."""
+    return os.environ.get("CC", "cc")
+
+
 def compiled(source: Path, headers: Sequence[Path], what: str, duration: str) -> ctypes.CDLL | None:
     """`source` (including `headers`) compiled for this machine into the stillcut cache, once
     per source, compiler and CPU, and loaded; None (logged) when it cannot be built here.
     `what` and `duration` are what the first compile says on stderr."""
-    compiler = os.environ.get("CC", "cc")
+    compiler = c_compiler()
     try:
         version = subprocess.run(
             [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30

@@ -10,7 +10,6 @@ likewise, packed as `[E, ...]` of packed ones (`pack_matrices`); an LM head as p
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -120,7 +119,6 @@ def unpacked(weight: torch.Tensor, columns: slice = slice(None)) -> torch.Tensor
     return weight[:, first:end].transpose(1, 2).reshape(num_in, stop - start)
 
 
-@functools.cache
 def integer_dots() -> bool:
     """Whether this CPU has AVX-512 VNNI, whose integer dot products read an int8 weight
     faster than widening it does (`quad_product` in `quads.h`)."""

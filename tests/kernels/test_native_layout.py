@@ -27,7 +27,7 @@ MIRRORS = {
 
 
 def _compiler() -> str:
-    compiler = os.environ.get("CC", "cc")
+    compiler = library.c_compiler()
     if shutil.which(compiler) is None:
         if os.environ.get("STILLCUT_REQUIRE_NATIVE_DECODE"):
             pytest.fail(f"no C compiler ({compiler}) to build the layout program")
