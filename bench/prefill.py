@@ -17,11 +17,13 @@ of a text prompt. Modes:
                  for each product; `STILLCUT_CPU_FLAGS` emptied while it runs)
   w8a8 torch     w8a8 likewise (torch's `_int_mm`)
 
-Beside each mode, "linear share" is the time torch's own GEMMs take for the model's linear
-layers at that many rows, in that mode's arithmetic (x @ w of every projection's shape, the
-LM head of the last row aside), over the measured prefill: the part of it that is GEMM, and
-1.0 is a prefill doing nothing but torch's GEMMs. The target at 4,096 tokens is >= 0.8 (the
-rest is attention, norms and the runner). Where the CPU has no bfloat16 dot products, bf16
+Beside each mode: "linear s", the time the prefill spent in its linear layers' products
+(every call of `matmul.linear` in it timed; the LM head of the last row aside; medians like
+the rest); "vs torch", torch's own GEMM time for the same products (x @ w of every
+projection's shape at that many rows, in that mode's arithmetic) over that: the linear
+layers' FLOPs per second against torch's GEMM rate, target >= 0.8 at 4,096 tokens; and
+"rest s", the prefill's median less its linear time (attention, norms, rotary and the
+runner, reported apart). Where the CPU has no bfloat16 dot products, bf16
 prints "skipped"; without integer dot products (avx512_vnni, avx_vnni, amx_int8), w8a8 does.
 
 llama.cpp (`--llama-bench PATH --gguf NAME=FILE ...`): its `llama-bench -p N -n 0` runs on each
@@ -39,9 +41,11 @@ model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -78,12 +82,17 @@ def make_engine(path, mode: str, max_tokens: int) -> LLMEngine:
     return LLMEngine(path, config)
 
 
-def prefill_seconds(engine: LLMEngine, num_tokens: int, seed: int, torch_products: bool) -> float:
+def prefill_seconds(
+    engine: LLMEngine, num_tokens: int, seed: int, torch_products: bool
+) -> tuple[float, float]:
+    """One prefill's seconds, and the seconds of it spent in the linear layers' products."""
     flags = os.environ.get(FLAGS_VARIABLE)
     if torch_products:
         os.environ[FLAGS_VARIABLE] = ""
     try:
-        return _timed_prefill(engine, num_tokens, seed)
+        with timed_linear() as spent:
+            total = _timed_prefill(engine, num_tokens, seed)
+        return total, spent[0]
     finally:
         if flags is None:
             os.environ.pop(FLAGS_VARIABLE, None)
@@ -98,6 +107,35 @@ def _timed_prefill(engine: LLMEngine, num_tokens: int, seed: int) -> float:
     start = time.perf_counter()
     engine.generate([prompt], ONE_TOKEN)
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def timed_linear():
+    """While inside, every call of `matmul.linear` (as each model module imported it) adds its
+    wall time (about a microsecond more per call) to the yielded list's one entry."""
+    from stillcut.engine.models import matmul
+
+    original, spent = matmul.linear, [0.0]
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    modules = [
+        module
+        for name, module in list(sys.modules.items())
+        if name.startswith("stillcut.engine.models") and getattr(module, "linear", None) is original
+    ]
+    for module in modules:
+        module.linear = timed
+    try:
+        yield spent
+    finally:
+        for module in modules:
+            module.linear = original
 
 
 def linear_shapes(engine: LLMEngine) -> list[tuple[int, int]]:
@@ -158,19 +196,24 @@ def main() -> None:
     engines = {mode: make_engine(path, mode, max(lengths)) for mode in modes}
     print(f"{args.preset}: {torch.get_num_threads()} threads, {args.rounds} interleaved rounds")
     seconds = {(mode, n): [] for mode in modes for n in lengths}
+    in_linear = {(mode, n): [] for mode in modes for n in lengths}
     for round_index in range(args.rounds + 1):  # the first round warms up
         for n in lengths:
             for mode, engine in engines.items():
-                elapsed = prefill_seconds(engine, n, round_index, mode in TORCH_PRODUCTS)
+                elapsed, linear = prefill_seconds(engine, n, round_index, mode in TORCH_PRODUCTS)
                 if round_index:
                     seconds[mode, n].append(elapsed)
-    print(f"{'mode':14} {'tokens':>7} {'tokens/s':>10} {'linear share':>13}")
+                    in_linear[mode, n].append(linear)
+    header = ("mode", "tokens", "tokens/s", "linear s", "vs torch", "rest s")
+    print("{:14} {:>7} {:>10} {:>9} {:>9} {:>8}".format(*header))
     for n in lengths:
         for mode, engine in engines.items():
             median = statistics.median(seconds[mode, n])
+            linear = statistics.median(in_linear[mode, n])
             arithmetic = engine.weight_format.matrix_dtype
-            share = gemm_seconds(linear_shapes(engine), n, arithmetic) / median
-            print(f"{mode:14} {n:7} {n / median:10.1f} {share:13.2f}")
+            ratio = gemm_seconds(linear_shapes(engine), n, arithmetic) / linear
+            row = (mode, n, n / median, linear, ratio, median - linear)
+            print("{:14} {:7} {:10.1f} {:9.3f} {:9.2f} {:8.3f}".format(*row))
     if args.llama_bench:
         run_llama_bench(args.llama_bench, args.gguf, lengths)
 
