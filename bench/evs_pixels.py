@@ -34,7 +34,7 @@ from stillcut.vision.decode import decode_video
 from stillcut.vision.pipeline import VisionPipeline
 
 REFERENCE_TAU = 0.1  # the embeddings' live default, whose kept fraction the calibration matches
-FLOORS = (0.0, 0.25, PIXEL_FLOOR, 4.0)  # in RMS units of each candidate's values
+FLOORS = (0.0, 0.25, 1.0, 2.0, 4.0, 8.0)  # in RMS units of each candidate's values
 RATE = 0.75
 
 

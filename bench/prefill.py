@@ -26,12 +26,16 @@ layers' FLOPs per second against torch's GEMM rate, target >= 0.8 at 4,096 token
 runner, reported apart). Where the CPU has no bfloat16 dot products, bf16
 prints "skipped"; without integer dot products (avx512_vnni, avx_vnni, amx_int8), w8a8 does.
 
-llama.cpp (`--llama-bench PATH --gguf NAME=FILE ...`): its `llama-bench -p N -n 0` runs on each
-GGUF named, for the same prompt lengths and threads. To build one: `pip download --no-binary
-:all: llama-cpp-python` fetches a source archive that vendors llama.cpp (`vendor/llama.cpp`:
-`cmake -B build && cmake --build build --target llama-bench`), and its
-`convert_hf_to_gguf.py CHECKPOINT --outtype f32|bf16|q8_0` converts our checkpoint's language
-model.
+llama.cpp (`--llama-bench PATH --gguf NAME=FILE ...`): in every round, after stillcut's modes,
+`llama-bench -p N -n 0 -r 1` runs on each GGUF named, for the same prompt length and threads
+(interleaved with stillcut's, a fresh process each time, after its own warm-up run); its
+tokens/s medians are printed beside the stillcut mode of the same arithmetic (F32: fp32,
+BF16: bf16, Q8_0: w8a8) and their ratio (targets at 512 tokens: bf16 >= 1.0x BF16, w8a8 >=
+1.0x Q8_0). To build one: `pip download --no-binary :all: llama-cpp-python` fetches a source
+archive that vendors llama.cpp (`vendor/llama.cpp`: `cmake -B build && cmake --build build
+--target llama-bench`), and its `convert_hf_to_gguf.py CHECKPOINT --outtype f32|bf16|q8_0`
+converts our checkpoint's language model (it needs the `sentencepiece` package; the
+checkpoint is `engine.factory.cached_checkpoint(PRESET, dtype="bfloat16")`).
 
     python bench/prefill.py [--preset lm180m] [--tokens 512,4096] [--rounds 3]
         [--modes "fp32,bf16,int8,w8a8,bf16 torch,w8a8 torch"]
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -167,14 +172,32 @@ def gemm_seconds(shapes: list[tuple[int, int]], num_rows: int, dtype: torch.dtyp
     return total
 
 
-def run_llama_bench(path: str, ggufs: list[str], lengths: list[int]) -> None:
-    for named in ggufs:
-        name, _, gguf = named.partition("=")
-        command = [path, "-m", gguf, "-p", ",".join(map(str, lengths)), "-n", "0"]
-        command += ["-t", str(torch.get_num_threads())]
-        result = subprocess.run(command, capture_output=True, text=True, check=True)
-        print(f"llama.cpp {name}:")
-        print(result.stdout)
+LLAMA_MODES = {"F32": "fp32", "BF16": "bf16", "Q8_0": "w8a8"}
+
+
+def llama_tokens_per_second(path: str, gguf: str, num_tokens: int) -> float:
+    """One `llama-bench` run's prompt tokens/s for `num_tokens`."""
+    command = [path, "-m", gguf, "-p", str(num_tokens), "-n", "0", "-r", "1", "-o", "json"]
+    command += ["-t", str(torch.get_num_threads())]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    (test,) = json.loads(result.stdout)
+    return float(test["avg_ts"])
+
+
+def print_llama(ggufs: dict[str, str], lengths: list[int], llama: dict, ours: dict) -> None:
+    print("\nllama.cpp, interleaved with the rounds above (medians):")
+    print("{:8} {:>7} {:>10}  {:14} {:>10} {:>7}".format(
+        "GGUF", "tokens", "tokens/s", "stillcut mode", "tokens/s", "ratio"
+    ))  # fmt: skip
+    for n in lengths:
+        for name in ggufs:
+            theirs = statistics.median(llama[name, n])
+            mode = LLAMA_MODES.get(name.upper())
+            if mode is None or (mode, n) not in ours:
+                print(f"{name:8} {n:7} {theirs:10.1f}")
+                continue
+            mine = n / statistics.median(ours[mode, n])
+            print(f"{name:8} {n:7} {theirs:10.1f}  {mode:14} {mine:10.1f} {mine / theirs:6.2f}x")
 
 
 def main() -> None:
@@ -187,6 +210,9 @@ def main() -> None:
     parser.add_argument("--gguf", action="append", default=[], help="NAME=FILE, repeated")
     args = parser.parse_args()
     lengths = [int(n) for n in args.tokens.split(",")]
+    ggufs = dict(named.partition("=")[::2] for named in args.gguf)
+    if ggufs and not args.llama_bench:
+        parser.error("--gguf needs --llama-bench")
     modes = args.modes.split(",")
     for mode, flags in NEEDS.items():
         if mode in modes and not cpu_flags().intersection(flags):
@@ -197,6 +223,7 @@ def main() -> None:
     print(f"{args.preset}: {torch.get_num_threads()} threads, {args.rounds} interleaved rounds")
     seconds = {(mode, n): [] for mode in modes for n in lengths}
     in_linear = {(mode, n): [] for mode in modes for n in lengths}
+    llama = {(name, n): [] for name in ggufs for n in lengths}
     for round_index in range(args.rounds + 1):  # the first round warms up
         for n in lengths:
             for mode, engine in engines.items():
@@ -204,6 +231,10 @@ def main() -> None:
                 if round_index:
                     seconds[mode, n].append(elapsed)
                     in_linear[mode, n].append(linear)
+            for name, gguf in ggufs.items():
+                rate = llama_tokens_per_second(args.llama_bench, gguf, n)
+                if round_index:
+                    llama[name, n].append(rate)
     header = ("mode", "tokens", "tokens/s", "linear s", "vs torch", "rest s")
     print("{:14} {:>7} {:>10} {:>9} {:>9} {:>8}".format(*header))
     for n in lengths:
@@ -214,8 +245,8 @@ def main() -> None:
             ratio = gemm_seconds(linear_shapes(engine), n, arithmetic) / linear
             row = (mode, n, n / median, linear, ratio, median - linear)
             print("{:14} {:7} {:10.1f} {:9.3f} {:9.2f} {:8.3f}".format(*row))
-    if args.llama_bench:
-        run_llama_bench(args.llama_bench, args.gguf, lengths)
+    if ggufs:
+        print_llama(ggufs, lengths, llama, seconds)
 
 
 if __name__ == "__main__":

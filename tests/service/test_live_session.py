@@ -420,7 +420,7 @@ def test_ask_before_any_frame_is_an_error_the_session_survives(engine, pipeline)
     asyncio.run(scenario())
 
 
-PIXEL_OPTIONS = replace(OPTIONS, stage="pixels")  # the stage's default threshold
+PIXEL_OPTIONS = replace(OPTIONS, stage="pixels", threshold=None)  # the stage's default threshold
 
 
 def test_pixel_stage_answers_equal_describe_and_empty_tubelets_skip_the_tower(
