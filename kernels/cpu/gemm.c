@@ -66,6 +66,8 @@
 #define CHUNK_BYTES (1 << 20) /* a chunk's converted rows, kept in L2 (measured: 512 KB laid
                                  * the panels of 1536-input weights out twice as often) */
 #define GROUP_BYTES (256 << 10) /* a group of panels laid out, kept in L2 */
+#define MIN_CHUNK_ROWS 256 /* but never fewer rows: every chunk lays each panel out again, and a
+                           * wide input's 1 MB of rows was one block (bench/RESULTS.md) */
 
 enum isa { VECTOR = 1, TILES = 2 };
 enum product { BF16 = 0, W8A8 = 1, SUMS = 2 };
@@ -367,7 +369,7 @@ static Work work_for(const Product *p, int num_rows) {
     w.element = integer ? 1 : 2;
     size_t row_bytes = (size_t)w.padded * w.element;
     w.chunk = CHUNK_BYTES / row_bytes / BLOCK_ROWS * BLOCK_ROWS;
-    if (w.chunk < BLOCK_ROWS) w.chunk = BLOCK_ROWS;
+    if (w.chunk < MIN_CHUNK_ROWS) w.chunk = MIN_CHUNK_ROWS;
     if (w.chunk > round_up(num_rows, BLOCK_ROWS)) w.chunk = round_up(num_rows, BLOCK_ROWS);
     w.group = GROUP_BYTES / (row_bytes * COLUMNS);
     if (w.group < 1) w.group = 1;

@@ -36,7 +36,13 @@ def _int8_weight(num_in: int, num_out: int, generator) -> tuple[torch.Tensor, to
 @pytest.mark.parametrize("isa", list(cpu_gemm.Isa))
 @pytest.mark.parametrize(
     ("rows", "num_in", "num_out", "add"),
-    [(33, 40, 64, None), (100, 72, 96, "bias"), (257, 512, 160, "rows"), (70, 8, 32, None)],
+    [
+        (33, 40, 64, None),
+        (100, 72, 96, "bias"),
+        (257, 512, 160, "rows"),
+        (70, 8, 32, None),
+        (1100, 4096, 32, "rows"),  # chunks of 256 rows (of 8 KB): several on each thread
+    ],
 )
 def test_bf16_products_are_float64_sums_of_the_rounded_values(rows, num_in, num_out, add, isa):
     isa = _isa("bf16", isa)
