@@ -5,9 +5,11 @@ in `bench/out/` for the next run), encodes each clip once (the encoder cache ser
 setting of EVS after the tower), and asks each question type's canonical prompt with EVS off,
 rate q = 0.5 / 0.75 / 0.8 / 0.9 and threshold tau at several values. Each answer is scored by
 its keywords (`stillcut.demo.questions.is_correct`); the table shows accuracy per type and the
-fraction of video tokens kept. Then, for the long near-static sample clip, it counts the
-tokens kept for growing lengths: a threshold's cost should grow far slower than the clip, a
-rate's grows with it.
+fraction of video tokens kept; under it, what the wrong descriptions with EVS off got wrong
+(an object's colour or shape left out, the subject's or a bystander's; words not in the
+scene; the event, the ground, the motion). Then, for the long near-static sample clip, it
+counts the tokens kept for growing lengths: a threshold's cost should grow far slower than
+the clip, a rate's grows with it.
 
 Narration: held-out scenes of the narration mix (`scenes.NARRATION_MIX`, the held-out seeds)
 narrated as `stillcut narrate` does (lag `queue`), with threshold EVS at the narration default
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import time
 import zlib
 from collections import Counter
@@ -60,9 +63,9 @@ from stillcut.demo.narration import (
     segment_is_correct,
     tubelet_change,
 )
-from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, is_correct
+from stillcut.demo.questions import EVENTS, PROMPTS, QUESTION_TYPES, is_correct
 from stillcut.demo.render import frames
-from stillcut.demo.scenes import NARRATION_MIX, Scene, sample_scene
+from stillcut.demo.scenes import COLOURS, NARRATION_MIX, SHAPES, Scene, sample_scene
 from stillcut.demo.train import TASK_VERSION
 from stillcut.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from stillcut.engine.request import SamplingParams
@@ -177,8 +180,11 @@ def settings() -> list[tuple[str, EVSConfig | None]]:
     return [("off", None), *rates, *taus]
 
 
-def accuracy_row(llm: VideoLLM, clips: list, evs: EVSConfig | None) -> tuple[float, dict]:
-    """Kept-token fraction and accuracy per question type under one EVS setting."""
+def accuracy_row(
+    llm: VideoLLM, clips: list, evs: EVSConfig | None, misses: Counter | None = None
+) -> tuple[float, dict]:
+    """Kept-token fraction and accuracy per question type under one EVS setting (and, into
+    `misses`, what the wrong descriptions got wrong: `describe_misses`)."""
     right = dict.fromkeys(QUESTION_TYPES, 0)
     kept = total = 0
     for start in range(0, len(clips), CHUNK):
@@ -188,10 +194,39 @@ def accuracy_row(llm: VideoLLM, clips: list, evs: EVSConfig | None) -> tuple[flo
                 [data for _, data in chunk], PROMPTS[kind][0], evs=evs, max_tokens=MAX_TOKENS
             )
             for (scene, _), result in zip(chunk, results, strict=True):
-                right[kind] += is_correct(scene, kind, result.text)
+                correct = is_correct(scene, kind, result.text)
+                right[kind] += correct
+                if kind == "describe" and not correct and misses is not None:
+                    misses.update(describe_misses(scene, result.text))
             kept += sum(r.evs.tokens_after for r in results)
             total += sum(r.evs.tokens_before for r in results)
     return kept / total, {kind: right[kind] / len(clips) for kind in QUESTION_TYPES}
+
+
+def describe_misses(scene: Scene, text: str) -> set[str]:
+    """What a wrong description got wrong, one tag per kind of mistake: an object's colour or
+    shape left out ("subject" or "bystander": whose), a colour or shape not in the scene, an
+    event or "still"/"nothing" said or left out, the ground or the motion left out."""
+    words = set(re.findall(r"[a-z]+", text.lower()))
+    tags = set()
+    for index, obj in enumerate(scene.objects):
+        role = "subject" if index == scene.subject else "bystander"
+        tags |= {f"{role} colour left out"} if obj.colour not in words else set()
+        tags |= {f"{role} shape left out"} if obj.shape not in words else set()
+    if words & (set(COLOURS) - {o.colour for o in scene.objects}):
+        tags.add("colour not in the scene")
+    if words & (set(SHAPES) - {o.shape for o in scene.objects}):
+        tags.add("shape not in the scene")
+    said = words & set(EVENTS)
+    if said != ({scene.event} - {"none"}):
+        tags.add("event wrong")
+    if scene.ground not in words:
+        tags.add("ground left out")
+    if scene.motion != "none" and scene.motion not in words:
+        tags.add("motion left out")
+    if (scene.subject is None) != ("nothing" in words):
+        tags.add("'nothing changes' wrong")
+    return tags
 
 
 def long_clip_rows(llm: VideoLLM, pixel_tau: float | None = None) -> None:
@@ -230,8 +265,12 @@ def question_rows(llm: VideoLLM, count: int) -> None:
     clips = held_out_set(count)
     header = f"{'EVS':<26}{'kept':>6}" + "".join(f"{kind:>10}" for kind in QUESTION_TYPES)
     print(f"{len(clips)} held-out clips\n{header}")
+    misses = Counter()
     for name, evs in settings():
-        print_row(name, *accuracy_row(llm, clips, evs))
+        print_row(name, *accuracy_row(llm, clips, evs, misses if evs is None else None))
+    print("\nwrong descriptions with EVS off, by what they got wrong (one may have several):")
+    for tag, count in misses.most_common():
+        print(f"  {tag:<28}{count:>5} of {len(clips)} clips")
     long_clip_rows(llm)
 
 
