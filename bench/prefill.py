@@ -116,8 +116,9 @@ def _timed_prefill(engine: LLMEngine, num_tokens: int, seed: int) -> float:
 
 @contextlib.contextmanager
 def timed_linear():
-    """While inside, every call of `matmul.linear` (as each model module imported it) adds its
-    wall time (about a microsecond more per call) to the yielded list's one entry."""
+    """While inside, every call of `matmul.linear` from a model's layers (as each model module
+    imported it; not `matmul`'s own calls, which are the LM head's) adds its wall time (about
+    a microsecond more per call) to the yielded list's one entry."""
     from stillcut.engine.models import matmul
 
     original, spent = matmul.linear, [0.0]
@@ -132,7 +133,9 @@ def timed_linear():
     modules = [
         module
         for name, module in list(sys.modules.items())
-        if name.startswith("stillcut.engine.models") and getattr(module, "linear", None) is original
+        if name.startswith("stillcut.engine.models")
+        and module is not matmul
+        and getattr(module, "linear", None) is original
     ]
     for module in modules:
         module.linear = timed

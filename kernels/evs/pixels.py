@@ -15,14 +15,11 @@ camera's brightness flicker moves every pixel of a frame: on static footage it m
 frame look changed, and rate mode spent its tokens on one flickering tubelet. A group close to
 its frame's mean colour then has pixels near zero, where a plain cosine compares noise
 directions: the constant coordinate makes such a group's dissimilarity about its mean squared
-pixel change over `2 * PIXEL_FLOOR**2` instead. The floor is large (4, in normalised-pixel RMS
-units), so for most groups the metric is in effect the squared change against that constant,
-a group far from the mean colour weighing a little less: measured against the tower's own
-rate-mode choices on 100 held-out demo clips, agreement rose with the floor and levelled off
-at 4 (76.1 % at 1, 78.5 % at 4, 78.7 % at 8), and on static clips, where every change is
-noise, the tower keeps its later tokens mostly on the objects (73 % of them, where objects
-cover 28 % of the grid), floor 1 barely more than chance (41 %) and floor 4 58 %: a model
-trained on the tower's choices counted objects 1.8 points better with the larger floor.
+pixel change over `2 * PIXEL_FLOOR**2` instead. The floor is large (4 normalised-pixel RMS
+units), so for most groups the metric is in effect that squared change: on static clips, where
+every change is noise, it keeps the later tokens on the objects as the tower's own EVS does,
+which the demo model, trained on the tower's choices, counts by (figures: `bench/RESULTS.md`,
+"EVS before the tower").
 The dissimilarity stays in [0, 2]. Each tubelet is centred on its own frames, so streaming a
 clip tubelet by tubelet gives the features of the whole clip.
 """
@@ -32,7 +29,7 @@ from __future__ import annotations
 import torch
 
 # Normalised-pixel RMS (per value) at which a group's own magnitude counts as much as the floor:
-# four standard deviations of the normalisation (see above).
+# four standard deviations of the normalisation.
 PIXEL_FLOOR = 4.0
 # The pixel stage's default threshold (live sessions): on 200 training clips of the demo task it
 # keeps what the embeddings' default 0.1 keeps there with the shipped checkpoint's tower
