@@ -11,6 +11,7 @@ before it dropped. Captions are scored clause by clause, by keywords like the an
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from stillcut.demo.questions import (
     listed,
     named,
 )
-from stillcut.demo.scenes import COLOURS, SHAPES, Scene
+from stillcut.demo.scenes import COLOURS, SHAPES, Scene, listing_order
 
 THEN = "; then "
 CHUNK_SECONDS = (2, 3, 4)  # a chunk's length, whole seconds: whole tubelets at 2 fps
@@ -81,7 +82,7 @@ def clause(part: ScenePart) -> str:
     change = change_between(scene, times)
     subject = scene.subject_object
     if change == "nothing":
-        shown = [o for o in scene.objects if o.shown(times[0])]
+        shown = listing_order(o for o in scene.objects if o.shown(times[0]))
         if not shown:
             return "nothing is shown"
         verb = "stands" if len(shown) == 1 else "stand"
@@ -128,5 +129,5 @@ _KINDS = [tuple(COLOURS), SHAPES, DIRECTIONS, EVENTS, _STATES]
 def _clause_keywords(part: ScenePart) -> set[str]:
     """The words a right clause about `part` holds: those of its true clause that name a
     colour, a shape, a direction, an event or a state."""
-    words = set(clause(part).split())
+    words = set(re.findall(r"[a-z]+", clause(part).lower()))  # "triangle," is "triangle"
     return words & {word for kind in _KINDS for word in kind}

@@ -9,12 +9,15 @@ prompts are the documented ones.
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from stillcut.demo.captions import (
     ScenePart,
     caption_is_correct,
     chunk_caption,
+    chunk_parts,
+    draw_chunk,
     summary,
 )
 from stillcut.demo.chunk_prompts import (
@@ -110,6 +113,20 @@ def test_a_chunk_across_a_cut_captions_both_scenes_in_order():
     assert not caption_is_correct(parts, first + ".")  # a scene left out
     assert not caption_is_correct(parts, caption.replace("up", "down"))
     assert not caption_is_correct(parts[:1], caption)
+
+
+def test_every_true_caption_is_judged_right_and_a_missing_object_wrong():
+    rng = np.random.default_rng(0)
+    scenes = [sample_scene(seed) for seed in range(60)]
+    for first, second in zip(scenes[::2], scenes[1::2], strict=True):
+        start, end = draw_chunk(rng, first.duration_s)
+        parts = chunk_parts(first, second, start, end)
+        assert caption_is_correct(parts, chunk_caption(parts)), (first.seed, second.seed)
+    three = _first(lambda s: s.subject is None and len(s.objects) == 3)
+    parts = [ScenePart(three, 0.0, 2.0)]
+    caption = chunk_caption(parts)  # "A red circle, a blue square and a green cross stand still."
+    assert caption.count(",") == 1 and caption_is_correct(parts, caption)
+    assert not caption_is_correct(parts, caption.split(",")[0] + " stands still.")
 
 
 def test_a_part_before_an_appearance_is_still_and_the_summary_drops_repeats():
