@@ -7,7 +7,9 @@ bench asks, and a few rewordings that training draws from. Answers are templates
 the scene. Scoring reads keywords: an answer is right when it holds every true keyword and no
 wrong one of the same kind ("It is red or blue." is a wrong colour answer). A description must
 name every object's colour and shape, what the subject does, that the others stand still, and
-the ground, and nothing the scene does not hold.
+the ground, and nothing the scene does not hold. It names the subject first, then the
+objects that stand still in a fixed colour order (`scenes.listing_order`), which the scorer
+does not check: any order of the right words is right.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ saturated, so no colour is hidden in the background.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -146,9 +147,17 @@ class Scene:
 
     @property
     def bystanders(self) -> tuple[SceneObject, ...]:
-        """The objects that stand still the whole clip, left to right."""
-        still = (o for i, o in enumerate(self.objects) if i != self.subject)
-        return tuple(sorted(still, key=lambda o: o.x))
+        """The objects that stand still the whole clip, in listing order (`listing_order`)."""
+        return listing_order(o for i, o in enumerate(self.objects) if i != self.subject)
+
+
+def listing_order(objects: Iterable[SceneObject]) -> tuple[SceneObject, ...]:
+    """`objects` in the order answers list them: by colour, in `COLOURS`' order (red first).
+    A fixed order of what each object is, not of where it stands: the next object to name is
+    the first colour in the order that is in the scene and not yet named, which a small model
+    reads off far more reliably than "the next one to the right of the last"."""
+    rank = {colour: index for index, colour in enumerate(COLOURS)}
+    return tuple(sorted(objects, key=lambda o: rank[o.colour]))
 
 
 def sample_scene(seed: int, fps: int = FPS, mix: SceneMix = SceneMix()) -> Scene:

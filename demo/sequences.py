@@ -4,7 +4,11 @@ A sequence is what the engine would run: the prompt processor builds the prompt 
 kept video tokens, M-RoPE positions come from the kept tokens' coordinates (`extend_mrope`,
 as the engine places them), and an answer continues from the next position as generated
 tokens would. Four kinds, all from one clip's (or a few clips') embeddings:
-- a question and its answer (`answer_sequence` of `processor.build_text`);
+- a question and its answer (`answer_sequence` of `processor.build_text`), or several questions
+  about one video in one sequence (`questions_sequence`): the prompts' common start (the system
+  message and the video) once, then each question and its answer as a branch that attends to
+  the common start and to itself only, at the positions it would have alone, so it learns
+  exactly what the lone question would teach for a fraction of the tokens;
 - a chunk caption (`chunk_prompts.chunk_caption_messages`) and an aggregation prompt
   (`chunk_prompts.aggregation_messages`, text only), built the same way;
 - a narration (`narration_sequence`): the instruction, then per tubelet its timestamp and
@@ -71,6 +75,24 @@ class Sequence:
     positions: torch.Tensor  # [3, len(input_ids)] long
     video_embeds: torch.Tensor  # [num_video_tokens, hidden], the video placeholders' rows
     labels: list[int]  # per input position the next token to predict, or IGNORE
+    # per input position its branch (`questions_sequence`): 0 is seen by every position after
+    # it, k > 0 only by positions of branch k. None: one causal sequence.
+    branches: list[int] | None = None
+    # [num_video_tokens, 4] what each video token's place showed a tubelet earlier
+    # (`token_labels.lookback_targets`), or None
+    video_targets: torch.Tensor | None = None
+
+    def attention(self, length: int) -> torch.Tensor:
+        """[length, length] bool: which positions each position attends to, padded to
+        `length` (a padding position attends to itself alone, so no row is empty)."""
+        n = len(self.input_ids)
+        allowed = torch.ones(n, n, dtype=torch.bool).tril_()
+        if self.branches is not None:
+            branch = torch.tensor(self.branches)
+            allowed &= (branch[None, :] == 0) | (branch[None, :] == branch[:, None])
+        mask = torch.eye(length, dtype=torch.bool)
+        mask[:n, :n] = allowed
+        return mask
 
 
 def video_item(
@@ -81,25 +103,75 @@ def video_item(
 ) -> MultiModalItem:
     """A clip's video item from its dense embeddings [t*h*w, hidden] (post-merge grid of the
     patch grid `grid_thw`), pruned by `evs` in rate mode (None: every token kept)."""
+    return pruned_video(embeds, grid_thw, second_per_grid_ts, evs)[0]
+
+
+def pruned_video(
+    embeds: torch.Tensor,
+    grid_thw: tuple[int, int, int],
+    second_per_grid_ts: float,
+    evs: EVSConfig | None,
+    targets: torch.Tensor | None = None,
+) -> tuple[MultiModalItem, torch.Tensor | None]:
+    """`video_item`, and the rows of `targets` [t*h*w, k] (one per dense token, or None) of
+    the tokens it keeps."""
     t, h, w = grid_thw
     llm_grid = (t, h // MERGE_SIZE, w // MERGE_SIZE)
     kept_embeds, coords = embeds, dense_coords(*llm_grid)
     if evs is not None:
         kept = prune(embeds.detach(), llm_grid, evs)
         kept_embeds, coords = embeds[kept.kept_index], kept.kept_coords
-    return MultiModalItem(
+        targets = None if targets is None else targets[kept.kept_index]
+    item = MultiModalItem(
         "video", kept_embeds, coords, grid_thw, second_per_grid_ts=second_per_grid_ts
     )
+    return item, targets
 
 
 def answer_sequence(
-    processor: PromptProcessor, rope_spec: MRopeSpec, prompt: Prompt, answer: str
+    processor: PromptProcessor,
+    rope_spec: MRopeSpec,
+    prompt: Prompt,
+    answer: str,
+    video_targets: torch.Tensor | None = None,
 ) -> Sequence:
     """`prompt` (from `processor.build` or `build_text`) followed by `answer` and the end of
-    the turn, which are predicted."""
+    the turn, which are predicted; `video_targets` go with the prompt's video tokens."""
     builder = _Builder(processor, rope_spec)
-    builder.add_input(prompt.token_ids, prompt.items)
+    builder.add_input(prompt.token_ids, prompt.items, video_targets)
     builder.add_answer(answer + END_OF_TURN)
+    return builder.sequence()
+
+
+def questions_sequence(
+    processor: PromptProcessor,
+    rope_spec: MRopeSpec,
+    prompts: Seq[Prompt],
+    answers: Seq[str],
+    video_targets: torch.Tensor | None = None,
+) -> Sequence:
+    """Several prompts about the same video items, each followed by its answer, in one
+    sequence: their common start once, then per prompt the rest of it and its answer as a
+    branch that sees the common start and itself only, placed where it would be alone. The
+    common start must hold every video token (the question comes after the video)."""
+    if not prompts or len(prompts) != len(answers):
+        raise ValueError(f"{len(prompts)} prompts and {len(answers)} answers: need as many, >= 1")
+    first = prompts[0].token_ids
+    common = min(len(p.token_ids) for p in prompts) - 1  # every branch keeps an input token
+    for prompt in prompts[1:]:
+        common = next(
+            (k for k in range(common) if prompt.token_ids[k] != first[k]), common
+        )
+    video = rope_spec.video_token_id
+    if any(list(p.token_ids[common:]).count(video) for p in prompts):
+        raise ValueError("the prompts differ before their last video token")
+    builder = _Builder(processor, rope_spec)
+    builder.add_input(first[:common], prompts[0].items, video_targets)
+    start = builder.cursor
+    for branch, (prompt, answer) in enumerate(zip(prompts, answers, strict=True), start=1):
+        builder.branch, builder.cursor = branch, start
+        builder.add_input(prompt.token_ids[common:], [])
+        builder.add_answer(answer + END_OF_TURN)
     return builder.sequence()
 
 
@@ -112,10 +184,12 @@ def narration_sequence(
     timestamps: Seq[float],
     segments: Seq[str],
     evs: EVSConfig | None,
+    targets: torch.Tensor | None = None,
 ) -> Sequence:
     """A narration of a clip whose dense embeddings are `embeds` [t*h*w, hidden] (patch grid
     `grid_thw`): per tubelet i that `evs` (threshold mode; None: every token kept) leaves a
-    token of, its timestamp `timestamps[i]`, the tubelet, and `segments[i]` (predicted)."""
+    token of, its timestamp `timestamps[i]`, the tubelet, and `segments[i]` (predicted);
+    `targets` [t*h*w, k] go with the video tokens kept."""
     t, h, w = grid_thw
     tokens_per_tubelet = h * w // MERGE_SIZE**2
     pruner = None
@@ -124,19 +198,22 @@ def narration_sequence(
         pruner = ThresholdPruner(evs, grid_hw, embeds.shape[1], embeds.device, embeds.dtype)
     builder = _Builder(processor, rope_spec)
     for index in range(t):
-        tubelet = embeds[index * tokens_per_tubelet : (index + 1) * tokens_per_tubelet]
+        rows = slice(index * tokens_per_tubelet, (index + 1) * tokens_per_tubelet)
+        tubelet, tubelet_targets = embeds[rows], None if targets is None else targets[rows]
         coords = dense_coords(1, h // MERGE_SIZE, w // MERGE_SIZE)
         if pruner is not None:
             kept = pruner.push(tubelet.detach())
             if not kept.num_kept_tokens:
                 continue  # a live narration appends nothing for it and says nothing
             tubelet, coords = tubelet[kept.kept_index], kept.kept_coords * torch.tensor([0, 1, 1])
+            if tubelet_targets is not None:
+                tubelet_targets = tubelet_targets[kept.kept_index]
         item = MultiModalItem("video", tubelet, coords, (1, h, w), timestamps=(timestamps[index],))
         if builder.empty:
             ids = processor.narration_prompt(instruction, item, timestamps[index]).token_ids
         else:
             ids = processor.narration_input(item, timestamps[index])
-        builder.add_input(ids, [item])
+        builder.add_input(ids, [item], tubelet_targets)
         builder.add_answer(segments[index])
     return builder.sequence()
 
@@ -151,16 +228,27 @@ class _Builder:
         self.predicted: list[bool] = []
         self.positions: list[torch.Tensor] = []
         self.items: list[MultiModalItem] = []
+        self.branch = 0  # the branch tokens are added to (`questions_sequence`)
+        self.branches: list[int] = []
+        self.targets: list[torch.Tensor | None] = []  # per item added
 
     @property
     def empty(self) -> bool:
         return not self.tokens
 
-    def add_input(self, token_ids: Seq[int], items: Seq[MultiModalItem]) -> None:
-        """Prompt tokens (a sequence's start or appended input), placed after the cursor."""
+    def add_input(
+        self,
+        token_ids: Seq[int],
+        items: Seq[MultiModalItem],
+        targets: torch.Tensor | None = None,
+    ) -> None:
+        """Prompt tokens (a sequence's start or appended input), placed after the cursor;
+        `targets` are those of the items' video tokens, in order."""
         positions, self.cursor = extend_mrope(self.cursor, token_ids, items, self.rope_spec)
         self._add(list(token_ids), positions, predicted=False)
         self.items.extend(items)
+        if items:
+            self.targets.append(targets)
 
     def add_answer(self, text: str) -> None:
         """Generated tokens: each at the next position, each predicted."""
@@ -179,9 +267,16 @@ class _Builder:
             positions=torch.cat(self.positions, dim=1)[:, :-1],
             video_embeds=torch.cat(video) if video else torch.empty(0),
             labels=labels,
+            branches=self.branches[:-1] if any(self.branches) else None,
+            video_targets=(
+                torch.cat(self.targets)
+                if self.targets and all(t is not None for t in self.targets)
+                else None
+            ),
         )
 
     def _add(self, ids: list[int], positions: torch.Tensor, predicted: bool) -> None:
         self.tokens += ids
         self.predicted += [predicted] * len(ids)
         self.positions.append(positions)
+        self.branches += [self.branch] * len(ids)

@@ -1,6 +1,7 @@
 """The answer stage's tasks: the training sequences a batch of encoded clips gives.
 
-Each clip of a batch serves one task, drawn by `TaskMix`: a few questions about it, its
+Each clip of a batch serves one task, drawn by `TaskMix`: its description and a few other
+questions about it (one sequence, `questions_sequence`), its
 narration, the caption of a chunk cut from it and the next clip of the batch played after it
 (half the chunks straddle the cut between the two), or the summary of the timed captions of a
 few clips played one after another (text only: the true captions, as a long-video summary
@@ -32,8 +33,10 @@ from stillcut.demo.sequences import (
     Sequence,
     answer_sequence,
     narration_sequence,
-    video_item,
+    pruned_video,
+    questions_sequence,
 )
+from stillcut.demo.token_labels import NO_TARGET, lookback_targets
 from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
 from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT, PromptProcessor
 
@@ -57,9 +60,9 @@ def summary_hints() -> dict[str, float | int]:
 class TaskMix:
     """How often a clip of a batch serves each task (relative weights)."""
 
-    questions: float = 0.5
-    narration: float = 0.3
-    caption: float = 0.15
+    questions: float = 0.45
+    narration: float = 0.25
+    caption: float = 0.25
     summary: float = 0.05
 
     def __post_init__(self) -> None:
@@ -83,6 +86,21 @@ class ClipView:
     embeds: torch.Tensor
     grid_thw: tuple[int, int, int]
     second_per_grid_ts: float
+    # what each merged token shows ([t, h, w, 4], `token_labels`), for the lookback targets
+    # (`token_labels.lookback_targets`); None: the sequences carry none
+    labels: np.ndarray | None = None
+
+    def lookback(self, previous: np.ndarray | None = None, cuts: bool = False):
+        """The lookback targets [t*h*w, 4] of the clip's tokens (None without labels), after
+        a cut from a scene whose last tubelet's labels are `previous`. Only chunks (`cuts`)
+        may hold a cut, so elsewhere the cut target is left out: always "the same scene", it
+        would only teach the head that there never is one."""
+        if self.labels is None:
+            return None
+        targets = torch.from_numpy(lookback_targets(self.labels, previous))
+        if not cuts:
+            targets[:, 2] = NO_TARGET
+        return targets
 
 
 @dataclass(frozen=True)
@@ -115,14 +133,19 @@ class TaskSequences:
         return sequences
 
     def questions(self, view: ClipView, rng: np.random.Generator) -> list[Sequence]:
-        kinds = rng.choice(QUESTION_TYPES, self.questions_per_clip, replace=False)
-        sequences = []
+        """The description and `questions_per_clip - 1` other question types, each worded at
+        random, about the clip pruned one way, in one sequence (`questions_sequence`)."""
+        others = [kind for kind in QUESTION_TYPES if kind != "describe"]
+        kinds = ["describe", *rng.choice(others, self.questions_per_clip - 1, replace=False)]
+        item, targets = pruned_video(
+            view.embeds, view.grid_thw, view.second_per_grid_ts, self.evs.draw(rng), view.lookback()
+        )
+        prompts, answers = [], []
         for kind in map(str, kinds):
-            item = self._item(view.embeds, view.grid_thw, view.second_per_grid_ts, rng)
             question = PROMPTS[kind][int(rng.integers(len(PROMPTS[kind])))]
-            prompt = self.processor.build_text(question, [item])
-            sequences.append(self._answer(prompt, answer(view.scene, kind)))
-        return sequences
+            prompts.append(self.processor.build_text(question, [item]))
+            answers.append(answer(view.scene, kind))
+        return [questions_sequence(self.processor, self.rope_spec, prompts, answers, targets)]
 
     def narration(self, view: ClipView, rng: np.random.Generator) -> Sequence:
         num_tubelets = view.grid_thw[0]
@@ -135,6 +158,7 @@ class TaskSequences:
             [i * view.second_per_grid_ts for i in range(num_tubelets)],
             [segment(view.scene, i) for i in range(num_tubelets)],
             self.narration_evs.draw(rng),
+            view.lookback(),
         )
 
     def caption(self, first: ClipView, second: ClipView, rng: np.random.Generator) -> Sequence:
@@ -144,11 +168,22 @@ class TaskSequences:
         seconds = first.second_per_grid_ts  # per tubelet
         start, end = round(start_s / seconds), round(end_s / seconds)
         tokens = first.embeds.shape[0] // first.grid_thw[0]
-        embeds = torch.cat([first.embeds, second.embeds])[start * tokens : end * tokens]
-        item = self._item(embeds, (end - start, *first.grid_thw[1:]), seconds, rng)
+        rows = slice(start * tokens, end * tokens)
+        embeds = torch.cat([first.embeds, second.embeds])[rows]
+        targets = None
+        if first.labels is not None and second.labels is not None:
+            following = second.lookback(first.labels[-1], cuts=True)
+            targets = torch.cat([first.lookback(cuts=True), following])[rows]
+            targets[:tokens] = NO_TARGET  # the chunk's first tubelet: nothing before it
+        item, targets = pruned_video(
+            embeds, (end - start, *first.grid_thw[1:]), seconds, self.evs.draw(rng), targets
+        )
         offset = int(rng.integers(0, MAX_OFFSET_SCENES)) * first.scene.duration_s
         messages = chunk_caption_messages(offset + start_s, offset + end_s)
-        return self._answer(self.processor.build(messages, [item]), chunk_caption(parts))
+        prompt = self.processor.build(messages, [item])
+        return answer_sequence(
+            self.processor, self.rope_spec, prompt, chunk_caption(parts), targets
+        )
 
     def summary(self, scenes: list[Scene], rng: np.random.Generator) -> Sequence:
         """The summary of `scenes` played one after another, captioned in equal chunks."""
@@ -167,9 +202,6 @@ class TaskSequences:
             start = end
         prompt = self.processor.build(aggregation_messages(captions))
         return self._answer(prompt, summary([c.text for c in captions]))
-
-    def _item(self, embeds, grid_thw, second_per_grid_ts, rng):
-        return video_item(embeds, grid_thw, second_per_grid_ts, self.evs.draw(rng))
 
     def _answer(self, prompt, text: str) -> Sequence:
         return answer_sequence(self.processor, self.rope_spec, prompt, text)

@@ -47,6 +47,44 @@ def token_labels(scene: Scene, times: Sequence[float], grid_hw: tuple[int, int])
     return np.concatenate([objects, ground], axis=-1)
 
 
+LOOKBACK_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, 2, 4)  # colour, shape, cut, change
+PLACE_CHANGES = ("same", "arrived", "left", "replaced")  # the fourth target's classes
+NO_TARGET = -100  # cross-entropy's ignored class
+
+
+def lookback_targets(labels: np.ndarray, previous: np.ndarray | None = None) -> np.ndarray:
+    """[t*h*w, 4] int64: what each merged token's place showed one tubelet earlier, the
+    language model's auxiliary targets in training (`train.TrainConfig.lookback_layer`): that
+    tubelet's colour and shape class there (`labels` [t, h, w, 4]); 1 (the same scene), or 0
+    for a first tubelet after a cut from `previous` ([h, w, 4], the other scene's last
+    tubelet's labels); and how the place changed since (`PLACE_CHANGES`: the same object or
+    none, an object arrived, an object left, one object replaced by another). With no
+    `previous` the first tubelet has none (`NO_TARGET`).
+
+    Saying what left a place ("the red circle leaves"), that nothing left anywhere (a still
+    scene, not a departure) and where one scene cuts to the next all take this look back
+    across tubelets, which the tower cannot make (it sees one tubelet at a time): the answers
+    alone taught it slowly (the task version 3 model named 69 % of departures right and 98.9 %
+    of appearances, and called still scenes departures)."""
+    before = labels[:-1] if previous is None else np.concatenate([previous[None], labels[:-1]])
+    after = labels[1:] if previous is None else labels
+    none = COLOUR_CLASSES - 1
+    was, now = before[..., 0] != none, after[..., 0] != none
+    change = np.where(
+        was & now,
+        np.where(before[..., 0] == after[..., 0], 0, 3),
+        np.where(now, 1, np.where(was, 2, 0)),
+    )
+    targets = np.full((*labels.shape[:-1], 4), NO_TARGET, np.int64)
+    first = 1 if previous is None else 0
+    targets[first:, ..., :2] = before[..., :2]
+    targets[first:, ..., 2] = 1
+    targets[first:, ..., 3] = change
+    if previous is not None:
+        targets[0, ..., 2] = 0
+    return targets.reshape(-1, 4)
+
+
 def mirrored_labels(labels: np.ndarray) -> np.ndarray:
     """The labels of the mirrored clip: columns reversed, left and right swapped."""
     flipped = labels[:, :, ::-1].copy()

@@ -18,9 +18,14 @@ before the tower sees them (with the answers alone, a tower trained from scratch
 one constant embedding). Then the tower is frozen and every clip is encoded once, as filmed and
 mirrored, so the second stage runs only the language model, at a fraction of a tower step's
 cost, which buys the many steps reading shape takes. Each clip of an answer step serves one
-task (`tasks`): a few random question types about it, its narration (threshold EVS as a live
-narration prunes), a chunk caption, or a summary of timed captions, each sequence pruned by EVS
-its own way (`sequences`). The answer stage also
+task (`tasks`): its description and a few random question types about it (one sequence whose
+questions share the video, `sequences.questions_sequence`), its narration (threshold EVS as a
+live narration prunes), a chunk caption, or a summary of timed captions, each sequence pruned
+by EVS its own way (`sequences`); the step's sequences run in a few batches of similar lengths.
+Beside the answers, a linear head on the language model's hidden state after
+`lookback_layer` layers (training only) says what each video token's place showed a tubelet
+earlier and how it changed since (`token_labels.lookback_targets`): the look back across
+tubelets that departures, still scenes and cuts take. The answer stage also
 encodes clips drawn from the narration mix (`scenes.NARRATION_MIX`, seeds of their own), so
 that appearances and departures are common among the narrations; the tower stage sees only
 the first set. The result is saved in bf16 with `save_pretrained`: a Hugging Face checkpoint
@@ -61,7 +66,9 @@ from stillcut.demo.tasks import ClipView, TaskMix, TaskSequences
 from stillcut.demo.token_labels import (
     COLOUR_CLASSES,
     GROUND_CLASSES,
+    LOOKBACK_CLASSES,
     MOTION_CLASSES,
+    NO_TARGET,
     NUM_LABELS,
     SHAPE_CLASSES,
     mirrored_labels,
@@ -74,7 +81,7 @@ from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, pr
 from stillcut.engine.models.qwen2_vl.tower_2_5 import Qwen2_5_VLVisionTower
 from stillcut.engine.processor import PromptProcessor
 
-TASK_VERSION = 3  # bump when the task or its answers change (the recipe is stored beside)
+TASK_VERSION = 4  # bump when the task or its answers change (the recipe is stored beside)
 AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES, GROUND_CLASSES)
 # Most tokens show only ground, and few the moving object: class weights make up for it.
 AUX_WEIGHTS = (
@@ -89,6 +96,13 @@ AUX_WEIGHTS = (
 # full weight and shape at double, a linear probe read shape off 57 % of object tokens after 800
 # tower steps; without the ground label, 78 %).
 AUX_LOSS_WEIGHTS = (1.0, 3.0, 1.0, 0.5)
+# The lookback targets' class weights: most places show ground and stay the same.
+LOOKBACK_WEIGHTS = (
+    AUX_WEIGHTS[0],
+    AUX_WEIGHTS[1],
+    torch.tensor([1.0, 1.0]),  # a cut, the same scene (captions only)
+    torch.tensor([0.25, 1.0, 1.0, 1.0]),  # same, arrived, left, replaced
+)
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,7 @@ class TrainConfig:
     num_clips: int = 1200
     num_narration_clips: int = 600  # from the narration mix, for the answer stage only
     vision_steps: int = 1600  # first the tower alone learns what each token shows
-    steps: int = 2000  # then the language model learns the answers, the tower frozen
+    steps: int = 2400  # then the language model learns the answers, the tower frozen
     # The answer stage's learning-rate schedule spans this many steps (None: `steps`), so a
     # run stopped early is the same as a full one up to where it stopped.
     schedule_steps: int | None = None
@@ -114,6 +128,11 @@ class TrainConfig:
     narration_evs: EVSSchedule = field(
         default_factory=lambda: EVSSchedule(unpruned_share=0.2, max_value=0.3, mode="threshold")
     )
+    # The language model's auxiliary loss: from the hidden state after this many layers, a
+    # linear head (training only) says what each video token's place showed a tubelet earlier
+    # (`token_labels.lookback_targets`); its mean cross-entropy counts this much (0: off).
+    lookback_layer: int = 2
+    lookback_weight: float = 0.0
     log_every: int = 50
 
     def __post_init__(self) -> None:
@@ -133,7 +152,9 @@ class TrainConfig:
             )
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate={self.learning_rate}: must be > 0")
-        for name in ("warmup_steps", "weight_decay"):
+        if not 1 <= self.lookback_layer <= architecture.TEXT["num_hidden_layers"]:
+            raise ValueError(f"lookback_layer={self.lookback_layer}: allowed 1..num layers")
+        for name in ("warmup_steps", "weight_decay", "lookback_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
 
@@ -148,6 +169,7 @@ class EncodedClip:
     mirrored_embeds: torch.Tensor
     grid_thw: tuple[int, int, int]
     second_per_grid_ts: float
+    labels: np.ndarray  # what each merged token shows, [t, h, w, 4] (`token_labels`)
 
 
 class DemoTrainer:
@@ -173,6 +195,9 @@ class DemoTrainer:
         init_patch_embedding(self.tower.patch_embed.proj.weight)
         self.language_model = self.model.model.language_model
         self.aux_head = torch.nn.Linear(model_config.vision.out_hidden_size, sum(AUX_CLASSES))
+        self.lookback_head = torch.nn.Linear(
+            architecture.TEXT["hidden_size"], sum(LOOKBACK_CLASSES)
+        )
         self.tasks = TaskSequences(
             self.processor,
             self.rope_spec,
@@ -211,14 +236,19 @@ class DemoTrainer:
                 ):
                     encoded.append(
                         EncodedClip(
-                            clip.scene, plain, flipped, video.grid_thw, video.second_per_grid_ts
+                            clip.scene,
+                            plain,
+                            flipped,
+                            video.grid_thw,
+                            video.second_per_grid_ts,
+                            clip.labels,
                         )
                     )
         return encoded
 
     def train_answers(self, clips: list[EncodedClip], rng: np.random.Generator) -> None:
         """The language model learns the answers about the frozen tower's embeddings."""
-        optimizer = self._optimizer([self.language_model])
+        optimizer = self._optimizer([self.language_model, self.lookback_head])
         steps, schedule_steps = self.config.steps, self.config.schedule_steps
         self._stage("answer", steps, schedule_steps, clips, rng, optimizer, self.answer_step)
 
@@ -236,16 +266,21 @@ class DemoTrainer:
 
     def answer_step(self, clips: list[EncodedClip], rng: np.random.Generator) -> dict:
         """The answers' loss on one task for each of a batch of randomly mirrored clips."""
+        lookback = self.config.lookback_weight > 0
         views = [
             ClipView(
                 mirrored(clip.scene) if flip else clip.scene,
                 clip.mirrored_embeds if flip else clip.embeds,
                 clip.grid_thw,
                 clip.second_per_grid_ts,
+                (mirrored_labels(clip.labels) if flip else clip.labels) if lookback else None,
             )
             for clip, flip in zip(clips, rng.random(len(clips)) < 0.5, strict=True)
         ]
-        return {"answer loss": self._answer_loss(self.tasks.for_batch(views, rng))}
+        losses = self._losses(self.tasks.for_batch(views, rng))
+        if not lookback:
+            return {"answer loss": losses[0]}
+        return {"answer loss": losses[0], "lookback loss": self.config.lookback_weight * losses[1]}
 
     def _stage(self, name, steps, schedule_steps, clips, rng, optimizer, step) -> None:
         started, logged = time.perf_counter(), []
@@ -304,29 +339,71 @@ class DemoTrainer:
         return loss, right.float().mean() if right.numel() else torch.tensor(1.0)
 
     def _answer_loss(self, sequences: list[Sequence]) -> torch.Tensor:
-        """Mean cross-entropy of every predicted token, the batch padded on the right."""
+        """Mean cross-entropy of every predicted token."""
+        return self._losses(sequences)[0]
+
+    def _losses(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean cross-entropy of every predicted token, and the lookback head's: per target
+        (`LOOKBACK_CLASSES`) its class-weighted mean over the video tokens that have it, those
+        means averaged (zero if no token has a target). The sequences run in a few padded
+        batches of similar lengths (`length_groups`), so little of the work is padding."""
+        ordered = sorted(sequences, key=lambda s: len(s.input_ids))
+        sums = torch.zeros(1 + len(LOOKBACK_CLASSES))
+        counts = torch.zeros(1 + len(LOOKBACK_CLASSES))
+        for group in length_groups([len(s.input_ids) for s in ordered]):
+            group_sums, group_counts = self._summed_losses([ordered[i] for i in group])
+            sums, counts = sums + group_sums, counts + group_counts
+        means = sums / counts.clamp(min=1e-9)
+        looked = counts[1:] > 0
+        lookback = means[1:][looked].mean() if looked.any() else torch.zeros(())
+        return means[0], lookback
+
+    def _summed_losses(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed cross-entropy of the predicted tokens of `sequences` and, per lookback
+        target, the class-weighted sum over the video tokens that have it; and their counts
+        (summed class weights), the batch padded on the right."""
         length = max(len(s.input_ids) for s in sequences)
         batch = len(sequences)
         input_ids = torch.zeros(batch, length, dtype=torch.long)
         positions = torch.zeros(3, batch, length, dtype=torch.long)
-        attention = torch.zeros(batch, length, dtype=torch.long)
+        attention = torch.stack([s.attention(length) for s in sequences])[:, None]
         target_ids = torch.full((batch, length), IGNORE, dtype=torch.long)
         for row, s in enumerate(sequences):
             n = len(s.input_ids)
             input_ids[row, :n] = torch.tensor(s.input_ids)
             positions[:, row, :n] = s.positions
-            attention[row, :n] = 1
             target_ids[row, :n] = torch.tensor(s.labels)
         text = self.language_model.embed_tokens(input_ids)  # [batch, length, hidden]
-        is_video = (input_ids == self.rope_spec.video_token_id)[..., None]
+        is_video = input_ids == self.rope_spec.video_token_id
         video = torch.cat([s.video_embeds for s in sequences])  # [num_video_tokens, hidden]
-        inputs = text.masked_scatter(is_video, video)
-        hidden = self.language_model(
-            inputs_embeds=inputs, attention_mask=attention, position_ids=positions
-        ).last_hidden_state
+        inputs = text.masked_scatter(is_video[..., None], video)
+        looks_back = self.config.lookback_weight > 0 and all(
+            s.video_targets is not None or not s.video_embeds.numel() for s in sequences
+        )
+        output = self.language_model(
+            inputs_embeds=inputs,
+            attention_mask=attention,
+            position_ids=positions,
+            output_hidden_states=looks_back,
+        )
         scored = target_ids != IGNORE
-        logits = self.model.lm_head(hidden[scored])  # [num_answer_tokens, vocab]
-        return F.cross_entropy(logits, target_ids[scored])
+        logits = self.model.lm_head(output.last_hidden_state[scored])  # [num_scored, vocab]
+        sums = [F.cross_entropy(logits, target_ids[scored], reduction="sum")]
+        counts = [scored.sum().float()]
+        if looks_back and is_video.any():
+            targets = torch.cat([s.video_targets for s in sequences if s.video_embeds.numel()])
+            hidden = output.hidden_states[self.config.lookback_layer][is_video]
+            parts = self.lookback_head(hidden).split(LOOKBACK_CLASSES, dim=-1)
+            for k, (part, weights) in enumerate(zip(parts, LOOKBACK_WEIGHTS, strict=True)):
+                has = targets[:, k] != NO_TARGET
+                sums.append(
+                    F.cross_entropy(part[has], targets[has, k], weight=weights, reduction="sum")
+                )
+                counts.append(weights[targets[has, k]].sum())
+        else:
+            sums += [torch.zeros(())] * len(LOOKBACK_CLASSES)
+            counts += [torch.zeros(())] * len(LOOKBACK_CLASSES)
+        return torch.stack(sums), torch.stack(counts)
 
     def save(self, folder: Path) -> None:
         """Write the weights (bf16) and the configs into `folder`."""
@@ -365,6 +442,26 @@ def train_checkpoint(out: str | Path, config: TrainConfig = TrainConfig()) -> di
     }
     print(", ".join(f"{name} {value:.0f}" for name, value in timings.items()))
     return timings
+
+
+PADDING_COST = 256  # a batch's fixed cost, in tokens, when splitting sequences by length
+
+
+def length_groups(lengths: list[int]) -> list[range]:
+    """Split `lengths` (ascending) into consecutive groups, each run as one batch padded to its
+    longest, minimising the padded tokens plus `PADDING_COST` per batch."""
+    best = [0.0] + [math.inf] * len(lengths)  # best[k]: the cost of the first k
+    cut = [0] * (len(lengths) + 1)
+    for end in range(1, len(lengths) + 1):
+        for start in range(end):
+            cost = best[start] + PADDING_COST + lengths[end - 1] * (end - start)
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    groups, end = [], len(lengths)
+    while end:
+        groups.append(range(cut[end], end))
+        end = cut[end]
+    return groups[::-1]
 
 
 def _cpu_seconds() -> float:

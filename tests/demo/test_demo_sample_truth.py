@@ -3,12 +3,12 @@
 `stillcut describe` on each task sample must print a description that the strict scorer
 accepts (every object, what each does, the ground, nothing invented), and `stillcut narrate`
 on the moving and the appearing sample must say, for every tubelet it speaks about, the change
-that tubelet shows. The shipped checkpoint (task version 3, its first shipped recipe) names every
-subject right but not yet every still object: it lists "a green triangle and a green cross" for
-a green triangle and a blue circle on `vertical_motion`, and a purple square for an orange one on
-`still_scene`; and it says "The green triangle leaves." where `appearing_object`'s triangle
-moves. Both are expected to fail until a longer recipe ships; the markers are strict, so they
-must go when it does.
+that tubelet shows. The shipped checkpoint (task version 4) describes `moving_object` and
+`appearing_object` wholly right and narrates `moving_object` right, but not yet every still
+object: it leaves out `vertical_motion`'s blue circle and names a red square in place of
+`still_scene`'s purple circle; and it says "A green cross appears." where `appearing_object`'s triangle appears. Both are
+expected to fail until a better recipe ships; the markers are strict, so they must go when it
+does.
 """
 
 import runpy
@@ -21,7 +21,7 @@ from stillcut.demo.sample_clips import SAMPLES_DIR
 from stillcut.service.api import VideoLLM
 
 TASK_SCENES = runpy.run_path(str(SAMPLES_DIR / "make_samples.py"))["task_sample_scenes"]()
-RETRAIN = "the shipped checkpoint misnames still objects and one departure (see above)"
+RETRAIN = "the shipped checkpoint misnames some still objects and one appearance (see above)"
 
 
 @pytest.fixture(scope="module")

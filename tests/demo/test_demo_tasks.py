@@ -17,16 +17,32 @@ import torch
 from stillcut.demo import architecture
 from stillcut.demo.clips import narration_training_seeds, training_seeds
 from stillcut.demo.narration import segment
-from stillcut.demo.scenes import NARRATION_MIX
-from stillcut.demo.sequences import IGNORE, narration_sequence, video_item
+from stillcut.demo.scenes import COLOURS, NARRATION_MIX, sample_scene
+from stillcut.demo.questions import PROMPTS, answer
+from stillcut.demo.sequences import (
+    IGNORE,
+    answer_sequence,
+    narration_sequence,
+    questions_sequence,
+    video_item,
+)
 from stillcut.demo.tasks import TASKS, ClipView, TaskMix
-from stillcut.demo.train import DemoTrainer, TrainConfig
+from stillcut.demo.token_labels import (
+    NO_TARGET,
+    PLACE_CHANGES,
+    lookback_targets,
+    token_labels,
+)
+from stillcut.demo.train import DemoTrainer, TrainConfig, length_groups
 from stillcut.demo.training_data import training_clips
 from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.narrate_options import NarrateOptions
 
-CONFIG = TrainConfig(num_clips=2, num_narration_clips=2, clips_per_step=4, questions_per_clip=2)
+COLOURS_INDEX = {name: index for index, name in enumerate(COLOURS)}
+CONFIG = TrainConfig(
+    num_clips=2, num_narration_clips=2, clips_per_step=4, questions_per_clip=2, lookback_weight=0.5
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +70,7 @@ def test_each_task_gives_sequences_the_loss_takes(setup, task):
     weights = {name: float(name == task) for name in TASKS}
     tasks = dataclasses.replace(trainer.tasks, mix=TaskMix(**weights))
     sequences = tasks.for_batch(views, np.random.default_rng(0))
-    assert len(sequences) == len(views) * (2 if task == "questions" else 1)
+    assert len(sequences) == len(views)
     video_id = trainer.rope_spec.video_token_id
     for sequence in sequences:
         assert len(sequence.labels) == len(sequence.input_ids) == sequence.positions.shape[1]
@@ -64,6 +80,83 @@ def test_each_task_gives_sequences_the_loss_takes(setup, task):
         assert all(s.video_embeds.numel() == 0 for s in sequences)
     loss = trainer._answer_loss(sequences)
     assert torch.isfinite(loss) and loss > 0
+
+
+def test_questions_in_one_sequence_teach_what_each_question_alone_would(setup):
+    trainer, views = setup
+    view = views[0]
+    item = video_item(view.embeds, view.grid_thw, view.second_per_grid_ts, None)
+    kinds = ("describe", "colour", "count")
+    prompts = [trainer.processor.build_text(PROMPTS[kind][0], [item]) for kind in kinds]
+    answers = [answer(view.scene, kind) for kind in kinds]
+    shared = questions_sequence(trainer.processor, trainer.rope_spec, prompts, answers)
+    alone = [answer_sequence(trainer.processor, trainer.rope_spec, p, a) for p, a in zip(prompts, answers)]
+    video_id = trainer.rope_spec.video_token_id
+    assert shared.input_ids.count(video_id) == item.embeds.shape[0]  # the video once
+    assert len(shared.input_ids) < sum(len(s.input_ids) for s in alone) / 2
+    assert _predicted_text(trainer, shared) == "".join(_predicted_text(trainer, s) for s in alone)
+    # each branch sees the video and its own question at the positions it has alone: the
+    # same loss, token for token, as the three sequences run one by one
+    with torch.no_grad():
+        torch.testing.assert_close(
+            trainer._summed_losses([shared])[0][0],
+            sum(trainer._summed_losses([s])[0][0] for s in alone),
+        )
+        torch.testing.assert_close(
+            trainer._answer_loss([shared, *alone]), trainer._answer_loss(alone)
+        )
+
+
+def test_lookback_targets_say_what_each_place_showed_a_tubelet_earlier():
+    scene = next(
+        s
+        for s in map(lambda seed: sample_scene(seed, fps=2, mix=NARRATION_MIX), range(100))
+        if s.event == "disappears" and s.motion == "none"
+    )
+    times = [k / 2 for k in range(round(scene.duration_s * 2))]
+    labels = token_labels(scene, times, (6, 8))  # [t, h, w, 4]
+    targets = lookback_targets(labels).reshape(*labels.shape[:3], 4)
+    assert (targets[0] == NO_TARGET).all()  # nothing before the first tubelet
+    torch.testing.assert_close(targets[1:, ..., :2], labels[:-1, ..., :2])
+    assert (targets[1:, ..., 2] == 1).all()
+    # where the subject was: after it leaves, the place shows ground but looks back on it
+    subject = COLOURS_INDEX[scene.subject_object.colour]
+    gone = next(t for t in range(1, len(labels)) if not (labels[t, ..., 0] == subject).any())
+    place = labels[gone - 1, ..., 0] == subject
+    assert place.any() and (targets[gone][place][:, 0] == subject).all()
+    assert (targets[gone][place][:, 3] == PLACE_CHANGES.index("left")).all()
+    assert (targets[1:gone - 1, ..., 3] == PLACE_CHANGES.index("same")).all()  # nothing moved
+    # after a cut, the first tubelet looks back on the other scene's last, and says it is a cut
+    after_cut = lookback_targets(labels, previous=labels[-1]).reshape(*labels.shape[:3], 4)
+    torch.testing.assert_close(after_cut[0, ..., :2], labels[-1, ..., :2])
+    assert (after_cut[0, ..., 2] == 0).all() and (after_cut[1:, ..., 2] == 1).all()
+
+
+def test_every_kept_video_token_carries_its_lookback_target(setup):
+    trainer, views = setup
+    clips = training_clips(training_seeds(2), trainer.preprocess)
+    encoded = trainer.encode(clips)
+    labelled = [
+        ClipView(c.scene, c.embeds, c.grid_thw, c.second_per_grid_ts, c.labels) for c in encoded
+    ]
+    for task in TASKS[:3]:
+        weights = {name: float(name == task) for name in TASKS}
+        tasks = dataclasses.replace(trainer.tasks, mix=TaskMix(**weights))
+        for sequence in tasks.for_batch(labelled, np.random.default_rng(1)):
+            assert sequence.video_targets.shape == (sequence.video_embeds.shape[0], 4)
+    assert trainer.config.lookback_weight > 0
+    sequences = trainer.tasks.for_batch(labelled, np.random.default_rng(2))
+    answers, lookback = trainer._losses(sequences)
+    assert torch.isfinite(answers) and torch.isfinite(lookback) and lookback > 0
+
+
+def test_sequences_are_batched_by_length_with_little_padding():
+    assert length_groups([100] * 8) == [range(0, 8)]
+    assert length_groups([10] * 6 + [400] * 6) == [range(0, 6), range(6, 12)]
+    lengths = sorted([30, 35, 40, 250, 260, 270, 280, 600])
+    groups = length_groups(lengths)
+    assert [k for g in groups for k in g] == list(range(len(lengths)))
+    assert sum(max(lengths[k] for k in g) * len(g) for g in groups) < 1.2 * sum(lengths) + 600
 
 
 def test_a_narration_sequence_is_what_a_live_narration_runs(setup):
