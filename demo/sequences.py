@@ -159,9 +159,7 @@ def questions_sequence(
     first = prompts[0].token_ids
     common = min(len(p.token_ids) for p in prompts) - 1  # every branch keeps an input token
     for prompt in prompts[1:]:
-        common = next(
-            (k for k in range(common) if prompt.token_ids[k] != first[k]), common
-        )
+        common = next((k for k in range(common) if prompt.token_ids[k] != first[k]), common)
     video = rope_spec.video_token_id
     if any(list(p.token_ids[common:]).count(video) for p in prompts):
         raise ValueError("the prompts differ before their last video token")

@@ -6,9 +6,9 @@ on the moving and the appearing sample must say, for every tubelet it speaks abo
 that tubelet shows. The shipped checkpoint (task version 4) describes `moving_object` and
 `appearing_object` wholly right and narrates `moving_object` right, but not yet every still
 object: it leaves out `vertical_motion`'s blue circle and names a red square in place of
-`still_scene`'s purple circle; and it says "A green cross appears." where `appearing_object`'s triangle appears. Both are
-expected to fail until a better recipe ships; the markers are strict, so they must go when it
-does.
+`still_scene`'s purple circle; and it says "A green cross appears." where `appearing_object`'s
+triangle appears. Both are expected to fail until a better recipe ships; the markers are
+strict, so they must go when it does.
 """
 
 import runpy

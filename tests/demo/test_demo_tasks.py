@@ -17,8 +17,8 @@ import torch
 from stillcut.demo import architecture
 from stillcut.demo.clips import narration_training_seeds, training_seeds
 from stillcut.demo.narration import segment
-from stillcut.demo.scenes import COLOURS, NARRATION_MIX, sample_scene
 from stillcut.demo.questions import PROMPTS, answer
+from stillcut.demo.scenes import COLOURS, NARRATION_MIX, sample_scene
 from stillcut.demo.sequences import (
     IGNORE,
     answer_sequence,
@@ -90,7 +90,10 @@ def test_questions_in_one_sequence_teach_what_each_question_alone_would(setup):
     prompts = [trainer.processor.build_text(PROMPTS[kind][0], [item]) for kind in kinds]
     answers = [answer(view.scene, kind) for kind in kinds]
     shared = questions_sequence(trainer.processor, trainer.rope_spec, prompts, answers)
-    alone = [answer_sequence(trainer.processor, trainer.rope_spec, p, a) for p, a in zip(prompts, answers)]
+    alone = [
+        answer_sequence(trainer.processor, trainer.rope_spec, p, a)
+        for p, a in zip(prompts, answers, strict=True)
+    ]
     video_id = trainer.rope_spec.video_token_id
     assert shared.input_ids.count(video_id) == item.embeds.shape[0]  # the video once
     assert len(shared.input_ids) < sum(len(s.input_ids) for s in alone) / 2
@@ -125,7 +128,7 @@ def test_lookback_targets_say_what_each_place_showed_a_tubelet_earlier():
     place = labels[gone - 1, ..., 0] == subject
     assert place.any() and (targets[gone][place][:, 0] == subject).all()
     assert (targets[gone][place][:, 3] == PLACE_CHANGES.index("left")).all()
-    assert (targets[1:gone - 1, ..., 3] == PLACE_CHANGES.index("same")).all()  # nothing moved
+    assert (targets[1 : gone - 1, ..., 3] == PLACE_CHANGES.index("same")).all()  # nothing moved
     # after a cut, the first tubelet looks back on the other scene's last, and says it is a cut
     after_cut = lookback_targets(labels, previous=labels[-1]).reshape(*labels.shape[:3], 4)
     torch.testing.assert_close(after_cut[0, ..., :2], labels[-1, ..., :2])
