@@ -384,7 +384,7 @@ class DemoTrainer:
             inputs_embeds=inputs,
             attention_mask=attention,
             position_ids=positions,
-            output_hidden_states=looks_back,
+            output_hidden_states=[self.config.lookback_layer] if looks_back else False,
         )
         scored = target_ids != IGNORE
         logits = self.model.lm_head(output.last_hidden_state[scored])  # [num_scored, vocab]
