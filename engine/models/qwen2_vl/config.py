@@ -150,7 +150,7 @@ _TEXT_POSITIVE_FIELDS = (
     "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
 )  # fmt: skip
 # Qwen configs spell the rotary type "mrope" (older saves) or "default" (transformers 5.x).
-_TEXT_ROPE_TYPES = ("default", "mrope")
+_TEXT_ROPE_TYPES = ("default", "mrope", "longrope")
 
 
 @dataclass(frozen=True)
@@ -171,6 +171,9 @@ class TextConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 1e6
     tie_word_embeddings: bool = False
+    # LongRoPE's per-frequency divisors (one per rotary pair; None: plain RoPE): frequency j
+    # is `1 / (rope_factors[j] * rope_theta ** (2j / head_dim))`.
+    rope_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in _TEXT_POSITIVE_FIELDS:
@@ -190,6 +193,13 @@ class TextConfig:
         if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
             raise ValueError(
                 f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0"
+            )
+        factors = self.rope_factors
+        if factors is not None and (
+            len(factors) * 2 != self.head_dim or not all(f > 0 for f in factors)
+        ):
+            raise ValueError(
+                f"rope_factors: need head_dim / 2 = {self.head_dim // 2} positive numbers"
             )
 
     @property
@@ -228,11 +238,28 @@ def text_config(config: ModelConfig) -> TextConfig:
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
             rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1e6))),
             tie_word_embeddings=config.tie_word_embeddings,
+            rope_factors=_longrope_factors(rope, text) if rope_type == "longrope" else None,
         )
     except KeyError as error:
         raise CheckpointError(f"text config field {error} is missing") from error
     except (TypeError, ValueError) as error:
         raise CheckpointError(f"text config: {error}") from error
+
+
+def _longrope_factors(rope: Mapping[str, Any], text: Mapping[str, Any]) -> tuple[float, ...]:
+    """LongRoPE's divisors, for the one case that is a fixed table: the same factors at every
+    length and no attention scaling (transformers switches to `long_factor` past
+    `original_max_position_embeddings` and scales cos/sin when `factor` > 1)."""
+    short, long = rope.get("short_factor"), rope.get("long_factor")
+    if short is None or list(short) != list(long or ()):
+        raise CheckpointError("text longrope: short_factor and long_factor must be equal")
+    factor = rope.get("factor")
+    if factor is None and rope.get("original_max_position_embeddings"):
+        factor = text.get("max_position_embeddings", 0) / rope["original_max_position_embeddings"]
+    attention = rope.get("attention_factor", 1.0 if factor is None or factor <= 1 else None)
+    if attention != 1.0:
+        raise CheckpointError("text longrope: only attention_factor 1 (no cos/sin scaling)")
+    return tuple(float(f) for f in short)
 
 
 def qwen2_cache_groups(config: ModelConfig) -> tuple[AttentionGroup, ...]:

@@ -66,7 +66,11 @@ class MRoPE(nn.Module):
         super().__init__()
         # The same float32 ops as transformers: the angles must match to the last bit.
         exponent = torch.arange(0, config.head_dim, 2, device=device).float() / config.head_dim
-        self.inv_freq = nn.Buffer(1.0 / config.rope_theta**exponent, persistent=False)  # [D/2]
+        turns = config.rope_theta**exponent
+        # LongRoPE (the Qwen2 text config only): each frequency divided by its factor
+        if getattr(config, "rope_factors", None) is not None:
+            turns = torch.tensor(config.rope_factors, device=device) * turns
+        self.inv_freq = nn.Buffer(1.0 / turns, persistent=False)  # [D/2]
         rows = torch.arange(3, device=device).repeat_interleave(
             torch.tensor(config.mrope_section, device=device)
         )

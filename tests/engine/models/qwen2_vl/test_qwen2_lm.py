@@ -375,6 +375,64 @@ def test_unsupported_text_config_raises(checkpoints, tmp_path, fields, message):
         text_config(load_model_config(tmp_path))
 
 
+# LongRoPE's per-frequency divisors as the demo uses them: a fixed table (8 rotary pairs here),
+# some below 1 so that slow frequencies of the h and w sections turn fast.
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 1e4,
+    "mrope_section": [2, 3, 3],
+    "short_factor": [1.0, 1.0, 0.1, 0.5, 3.0, 0.01, 0.2, 1.0],
+    "long_factor": [1.0, 1.0, 0.1, 0.5, 3.0, 0.01, 0.2, 1.0],
+    "original_max_position_embeddings": 4096,
+    "factor": 1.0,
+    "attention_factor": 1.0,
+}
+
+
+def test_longrope_video_prefill_matches_transformers(checkpoints, tmp_path):
+    """The same weights under LongRoPE factors: transformers' frequencies to the last bit, and
+    logits that differ from plain M-RoPE's (the factors are read, not dropped)."""
+    plain_model, plain_folder = checkpoints["qwen2_5_vl", False]
+    config = plain_model.config.to_dict()
+    config["text_config"]["rope_parameters"] = LONGROPE
+    config["text_config"]["max_position_embeddings"] = 4096
+    hf_model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**config)).eval()
+    hf_model.load_state_dict(plain_model.state_dict())
+    hf_model.save_pretrained(tmp_path)
+    model = Qwen2LanguageModel.from_checkpoint(tmp_path)
+    hf_rotary = hf_model.model.language_model.rotary_emb
+    assert torch.equal(model.rotary.inv_freq, hf_rotary.inv_freq)
+    ids, item = _video_prompt()
+    positions = model.prompt_positions(ids, [item]).positions
+    metadata = _metadata([(list(range(ids.numel() // BLOCK_SIZE + 1)), 0, ids.numel())])
+    logits = _our_logits(
+        model, ids, positions, metadata, _kv_caches(model), ids == VIDEO_TOKEN, item.embeds
+    )
+    torch.testing.assert_close(
+        logits, _hf_logits(hf_model, ids, item, positions), atol=TOLERANCE, rtol=0
+    )
+    plain = _hf_logits(plain_model, ids, item, positions)
+    assert (logits - plain).abs().max() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"long_factor": [1.0] * 8}, "short_factor and long_factor must be equal"),
+        ({"attention_factor": 1.2}, "attention_factor 1"),
+        ({"factor": 2.0, "attention_factor": None}, "attention_factor 1"),
+        ({"short_factor": [1.0] * 4, "long_factor": [1.0] * 4}, "rope_factors"),
+    ],
+)
+def test_unsupported_longrope_raises(checkpoints, tmp_path, edit, message):
+    raw = json.loads((checkpoints["qwen2_5_vl", True][1] / "config.json").read_text())
+    rope = {k: v for k, v in {**LONGROPE, **edit}.items() if v is not None}
+    raw["text_config"]["rope_parameters"] = rope
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=message):
+        text_config(load_model_config(tmp_path))
+
+
 def test_text_config_names_the_bad_field():
     config = TextConfig(
         vocab_size=8,
