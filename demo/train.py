@@ -2,7 +2,7 @@
 
     python -m stillcut.demo.train --out DIR [--seed 0] [--vision-steps N]
         [--steps N] [--schedule-steps N] [--clips N] [--narration-clips N]
-        [--clips-per-step N] [--threads 2]
+        [--clips-per-step N] [--threads 2] [--save-tower-stage FILE] [--tower-stage FILE]
 
 The model is a transformers `Qwen2_5_VLForConditionalGeneration` (`architecture`); the vision
 tower runs as stillcut's own `Qwen2_5_VLVisionTower` (the same parameters under the same names,
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import time
@@ -206,13 +207,6 @@ class DemoTrainer:
             config.evs,
             config.narration_evs,
         )
-
-    def train(self, clips: list[TrainingClip], narration_clips: list[TrainingClip]) -> None:
-        """Both stages: the tower alone over `clips`, then the language model on its output
-        for `clips` and `narration_clips`."""
-        rng = np.random.default_rng([self.config.seed, 2])
-        self.train_tower(clips, rng)
-        self.train_answers(self.encode(clips + narration_clips), rng)
 
     def train_tower(self, clips: list[TrainingClip], rng: np.random.Generator) -> None:
         """The tower and the token head learn what each token shows."""
@@ -411,12 +405,50 @@ class DemoTrainer:
         self.model.to(torch.bfloat16).save_pretrained(folder)
 
 
-def train_checkpoint(out: str | Path, config: TrainConfig = TrainConfig()) -> dict[str, float]:
+# The recipe fields the tower stage depends on: a saved tower stage is reused only under the
+# same values (with the same task version, vision tower shape and torch build).
+TOWER_STAGE_FIELDS = (
+    "seed",
+    "num_clips",
+    "num_narration_clips",
+    "vision_steps",
+    "clips_per_step",
+    "learning_rate",
+    "warmup_steps",
+    "weight_decay",
+    "threads",
+)
+
+
+def tower_stage_key(config: TrainConfig) -> dict:
+    """What a saved tower stage must have been made with to stand in for this run's."""
+    recipe = {name: getattr(config, name) for name in TOWER_STAGE_FIELDS}
+    return {
+        "task_version": TASK_VERSION,
+        "vision": dict(architecture.VISION),
+        "torch": str(torch.__version__),
+        "recipe": recipe,
+    }
+
+
+def train_checkpoint(
+    out: str | Path,
+    config: TrainConfig = TrainConfig(),
+    tower_stage: str | Path | None = None,
+    save_tower_stage: str | Path | None = None,
+) -> dict[str, float]:
     """Train a demo checkpoint into `out` (a new or empty folder); returns the timings.
-    The caller's torch threads, determinism flag and random state are left as they were."""
+    The caller's torch threads, determinism flag and random state are left as they were.
+
+    `save_tower_stage` writes the trained tower, its token head and the random state after the
+    tower stage to a file; `tower_stage` starts from such a file instead of training the tower
+    (the clips are rendered again: they are deterministic). Both give the checkpoint a full
+    run gives. A recipe search over answer-stage settings then pays for the tower once.
+    """
     folder = Path(out)
     metadata = {"task_version": TASK_VERSION, "recipe": asdict(config)}
     wall, cpu = time.perf_counter(), _cpu_seconds()
+    saved = None if tower_stage is None else _load_tower_stage(Path(tower_stage), config)
     with _reproducible(config.threads), atomic_folder(folder, exist_ok=False) as partial:
         architecture.write_skeleton(partial, metadata)
         trainer = DemoTrainer(partial, config)
@@ -431,8 +463,18 @@ def train_checkpoint(out: str | Path, config: TrainConfig = TrainConfig()) -> di
             workers=config.threads,
         )
         data_wall, data_cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
-        print(f"training {config.vision_steps} + {config.steps} steps", flush=True)
-        trainer.train(clips, narration_clips)
+        rng = np.random.default_rng([config.seed, 2])
+        if saved is None:
+            print(f"training {config.vision_steps} + {config.steps} steps", flush=True)
+            trainer.train_tower(clips, rng)
+        else:
+            print(f"the saved tower stage, then {config.steps} steps", flush=True)
+            trainer.tower.load_state_dict(saved["tower"])
+            trainer.aux_head.load_state_dict(saved["token_head"])
+            rng.bit_generator.state = json.loads(saved["rng"])
+        if save_tower_stage is not None:
+            _save_tower_stage(Path(save_tower_stage), trainer, rng, config)
+        trainer.train_answers(trainer.encode(clips + narration_clips), rng)
         trainer.save(partial)
     timings = {
         "data_wall_s": data_wall,
@@ -442,6 +484,32 @@ def train_checkpoint(out: str | Path, config: TrainConfig = TrainConfig()) -> di
     }
     print(", ".join(f"{name} {value:.0f}" for name, value in timings.items()))
     return timings
+
+
+def _save_tower_stage(
+    path: Path, trainer: DemoTrainer, rng: np.random.Generator, config: TrainConfig
+) -> None:
+    stage = {
+        "key": tower_stage_key(config),
+        "tower": trainer.tower.state_dict(),
+        "token_head": trainer.aux_head.state_dict(),
+        "rng": json.dumps(rng.bit_generator.state),  # 128-bit integers: kept as text
+    }
+    partial = path.with_name(path.name + ".partial")
+    torch.save(stage, partial)
+    partial.replace(path)
+
+
+def _load_tower_stage(path: Path, config: TrainConfig) -> dict:
+    """A saved tower stage, checked against the run's recipe. Only tensors, numbers and strings
+    are read (`weights_only`), so a file from elsewhere cannot run code."""
+    stage = torch.load(path, weights_only=True)
+    if stage.get("key") != tower_stage_key(config):
+        raise ValueError(
+            f"{path}: the tower stage was made with {stage.get('key')}, "
+            f"this run needs {tower_stage_key(config)}"
+        )
+    return stage
 
 
 PADDING_COST = 256  # a batch's fixed cost, in tokens, when splitting sequences by length
@@ -513,14 +581,21 @@ def _parameter_groups(modules: list[torch.nn.Module], weight_decay: float) -> li
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="a new or empty folder")
+    parser.add_argument(
+        "--save-tower-stage", type=Path, help="also write the trained tower stage to this file"
+    )
+    parser.add_argument(
+        "--tower-stage", type=Path, help="start from a saved tower stage (same tower recipe)"
+    )
     defaults = TrainConfig()
     names = ("seed", "vision_steps", "steps", "schedule_steps", "num_clips", "num_narration_clips")
     for name in (*names, "clips_per_step", "threads"):
         flag = f"--{name.removeprefix('num_').replace('_', '-')}"
         parser.add_argument(flag, dest=name, type=int, default=getattr(defaults, name))
     args = parser.parse_args()
-    overrides = {k: v for k, v in vars(args).items() if k != "out"}
-    train_checkpoint(args.out, TrainConfig(**overrides))
+    stages = ("out", "tower_stage", "save_tower_stage")
+    overrides = {k: v for k, v in vars(args).items() if k not in stages}
+    train_checkpoint(args.out, TrainConfig(**overrides), args.tower_stage, args.save_tower_stage)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,13 @@ FEW_STEPS = TrainConfig(
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     folders = [tmp_path_factory.mktemp("demo") / "checkpoint" for _ in range(2)]
-    for folder in folders:
-        train_checkpoint(folder, FEW_STEPS)
+    train_checkpoint(folders[0], FEW_STEPS, save_tower_stage=_tower_stage(folders[0]))
+    train_checkpoint(folders[1], FEW_STEPS)
     return folders
+
+
+def _tower_stage(folder):
+    return folder.parent / "tower-stage.pt"
 
 
 def test_same_seed_same_checkpoint(trained, tmp_path):
@@ -54,6 +58,20 @@ def test_same_seed_same_checkpoint(trained, tmp_path):
     other = tmp_path / "other-seed"
     train_checkpoint(other, TrainConfig(**{**FEW_STEPS.__dict__, "seed": 1}))
     assert (other / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
+
+
+def test_a_saved_tower_stage_gives_the_full_runs_checkpoint(trained, tmp_path):
+    """The first run saved its tower stage; a run from it makes the same weights, and a recipe
+    whose tower stage differs is refused."""
+    stage = _tower_stage(trained[0])
+    resumed = tmp_path / "resumed"
+    train_checkpoint(resumed, FEW_STEPS, tower_stage=stage)
+    expected = (trained[0] / "model.safetensors").read_bytes()
+    assert (resumed / "model.safetensors").read_bytes() == expected
+    with pytest.raises(ValueError, match="vision_steps"):
+        other = TrainConfig(**{**FEW_STEPS.__dict__, "vision_steps": 3})
+        train_checkpoint(tmp_path / "refused", other, tower_stage=stage)
+    assert not (tmp_path / "refused").exists()
 
 
 def test_checkpoint_loads_in_transformers_and_stillcut(trained):
