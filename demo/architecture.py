@@ -5,8 +5,12 @@ resized to exactly what training saw (a 12x16-patch, 6x8-token grid per tubelet:
 spans two to three patches); other aspect ratios get about as many pixels. All vision blocks
 attend over the whole frame: it is only 192 patches. The language model's rotary base is
 10^4 rather than Qwen's 10^6: its prompts are a few hundred tokens long, and at 10^4 the
-fastest pairs still tell neighbouring tokens apart while the slowest stay nearly still across
-the whole prompt, for attention by content from an answer back to the video.
+slowest pairs stay nearly still across the whole prompt, for attention by content from an
+answer back to the video. Its M-RoPE frequencies are re-spread (`rope_parameters`) so that
+each of the time, height and width axes has fast pairs as well as slow ones: a departure, a
+still scene and a cut are told apart by looking back at the same place a tubelet earlier,
+and a plain Qwen2.5-VL layout at this size gives the width axis no frequency fast enough to
+find that place.
 `write_skeleton` writes everything but the weights: config, tokenizer, preprocessor and
 generation configs, so the trainer can read them back through stillcut's own loaders.
 """
@@ -40,6 +44,8 @@ TEXT: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
 }
 ROPE_THETA = 1e4
+# Radians per position of the leading rotary frequencies of the t, h and w runs (empty: plain)
+LEADING = ((1.0, 0.3, 0.08, 0.02), (1.0, 0.5, 0.25), (1.0, 0.5, 0.25))
 VISION: dict[str, Any] = {
     "depth": 4,
     "hidden_size": 64,
@@ -70,11 +76,7 @@ def hf_config(special_ids: dict[str, int], metadata: dict[str, Any]) -> Any:
         "bos_token_id": special_ids["<|endoftext|>"],
         "eos_token_id": special_ids["<|im_end|>"],
         "max_window_layers": TEXT["num_hidden_layers"],
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": ROPE_THETA,
-            "mrope_section": mrope_section(head_dim),
-        },
+        "rope_parameters": rope_parameters(head_dim),
     }
     return Qwen2_5_VLConfig(
         text_config=text,
@@ -87,6 +89,40 @@ def hf_config(special_ids: dict[str, int], metadata: dict[str, Any]) -> Any:
         stillcut_demo=metadata,
         stillcut_summary=summary_hints(),
     )
+
+
+def rope_parameters(head_dim: int) -> dict[str, Any]:
+    """M-RoPE whose three axes each get fast and slow frequencies.
+
+    Qwen2.5-VL gives the (t, h, w) axes contiguous runs of the rotary frequencies, fastest
+    first. At this size that leaves the time axis only fast ones (at least 0.18 radian per
+    position, so an answer cannot prefer early video to late: the angle wraps within a clip)
+    and the width axis only the slowest (at most 0.003 radian per token, too slow to tell a
+    token's place from its neighbour's). LongRoPE's per-frequency divisors (a fixed table:
+    the same factors at every length, no scaling) set the leading frequencies of each run to
+    `LEADING` radians per position; the rest of each run keeps its own, for attention by content.
+    """
+    section = mrope_section(head_dim)
+    if not LEADING:
+        return {"rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": section}
+    base = [ROPE_THETA ** (-2 * j / head_dim) for j in range(head_dim // 2)]
+    target, start = list(base), 0
+    for size, leading in zip(section, LEADING, strict=True):
+        if len(leading) > size:
+            raise ValueError(f"{leading}: more leading frequencies than the section's {size}")
+        target[start : start + len(leading)] = leading
+        start += size
+    factors = [b / t for b, t in zip(base, target, strict=True)]
+    return {
+        "rope_type": "longrope",
+        "rope_theta": ROPE_THETA,
+        "mrope_section": section,
+        "short_factor": factors,
+        "long_factor": factors,
+        "original_max_position_embeddings": TEXT["max_position_embeddings"],
+        "factor": 1.0,
+        "attention_factor": 1.0,
+    }
 
 
 def generation_ids(special_ids: dict[str, int]) -> dict[str, Any]:

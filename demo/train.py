@@ -25,7 +25,9 @@ by EVS its own way (`sequences`); the step's sequences run in a few batches of s
 Beside the answers, a linear head on the language model's hidden state after
 `lookback_layer` layers (training only) says what each video token's place showed a tubelet
 earlier and how it changed since (`token_labels.lookback_targets`): the look back across
-tubelets that departures, still scenes and cuts take. The answer stage also
+tubelets that departures, still scenes and cuts take. It finds that place by position, which
+the re-spread M-RoPE of `architecture` makes possible (with Qwen2.5-VL's plain layout the
+loss helped little). The answer stage also
 encodes clips drawn from the narration mix (`scenes.NARRATION_MIX`, seeds of their own), so
 that appearances and departures are common among the narrations; the tower stage sees only
 the first set. The result is saved in bf16 with `save_pretrained`: a Hugging Face checkpoint
@@ -133,7 +135,7 @@ class TrainConfig:
     # linear head (training only) says what each video token's place showed a tubelet earlier
     # (`token_labels.lookback_targets`); its mean cross-entropy counts this much (0: off).
     lookback_layer: int = 2
-    lookback_weight: float = 0.0
+    lookback_weight: float = 1.0
     log_every: int = 50
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from stillcut.demo import demo_checkpoint
+from stillcut.demo import architecture, demo_checkpoint
 from stillcut.demo.clips import clip_bytes, held_out_seeds
 from stillcut.demo.questions import PROMPTS, QUESTION_TYPES
 from stillcut.demo.scenes import sample_scene
@@ -60,6 +60,26 @@ def test_trainer_defaults_are_the_shipped_recipe():
         "task_version": TASK_VERSION,
         "recipe": asdict(TrainConfig()),
     }
+
+
+def test_every_rotary_axis_has_fast_and_slow_frequencies():
+    """The shipped M-RoPE is the architecture's, and as transformers computes it each of t, h
+    and w has a frequency of at least half a radian per position and one slow enough to stay
+    nearly still across a prompt (plain Qwen2.5-VL at this size gives w none above 0.004)."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    folder = demo_checkpoint()
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    assert text["rope_parameters"] == architecture.rope_parameters(head_dim)
+    config = AutoConfig.from_pretrained(folder).text_config
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](config)
+    assert scaling == 1.0
+    axes = torch.arange(3).repeat_interleave(torch.tensor(text["rope_parameters"]["mrope_section"]))
+    for axis in range(3):
+        frequencies = inv_freq[axes == axis]
+        assert frequencies.max() >= 0.5 and frequencies.min() <= 0.02, (axis, frequencies)
 
 
 def _ask_everything(engine, pipeline, evs):
