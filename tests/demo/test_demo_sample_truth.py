@@ -3,12 +3,11 @@
 `stillcut describe` on each task sample must print a description that the strict scorer
 accepts (every object, what each does, the ground, nothing invented), and `stillcut narrate`
 on the moving and the appearing sample must say, for every tubelet it speaks about, the change
-that tubelet shows. The shipped checkpoint (task version 4) describes `moving_object` and
-`appearing_object` wholly right and narrates `moving_object` right, but not yet every still
-object: it leaves out `vertical_motion`'s blue circle and names a red square in place of
-`still_scene`'s purple circle; and it says "A green cross appears." where `appearing_object`'s
-triangle appears. Both are expected to fail until a better recipe ships; the markers are
-strict, so they must go when it does.
+that tubelet shows. The shipped checkpoint describes `moving_object`, `vertical_motion` and
+`appearing_object` wholly right and narrates `moving_object` right, but on `still_scene` it
+names a red square in place of the purple circle, and it says "A blue cross appears." where
+`appearing_object`'s green triangle appears. Both are expected to fail until a better recipe
+ships; the markers are strict, so they must go when it does.
 """
 
 import runpy
@@ -21,7 +20,7 @@ from stillcut.demo.sample_clips import SAMPLES_DIR
 from stillcut.service.api import VideoLLM
 
 TASK_SCENES = runpy.run_path(str(SAMPLES_DIR / "make_samples.py"))["task_sample_scenes"]()
-RETRAIN = "the shipped checkpoint misnames some still objects and one appearance (see above)"
+RETRAIN = "the shipped checkpoint misnames a still object and an appearance (see above)"
 
 
 @pytest.fixture(scope="module")
