@@ -44,7 +44,7 @@ TEXT: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
 }
 ROPE_THETA = 1e4
-# Radians per position of the leading rotary frequencies of the t, h and w runs (empty: plain)
+# Radians per position of the leading rotary frequencies of the t, h and w runs
 LEADING = ((1.0, 0.3, 0.08, 0.02), (1.0, 0.5, 0.25), (1.0, 0.5, 0.25))
 VISION: dict[str, Any] = {
     "depth": 4,
@@ -103,8 +103,6 @@ def rope_parameters(head_dim: int) -> dict[str, Any]:
     `LEADING` radians per position; the rest of each run keeps its own, for attention by content.
     """
     section = mrope_section(head_dim)
-    if not LEADING:
-        return {"rope_type": "default", "rope_theta": ROPE_THETA, "mrope_section": section}
     base = [ROPE_THETA ** (-2 * j / head_dim) for j in range(head_dim // 2)]
     target, start = list(base), 0
     for size, leading in zip(section, LEADING, strict=True):

@@ -334,10 +334,6 @@ class DemoTrainer:
         right = parts[1].detach().argmax(-1)[shown] == shape[shown]
         return loss, right.float().mean() if right.numel() else torch.tensor(1.0)
 
-    def _answer_loss(self, sequences: list[Sequence]) -> torch.Tensor:
-        """Mean cross-entropy of every predicted token."""
-        return self._losses(sequences)[0]
-
     def _losses(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean cross-entropy of every predicted token, and the lookback head's: per target
         (`LOOKBACK_CLASSES`) its class-weighted mean over the video tokens that have it, those

@@ -78,7 +78,7 @@ def test_each_task_gives_sequences_the_loss_takes(setup, task):
         assert _predicted_text(trainer, sequence).strip()
     if task == "summary":
         assert all(s.video_embeds.numel() == 0 for s in sequences)
-    loss = trainer._answer_loss(sequences)
+    loss = trainer._losses(sequences)[0]
     assert torch.isfinite(loss) and loss > 0
 
 
@@ -105,9 +105,7 @@ def test_questions_in_one_sequence_teach_what_each_question_alone_would(setup):
             trainer._summed_losses([shared])[0][0],
             sum(trainer._summed_losses([s])[0][0] for s in alone),
         )
-        torch.testing.assert_close(
-            trainer._answer_loss([shared, *alone]), trainer._answer_loss(alone)
-        )
+        torch.testing.assert_close(trainer._losses([shared, *alone])[0], trainer._losses(alone)[0])
 
 
 def test_lookback_targets_say_what_each_place_showed_a_tubelet_earlier():

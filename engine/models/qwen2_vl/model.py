@@ -67,8 +67,7 @@ class MRoPE(nn.Module):
         # The same float32 ops as transformers: the angles must match to the last bit.
         exponent = torch.arange(0, config.head_dim, 2, device=device).float() / config.head_dim
         turns = config.rope_theta**exponent
-        # LongRoPE (the Qwen2 text config only): each frequency divided by its factor
-        if getattr(config, "rope_factors", None) is not None:
+        if config.rope_factors is not None:  # LongRoPE: each frequency divided by its factor
             turns = torch.tensor(config.rope_factors, device=device) * turns
         self.inv_freq = nn.Buffer(1.0 / turns, persistent=False)  # [D/2]
         rows = torch.arange(3, device=device).repeat_interleave(

@@ -103,6 +103,9 @@ class Qwen3TextConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 5e5
     tie_word_embeddings: bool = False
+    # LongRoPE divisors, read by the M-RoPE build this model shares with Qwen2; the Qwen3 text
+    # config reader accepts plain M-RoPE only, so this stays None
+    rope_factors: None = None
     # Qwen3-MoE: the layers whose MLP is the softmax-routed mixture (none: a dense model)
     sparse_layers: tuple[int, ...] = ()
     num_experts: int = 0
