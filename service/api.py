@@ -331,9 +331,14 @@ class VideoLLM:
         `max_in_flight`, `max_chunks`, `captions_per_round`, and the video's `fps`, `start`,
         `end`, `pixels` and `max_video_tokens` (per chunk). `questions` ask when something
         happens; their answers come from the timeline (`VideoSummary.answers`). Asking
-        again about the same video reuses the encoder and prefix caches."""
+        again about the same video reuses the encoder and prefix caches. Without `evs`, the
+        chunks prune with the default, but a chunk it would prune to about its first tubelet
+        is captioned whole (`vision.summary.chunks`)."""
+        whole_short = isinstance(evs, str)  # the default, not the caller's own setting
         with self._engine_here("send summaries to the server instead"):
-            return summarize_here(self, video, self._evs(evs), questions, progress, **options)
+            return summarize_here(
+                self, video, self._evs(evs), questions, progress, whole_short=whole_short, **options
+            )
 
     def when(self, video: VideoSource, question: str, **options) -> TemporalAnswer:
         """When, in `video`, what `question` asks about happens ("when does the red square

@@ -74,10 +74,11 @@ def run(args: argparse.Namespace) -> int:
     for question in args.ask:
         check_when_question(question)
     started = time.perf_counter()
+    evs = evs_config(args)  # a flag's setting applies to every chunk as given
     llm = VideoLLM(
         args.model,
         decode_config=DecodeConfig(fps=args.fps, resize=args.resize),
-        evs=evs_config(args),
+        evs=evs,
         **precision_options(args),
     )
     load_s = time.perf_counter() - started
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     summary = llm.summarize(
         args.video,
         questions=args.ask,
+        evs=evs,
         progress=True,
         **options,
         fps=args.fps,
@@ -116,7 +118,8 @@ def _print_summary(summary, load_s: float, *, with_summary: bool) -> None:
         (
             "chunks",
             f"{usage.num_chunks} of {summary.chunk_s:g} s (overlap {summary.overlap_s:g} s), "
-            f"{usage.num_cached_chunks} from the encoder cache; EVS {summary.evs}: kept "
+            f"{usage.num_cached_chunks} from the encoder cache; EVS {summary.evs}"
+            f"{_whole(usage.num_whole_chunks)}: kept "
             f"{usage.video_tokens_after} of {usage.video_tokens_before} video tokens",
         ),
         (
@@ -136,3 +139,7 @@ def _print_summary(summary, load_s: float, *, with_summary: bool) -> None:
     print()
     for label, value in lines:
         print(f"{label:<12}{value}")
+
+
+def _whole(count: int) -> str:
+    return f" ({count} short chunk(s) kept whole)" if count else ""

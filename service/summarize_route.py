@@ -2,7 +2,8 @@
 
 The multipart form holds the video as `file`, or names it with `url` (data:, file: inside the
 media folder, or an allowed http(s) host, as chat requests name media), and optionally
-`model`, `evs` (JSON as in chat requests, or "off"), `chunk_s`, `overlap_s`, `caption_tokens`,
+`model`, `evs` (JSON as in chat requests, or "off"; without it, the server's default, short
+chunks kept whole as in `vision.summary.chunks`), `chunk_s`, `overlap_s`, `caption_tokens`,
 `summary_tokens`, `summarize` (false: the timeline only), `question` (may repeat: questions
 about when something happens, answered from the timeline), `stream`, and the video options
 `fps`, `start`, `end`, the model's pixel budget and `max_video_tokens` (each chunk's). The
@@ -64,6 +65,7 @@ class SummarizeForm:
     url: str | None
     model: str | None
     evs: EVSConfig | None
+    evs_given: bool  # False: the server's default (short chunks kept whole)
     options: dict
     video: VideoOptions
     questions: tuple[str, ...]
@@ -124,6 +126,7 @@ def _requests(state: ServiceState, source: bytes | Path, checked: SummarizeForm,
             state.llm,
             source,
             checked.evs,
+            whole_short=not checked.evs_given,
             **checked.options,
             **video,
             pixels=dict(checked.video.pixels),
@@ -221,6 +224,7 @@ async def _check_form(form: FormData, default_evs: EVSConfig | None) -> Summariz
         url=url,
         model=form_text(form, "model"),
         evs=parse_evs_text(form_text(form, "evs"), default_evs),
+        evs_given=form_text(form, "evs") is not None,
         options=options,
         video=parse_video_options({name: form_text(form, name) for name in names}),
         questions=questions,

@@ -34,11 +34,12 @@ VIDEO_OPTIONS = ("fps", "start", "end", "pixels", "max_video_tokens")
 
 
 def summary_request(
-    llm, video: VideoSource, evs: EVSConfig | None, **options
+    llm, video: VideoSource, evs: EVSConfig | None, *, whole_short: bool = False, **options
 ) -> tuple[ChunkRequest, SummaryOptions]:
     """The chunk request and the summary options of `llm.summarize(video, **options)`:
     `VIDEO_OPTIONS` (`pixels` a mapping; `max_video_tokens` bounds each chunk) and
-    `SummaryOptions`' fields."""
+    `SummaryOptions`' fields. `whole_short`: `evs` is a default, not the caller's, so a chunk
+    it would prune to about its first tubelet is kept whole (`chunks.chunk_evs`)."""
     if isinstance(video, np.ndarray):
         raise ValueError("a summary takes a video file (a path, bytes or a binary file object)")
     video_options = {name: options.pop(name) for name in VIDEO_OPTIONS if name in options}
@@ -60,6 +61,7 @@ def summary_request(
         overlap_s=summary_options.overlap_s,
         pixels=pixels,
         max_chunks=summary_options.max_chunks,
+        whole_short=whole_short,
         **video_options,
     )
     return request, summary_options
@@ -73,7 +75,8 @@ def summarize_here(
     progress: bool,
     **options,
 ) -> VideoSummary:
-    """`llm.summarize` on the calling thread (the caller holds the engine to itself)."""
+    """`llm.summarize` on the calling thread (the caller holds the engine to itself);
+    `options` as `summary_request`'s."""
     request, summary_options = summary_request(llm, video, evs, **options)
     for question in questions:  # refuse a question that does not ask when, before the work
         check_when_question(question)

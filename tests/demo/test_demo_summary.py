@@ -25,12 +25,6 @@ MOVING = SceneMix(moving=1.0, changing=0.0, still=0.0, moving_event=0.0)
 FIRST_SEED = HELD_OUT_START + 20_000  # apart from the held-out seeds the benches use
 
 
-# The shipped checkpoint gets 16 of the 30 timeline entries and 16 of the 20 "when" answers
-# right: it mostly drops the second scene of a chunk across a cut. Strict: the marker must go
-# when a checkpoint that meets the bar ships.
-NOT_YET = "the shipped demo drops the second scene of most chunks across a cut"
-
-
 def distinct_scenes() -> list:
     """`NUM_SCENES` moving scenes whose subjects differ in colour or shape."""
     scenes, seen = [], set()
@@ -67,7 +61,6 @@ def covered(start_s: float, end_s: float) -> list[int]:
     return list(range(first, min(last, NUM_SCENES - 1) + 1))
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_YET)
 def test_the_timeline_names_each_scenes_colour_and_direction(scenes, summary):
     timeline = summary.timeline
     assert len(timeline) == NUM_SCENES * DURATION_S / CHUNK_S
@@ -89,7 +82,6 @@ def test_the_timeline_names_each_scenes_colour_and_direction(scenes, summary):
     assert right >= 0.9 * len(timeline), [entry.text for entry in timeline]
 
 
-@pytest.mark.xfail(strict=True, reason=NOT_YET)
 def test_when_a_shape_appears_is_answered_within_one_chunk(scenes, summary):
     starts = [index * DURATION_S for index in range(NUM_SCENES)]
     right = sum(

@@ -18,6 +18,7 @@ import pytest
 
 from stillcut.demo import demo_checkpoint
 from stillcut.engine.request import SamplingParams
+from stillcut.kernels.evs import EVSConfig
 from stillcut.service.cli import main
 from stillcut.service.config import ServerConfig
 from stillcut.vision.summary.prompts import chunk_caption_messages
@@ -65,20 +66,30 @@ def server(tmp_path_factory, clip_path):
 
 def test_each_caption_is_the_chunk_asked_about_alone(llm, first, clip_path):
     assert [(e.start_s, e.end_s) for e in first.timeline] == SPANS
-    evs = llm.evs_default.evs
-    for entry in first.timeline:
-        item = llm.pipeline.video(clip_path, evs=evs, start=entry.start_s, end=entry.end_s)
+    for entry in first.timeline:  # 4 tubelets: the default rate would keep only the first
+        item = llm.pipeline.video(clip_path, evs=None, start=entry.start_s, end=entry.end_s)
         prompt = llm.processor.build(chunk_caption_messages(entry.start_s, entry.end_s), [item])
         (output,) = llm.engine.generate([prompt], SamplingParams(max_tokens=16))
         assert entry.text == " ".join(output.text.split()) != ""
     usage = first.usage
     assert (usage.num_chunks, usage.num_cached_chunks) == (3, 0)
-    assert usage.video_tokens_after < usage.video_tokens_before  # the default EVS rate
+    assert usage.num_whole_chunks == 3 and usage.video_tokens_after == usage.video_tokens_before
     # three captions, two per prompt: two prompts, then one
     assert first.num_rounds == 2 and usage.num_requests == 3 + 2 + 1 and first.summary
-    assert first.evs == evs.key() and first.timings.total_s > 0
+    assert first.evs == llm.evs_default.evs.key() and first.timings.total_s > 0
     (answer,) = first.answers
     assert answer.question == QUESTION and answer.text
+
+
+def test_the_default_rate_prunes_long_chunks_and_a_named_rate_every_chunk(llm, clip_path):
+    options = {"chunk_s": 8.0, "caption_tokens": 4, "summarize": False}
+    default = llm.summarize(clip_path, **options)  # 8 tubelets, then 4
+    per_tubelet = default.usage.video_tokens_before // 12
+    assert default.usage.num_whole_chunks == 1  # a quarter of the 8 tubelets; the 4 whole
+    assert default.usage.video_tokens_after == (2 + 4) * per_tubelet
+    named = llm.summarize(clip_path, evs=EVSConfig(mode="rate", rate=0.75), **options)
+    assert named.usage.num_whole_chunks == 0  # a quarter of the 8; the first of the 4
+    assert named.usage.video_tokens_after == (2 + 1) * per_tubelet
 
 
 def test_asking_again_decodes_nothing_and_hits_the_prefix_cache(llm, first, clip_path):

@@ -2,17 +2,20 @@
 
 Chunks are whole tubelets of samples, neighbours overlapping by what is asked, the last one
 ending with the range; the default length is the longest that fits the prompt's room and the
-checkpoint's trained length; a length that cannot fit is refused with what would. Captions
+checkpoint's trained length; a length that cannot fit is refused with what would. A default
+EVS rate leaves whole a chunk it would prune to about its first tubelet. Captions
 are packed into as few prompts as fit, and a packing that could never finish is refused.
 """
 
 import pytest
 
 from stillcut.engine.admission import RequestTooLong
+from stillcut.kernels.evs import EVSConfig
 from stillcut.vision.summary.chunks import (
     ChunkingError,
     ChunkLimits,
     checkpoint_hints,
+    chunk_evs,
     chunk_frames,
     overlap_frames,
     plan_chunks,
@@ -57,6 +60,34 @@ def test_the_default_chunk_is_the_longest_that_fits_and_the_checkpoint_trained_o
     markers = ChunkLimits(max_video_tokens=50, max_chunk_s=30.0, marker_tokens_per_frame=4)
     assert chunk_frames(None, 2.0, markers, kept(12)) == 4  # 2 tubelets: 24 + 16 markers
     assert chunk_frames(None, 1.0, ChunkLimits(10_000, 5.0), kept(12)) == 4  # whole tubelets
+
+
+RATE = EVSConfig(mode="rate", rate=0.75)
+
+
+def test_a_default_rate_leaves_whole_a_chunk_it_would_prune_to_its_first_tubelet():
+    # rate 0.75 keeps max(h*w, int(t*h*w/4)): under 8 tubelets, less than one past the first
+    for tubelets in range(1, 8):
+        assert chunk_evs(RATE, (tubelets, 4, 6), whole_short=True) is None
+    assert chunk_evs(RATE, (8, 4, 6), whole_short=True) == RATE
+    assert chunk_evs(RATE, (3, 4, 6), whole_short=False) == RATE  # the caller's rate: as named
+    half = EVSConfig(mode="rate", rate=0.5)
+    assert chunk_evs(half, (3, 4, 6), whole_short=True) is None
+    assert chunk_evs(half, (4, 4, 6), whole_short=True) == half
+    threshold = EVSConfig(mode="threshold", threshold=0.3)
+    assert chunk_evs(threshold, (2, 4, 6), whole_short=True) == threshold
+    assert chunk_evs(None, (2, 4, 6), whole_short=True) is None
+
+
+def test_the_longest_chunk_that_fits_when_a_longer_one_keeps_fewer_tokens():
+    def whole_then_a_quarter(num_frames: int) -> int:  # 12 tokens per tubelet
+        tubelets = num_frames // 2
+        return 12 * (tubelets if tubelets < 8 else max(1, tubelets // 4))
+
+    limits = ChunkLimits(max_video_tokens=40, max_chunk_s=10.0)
+    assert chunk_frames(None, 2.0, limits, whole_then_a_quarter) == 20  # 10 tubelets keep 24
+    limits = ChunkLimits(max_video_tokens=40, max_chunk_s=3.5)
+    assert chunk_frames(None, 2.0, limits, whole_then_a_quarter) == 6  # 3 whole: 36
 
 
 def test_a_given_chunk_length_is_rounded_to_tubelets_and_refused_when_it_cannot_fit():

@@ -43,6 +43,7 @@ from stillcut.vision.summary.chunks import (
     Chunk,
     ChunkingError,
     ChunkLimits,
+    chunk_evs,
     chunk_frames,
     overlap_frames,
     plan_chunks,
@@ -54,7 +55,9 @@ from stillcut.vision.video_plan import kept_range
 class ChunkRequest:
     """What to cut and encode: a video file (path, bytes or binary file object), its sampling
     (`fps`, [start, end) seconds, a pixel budget as (name, value) pairs), the chunk length
-    (None: the longest that fits `limits`) and overlap, and the EVS setting of each chunk."""
+    (None: the longest that fits `limits`) and overlap, and the EVS setting of each chunk
+    (`whole_short`: the setting is a default, and a chunk it would prune to about its first
+    tubelet is kept whole, see `chunks.chunk_evs`)."""
 
     source: VideoSource
     evs: EVSConfig | None
@@ -66,6 +69,7 @@ class ChunkRequest:
     end: float | None = None
     pixels: tuple[tuple[str, int], ...] = ()
     max_chunks: int = 4096
+    whole_short: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,10 +87,11 @@ class ChunkPlan:
 
 @dataclass(frozen=True)
 class EncodedChunk:
-    """A chunk and its video item (pruned)."""
+    """A chunk and its video item (pruned; `kept_whole`: by the short-chunk rule)."""
 
     chunk: Chunk
     item: MultiModalItem
+    kept_whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,7 @@ class ChunkStream:
         self._hits: dict[int, EncodedMedia] = {}
         self._decoded: Iterator[_ChunkFrames] = iter(())
         self._reader_facts: dict = {}
+        self._size = (0, 0)  # the video's height and width
         self._next = 0  # the next chunk to hand out
         self._closed = False
 
@@ -129,6 +135,7 @@ class ChunkStream:
                 open_video(data, config, start=request.start, end=request.end)
             )
             probe = reader.probe
+            self._size = (probe.height, probe.width)
             plan = self._plan(reader)
             preprocess = self.media.video_preprocess.key()
             for chunk in plan.chunks:
@@ -171,8 +178,7 @@ class ChunkStream:
         request, probe = self.request, reader.probe
 
         def tokens_of(num_frames: int) -> int:
-            grid = self.media.token_grid("video", num_frames, probe.height, probe.width)
-            return kept_range(grid, request.evs)[1]
+            return kept_range(*self._grid_and_evs(num_frames))[1]
 
         fps = probe.sample_fps
         frames = chunk_frames(request.chunk_s, fps, request.limits, tokens_of)
@@ -247,9 +253,19 @@ class ChunkStream:
         items = []
         for chunk, got in batch:
             media, timings = encoded.get(chunk.index, (got, None))
-            item = self.pipeline.item_of(self._keys[chunk.index], media, self.request.evs, timings)
-            items.append(EncodedChunk(chunk, item))
+            evs = self._grid_and_evs(chunk.num_samples)[1]
+            item = self.pipeline.item_of(self._keys[chunk.index], media, evs, timings)
+            items.append(EncodedChunk(chunk, item, kept_whole=evs is None and not self._off))
         return items
+
+    @property
+    def _off(self) -> bool:
+        return self.request.evs is None or self.request.evs.is_off
+
+    def _grid_and_evs(self, num_frames: int) -> tuple[tuple[int, int, int], EVSConfig | None]:
+        """A chunk of `num_frames` samples: its token grid and its EVS setting."""
+        grid = self.media.token_grid("video", num_frames, *self._size)
+        return grid, chunk_evs(self.request.evs, grid, self.request.whole_short)
 
     def _media_of(self, chunk: Chunk, decoded: _ChunkFrames, patches, output, batch_size: int):
         output = own_tensors(output, batch_size)

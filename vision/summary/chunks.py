@@ -13,6 +13,13 @@ fit the engine's visual-token limit and the request's `max_video_tokens`; and it
 than the longest chunk the checkpoint says it was trained to caption (config.json
 `stillcut_summary.chunk_s`), else `DEFAULT_MAX_CHUNK_S` (a caption is a line or two: a longer
 chunk gets a caption that leaves most of it out).
+
+EVS in rate mode keeps `max(h*w, int(t*h*w*(1 - q)))` tokens of a chunk, its first tubelet whole:
+a chunk of a few tubelets keeps its first one and next to nothing of the rest (at rate 0.75, a
+chunk of under 8 tubelets keeps less than one more tubelet's worth). A caption says what
+happens in its chunk, so where the rate comes from a default rather than from the request, a
+chunk it would prune that far is captioned whole (`chunk_evs`); a longer chunk is pruned as
+asked. A rate the request names is applied as named.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from stillcut.kernels.evs import EVSConfig
+from stillcut.kernels.evs.config import num_retained_tokens
 
 DEFAULT_MAX_CHUNK_S = 30.0
 # A family that writes a video as its frames (images, each between its own markers) spends
@@ -77,6 +87,20 @@ def checkpoint_hints(raw_config: Mapping[str, Any]) -> dict[str, Any]:
     return {name: hints[name] for name in ("chunk_s", "captions_per_round") if name in hints}
 
 
+def chunk_evs(
+    evs: EVSConfig | None, grid: tuple[int, int, int], whole_short: bool
+) -> EVSConfig | None:
+    """The EVS setting of a chunk whose video tokens are a (t, h, w) `grid`: `evs`, or, with
+    `whole_short`, None (whole) where a rate would keep less than its first tubelet and one
+    more tubelet's worth."""
+    if not whole_short or evs is None or evs.is_off or evs.mode != "rate":
+        return evs
+    per_tubelet = grid[1] * grid[2]
+    if num_retained_tokens(grid[0], per_tubelet, evs.rate) < 2 * per_tubelet:
+        return None
+    return evs
+
+
 def chunk_frames(
     chunk_s: float | None,
     fps: float,
@@ -114,14 +138,13 @@ def _most_frames(
 ) -> int:
     """The longest run of whole tubelets at `fps`, at most `max_chunk_s` long (at least one
     tubelet), keeping at most `max_tokens`."""
-    low, high = 1, max(1, math.floor(max_chunk_s * fps / 2 + 1e-9))  # in 2-frame tubelets
-    while low < high:  # the tokens grow with the frames: bisect
-        middle = (low + high + 1) // 2
-        if tokens_of(2 * middle) <= max_tokens:
-            low = middle
-        else:
-            high = middle - 1
-    return 2 * low
+    # Longest first: a chunk kept whole below the length a rate starts at keeps more tokens
+    # than a longer one it prunes, so the tokens need not grow with the length.
+    longest = max(1, math.floor(max_chunk_s * fps / 2 + 1e-9))  # in 2-frame tubelets
+    for tubelets in range(longest, 1, -1):
+        if tokens_of(2 * tubelets) <= max_tokens:
+            return 2 * tubelets
+    return 2
 
 
 def overlap_frames(overlap_s: float, fps: float, frames: int) -> int:

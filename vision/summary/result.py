@@ -20,6 +20,7 @@ class SummaryUsage:
 
     num_chunks: int = 0
     num_cached_chunks: int = 0  # chunks the encoder cache already held: never decoded
+    num_whole_chunks: int = 0  # chunks a default rate would prune to their first tubelet: whole
     video_tokens_before: int = 0  # before EVS, over all chunks
     video_tokens_after: int = 0
     num_requests: int = 0
@@ -27,8 +28,9 @@ class SummaryUsage:
     cached_tokens: int = 0  # prompt tokens the prefix cache held
     completion_tokens: int = 0
 
-    def add_chunk(self, item: MultiModalItem) -> None:
+    def add_chunk(self, item: MultiModalItem, kept_whole: bool = False) -> None:
         self.num_chunks += 1
+        self.num_whole_chunks += kept_whole
         self.num_cached_chunks += bool(item.stats.get("cache_hit"))
         self.video_tokens_before += item.num_dense_tokens
         self.video_tokens_after += item.num_tokens
@@ -65,7 +67,7 @@ class VideoSummary:
     sample_fps: float
     start_s: float
     end_s: float
-    evs: str  # the EVS setting of every chunk
+    evs: str  # the EVS setting of the chunks (but `usage.num_whole_chunks`, kept whole)
     num_rounds: int  # aggregation rounds (0: no summary asked for)
     usage: SummaryUsage
     timings: SummaryTimings

@@ -226,7 +226,7 @@ async def _caption(
         while (batch := await host.vision(stream.next_batch)) is not None:
             prompts = await host.text(lambda batch=batch: prompts_of(batch))
             for encoded, prompt in zip(batch, prompts, strict=True):
-                usage.add_chunk(encoded.item)
+                usage.add_chunk(encoded.item, encoded.kept_whole)
                 await slots.acquire()
                 group.create_task(caption(encoded, prompt))
 
