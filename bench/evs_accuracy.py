@@ -17,7 +17,9 @@ and off; each segment is right when it names its tubelet's true change and no ot
 (`narration.segment_is_correct`), counted per change (a change's share is of the judged
 segments). Captions: pairs of held-out scenes rendered back to back into one clip, one chunk
 of 2-4 s from each (half across the cut) captioned with the chunk prompt
-(`chunk_prompts.chunk_caption_messages`), EVS off and at describe's default; a caption is
+(`chunk_prompts.chunk_caption_messages`), EVS off (what a summary gives chunks this short
+by default) and at describe's default rate, named (which keeps only a chunk's first tubelet:
+`vision.summary.chunks`); a caption is
 right when each scene part's clause names what happens there, in order
 (`captions.caption_is_correct`).
 
@@ -326,8 +328,9 @@ def caption_rows(llm: VideoLLM, count: int) -> None:
     chunks = caption_set(count)
     across = sum(len(parts) == 2 for parts, _, _, _ in chunks)
     print(f"\ncaptions of {len(chunks)} chunks ({across} across a cut)")
-    for name, evs in (("off", None), (llm.evs_default.setting, llm.evs_default.evs)):
-        print(f"{name:<22}{caption_row(llm, chunks, evs):>10.1%}", flush=True)
+    named = f"{llm.evs_default.setting} (named)"
+    for name, evs in (("off (summary default)", None), (named, llm.evs_default.evs)):
+        print(f"{name:<26}{caption_row(llm, chunks, evs):>10.1%}", flush=True)
 
 
 def main() -> None:
