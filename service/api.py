@@ -187,7 +187,7 @@ class VideoLLM:
         """The token plan of a video file before any decoding (`vision.video_plan`): what
         `describe` with the same options would sample and keep, and whether it fits. Options
         are `describe_many`'s `fps`, `start`, `end`, `max_frames`, `num_frames`, `resize`."""
-        spec = video_input(video, self._evs(evs), pixels, **options)
+        spec = video_input(video, self.resolve_evs(evs), pixels, **options)
         scheduler = self.engine.config.scheduler
         limits = PlanLimits(
             max_model_len=scheduler.max_model_len,
@@ -198,7 +198,8 @@ class VideoLLM:
         )
         return plan_video(self.pipeline, spec, limits)
 
-    def _evs(self, evs: EVSChoice) -> EVSConfig | None:
+    def resolve_evs(self, evs: EVSChoice) -> EVSConfig | None:
+        """`evs` as a setting: `UNSET` is `evs_default`'s (None: EVS off)."""
         if isinstance(evs, str):
             if evs != UNSET:
                 raise ValueError(f"evs={evs!r}: give an EVSConfig, None (off) or {UNSET!r}")
@@ -263,7 +264,7 @@ class VideoLLM:
         more than `max_video_tokens` in all are refused (before decoding where the plan
         says so). `progress` shows bars on stderr."""
         arrival = time.monotonic()
-        evs = self._evs(evs)
+        evs = self.resolve_evs(evs)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -334,11 +335,8 @@ class VideoLLM:
         again about the same video reuses the encoder and prefix caches. Without `evs`, the
         chunks prune with the default, but a chunk it would prune to about its first tubelet
         is captioned whole (`vision.summary.chunks`)."""
-        whole_short = isinstance(evs, str)  # the default, not the caller's own setting
         with self._engine_here("send summaries to the server instead"):
-            return summarize_here(
-                self, video, self._evs(evs), questions, progress, whole_short=whole_short, **options
-            )
+            return summarize_here(self, video, evs, questions, progress, **options)
 
     def when(self, video: VideoSource, question: str, **options) -> TemporalAnswer:
         """When, in `video`, what `question` asks about happens ("when does the red square

@@ -22,6 +22,7 @@ from stillcut.engine.request import SamplingParams
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.api import DEFAULT_MAX_TOKENS
 from stillcut.service.errors import bad_request, shown
+from stillcut.service.evs_default import EVSChoice
 from stillcut.service.media import MediaKind
 from stillcut.service.request_limits import JSONRefused, check_stop, loads_json
 from stillcut.service.video_options import VideoOptions, parse_video_options, video_option_names
@@ -115,9 +116,10 @@ def parse_chat_request(body: bytes, default_evs: EVSConfig | None) -> ChatReques
     )
 
 
-def parse_evs(value: Any, where: str, default: EVSConfig | None) -> EVSConfig | None:
-    """`"default"` (the server's `default`), `"off"` / None (keep all), or an object with
-    `mode` and that mode's fields, e.g. `{"mode": "threshold", "threshold": 0.1}`."""
+def parse_evs(value: Any, where: str, default: EVSChoice) -> EVSChoice:
+    """`"default"` (`default` as given: the server's setting, or `UNSET` to resolve later),
+    `"off"` / None (keep all), or an object with `mode` and that mode's fields, e.g.
+    `{"mode": "threshold", "threshold": 0.1}`."""
     if value == "default":
         return default
     if value is None or value == "off":
@@ -148,7 +150,7 @@ def check_evs_stage(evs: EVSConfig | None, family: ModelFamily) -> None:
         raise bad_request(f"evs: {error}", "invalid_evs") from None
 
 
-def parse_evs_text(text: str | None, default: EVSConfig | None) -> EVSConfig | None:
+def parse_evs_text(text: str | None, default: EVSChoice) -> EVSChoice:
     """`parse_evs` of a form field or query value: JSON text, "off", or absent (`default`)."""
     try:
         value = "default" if text is None else "off" if text == "off" else loads_json(text)

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from stillcut.kernels.evs import EVSConfig
 from stillcut.service.chat_request import parse_evs_text
 from stillcut.service.errors import api_error, bad_request
+from stillcut.service.evs_default import UNSET, EVSChoice
 from stillcut.service.form_fields import (
     form_flag,
     form_number,
@@ -64,8 +65,7 @@ class SummarizeForm:
     data: bytes | None
     url: str | None
     model: str | None
-    evs: EVSConfig | None
-    evs_given: bool  # False: the server's default (short chunks kept whole)
+    evs: EVSChoice  # UNSET: the server's default (`summary_request` resolves it)
     options: dict
     video: VideoOptions
     questions: tuple[str, ...]
@@ -126,7 +126,6 @@ def _requests(state: ServiceState, source: bytes | Path, checked: SummarizeForm,
             state.llm,
             source,
             checked.evs,
-            whole_short=not checked.evs_given,
             **checked.options,
             **video,
             pixels=dict(checked.video.pixels),
@@ -181,7 +180,8 @@ def _event_stream(task, events, body, seconds_left: float, record, retry_after) 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=_HEADERS)
 
 
-async def _check_form(form: FormData, default_evs: EVSConfig | None) -> SummarizeForm:
+async def _check_form(form: FormData, _: EVSConfig | None) -> SummarizeForm:
+    # the server's default EVS is left UNSET here: a summary treats a default as one
     unknown = sorted(set(form.keys()) - _FIELDS)
     if unknown:
         unsampled = [name for name in unknown if name in _UNSAMPLED]
@@ -223,8 +223,7 @@ async def _check_form(form: FormData, default_evs: EVSConfig | None) -> Summariz
         data=await upload.read() if upload is not None else None,
         url=url,
         model=form_text(form, "model"),
-        evs=parse_evs_text(form_text(form, "evs"), default_evs),
-        evs_given=form_text(form, "evs") is not None,
+        evs=parse_evs_text(form_text(form, "evs"), UNSET),
         options=options,
         video=parse_video_options({name: form_text(form, name) for name in names}),
         questions=questions,

@@ -20,8 +20,8 @@ import numpy as np
 from stillcut.engine.llm_engine import RequestOutput
 from stillcut.engine.processor import Prompt
 from stillcut.engine.request import SamplingParams
-from stillcut.kernels.evs import EVSConfig
 from stillcut.service.async_engine import AsyncEngine
+from stillcut.service.evs_default import EVSChoice
 from stillcut.service.progress import SummaryBars
 from stillcut.vision.pipeline import VideoSource
 from stillcut.vision.summary.chunk_stream import ChunkRequest
@@ -34,12 +34,13 @@ VIDEO_OPTIONS = ("fps", "start", "end", "pixels", "max_video_tokens")
 
 
 def summary_request(
-    llm, video: VideoSource, evs: EVSConfig | None, *, whole_short: bool = False, **options
+    llm, video: VideoSource, evs: EVSChoice, **options
 ) -> tuple[ChunkRequest, SummaryOptions]:
-    """The chunk request and the summary options of `llm.summarize(video, **options)`:
-    `VIDEO_OPTIONS` (`pixels` a mapping; `max_video_tokens` bounds each chunk) and
-    `SummaryOptions`' fields. `whole_short`: `evs` is a default, not the caller's, so a chunk
-    it would prune to about its first tubelet is kept whole (`chunks.chunk_evs`)."""
+    """The chunk request and the summary options of `llm.summarize(video, evs=evs,
+    **options)`: `VIDEO_OPTIONS` (`pixels` a mapping; `max_video_tokens` bounds each chunk)
+    and `SummaryOptions`' fields. With `evs` left `UNSET`, the chunks take the default, and
+    one it would prune to about its first tubelet is kept whole (`chunks.chunk_evs`); a
+    setting the caller gives applies as given."""
     if isinstance(video, np.ndarray):
         raise ValueError("a summary takes a video file (a path, bytes or a binary file object)")
     video_options = {name: options.pop(name) for name in VIDEO_OPTIONS if name in options}
@@ -55,13 +56,13 @@ def summary_request(
     pixels = tuple(sorted(dict(video_options.pop("pixels", None) or {}).items()))
     request = ChunkRequest(
         video,
-        evs,
+        llm.resolve_evs(evs),
         limits,
         chunk_s=summary_options.chunk_s,
         overlap_s=summary_options.overlap_s,
         pixels=pixels,
         max_chunks=summary_options.max_chunks,
-        whole_short=whole_short,
+        whole_short=isinstance(evs, str),  # UNSET: the default, not the caller's setting
         **video_options,
     )
     return request, summary_options
@@ -70,13 +71,13 @@ def summary_request(
 def summarize_here(
     llm,
     video: VideoSource,
-    evs: EVSConfig | None,
+    evs: EVSChoice,
     questions: Sequence[str],
     progress: bool,
     **options,
 ) -> VideoSummary:
     """`llm.summarize` on the calling thread (the caller holds the engine to itself);
-    `options` as `summary_request`'s."""
+    `evs` and `options` as `summary_request`'s."""
     request, summary_options = summary_request(llm, video, evs, **options)
     for question in questions:  # refuse a question that does not ask when, before the work
         check_when_question(question)

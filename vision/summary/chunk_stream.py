@@ -255,12 +255,9 @@ class ChunkStream:
             media, timings = encoded.get(chunk.index, (got, None))
             evs = self._grid_and_evs(chunk.num_samples)[1]
             item = self.pipeline.item_of(self._keys[chunk.index], media, evs, timings)
-            items.append(EncodedChunk(chunk, item, kept_whole=evs is None and not self._off))
+            # chunk_evs hands back the request's own setting unless it keeps the chunk whole
+            items.append(EncodedChunk(chunk, item, kept_whole=evs is not self.request.evs))
         return items
-
-    @property
-    def _off(self) -> bool:
-        return self.request.evs is None or self.request.evs.is_off
 
     def _grid_and_evs(self, num_frames: int) -> tuple[tuple[int, int, int], EVSConfig | None]:
         """A chunk of `num_frames` samples: its token grid and its EVS setting."""
