@@ -106,6 +106,12 @@ def video_item(
     return pruned_video(embeds, grid_thw, second_per_grid_ts, evs)[0]
 
 
+def token_grid(grid_thw: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The (t, h, w) grid of a video's language-model tokens, from its patch grid."""
+    t, h, w = grid_thw
+    return t, h // MERGE_SIZE, w // MERGE_SIZE
+
+
 def pruned_video(
     embeds: torch.Tensor,
     grid_thw: tuple[int, int, int],
@@ -115,8 +121,7 @@ def pruned_video(
 ) -> tuple[MultiModalItem, torch.Tensor | None]:
     """`video_item`, and the rows of `targets` [t*h*w, k] (one per dense token, or None) of
     the tokens it keeps."""
-    t, h, w = grid_thw
-    llm_grid = (t, h // MERGE_SIZE, w // MERGE_SIZE)
+    llm_grid = token_grid(grid_thw)
     kept_embeds, coords = embeds, dense_coords(*llm_grid)
     if evs is not None:
         kept = prune(embeds.detach(), llm_grid, evs)

@@ -3,7 +3,8 @@
 Each clip of a batch serves one task, drawn by `TaskMix`: its description and a few other
 questions about it (one sequence, `questions_sequence`), its
 narration, the caption of a chunk cut from it and the next clip of the batch played after it
-(half the chunks straddle the cut between the two), or the summary of the timed captions of a
+(half the chunks straddle the cut between the two; pruned as a summary prunes a chunk by
+default, so never down to a first tubelet that cannot show the next scene), or the summary of the timed captions of a
 few clips played one after another (text only: the true captions, as a long-video summary
 would pass the model's own). Every prompt is the one stillcut sends (`sequences`).
 """
@@ -35,10 +36,12 @@ from stillcut.demo.sequences import (
     narration_sequence,
     pruned_video,
     questions_sequence,
+    token_grid,
 )
 from stillcut.demo.token_labels import NO_TARGET, lookback_targets
 from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
 from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT, PromptProcessor
+from stillcut.vision.summary.chunks import chunk_evs
 
 TASKS = ("questions", "narration", "caption", "summary")
 MAX_OFFSET_SCENES = 10  # a sequence of scenes starts up to this many scenes into its video
@@ -175,9 +178,11 @@ class TaskSequences:
             following = second.lookback(first.labels[-1], cuts=True)
             targets = torch.cat([first.lookback(cuts=True), following])[rows]
             targets[:tokens] = NO_TARGET  # the chunk's first tubelet: nothing before it
-        item, targets = pruned_video(
-            embeds, (end - start, *first.grid_thw[1:]), seconds, self.evs.draw(rng), targets
-        )
+        grid = (end - start, *first.grid_thw[1:])
+        # As a summary prunes a chunk by default: whole where a rate would leave about its
+        # first tubelet alone, so no caption is trained on a scene it cannot see
+        evs = chunk_evs(self.evs.draw(rng), token_grid(grid), whole_short=True)
+        item, targets = pruned_video(embeds, grid, seconds, evs, targets)
         offset = int(rng.integers(0, MAX_OFFSET_SCENES)) * first.scene.duration_s
         messages = chunk_caption_messages(offset + start_s, offset + end_s)
         prompt = self.processor.build(messages, [item])

@@ -5,9 +5,13 @@ only in training, what each merged token covers in its tubelet: the colour and t
 object that covers most of it (or none), how that object moves (left, right, up, down, still,
 or no object there), and the clip's ground (flat or textured), which a description names: the
 version 2 checkpoint, trained without this label, named the ground of 100 held-out clips at
-chance (54 wrong). The answers alone are a few words per clip, and from scratch they teach the
-tower slowly; this dense signal teaches it colour, shape and motion features within a few
-hundred steps. The head is dropped afterwards: the checkpoint is a plain Qwen2.5-VL.
+chance (54 wrong). It also says which colour-shape pairs are present in the token at all
+(every object covering a tenth of it): where two objects meet, one token shows both, and with
+only the larger one named the tower was free to drop the other (descriptions left out a still
+object four times as often when another stood near it). The answers alone are a few words per
+clip, and from scratch they teach the tower slowly; this dense signal teaches it colour, shape
+and motion features within a few hundred steps. The head is dropped afterwards: the
+checkpoint is a plain Qwen2.5-VL.
 """
 
 from __future__ import annotations
@@ -25,16 +29,18 @@ SHAPE_CLASSES = len(SHAPES) + 1
 MOTION_CLASSES = len(MOTIONS) + 1  # left, right, up, down, still, no object
 GROUNDS: tuple[Ground, ...] = get_args(Ground)
 GROUND_CLASSES = len(GROUNDS)
-NUM_LABELS = 4  # colour, shape, motion, ground
+PAIRS = len(COLOURS) * len(SHAPES)  # the colour-shape pairs an object can be
+NUM_LABELS = 5  # colour, shape, motion, ground, the pairs present (a bit mask)
 STILL, NO_MOTION = MOTIONS.index("none"), len(MOTIONS)
 MIN_COVER = 0.3  # share of a token's footprint (over its tubelet) an object must cover
+MIN_PRESENT = 0.1  # share an object must cover to count as present in the token
 _COLOUR_INDEX = {name: index for index, name in enumerate(COLOURS)}
 
 
 def token_labels(scene: Scene, times: Sequence[float], grid_hw: tuple[int, int]) -> np.ndarray:
-    """[t, h, w, 4] int64 (colour, shape, motion, ground) class of every merged token, for
-    frames sampled at `times` in 2-frame tubelets (the last frame repeated to fill the last
-    one)."""
+    """[t, h, w, 5] int64 (colour, shape, motion, ground) class of every merged token, and
+    which colour-shape pairs it shows (`present_pairs`), for frames sampled at `times` in
+    2-frame tubelets (the last frame repeated to fill the last one)."""
     times = list(times) + list(times[-1:]) * (len(times) % 2)
     rows = np.linspace(0, scene.height, grid_hw[0] + 1).round().astype(int)
     cols = np.linspace(0, scene.width, grid_hw[1] + 1).round().astype(int)
@@ -42,9 +48,19 @@ def token_labels(scene: Scene, times: Sequence[float], grid_hw: tuple[int, int])
     for first in range(0, len(times), 2):
         owner = [_owner_map(scene, t) for t in times[first : first + 2]]  # 2 x [H, W]
         tubelets.append(_block_labels(scene, np.stack(owner), rows, cols))
-    objects = np.stack(tubelets)  # [t, h, w, 3]
+    objects = np.stack(tubelets)  # [t, h, w, 4]
     ground = np.full((*objects.shape[:-1], 1), GROUNDS.index(scene.ground), np.int64)
-    return np.concatenate([objects, ground], axis=-1)
+    return np.concatenate([objects[..., :3], ground, objects[..., 3:]], axis=-1)
+
+
+def pair_index(colour: str, shape: str) -> int:
+    """The bit of a colour-shape pair in the present-pairs mask."""
+    return _COLOUR_INDEX[colour] * len(SHAPES) + SHAPES.index(shape)
+
+
+def present_pairs(masks: np.ndarray) -> np.ndarray:
+    """[..., PAIRS] 0/1 float32: the bits of present-pair masks (`token_labels`' last column)."""
+    return ((masks[..., None] >> np.arange(PAIRS)) & 1).astype(np.float32)
 
 
 LOOKBACK_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, 2, 4)  # colour, shape, cut, change
@@ -105,13 +121,19 @@ def _owner_map(scene: Scene, t: float) -> np.ndarray:
 
 
 def _block_labels(scene: Scene, owner: np.ndarray, rows: np.ndarray, cols: np.ndarray):
-    """[h, w, 3] labels of one tubelet from its frames' owner maps [2, H, W]."""
-    labels = np.empty((len(rows) - 1, len(cols) - 1, 3), np.int64)
+    """[h, w, 4] labels of one tubelet from its frames' owner maps [2, H, W]: the covering
+    object's colour, shape and motion, and the mask of every pair present."""
+    labels = np.empty((len(rows) - 1, len(cols) - 1, 4), np.int64)
+    bits = [1 << pair_index(o.colour, o.shape) for o in scene.objects]
     for h in range(len(rows) - 1):
         for w in range(len(cols) - 1):
             block = owner[:, rows[h] : rows[h + 1], cols[w] : cols[w + 1]]
             shares = np.bincount(block.ravel() + 1, minlength=len(scene.objects) + 1)[1:]
-            labels[h, w] = _object_labels(scene, shares / block.size)
+            shares = shares / block.size
+            mask = 0
+            for bit, share in zip(bits, shares, strict=True):
+                mask |= bit if share >= MIN_PRESENT else 0
+            labels[h, w] = (*_object_labels(scene, shares), mask)
     return labels
 
 

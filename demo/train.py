@@ -12,7 +12,8 @@ embedding starts from designed filters (`patch_init`).
 
 Training has two stages over the same clips, each step a batch of randomly mirrored clips
 (mirroring swaps left and right in the answers). First the tower alone learns what each video
-token shows, through a linear head used only in training (`token_labels`): colour comes in
+token shows (the object covering most of it, and every object present in it where two meet),
+through a linear head used only in training (`token_labels`): colour comes in
 tens of steps, motion in a few hundred, shape in about a thousand, and answers cannot be learned
 before the tower sees them (with the answers alone, a tower trained from scratch collapsed to
 one constant embedding). Then the tower is frozen and every clip is encoded once, as filmed and
@@ -73,8 +74,10 @@ from stillcut.demo.token_labels import (
     MOTION_CLASSES,
     NO_TARGET,
     NUM_LABELS,
+    PAIRS,
     SHAPE_CLASSES,
     mirrored_labels,
+    present_pairs,
 )
 from stillcut.demo.training_data import SAMPLE_FPS, TrainingClip, training_clips
 from stillcut.disk_cache import atomic_folder
@@ -84,7 +87,8 @@ from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, pr
 from stillcut.engine.models.qwen2_vl.tower_2_5 import Qwen2_5_VLVisionTower
 from stillcut.engine.processor import PromptProcessor
 
-TASK_VERSION = 4  # bump when the task or its answers change (the recipe is stored beside)
+# Bump when the task, its answers or the token labels change (the recipe is stored beside)
+TASK_VERSION = 5
 AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES, GROUND_CLASSES)
 # Most tokens show only ground, and few the moving object: class weights make up for it.
 AUX_WEIGHTS = (
@@ -99,6 +103,11 @@ AUX_WEIGHTS = (
 # full weight and shape at double, a linear probe read shape off 57 % of object tokens after 800
 # tower steps; without the ground label, 78 %).
 AUX_LOSS_WEIGHTS = (1.0, 3.0, 1.0, 0.5)
+# Where two objects share a token, the labels above name only the one covering more of it.
+# The pairs-present head names every object covering a tenth of it (binary cross-entropy per
+# pair, summed), so the tower keeps both in the token's embedding: objects near another were
+# the ones descriptions left out.
+PRESENT_LOSS_WEIGHT = 1.0
 # The lookback targets' class weights: most places show ground and stay the same.
 LOOKBACK_WEIGHTS = (
     AUX_WEIGHTS[0],
@@ -116,7 +125,7 @@ class TrainConfig:
     num_clips: int = 1200
     num_narration_clips: int = 600  # from the narration mix, for the answer stage only
     vision_steps: int = 1600  # first the tower alone learns what each token shows
-    steps: int = 2400  # then the language model learns the answers, the tower frozen
+    steps: int = 3000  # then the language model learns the answers, the tower frozen
     # The answer stage's learning-rate schedule spans this many steps (None: `steps`), so a
     # run stopped early is the same as a full one up to where it stopped.
     schedule_steps: int | None = None
@@ -197,7 +206,9 @@ class DemoTrainer:
         self.tower.load_state_dict(self.model.model.visual.state_dict())  # transformers' init
         init_patch_embedding(self.tower.patch_embed.proj.weight)
         self.language_model = self.model.model.language_model
-        self.aux_head = torch.nn.Linear(model_config.vision.out_hidden_size, sum(AUX_CLASSES))
+        self.aux_head = torch.nn.Linear(
+            model_config.vision.out_hidden_size, sum(AUX_CLASSES) + PAIRS
+        )
         self.lookback_head = torch.nn.Linear(
             architecture.TEXT["hidden_size"], sum(LOOKBACK_CLASSES)
         )
@@ -322,13 +333,16 @@ class DemoTrainer:
         """Cross-entropy of the auxiliary head's colour, shape, motion and ground guesses per
         token, `embeds` [num_tokens, hidden] and `labels` [num_tokens, NUM_LABELS]; and, for
         the log, the share of tokens showing an object whose shape the head gets right."""
-        parts = self.aux_head(embeds).split(AUX_CLASSES, dim=-1)
+        *parts, present = self.aux_head(embeds).split((*AUX_CLASSES, PAIRS), dim=-1)
         loss = sum(
             loss_weight * F.cross_entropy(part, labels[:, k], weight=class_weights)
             for k, (part, class_weights, loss_weight) in enumerate(
                 zip(parts, AUX_WEIGHTS, AUX_LOSS_WEIGHTS, strict=True)
             )
         )
+        pairs = torch.from_numpy(present_pairs(labels[:, len(AUX_CLASSES)].numpy()))
+        bce = F.binary_cross_entropy_with_logits(present, pairs, reduction="none")
+        loss = loss + PRESENT_LOSS_WEIGHT * bce.sum(-1).mean()
         shape = labels[:, 1]
         shown = shape != SHAPE_CLASSES - 1
         right = parts[1].detach().argmax(-1)[shown] == shape[shown]

@@ -5,7 +5,7 @@ accepts (every object, what each does, the ground, nothing invented), and `still
 on the moving and the appearing sample must say, for every tubelet it speaks about, the change
 that tubelet shows. The shipped checkpoint describes `moving_object`, `vertical_motion` and
 `appearing_object` wholly right and narrates `moving_object` right, but on `still_scene` it
-names a red square in place of the purple circle, and it says "A blue cross appears." where
+names a blue cross in place of the orange square, and it says "A green cross appears." where
 `appearing_object`'s green triangle appears. Both are expected to fail until a better recipe
 ships; the markers are strict, so they must go when it does.
 """

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from stillcut.demo import architecture
+from stillcut.demo.captions import CHUNK_SECONDS
 from stillcut.demo.clips import narration_training_seeds, training_seeds
 from stillcut.demo.narration import segment
 from stillcut.demo.questions import PROMPTS, answer
@@ -37,6 +38,7 @@ from stillcut.demo.train import DemoTrainer, TrainConfig, length_groups
 from stillcut.demo.training_data import training_clips
 from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT
 from stillcut.kernels.evs import EVSConfig
+from stillcut.kernels.evs.config import num_retained_tokens
 from stillcut.service.narrate_options import NarrateOptions
 
 COLOURS_INDEX = {name: index for index, name in enumerate(COLOURS)}
@@ -106,6 +108,38 @@ def test_questions_in_one_sequence_teach_what_each_question_alone_would(setup):
             sum(trainer._summed_losses([s])[0][0] for s in alone),
         )
         torch.testing.assert_close(trainer._losses([shared, *alone])[0], trainer._losses(alone)[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _FixedRate:
+    rate: float
+
+    def draw(self, rng):
+        return EVSConfig(mode="rate", rate=self.rate)
+
+
+def test_a_chunk_is_captioned_whole_where_a_summary_would_not_prune_it(setup):
+    """Chunks train as a summary captions them by default: a rate that would leave about the
+    chunk's first tubelet alone (the next scene unseen) gives way to the whole chunk."""
+    trainer, views = setup
+    per_tubelet = views[0].embeds.shape[0] // views[0].grid_thw[0]
+    video_id = trainer.rope_spec.video_token_id
+
+    def kept_tokens(rate: float) -> set[int]:
+        tasks = dataclasses.replace(trainer.tasks, mix=TaskMix(0, 0, 1, 0), evs=_FixedRate(rate))
+        return {
+            sequence.input_ids.count(video_id)
+            for seed in range(4)
+            for sequence in tasks.for_batch(views, np.random.default_rng(seed))
+        }
+
+    tubelets = [round(seconds / views[0].second_per_grid_ts) for seconds in CHUNK_SECONDS]
+    # rate 0.9 would keep under two tubelets' worth of any chunk: every chunk is whole
+    assert kept_tokens(0.9) <= {t * per_tubelet for t in tubelets}
+    # rate 0.3 keeps 70 % of a chunk: the 3 and 4 s chunks are pruned as drawn, the 2 s one
+    # would keep under two tubelets' worth and is whole
+    pruned = {num_retained_tokens(t, per_tubelet, 0.3) for t in tubelets[1:]}
+    assert kept_tokens(0.3) == {tubelets[0] * per_tubelet} | pruned
 
 
 def test_lookback_targets_say_what_each_place_showed_a_tubelet_earlier():
