@@ -1,12 +1,12 @@
 """The answer stage's tasks: the training sequences a batch of encoded clips gives.
 
 Each clip of a batch serves one task, drawn by `TaskMix`: its description and a few other
-questions about it (one sequence, `questions_sequence`), its
-narration, the caption of a chunk cut from it and the next clip of the batch played after it
-(half the chunks straddle the cut between the two; pruned as a summary prunes a chunk by
-default, so never down to a first tubelet that cannot show the next scene), or the summary of the timed captions of a
-few clips played one after another (text only: the true captions, as a long-video summary
-would pass the model's own). Every prompt is the one stillcut sends (`sequences`).
+questions about it (one sequence, `questions_sequence`), its narration, the caption of a chunk
+cut from it and the next clip of the batch played after it (half the chunks straddle the cut
+between the two; pruned as a summary prunes a chunk by default, so never down to a first
+tubelet that cannot show the next scene), or the summary of the timed captions of a few clips
+played one after another (text only: the true captions, as a long-video summary would pass
+the model's own). Every prompt is the one stillcut sends (`sequences`).
 """
 
 from __future__ import annotations

@@ -132,7 +132,8 @@ def _block_labels(scene: Scene, owner: np.ndarray, rows: np.ndarray, cols: np.nd
             shares = shares / block.size
             mask = 0
             for bit, share in zip(bits, shares, strict=True):
-                mask |= bit if share >= MIN_PRESENT else 0
+                if share >= MIN_PRESENT:
+                    mask |= bit
             labels[h, w] = (*_object_labels(scene, shares), mask)
     return labels
 
