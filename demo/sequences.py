@@ -32,6 +32,7 @@ from stillcut.engine.models.qwen2_vl.positions import MRopeCursor, MRopeSpec, ex
 from stillcut.engine.multimodal import MultiModalItem, dense_coords
 from stillcut.engine.processor import Prompt, PromptProcessor
 from stillcut.kernels.evs import EVSConfig, ThresholdPruner, prune
+from stillcut.vision.pixel_stage import merged_grid
 
 END_OF_TURN = "<|im_end|>"  # how the chat template ends the assistant's turn
 MERGE_SIZE = 2  # Qwen merges 2x2 patches into one language-model token
@@ -106,12 +107,6 @@ def video_item(
     return pruned_video(embeds, grid_thw, second_per_grid_ts, evs)[0]
 
 
-def token_grid(grid_thw: tuple[int, int, int]) -> tuple[int, int, int]:
-    """The (t, h, w) grid of a video's language-model tokens, from its patch grid."""
-    t, h, w = grid_thw
-    return t, h // MERGE_SIZE, w // MERGE_SIZE
-
-
 def pruned_video(
     embeds: torch.Tensor,
     grid_thw: tuple[int, int, int],
@@ -121,7 +116,7 @@ def pruned_video(
 ) -> tuple[MultiModalItem, torch.Tensor | None]:
     """`video_item`, and the rows of `targets` [t*h*w, k] (one per dense token, or None) of
     the tokens it keeps."""
-    llm_grid = token_grid(grid_thw)
+    llm_grid = merged_grid(grid_thw, MERGE_SIZE)
     kept_embeds, coords = embeds, dense_coords(*llm_grid)
     if evs is not None:
         kept = prune(embeds.detach(), llm_grid, evs)

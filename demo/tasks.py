@@ -30,17 +30,18 @@ from stillcut.demo.narration import segment
 from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, answer
 from stillcut.demo.scenes import DURATION_S, Scene
 from stillcut.demo.sequences import (
+    MERGE_SIZE,
     EVSSchedule,
     Sequence,
     answer_sequence,
     narration_sequence,
     pruned_video,
     questions_sequence,
-    token_grid,
 )
 from stillcut.demo.token_labels import NO_TARGET, lookback_targets
 from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
 from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT, PromptProcessor
+from stillcut.vision.pixel_stage import merged_grid
 from stillcut.vision.summary.chunks import chunk_evs
 
 TASKS = ("questions", "narration", "caption", "summary")
@@ -181,7 +182,7 @@ class TaskSequences:
         grid = (end - start, *first.grid_thw[1:])
         # As a summary prunes a chunk by default: whole where a rate would leave about its
         # first tubelet alone, so no caption is trained on a scene it cannot see
-        evs = chunk_evs(self.evs.draw(rng), token_grid(grid), whole_short=True)
+        evs = chunk_evs(self.evs.draw(rng), merged_grid(grid, MERGE_SIZE), whole_short=True)
         item, targets = pruned_video(embeds, grid, seconds, evs, targets)
         offset = int(rng.integers(0, MAX_OFFSET_SCENES)) * first.scene.duration_s
         messages = chunk_caption_messages(offset + start_s, offset + end_s)

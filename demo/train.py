@@ -331,8 +331,9 @@ class DemoTrainer:
 
     def _token_loss(self, embeds: torch.Tensor, labels: torch.Tensor):
         """Cross-entropy of the auxiliary head's colour, shape, motion and ground guesses per
-        token, `embeds` [num_tokens, hidden] and `labels` [num_tokens, NUM_LABELS]; and, for
-        the log, the share of tokens showing an object whose shape the head gets right."""
+        token plus its pairs-present binary cross-entropy, `embeds` [num_tokens, hidden] and
+        `labels` [num_tokens, NUM_LABELS]; and, for the log, the share of tokens showing an
+        object whose shape the head gets right."""
         *parts, present = self.aux_head(embeds).split((*AUX_CLASSES, PAIRS), dim=-1)
         loss = sum(
             loss_weight * F.cross_entropy(part, labels[:, k], weight=class_weights)
