@@ -7,16 +7,18 @@ bench asks, and a few rewordings that training draws from. Answers are templates
 the scene. Scoring reads keywords: an answer is right when it holds every true keyword and no
 wrong one of the same kind ("It is red or blue." is a wrong colour answer). A description must
 name every object's colour and shape, what the subject does, that the others stand still, and
-the ground, and nothing the scene does not hold. It names the subject first, then the
-objects that stand still in a fixed colour order (`scenes.listing_order`), which the scorer
-does not check: any order of the right words is right.
+the ground, and nothing the scene does not hold. It lists every object in a fixed colour order
+(`scenes.listing_order`) and the ground, then says what the subject does and that the others
+stay still; the scorer does not check the order: any order of the right words is right. (Task
+version 5 named the subject first and then the others: a model had to leave the subject out
+of the second list, and a third of its wrong descriptions named it there again.)
 """
 
 from __future__ import annotations
 
 import re
 
-from stillcut.demo.scenes import COLOURS, SHAPES, Scene, SceneObject
+from stillcut.demo.scenes import COLOURS, SHAPES, Scene, SceneObject, listing_order
 
 QUESTION_TYPES = ("colour", "shape", "direction", "count", "change", "describe")
 PROMPTS: dict[str, tuple[str, ...]] = {
@@ -121,10 +123,11 @@ def _keywords(scene: Scene, question_type: str) -> tuple[set[str], list[tuple[st
     return required, kinds
 
 
-def _happening(scene: Scene, article: str) -> str:
-    """What the subject does: "the red circle moves up", "a blue cross appears", ..."""
+def _happening(scene: Scene, article: str, event_article: str = "a") -> str:
+    """What the subject does: "the red circle moves up", "a blue cross appears" (an
+    appearing subject takes `event_article`), ..."""
     subject = scene.subject_object
-    name = named(subject, "a" if scene.event == "appears" else article)
+    name = named(subject, event_article if scene.event == "appears" else article)
     motion = f"moves {DIRECTION_PHRASES[scene.motion]}" if scene.motion != "none" else ""
     if scene.event == "appears":
         return f"{name} appears" + (f" and {motion}" if motion else "")
@@ -134,16 +137,17 @@ def _happening(scene: Scene, article: str) -> str:
 
 
 def _description(scene: Scene) -> str:
+    """Every object in listing order and the ground, then what the subject does and that the
+    others stay still (or that nothing changes)."""
+    names = listed([named(o, "a") for o in listing_order(scene.objects)])
     ground = f"on a {scene.ground} background"
     if scene.subject is None:
-        names = listed([named(o, "a") for o in scene.bystanders])
         verb = "stands" if len(scene.objects) == 1 else "stand"
         return capitalised(f"{names} {verb} still {ground}; nothing changes.")
-    sentence = f"{_happening(scene, 'a')} {ground}"
-    bystanders = scene.bystanders
-    if bystanders:
-        verb = "stays" if len(bystanders) == 1 else "stay"
-        sentence += f"; {listed([named(o, 'a') for o in bystanders])} {verb} still"
+    sentence = f"{names} {ground}: {_happening(scene, 'the', event_article='the')}"
+    others = len(scene.bystanders)
+    if others:
+        sentence += "; the other stays still" if others == 1 else "; the others stay still"
     return capitalised(sentence + ".")
 
 

@@ -88,7 +88,10 @@ from stillcut.engine.models.qwen2_vl.tower_2_5 import Qwen2_5_VLVisionTower
 from stillcut.engine.processor import PromptProcessor
 
 # Bump when the task, its answers or the token labels change (the recipe is stored beside)
-TASK_VERSION = 5
+TASK_VERSION = 6
+# Bump (with TASK_VERSION) when the clips or their token labels change: what the tower stage
+# learns from, so a saved tower stage must match it. The answers' wording is not part of it.
+TOWER_TASK_VERSION = 5
 AUX_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, MOTION_CLASSES, GROUND_CLASSES)
 # Most tokens show only ground, and few the moving object: class weights make up for it.
 AUX_WEIGHTS = (
@@ -437,7 +440,7 @@ def tower_stage_key(config: TrainConfig) -> dict:
     """What a saved tower stage must have been made with to stand in for this run's."""
     recipe = {name: getattr(config, name) for name in TOWER_STAGE_FIELDS}
     return {
-        "task_version": TASK_VERSION,
+        "tower_task_version": TOWER_TASK_VERSION,
         "vision": dict(architecture.VISION),
         "torch": str(torch.__version__),
         "recipe": recipe,
