@@ -79,7 +79,7 @@ class Sequence:
     # per input position its branch (`questions_sequence`): 0 is seen by every position after
     # it, k > 0 only by positions of branch k. None: one causal sequence.
     branches: list[int] | None = None
-    # [num_video_tokens, 4] what each video token's place showed a tubelet earlier
+    # [num_video_tokens, 5] what each video token's place showed a tubelet earlier
     # (`token_labels.lookback_targets`), or None
     video_targets: torch.Tensor | None = None
 

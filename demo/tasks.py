@@ -95,15 +95,15 @@ class ClipView:
     labels: np.ndarray | None = None
 
     def lookback(self, previous: np.ndarray | None = None, cuts: bool = False):
-        """The lookback targets [t*h*w, 4] of the clip's tokens (None without labels), after
+        """The lookback targets [t*h*w, 5] of the clip's tokens (None without labels), after
         a cut from a scene whose last tubelet's labels are `previous`. Only chunks (`cuts`)
-        may hold a cut, so elsewhere the cut target is left out: always "the same scene", it
-        would only teach the head that there never is one."""
+        may hold a cut, so elsewhere the cut and part targets are left out: always "the same
+        scene", they would only teach the head that there never is one."""
         if self.labels is None:
             return None
         targets = torch.from_numpy(lookback_targets(self.labels, previous))
         if not cuts:
-            targets[:, 2] = NO_TARGET
+            targets[:, [2, 4]] = NO_TARGET
         return targets
 
 

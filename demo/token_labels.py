@@ -63,19 +63,21 @@ def present_pairs(masks: np.ndarray) -> np.ndarray:
     return ((masks[..., None] >> np.arange(PAIRS)) & 1).astype(np.float32)
 
 
-LOOKBACK_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, 2, 4)  # colour, shape, cut, change
+LOOKBACK_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, 2, 4, 2)  # colour, shape, cut, change, part
 PLACE_CHANGES = ("same", "arrived", "left", "replaced")  # the fourth target's classes
 NO_TARGET = -100  # cross-entropy's ignored class
 
 
 def lookback_targets(labels: np.ndarray, previous: np.ndarray | None = None) -> np.ndarray:
-    """[t*h*w, 4] int64: what each merged token's place showed one tubelet earlier, the
+    """[t*h*w, 5] int64: what each merged token's place showed one tubelet earlier, the
     language model's auxiliary targets in training (`train.TrainConfig.lookback_layer`): that
     tubelet's colour and shape class there (`labels` [t, h, w, 4]); 1 (the same scene), or 0
     for a first tubelet after a cut from `previous` ([h, w, 4], the other scene's last
-    tubelet's labels); and how the place changed since (`PLACE_CHANGES`: the same object or
-    none, an object arrived, an object left, one object replaced by another). With no
-    `previous` the first tubelet has none (`NO_TARGET`).
+    tubelet's labels); how the place changed since (`PLACE_CHANGES`: the same object or
+    none, an object arrived, an object left, one object replaced by another); and which
+    scene of a chunk the token is in, 1 after a cut from `previous` and 0 without one (every
+    tubelet has this last one). With no `previous` the first tubelet has none of the others
+    (`NO_TARGET`).
 
     Saying what left a place ("the red circle leaves"), that nothing left anywhere (a still
     scene, not a departure) and where one scene cuts to the next all take this look back
@@ -91,14 +93,15 @@ def lookback_targets(labels: np.ndarray, previous: np.ndarray | None = None) -> 
         np.where(before[..., 0] == after[..., 0], 0, 3),
         np.where(now, 1, np.where(was, 2, 0)),
     )
-    targets = np.full((*labels.shape[:-1], 4), NO_TARGET, np.int64)
+    targets = np.full((*labels.shape[:-1], 5), NO_TARGET, np.int64)
     first = 1 if previous is None else 0
     targets[first:, ..., :2] = before[..., :2]
     targets[first:, ..., 2] = 1
     targets[first:, ..., 3] = change
     if previous is not None:
         targets[0, ..., 2] = 0
-    return targets.reshape(-1, 4)
+    targets[..., 4] = previous is not None
+    return targets.reshape(-1, 5)
 
 
 def mirrored_labels(labels: np.ndarray) -> np.ndarray:

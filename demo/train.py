@@ -75,6 +75,7 @@ from stillcut.demo.token_labels import (
     NO_TARGET,
     NUM_LABELS,
     PAIRS,
+    PLACE_CHANGES,
     SHAPE_CLASSES,
     mirrored_labels,
     present_pairs,
@@ -117,7 +118,25 @@ LOOKBACK_WEIGHTS = (
     AUX_WEIGHTS[1],
     torch.tensor([1.0, 1.0]),  # a cut, the same scene (captions only)
     torch.tensor([0.25, 1.0, 1.0, 1.0]),  # same, arrived, left, replaced
+    torch.tensor([1.0, 1.0]),  # a chunk's first scene, its second (captions only)
 )
+# What a place showed a tubelet earlier counts this many times more where it is gone now (an
+# object left or was replaced): naming what left is reading those few places, and among the
+# many places whose object stayed they taught the head too little to be found reliably.
+GONE_WEIGHT = 4.0
+_GONE = [PLACE_CHANGES.index("left"), PLACE_CHANGES.index("replaced")]
+
+
+def lookback_token_weights(targets: torch.Tensor, k: int) -> torch.Tensor:
+    """The loss weights of the tokens that have lookback target `k` (`targets` [n, 5], in
+    order): the target's class weight, and for what the place showed (k < 2) that times
+    `GONE_WEIGHT` where the place's object is gone now."""
+    has = targets[:, k] != NO_TARGET
+    weights = LOOKBACK_WEIGHTS[k][targets[has, k]]
+    if k < 2:
+        gone = torch.isin(targets[has, 3], torch.tensor(_GONE))
+        weights = torch.where(gone, GONE_WEIGHT, 1.0) * weights
+    return weights
 
 
 @dataclass(frozen=True)
@@ -404,12 +423,12 @@ class DemoTrainer:
             targets = torch.cat([s.video_targets for s in sequences if s.video_embeds.numel()])
             hidden = output.hidden_states[self.config.lookback_layer][is_video]
             parts = self.lookback_head(hidden).split(LOOKBACK_CLASSES, dim=-1)
-            for k, (part, weights) in enumerate(zip(parts, LOOKBACK_WEIGHTS, strict=True)):
+            for k, part in enumerate(parts):
                 has = targets[:, k] != NO_TARGET
-                sums.append(
-                    F.cross_entropy(part[has], targets[has, k], weight=weights, reduction="sum")
-                )
-                counts.append(weights[targets[has, k]].sum())
+                token_weights = lookback_token_weights(targets, k)
+                losses = F.cross_entropy(part[has], targets[has, k], reduction="none")
+                sums.append((losses * token_weights).sum())
+                counts.append(token_weights.sum())
         else:
             sums += [torch.zeros(())] * len(LOOKBACK_CLASSES)
             counts += [torch.zeros(())] * len(LOOKBACK_CLASSES)

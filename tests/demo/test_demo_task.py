@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from stillcut.demo.clips import clip_bytes, held_out_seeds, training_seeds
-from stillcut.demo.questions import QUESTION_TYPES, answer, is_correct
+from stillcut.demo.questions import DIRECTION_PHRASES, QUESTION_TYPES, answer, is_correct
 from stillcut.demo.render import coverage, frames
 from stillcut.demo.scenes import COLOURS, MOTIONS, SHAPES, mirrored, sample_scene
 from stillcut.vision.decode import DecodeConfig, decode_video
@@ -138,6 +138,28 @@ def test_answers_name_what_the_scene_holds():
             - {(s.subject_object.shape, s.motion) for s in HELD_OUT if s.motion != "none"}
         )
         == 0
+    )
+
+
+def test_a_description_lists_every_object_then_says_what_the_subject_does():
+    scene = next(
+        s
+        for s in HELD_OUT
+        if s.event == "disappears" and s.motion != "none" and len(s.objects) == 3
+    )
+    subject = scene.subject_object
+    names = [f"{o.colour} {o.shape}" for o in scene.objects]
+    text = answer(scene, "describe")
+    listing, rest = text.split(":")
+    # every object, the subject among them, once each, in the fixed colour order
+    assert all(listing.count(name) == 1 for name in names)
+    rank = list(COLOURS).index
+    listed_order = [rank(name.split()[0]) for name in sorted(names, key=listing.index)]
+    assert listed_order == sorted(rank(o.colour) for o in scene.objects)
+    assert listing.endswith(f"on a {scene.ground} background")
+    assert rest == (
+        f" the {subject.colour} {subject.shape} moves {DIRECTION_PHRASES[scene.motion]} and "
+        "disappears; the others stay still."
     )
 
 

@@ -29,12 +29,20 @@ from stillcut.demo.sequences import (
 )
 from stillcut.demo.tasks import TASKS, ClipView, TaskMix
 from stillcut.demo.token_labels import (
+    LOOKBACK_CLASSES,
     NO_TARGET,
     PLACE_CHANGES,
     lookback_targets,
     token_labels,
 )
-from stillcut.demo.train import DemoTrainer, TrainConfig, length_groups
+from stillcut.demo.train import (
+    GONE_WEIGHT,
+    LOOKBACK_WEIGHTS,
+    DemoTrainer,
+    TrainConfig,
+    length_groups,
+    lookback_token_weights,
+)
 from stillcut.demo.training_data import training_clips
 from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT
 from stillcut.kernels.evs import EVSConfig
@@ -150,8 +158,8 @@ def test_lookback_targets_say_what_each_place_showed_a_tubelet_earlier():
     )
     times = [k / 2 for k in range(round(scene.duration_s * 2))]
     labels = token_labels(scene, times, (6, 8))  # [t, h, w, 4]
-    targets = lookback_targets(labels).reshape(*labels.shape[:3], 4)
-    assert (targets[0] == NO_TARGET).all()  # nothing before the first tubelet
+    targets = lookback_targets(labels).reshape(*labels.shape[:3], 5)
+    assert (targets[0, ..., :4] == NO_TARGET).all()  # nothing before the first tubelet
     torch.testing.assert_close(targets[1:, ..., :2], labels[:-1, ..., :2])
     assert (targets[1:, ..., 2] == 1).all()
     # where the subject was: after it leaves, the place shows ground but looks back on it
@@ -162,9 +170,37 @@ def test_lookback_targets_say_what_each_place_showed_a_tubelet_earlier():
     assert (targets[gone][place][:, 3] == PLACE_CHANGES.index("left")).all()
     assert (targets[1 : gone - 1, ..., 3] == PLACE_CHANGES.index("same")).all()  # nothing moved
     # after a cut, the first tubelet looks back on the other scene's last, and says it is a cut
-    after_cut = lookback_targets(labels, previous=labels[-1]).reshape(*labels.shape[:3], 4)
+    after_cut = lookback_targets(labels, previous=labels[-1]).reshape(*labels.shape[:3], 5)
     torch.testing.assert_close(after_cut[0, ..., :2], labels[-1, ..., :2])
     assert (after_cut[0, ..., 2] == 0).all() and (after_cut[1:, ..., 2] == 1).all()
+    # and every one of its tokens is in a chunk's second scene, where before a cut none is
+    assert (after_cut[..., 4] == 1).all() and (targets[..., 4] == 0).all()
+
+
+def test_what_left_a_place_weighs_more_than_what_stayed():
+    scene = next(
+        s
+        for s in map(lambda seed: sample_scene(seed, fps=2, mix=NARRATION_MIX), range(100))
+        if s.event == "disappears" and s.motion == "none" and s.bystanders
+    )
+    times = [k / 2 for k in range(round(scene.duration_s * 2))]
+    targets = torch.from_numpy(lookback_targets(token_labels(scene, times, (6, 8))))
+    left = targets[:, 3] == PLACE_CHANGES.index("left")
+    stayed = (
+        (targets[:, 3] == PLACE_CHANGES.index("same"))
+        & (targets[:, 0] != COLOURS_INDEX[scene.subject_object.colour])
+        & (targets[:, 0] < len(COLOURS))
+    )  # a still object's place
+    assert left.any() and stayed.any()
+    has = targets[:, 0] != NO_TARGET
+    for k in (0, 1):  # what the place showed: its colour, its shape
+        weights = lookback_token_weights(targets, k)
+        class_weights = LOOKBACK_WEIGHTS[k][targets[has, k]]
+        torch.testing.assert_close(weights[left[has]], GONE_WEIGHT * class_weights[left[has]])
+        torch.testing.assert_close(weights[stayed[has]], class_weights[stayed[has]])
+    # the change itself is weighed by its class alone
+    change = lookback_token_weights(targets, 3)
+    torch.testing.assert_close(change, LOOKBACK_WEIGHTS[3][targets[targets[:, 3] != NO_TARGET, 3]])
 
 
 def test_every_kept_video_token_carries_its_lookback_target(setup):
@@ -178,7 +214,10 @@ def test_every_kept_video_token_carries_its_lookback_target(setup):
         weights = {name: float(name == task) for name in TASKS}
         tasks = dataclasses.replace(trainer.tasks, mix=TaskMix(**weights))
         for sequence in tasks.for_batch(labelled, np.random.default_rng(1)):
-            assert sequence.video_targets.shape == (sequence.video_embeds.shape[0], 4)
+            assert sequence.video_targets.shape == (
+                sequence.video_embeds.shape[0],
+                len(LOOKBACK_CLASSES),
+            )
     assert trainer.config.lookback_weight > 0
     sequences = trainer.tasks.for_batch(labelled, np.random.default_rng(2))
     answers, lookback = trainer._losses(sequences)
