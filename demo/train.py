@@ -25,8 +25,10 @@ live narration prunes), a chunk caption, or a summary of timed captions, each se
 by EVS its own way (`sequences`); the step's sequences run in a few batches of similar lengths.
 Beside the answers, a linear head on the language model's hidden state after
 `lookback_layer` layers (training only) says what each video token's place showed a tubelet
-earlier and how it changed since (`token_labels.lookback_targets`): the look back across
-tubelets that departures, still scenes and cuts take. It finds that place by position, which
+earlier and how it changed since, and in a chunk which scene a token is in
+(`token_labels.lookback_targets`): the look back across tubelets that departures, still scenes
+and cuts take. What left a place counts `GONE_WEIGHT` times (naming what departed is reading
+those few places). It finds that place by position, which
 the re-spread M-RoPE of `architecture` makes possible (with Qwen2.5-VL's plain layout the
 loss helped little). The answer stage also
 encodes clips drawn from the narration mix (`scenes.NARRATION_MIX`, seeds of their own), so

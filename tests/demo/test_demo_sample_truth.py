@@ -3,14 +3,9 @@
 `stillcut describe` on each task sample must print a description that the strict scorer
 accepts (every object, what each does, the ground, nothing invented), and `stillcut narrate`
 on the moving and the appearing sample must say, for every tubelet it speaks about, the change
-that tubelet shows. The shipped checkpoint describes `moving_object`, `vertical_motion` and
-`appearing_object` wholly right and narrates both samples right, but on `still_scene` it names
-a blue cross in place of the orange square: that test is expected to fail until a better
-recipe ships (the marker is strict, so it must go when it does).
-
-The tests compute in float32, as on a CPU without bfloat16 dot products. With bfloat16 products
-(the default on a CPU that has them) the appearance in `appearing_object` is a near tie between
-triangle and cross, and the narration says "A green cross appears." there.
+that tubelet shows. The tests compute in float32, as on a CPU without bfloat16 dot products;
+the shipped checkpoint says the same with bfloat16 products (the default on a CPU that has
+them).
 """
 
 import runpy
@@ -23,7 +18,6 @@ from stillcut.demo.sample_clips import SAMPLES_DIR
 from stillcut.service.api import VideoLLM
 
 TASK_SCENES = runpy.run_path(str(SAMPLES_DIR / "make_samples.py"))["task_sample_scenes"]()
-RETRAIN = "the shipped checkpoint misnames a still object of still_scene (see above)"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +25,6 @@ def demo():
     return VideoLLM()
 
 
-@pytest.mark.xfail(strict=True, reason=RETRAIN)
 def test_describe_is_wholly_true_on_every_task_sample(demo):
     wrong = {}
     for name, scene in TASK_SCENES.items():
