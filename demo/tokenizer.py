@@ -23,7 +23,7 @@ from stillcut.demo.chunk_prompts import (
 )
 from stillcut.demo.narration import num_tubelets, segment
 from stillcut.demo.questions import PROMPTS, QUESTION_TYPES, answer
-from stillcut.demo.scenes import NARRATION_MIX, Scene, sample_scene
+from stillcut.demo.scenes import NARRATION_MIX, sample_scene
 from stillcut.engine.factory.qwen_tokenizer import (
     ADDED_TOKENS,
     qwen_style_pipeline,
@@ -58,11 +58,6 @@ def corpus() -> list[str]:
         texts += [m["content"] for m in aggregation_messages(captions)]
     texts += [p["text"] for p in chunk_caption_messages(12.0, 16.0)[0]["content"] if "text" in p]
     return texts
-
-
-def _across_the_cut(first: Scene, second: Scene) -> list[ScenePart]:
-    """The parts of a chunk of the last 2 s of `first` and the first 2 s of `second`."""
-    return [ScenePart(first, 4.0, 6.0), ScenePart(second, 0.0, 2.0)]
 
 
 def vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
