@@ -71,8 +71,8 @@ NO_TARGET = -100  # cross-entropy's ignored class
 def lookback_targets(labels: np.ndarray, previous: np.ndarray | None = None) -> np.ndarray:
     """[t*h*w, 5] int64: what each merged token's place showed one tubelet earlier, the
     language model's auxiliary targets in training (`train.TrainConfig.lookback_layer`): that
-    tubelet's colour and shape class there (`labels` [t, h, w, 4]); 1 (the same scene), or 0
-    for a first tubelet after a cut from `previous` ([h, w, 4], the other scene's last
+    tubelet's colour and shape class there (`labels` [t, h, w, 5]); 1 (the same scene), or 0
+    for a first tubelet after a cut from `previous` ([h, w, 5], the other scene's last
     tubelet's labels); how the place changed since (`PLACE_CHANGES`: the same object or
     none, an object arrived, an object left, one object replaced by another); and which
     scene of a chunk the token is in, 1 after a cut from `previous` and 0 without one (every

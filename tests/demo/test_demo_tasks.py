@@ -157,7 +157,7 @@ def test_lookback_targets_say_what_each_place_showed_a_tubelet_earlier():
         if s.event == "disappears" and s.motion == "none"
     )
     times = [k / 2 for k in range(round(scene.duration_s * 2))]
-    labels = token_labels(scene, times, (6, 8))  # [t, h, w, 4]
+    labels = token_labels(scene, times, (6, 8))  # [t, h, w, 5]
     targets = lookback_targets(labels).reshape(*labels.shape[:3], 5)
     assert (targets[0, ..., :4] == NO_TARGET).all()  # nothing before the first tubelet
     torch.testing.assert_close(targets[1:, ..., :2], labels[:-1, ..., :2])
