@@ -82,6 +82,10 @@ class Sequence:
     # [num_video_tokens, 5] what each video token's place showed a tubelet earlier
     # (`token_labels.lookback_targets`), or None
     video_targets: torch.Tensor | None = None
+    # [len(input_ids)] int64: per input position that predicts an answer token, the bit mask
+    # of the colour-shape pairs (`token_labels.pair_index`) of what its clause is about, -1
+    # elsewhere; None: no position has one
+    answer_sets: torch.Tensor | None = None
 
     def attention(self, length: int) -> torch.Tensor:
         """[length, length] bool: which positions each position attends to, padded to
@@ -134,12 +138,14 @@ def answer_sequence(
     prompt: Prompt,
     answer: str,
     video_targets: torch.Tensor | None = None,
+    pieces: Seq[tuple[str, int]] | None = None,
 ) -> Sequence:
     """`prompt` (from `processor.build` or `build_text`) followed by `answer` and the end of
-    the turn, which are predicted; `video_targets` go with the prompt's video tokens."""
+    the turn, which are predicted; `video_targets` go with the prompt's video tokens, and
+    `pieces` (the answer's text in pieces, each with its pairs mask) give `answer_sets`."""
     builder = _Builder(processor, rope_spec)
     builder.add_input(prompt.token_ids, prompt.items, video_targets)
-    builder.add_answer(answer + END_OF_TURN)
+    builder.add_answer(answer + END_OF_TURN, pieces)
     return builder.sequence()
 
 
@@ -149,6 +155,7 @@ def questions_sequence(
     prompts: Seq[Prompt],
     answers: Seq[str],
     video_targets: torch.Tensor | None = None,
+    answer_masks: Seq[int] | None = None,
 ) -> Sequence:
     """Several prompts about the same video items, each followed by its answer, in one
     sequence: their common start once, then per prompt the rest of it and its answer as a
@@ -166,10 +173,13 @@ def questions_sequence(
     builder = _Builder(processor, rope_spec)
     builder.add_input(first[:common], prompts[0].items, video_targets)
     start = builder.cursor
-    for branch, (prompt, answer) in enumerate(zip(prompts, answers, strict=True), start=1):
+    masks = answer_masks if answer_masks is not None else [None] * len(answers)
+    for branch, (prompt, answer, mask) in enumerate(
+        zip(prompts, answers, masks, strict=True), start=1
+    ):
         builder.branch, builder.cursor = branch, start
         builder.add_input(prompt.token_ids[common:], [])
-        builder.add_answer(answer + END_OF_TURN)
+        builder.add_answer(answer + END_OF_TURN, None if mask is None else [(answer, mask)])
     return builder.sequence()
 
 
@@ -229,6 +239,7 @@ class _Builder:
         self.branch = 0  # the branch tokens are added to (`questions_sequence`)
         self.branches: list[int] = []
         self.targets: list[torch.Tensor | None] = []  # per item added
+        self.sets: list[int] = []  # per token, its clause's pairs mask (-1: none)
 
     @property
     def empty(self) -> bool:
@@ -248,18 +259,35 @@ class _Builder:
         if items:
             self.targets.append(targets)
 
-    def add_answer(self, text: str) -> None:
-        """Generated tokens: each at the next position, each predicted."""
+    def add_answer(self, text: str, pieces: Seq[tuple[str, int]] | None = None) -> None:
+        """Generated tokens: each at the next position, each predicted. `pieces` split the
+        start of `text` into clauses, each with the pairs mask of what it is about: a token
+        gets the mask of the clause it is in (what follows the last piece, the last one's)."""
         ids = self.processor.encode(text)
         positions = self.cursor.next_position + torch.arange(len(ids))
         self.cursor = self.cursor.after_decoded(len(ids))
         self._add(ids, positions.expand(3, -1), predicted=True)
+        self.sets[-len(ids) :] = self._clause_sets(ids, text, pieces)
+
+    def _clause_sets(self, ids: list[int], text: str, pieces) -> list[int]:
+        if not pieces:
+            return [-1] * len(ids)
+        sets, prefix, done = [], "", 0
+        for piece, mask in pieces:
+            prefix += piece
+            prefix_ids = self.processor.encode(prefix)
+            if not text.startswith(prefix) or ids[: len(prefix_ids)] != prefix_ids:
+                raise ValueError(f"{piece!r}: not a piece of {text!r} at a token boundary")
+            sets += [mask] * (len(prefix_ids) - done)
+            done = len(prefix_ids)
+        return sets + [pieces[-1][1]] * (len(ids) - done)
 
     def sequence(self) -> Sequence:
         labels = [
             t if p else IGNORE for t, p in zip(self.tokens[1:], self.predicted[1:], strict=True)
         ]
         video = [item.embeds for item in self.items]
+        sets = [m if p else -1 for m, p in zip(self.sets[1:], self.predicted[1:], strict=True)]
         return Sequence(
             input_ids=self.tokens[:-1],
             positions=torch.cat(self.positions, dim=1)[:, :-1],
@@ -271,6 +299,7 @@ class _Builder:
                 if self.targets and all(t is not None for t in self.targets)
                 else None
             ),
+            answer_sets=torch.tensor(sets) if any(m >= 0 for m in sets) else None,
         )
 
     def _add(self, ids: list[int], positions: torch.Tensor, predicted: bool) -> None:
@@ -278,3 +307,4 @@ class _Builder:
         self.predicted += [predicted] * len(ids)
         self.positions.append(positions)
         self.branches += [self.branch] * len(ids)
+        self.sets += [-1] * len(ids)

@@ -6,7 +6,9 @@ cut from it and the next clip of the batch played after it (half the chunks stra
 between the two; pruned as a summary prunes a chunk by default, so never down to a first
 tubelet that cannot show the next scene), or the summary of the timed captions of a few clips
 played one after another (text only: the true captions, as a long-video summary would pass
-the model's own). Every prompt is the one stillcut sends (`sequences`).
+the model's own). Every prompt is the one stillcut sends (`sequences`). The answer positions of
+a description or a caption carry the objects their clause is about (`Sequence.answer_sets`):
+the scene's, or each caption part's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from stillcut.demo.captions import (
     CHUNK_SECONDS,
+    THEN,
     ScenePart,
     chunk_caption,
     chunk_parts,
@@ -38,7 +41,7 @@ from stillcut.demo.sequences import (
     pruned_video,
     questions_sequence,
 )
-from stillcut.demo.token_labels import NO_TARGET, lookback_targets
+from stillcut.demo.token_labels import NO_TARGET, lookback_targets, pair_index
 from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
 from stillcut.engine.processor import DEFAULT_NARRATE_PROMPT, PromptProcessor
 from stillcut.vision.pixel_stage import merged_grid
@@ -60,13 +63,27 @@ def summary_hints() -> dict[str, float | int]:
     }
 
 
+def pairs_mask(objects) -> int:
+    """The bit mask of the colour-shape pairs of `objects` (`token_labels.pair_index`)."""
+    mask = 0
+    for obj in objects:
+        mask |= 1 << pair_index(obj.colour, obj.shape)
+    return mask
+
+
+def part_mask(part: ScenePart) -> int:
+    """The pairs mask of the objects a chunk's part shows at any of its sampled frames."""
+    times = part.frame_times()
+    return pairs_mask(o for o in part.scene.objects if any(o.shown(t) for t in times))
+
+
 @dataclass(frozen=True)
 class TaskMix:
     """How often a clip of a batch serves each task (relative weights)."""
 
     questions: float = 0.45
     narration: float = 0.25
-    caption: float = 0.25
+    caption: float = 0.45
     summary: float = 0.05
 
     def __post_init__(self) -> None:
@@ -149,7 +166,12 @@ class TaskSequences:
             question = PROMPTS[kind][int(rng.integers(len(PROMPTS[kind])))]
             prompts.append(self.processor.build_text(question, [item]))
             answers.append(answer(view.scene, kind))
-        return [questions_sequence(self.processor, self.rope_spec, prompts, answers, targets)]
+        masks = [pairs_mask(view.scene.objects)] * len(answers)
+        return [
+            questions_sequence(
+                self.processor, self.rope_spec, prompts, answers, targets, answer_masks=masks
+            )
+        ]
 
     def narration(self, view: ClipView, rng: np.random.Generator) -> Sequence:
         num_tubelets = view.grid_thw[0]
@@ -187,9 +209,13 @@ class TaskSequences:
         offset = int(rng.integers(0, MAX_OFFSET_SCENES)) * first.scene.duration_s
         messages = chunk_caption_messages(offset + start_s, offset + end_s)
         prompt = self.processor.build(messages, [item])
-        return answer_sequence(
-            self.processor, self.rope_spec, prompt, chunk_caption(parts), targets
-        )
+        text = chunk_caption(parts)
+        clauses = text.split(THEN)
+        pieces = [
+            (clause if k == 0 else THEN + clause, part_mask(part))
+            for k, (clause, part) in enumerate(zip(clauses, parts, strict=True))
+        ]
+        return answer_sequence(self.processor, self.rope_spec, prompt, text, targets, pieces)
 
     def summary(self, scenes: list[Scene], rng: np.random.Generator) -> Sequence:
         """The summary of `scenes` played one after another, captioned in equal chunks."""

@@ -63,8 +63,10 @@ def present_pairs(masks: np.ndarray) -> np.ndarray:
     return ((masks[..., None] >> np.arange(PAIRS)) & 1).astype(np.float32)
 
 
-LOOKBACK_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, 2, 4, 2)  # colour, shape, cut, change, part
-PLACE_CHANGES = ("same", "arrived", "left", "replaced")  # the fourth target's classes
+LOOKBACK_CLASSES = (COLOUR_CLASSES, SHAPE_CLASSES, 2, 6, 2)  # colour, shape, cut, change, part
+# the fourth target's classes; "vanished": the object that left is nowhere in the tubelet
+# now; "appeared": the object that arrived was nowhere in the tubelet before
+PLACE_CHANGES = ("same", "arrived", "left", "replaced", "vanished", "appeared")
 NO_TARGET = -100  # cross-entropy's ignored class
 
 
@@ -74,10 +76,12 @@ def lookback_targets(labels: np.ndarray, previous: np.ndarray | None = None) -> 
     tubelet's colour and shape class there (`labels` [t, h, w, 5]); 1 (the same scene), or 0
     for a first tubelet after a cut from `previous` ([h, w, 5], the other scene's last
     tubelet's labels); how the place changed since (`PLACE_CHANGES`: the same object or
-    none, an object arrived, an object left, one object replaced by another); and which
-    scene of a chunk the token is in, 1 after a cut from `previous` and 0 without one (every
-    tubelet has this last one). With no `previous` the first tubelet has none of the others
-    (`NO_TARGET`).
+    none, an object arrived, an object left, one object replaced by another, and an object
+    that left and shows nowhere in the tubelet (vanished) or arrived and showed nowhere in
+    the one before (appeared)); and which scene of a chunk the token is in, 1 after a cut
+    from `previous` and 0 without one (every tubelet has this last one). With no `previous`
+    the first tubelet has none of the others (`NO_TARGET`); after a cut it has only the cut:
+    what the other scene showed there is no part of what a caption says of the new one.
 
     Saying what left a place ("the red circle leaves"), that nothing left anywhere (a still
     scene, not a departure) and where one scene cuts to the next all take this look back
@@ -93,6 +97,11 @@ def lookback_targets(labels: np.ndarray, previous: np.ndarray | None = None) -> 
         np.where(before[..., 0] == after[..., 0], 0, 3),
         np.where(now, 1, np.where(was, 2, 0)),
     )
+    # an object that left a place and shows nowhere in the tubelet now has vanished; one
+    # that arrived and showed nowhere in the tubelet before has appeared
+    gone = ~_shows(before[..., :2], after[..., 4])
+    new = ~_shows(after[..., :2], before[..., 4])
+    change = np.where((change == 2) & gone, 4, np.where((change == 1) & new, 5, change))
     targets = np.full((*labels.shape[:-1], 5), NO_TARGET, np.int64)
     first = 1 if previous is None else 0
     targets[first:, ..., :2] = before[..., :2]
@@ -100,8 +109,17 @@ def lookback_targets(labels: np.ndarray, previous: np.ndarray | None = None) -> 
     targets[first:, ..., 3] = change
     if previous is not None:
         targets[0, ..., 2] = 0
+        targets[0, ..., [0, 1, 3]] = NO_TARGET
     targets[..., 4] = previous is not None
     return targets.reshape(-1, 5)
+
+
+def _shows(objects: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """[t, h, w] bool: whether the object (colour and shape class, `objects` [t, h, w, 2])
+    shows anywhere in the same tubelet of the present-pairs `masks` [t, h, w]."""
+    shown = np.bitwise_or.reduce(masks.reshape(len(masks), -1), axis=1)[:, None, None]
+    pair = objects[..., 0] * len(SHAPES) + np.minimum(objects[..., 1], len(SHAPES) - 1)
+    return ((shown >> pair) & 1) == 1
 
 
 def mirrored_labels(labels: np.ndarray) -> np.ndarray:

@@ -27,10 +27,15 @@ Beside the answers, a linear head on the language model's hidden state after
 `lookback_layer` layers (training only) says what each video token's place showed a tubelet
 earlier and how it changed since, and in a chunk which scene a token is in
 (`token_labels.lookback_targets`): the look back across tubelets that departures, still scenes
-and cuts take. What left a place counts `GONE_WEIGHT` times (naming what departed is reading
-those few places). It finds that place by position, which
-the re-spread M-RoPE of `architecture` makes possible (with Qwen2.5-VL's plain layout the
-loss helped little). The answer stage also
+and cuts take, with an object that vanished or appeared told from one that moved (so what a
+description or a narration says of it is found by presence, not by an absence). What left a
+place counts `GONE_WEIGHT` times (naming what departed is reading those few places). It finds
+that place by position, which the re-spread M-RoPE of `architecture` makes possible (with
+Qwen2.5-VL's plain layout the loss helped little). A second head, on the last hidden state at
+every position of a description or a caption (`TrainConfig.set_weight`), says which objects
+the clause being written is about: the scene's, or the caption part's (a chunk's second scene
+listed with the first one's objects, or a still object left out, were most wrong captions).
+The answer stage also
 encodes clips drawn from the narration mix (`scenes.NARRATION_MIX`, seeds of their own), so
 that appearances and departures are common among the narrations; the tower stage sees only
 the first set. The result is saved in bf16 with `save_pretrained`: a Hugging Face checkpoint
@@ -119,14 +124,16 @@ LOOKBACK_WEIGHTS = (
     AUX_WEIGHTS[0],
     AUX_WEIGHTS[1],
     torch.tensor([1.0, 1.0]),  # a cut, the same scene (captions only)
-    torch.tensor([0.25, 1.0, 1.0, 1.0]),  # same, arrived, left, replaced
+    # same, arrived, left, replaced, vanished, appeared
+    torch.tensor([0.25, 1.0, 1.0, 1.0, 1.0, 1.0]),
     torch.tensor([1.0, 1.0]),  # a chunk's first scene, its second (captions only)
 )
 # What a place showed a tubelet earlier counts this many times more where it is gone now (an
-# object left or was replaced): naming what left is reading those few places, and among the
-# many places whose object stayed they taught the head too little to be found reliably.
+# object left, vanished or was replaced): naming what left is reading those few places, and
+# among the many places whose object stayed they taught the head too little to be found
+# reliably.
 GONE_WEIGHT = 4.0
-_GONE = [PLACE_CHANGES.index("left"), PLACE_CHANGES.index("replaced")]
+_GONE = [PLACE_CHANGES.index(name) for name in ("left", "replaced", "vanished")]
 
 
 def lookback_token_weights(targets: torch.Tensor, k: int) -> torch.Tensor:
@@ -169,6 +176,11 @@ class TrainConfig:
     # (`token_labels.lookback_targets`); its mean cross-entropy counts this much (0: off).
     lookback_layer: int = 2
     lookback_weight: float = 1.0
+    # The language model's second auxiliary loss: from the last hidden state at each answer
+    # position, a linear head (training only) says which colour-shape pairs the clause being
+    # written is about (a description's scene, a caption part's objects); its mean binary
+    # cross-entropy counts this much (0: off).
+    set_weight: float = 1.0
     log_every: int = 50
 
     def __post_init__(self) -> None:
@@ -190,7 +202,7 @@ class TrainConfig:
             raise ValueError(f"learning_rate={self.learning_rate}: must be > 0")
         if not 1 <= self.lookback_layer <= architecture.TEXT["num_hidden_layers"]:
             raise ValueError(f"lookback_layer={self.lookback_layer}: allowed 1..num layers")
-        for name in ("warmup_steps", "weight_decay", "lookback_weight"):
+        for name in ("warmup_steps", "weight_decay", "lookback_weight", "set_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
 
@@ -236,6 +248,7 @@ class DemoTrainer:
         self.lookback_head = torch.nn.Linear(
             architecture.TEXT["hidden_size"], sum(LOOKBACK_CLASSES)
         )
+        self.set_head = torch.nn.Linear(architecture.TEXT["hidden_size"], PAIRS)
         self.tasks = TaskSequences(
             self.processor,
             self.rope_spec,
@@ -279,7 +292,7 @@ class DemoTrainer:
 
     def train_answers(self, clips: list[EncodedClip], rng: np.random.Generator) -> None:
         """The language model learns the answers about the frozen tower's embeddings."""
-        optimizer = self._optimizer([self.language_model, self.lookback_head])
+        optimizer = self._optimizer([self.language_model, self.lookback_head, self.set_head])
         steps, schedule_steps = self.config.steps, self.config.schedule_steps
         self._stage("answer", steps, schedule_steps, clips, rng, optimizer, self.answer_step)
 
@@ -308,10 +321,13 @@ class DemoTrainer:
             )
             for clip, flip in zip(clips, rng.random(len(clips)) < 0.5, strict=True)
         ]
-        losses = self._losses(self.tasks.for_batch(views, rng))
-        if not lookback:
-            return {"answer loss": losses[0]}
-        return {"answer loss": losses[0], "lookback loss": self.config.lookback_weight * losses[1]}
+        answers, looked, sets = self._losses(self.tasks.for_batch(views, rng))
+        losses = {"answer loss": answers}
+        if lookback:
+            losses["lookback loss"] = self.config.lookback_weight * looked
+        if self.config.set_weight > 0:
+            losses["set loss"] = self.config.set_weight * sets
+        return losses
 
     def _stage(self, name, steps, schedule_steps, clips, rng, optimizer, step) -> None:
         started, logged = time.perf_counter(), []
@@ -373,37 +389,43 @@ class DemoTrainer:
         right = parts[1].detach().argmax(-1)[shown] == shape[shown]
         return loss, right.float().mean() if right.numel() else torch.tensor(1.0)
 
-    def _losses(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _losses(self, sequences: list[Sequence]) -> tuple[torch.Tensor, ...]:
         """Mean cross-entropy of every predicted token, and the lookback head's: per target
         (`LOOKBACK_CLASSES`) its class-weighted mean over the video tokens that have it, those
-        means averaged (zero if no token has a target). The sequences run in a few padded
+        means averaged (zero if no token has a target); and the set head's mean binary
+        cross-entropy over the answer positions that have a set. The sequences run in a few padded
         batches of similar lengths (`length_groups`), so little of the work is padding."""
         ordered = sorted(sequences, key=lambda s: len(s.input_ids))
-        sums = torch.zeros(1 + len(LOOKBACK_CLASSES))
-        counts = torch.zeros(1 + len(LOOKBACK_CLASSES))
+        sums = torch.zeros(2 + len(LOOKBACK_CLASSES))
+        counts = torch.zeros(2 + len(LOOKBACK_CLASSES))
         for group in length_groups([len(s.input_ids) for s in ordered]):
             group_sums, group_counts = self._summed_losses([ordered[i] for i in group])
             sums, counts = sums + group_sums, counts + group_counts
         means = sums / counts.clamp(min=1e-9)
-        looked = counts[1:] > 0
-        lookback = means[1:][looked].mean() if looked.any() else torch.zeros(())
-        return means[0], lookback
+        looked = counts[1:-1] > 0
+        lookback = means[1:-1][looked].mean() if looked.any() else torch.zeros(())
+        return means[0], lookback, means[-1]
 
     def _summed_losses(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Summed cross-entropy of the predicted tokens of `sequences` and, per lookback
-        target, the class-weighted sum over the video tokens that have it; and their counts
-        (summed class weights), the batch padded on the right."""
+        """Summed cross-entropy of the predicted tokens of `sequences`; per lookback target,
+        the class-weighted sum over the video tokens that have it; and the set head's binary
+        cross-entropy (its mean over the pairs) summed over the answer positions that have a
+        set; and their counts (summed class weights, positions), the batch padded on the
+        right."""
         length = max(len(s.input_ids) for s in sequences)
         batch = len(sequences)
         input_ids = torch.zeros(batch, length, dtype=torch.long)
         positions = torch.zeros(3, batch, length, dtype=torch.long)
         attention = torch.stack([s.attention(length) for s in sequences])[:, None]
         target_ids = torch.full((batch, length), IGNORE, dtype=torch.long)
+        answer_sets = torch.full((batch, length), -1, dtype=torch.long)
         for row, s in enumerate(sequences):
             n = len(s.input_ids)
             input_ids[row, :n] = torch.tensor(s.input_ids)
             positions[:, row, :n] = s.positions
             target_ids[row, :n] = torch.tensor(s.labels)
+            if s.answer_sets is not None:
+                answer_sets[row, :n] = s.answer_sets
         text = self.language_model.embed_tokens(input_ids)  # [batch, length, hidden]
         is_video = input_ids == self.rope_spec.video_token_id
         video = torch.cat([s.video_embeds for s in sequences])  # [num_video_tokens, hidden]
@@ -434,6 +456,16 @@ class DemoTrainer:
         else:
             sums += [torch.zeros(())] * len(LOOKBACK_CLASSES)
             counts += [torch.zeros(())] * len(LOOKBACK_CLASSES)
+        has_set = answer_sets >= 0
+        if self.config.set_weight > 0 and has_set.any():
+            truth = torch.from_numpy(present_pairs(answer_sets[has_set].numpy()))
+            guess = self.set_head(output.last_hidden_state[has_set])
+            bce = F.binary_cross_entropy_with_logits(guess, truth, reduction="none")
+            sums.append(bce.mean(-1).sum())
+            counts.append(has_set.sum().float())
+        else:
+            sums.append(torch.zeros(()))
+            counts.append(torch.zeros(()))
         return torch.stack(sums), torch.stack(counts)
 
     def save(self, folder: Path) -> None:

@@ -27,7 +27,7 @@ from stillcut.demo.sequences import (
     questions_sequence,
     video_item,
 )
-from stillcut.demo.tasks import TASKS, ClipView, TaskMix
+from stillcut.demo.tasks import TASKS, ClipView, TaskMix, pairs_mask
 from stillcut.demo.token_labels import (
     LOOKBACK_CLASSES,
     NO_TARGET,
@@ -167,14 +167,53 @@ def test_lookback_targets_say_what_each_place_showed_a_tubelet_earlier():
     gone = next(t for t in range(1, len(labels)) if not (labels[t, ..., 0] == subject).any())
     place = labels[gone - 1, ..., 0] == subject
     assert place.any() and (targets[gone][place][:, 0] == subject).all()
-    assert (targets[gone][place][:, 3] == PLACE_CHANGES.index("left")).all()
+    # it is nowhere in the tubelet: it vanished, and only there
+    assert (targets[gone][place][:, 3] == PLACE_CHANGES.index("vanished")).all()
+    assert (targets[..., 3] == PLACE_CHANGES.index("vanished")).sum() == place.sum()
     assert (targets[1 : gone - 1, ..., 3] == PLACE_CHANGES.index("same")).all()  # nothing moved
-    # after a cut, the first tubelet looks back on the other scene's last, and says it is a cut
+    # after a cut, the first tubelet says it is a cut, and nothing of what the other scene
+    # showed there: a chunk's caption names what the new scene shows
     after_cut = lookback_targets(labels, previous=labels[-1]).reshape(*labels.shape[:3], 5)
-    torch.testing.assert_close(after_cut[0, ..., :2], labels[-1, ..., :2])
+    assert (after_cut[0, ..., [0, 1, 3]] == NO_TARGET).all()
+    torch.testing.assert_close(after_cut[1:, ..., :4], targets[1:, ..., :4])
     assert (after_cut[0, ..., 2] == 0).all() and (after_cut[1:, ..., 2] == 1).all()
     # and every one of its tokens is in a chunk's second scene, where before a cut none is
     assert (after_cut[..., 4] == 1).all() and (targets[..., 4] == 0).all()
+
+
+def test_an_object_arrives_at_places_but_appears_only_where_it_was_nowhere_before():
+    scene = next(
+        s
+        for s in map(lambda seed: sample_scene(seed, fps=2, mix=NARRATION_MIX), range(200))
+        if s.event == "appears" and s.motion != "none"
+    )
+    times = [k / 2 for k in range(round(scene.duration_s * 2))]
+    labels = token_labels(scene, times, (6, 8))
+    change = lookback_targets(labels).reshape(*labels.shape[:3], 5)[..., 3]
+    subject = COLOURS_INDEX[scene.subject_object.colour]
+    shown = (labels[..., 0] == subject).any(axis=(1, 2))
+    arrived = (change == PLACE_CHANGES.index("arrived")).any(axis=(1, 2))
+    appeared = (change == PLACE_CHANGES.index("appeared")).any(axis=(1, 2))
+    first = int(shown.argmax())  # the first tubelet that shows it
+    assert first > 0 and appeared.sum() == 1 and appeared[first]
+    assert arrived[first + 1 :].any() and not arrived[: first + 1].any()  # then it moves on
+
+
+def test_a_moving_object_leaves_places_but_vanishes_only_where_it_is_gone():
+    scene = next(
+        s
+        for s in map(lambda seed: sample_scene(seed, fps=2, mix=NARRATION_MIX), range(200))
+        if s.event == "disappears" and s.motion != "none"
+    )
+    times = [k / 2 for k in range(round(scene.duration_s * 2))]
+    labels = token_labels(scene, times, (6, 8))
+    change = lookback_targets(labels).reshape(*labels.shape[:3], 5)[..., 3]
+    subject = COLOURS_INDEX[scene.subject_object.colour]
+    shown = (labels[..., 0] == subject).any(axis=(1, 2))
+    left = (change == PLACE_CHANGES.index("left")).any(axis=(1, 2))
+    vanished = (change == PLACE_CHANGES.index("vanished")).any(axis=(1, 2))
+    assert left[shown].any() and not vanished[shown].any()  # moving on: it left places
+    assert vanished.sum() == 1 and not shown[vanished.argmax()]  # then it is gone
 
 
 def test_what_left_a_place_weighs_more_than_what_stayed():
@@ -185,7 +224,7 @@ def test_what_left_a_place_weighs_more_than_what_stayed():
     )
     times = [k / 2 for k in range(round(scene.duration_s * 2))]
     targets = torch.from_numpy(lookback_targets(token_labels(scene, times, (6, 8))))
-    left = targets[:, 3] == PLACE_CHANGES.index("left")
+    left = targets[:, 3] == PLACE_CHANGES.index("vanished")  # where the subject was
     stayed = (
         (targets[:, 3] == PLACE_CHANGES.index("same"))
         & (targets[:, 0] != COLOURS_INDEX[scene.subject_object.colour])
@@ -220,8 +259,36 @@ def test_every_kept_video_token_carries_its_lookback_target(setup):
             )
     assert trainer.config.lookback_weight > 0
     sequences = trainer.tasks.for_batch(labelled, np.random.default_rng(2))
-    answers, lookback = trainer._losses(sequences)
+    answers, lookback, sets = trainer._losses(sequences)
     assert torch.isfinite(answers) and torch.isfinite(lookback) and lookback > 0
+    assert torch.isfinite(sets) and sets > 0
+
+
+def test_answer_positions_carry_what_their_clause_is_about(setup):
+    """A description's positions carry every object of the scene; a caption's, the objects
+    of the part its clause is about: the first scene's, then from "then" on the second's."""
+    trainer, views = setup
+    tokenizer = trainer.processor.tokenizer
+    for task in ("questions", "caption"):
+        weights = {name: float(name == task) for name in TASKS}
+        tasks = dataclasses.replace(trainer.tasks, mix=TaskMix(**weights))
+        for index, sequence in enumerate(tasks.for_batch(views, np.random.default_rng(3))):
+            sets = sequence.answer_sets
+            predicted = torch.tensor(sequence.labels) != IGNORE
+            assert ((sets >= 0) == predicted).all()  # every answer position, no other
+            if task == "questions":
+                assert set(sets[predicted].tolist()) == {pairs_mask(views[index].scene.objects)}
+                continue
+            words = [tokenizer.decode([t]) for t in torch.tensor(sequence.labels)[predicted]]
+            masks = sets[predicted].tolist()
+            first = pairs_mask(views[index].scene.objects)
+            second = pairs_mask(views[(index + 1) % len(views)].scene.objects)
+            if "then" not in [w.strip() for w in words]:
+                assert len(set(masks)) == 1 and masks[0] & ~first == 0
+                continue
+            cut = [w.strip() for w in words].index("then") - 1  # "; then" starts the second
+            assert len(set(masks[:cut])) == 1 and masks[0] & ~first == 0
+            assert len(set(masks[cut:])) == 1 and masks[-1] & ~second == 0
 
 
 def test_sequences_are_batched_by_length_with_little_padding():
