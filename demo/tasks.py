@@ -7,8 +7,8 @@ between the two; pruned as a summary prunes a chunk by default, so never down to
 tubelet that cannot show the next scene), or the summary of the timed captions of a few clips
 played one after another (text only: the true captions, as a long-video summary would pass
 the model's own). Every prompt is the one stillcut sends (`sequences`). The answer positions of
-a description or a caption carry the objects their clause is about (`Sequence.answer_sets`):
-the scene's, or each caption part's.
+a question (the description among them) or a caption carry the objects their clause is about
+(`Sequence.answer_sets`): the scene's, or each caption part's.
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ description or a narration says of it is found by presence, not by an absence). 
 place counts `GONE_WEIGHT` times (naming what departed is reading those few places). It finds
 that place by position, which the re-spread M-RoPE of `architecture` makes possible (with
 Qwen2.5-VL's plain layout the loss helped little). A second head, on the last hidden state at
-every position of a description or a caption (`TrainConfig.set_weight`), says which objects
-the clause being written is about: the scene's, or the caption part's (a chunk's second scene
-listed with the first one's objects, or a still object left out, were most wrong captions).
-The answer stage also
-encodes clips drawn from the narration mix (`scenes.NARRATION_MIX`, seeds of their own), so
+every answer position of a question (the description among them) or a caption
+(`TrainConfig.set_weight`), says which objects the clause being written is about: the
+scene's, or the caption part's (a chunk's second scene listed with the first one's objects,
+or a still object left out, were most wrong captions). The answer stage also encodes clips
+drawn from the narration mix (`scenes.NARRATION_MIX`, seeds of their own), so
 that appearances and departures are common among the narrations; the tower stage sees only
 the first set. The result is saved in bf16 with `save_pretrained`: a Hugging Face checkpoint
 like any other.
@@ -178,7 +178,7 @@ class TrainConfig:
     lookback_weight: float = 1.0
     # The language model's second auxiliary loss: from the last hidden state at each answer
     # position, a linear head (training only) says which colour-shape pairs the clause being
-    # written is about (a description's scene, a caption part's objects); its mean binary
+    # written is about (a question's scene, a caption part's objects); its mean binary
     # cross-entropy counts this much (0: off).
     set_weight: float = 1.0
     log_every: int = 50
