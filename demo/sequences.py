@@ -272,15 +272,16 @@ class _Builder:
     def _clause_sets(self, ids: list[int], text: str, pieces) -> list[int]:
         if not pieces:
             return [-1] * len(ids)
-        sets, prefix, done = [], "", 0
-        for piece, mask in pieces:
+        if not text.startswith("".join(piece for piece, _ in pieces)):
+            raise ValueError(f"{pieces!r}: not the start of {text!r}")
+        sets, prefix = [], ""
+        for piece, mask in pieces[:-1]:  # the last piece runs to the end: no boundary to find
             prefix += piece
             prefix_ids = self.processor.encode(prefix)
-            if not text.startswith(prefix) or ids[: len(prefix_ids)] != prefix_ids:
-                raise ValueError(f"{piece!r}: not a piece of {text!r} at a token boundary")
-            sets += [mask] * (len(prefix_ids) - done)
-            done = len(prefix_ids)
-        return sets + [pieces[-1][1]] * (len(ids) - done)
+            if ids[: len(prefix_ids)] != prefix_ids:
+                raise ValueError(f"{piece!r}: does not end at a token boundary of {text!r}")
+            sets += [mask] * (len(prefix_ids) - len(sets))
+        return sets + [pieces[-1][1]] * (len(ids) - len(sets))
 
     def sequence(self) -> Sequence:
         labels = [

@@ -118,7 +118,7 @@ def _shows(objects: np.ndarray, masks: np.ndarray) -> np.ndarray:
     """[t, h, w] bool: whether the object (colour and shape class, `objects` [t, h, w, 2])
     shows anywhere in the same tubelet of the present-pairs `masks` [t, h, w]."""
     shown = np.bitwise_or.reduce(masks.reshape(len(masks), -1), axis=1)[:, None, None]
-    pair = objects[..., 0] * len(SHAPES) + np.minimum(objects[..., 1], len(SHAPES) - 1)
+    pair = objects[..., 0] * len(SHAPES) + objects[..., 1]  # "none" lands past every pair
     return ((shown >> pair) & 1) == 1
 
 

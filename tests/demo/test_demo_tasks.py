@@ -181,17 +181,23 @@ def test_lookback_targets_say_what_each_place_showed_a_tubelet_earlier():
     assert (after_cut[..., 4] == 1).all() and (targets[..., 4] == 0).all()
 
 
-def test_an_object_arrives_at_places_but_appears_only_where_it_was_nowhere_before():
+def _moving_subject_changes(event: str):
+    """Per tubelet of a narration-mix scene whose moving subject `event`s: whether the
+    subject covers most of some place, and each place's change target [t, h, w]."""
     scene = next(
         s
         for s in map(lambda seed: sample_scene(seed, fps=2, mix=NARRATION_MIX), range(200))
-        if s.event == "appears" and s.motion != "none"
+        if s.event == event and s.motion != "none"
     )
     times = [k / 2 for k in range(round(scene.duration_s * 2))]
     labels = token_labels(scene, times, (6, 8))
     change = lookback_targets(labels).reshape(*labels.shape[:3], 5)[..., 3]
     subject = COLOURS_INDEX[scene.subject_object.colour]
-    shown = (labels[..., 0] == subject).any(axis=(1, 2))
+    return (labels[..., 0] == subject).any(axis=(1, 2)), change
+
+
+def test_an_object_arrives_at_places_but_appears_only_where_it_was_nowhere_before():
+    shown, change = _moving_subject_changes("appears")
     arrived = (change == PLACE_CHANGES.index("arrived")).any(axis=(1, 2))
     appeared = (change == PLACE_CHANGES.index("appeared")).any(axis=(1, 2))
     first = int(shown.argmax())  # the first tubelet that shows it
@@ -200,16 +206,7 @@ def test_an_object_arrives_at_places_but_appears_only_where_it_was_nowhere_befor
 
 
 def test_a_moving_object_leaves_places_but_vanishes_only_where_it_is_gone():
-    scene = next(
-        s
-        for s in map(lambda seed: sample_scene(seed, fps=2, mix=NARRATION_MIX), range(200))
-        if s.event == "disappears" and s.motion != "none"
-    )
-    times = [k / 2 for k in range(round(scene.duration_s * 2))]
-    labels = token_labels(scene, times, (6, 8))
-    change = lookback_targets(labels).reshape(*labels.shape[:3], 5)[..., 3]
-    subject = COLOURS_INDEX[scene.subject_object.colour]
-    shown = (labels[..., 0] == subject).any(axis=(1, 2))
+    shown, change = _moving_subject_changes("disappears")
     left = (change == PLACE_CHANGES.index("left")).any(axis=(1, 2))
     vanished = (change == PLACE_CHANGES.index("vanished")).any(axis=(1, 2))
     assert left[shown].any() and not vanished[shown].any()  # moving on: it left places
