@@ -16,8 +16,9 @@ from typing import Literal
 
 from stillcut.engine.model_config import ModelConfig
 from stillcut.kernels.evs import EVSConfig
+from stillcut.kernels.evs.config import DEFAULT_RATE
 
-DEFAULT_EVS = EVSConfig(mode="rate", rate=0.75)
+DEFAULT_EVS = EVSConfig(mode="rate", rate=DEFAULT_RATE)
 UNSET = "default"  # an operator who configured nothing: the checkpoint's rate or DEFAULT_EVS
 EVSChoice = EVSConfig | None | Literal["default"]  # None: EVS off
 

@@ -19,6 +19,9 @@ from typing import Literal
 MODES = ("rate", "threshold")
 STAGES = ("embeddings", "pixels")
 MAX_DISSIMILARITY = 2.0  # 1 - cos lies in [0, 2]
+# The rate a request that names no EVS gets where neither the operator nor the checkpoint sets
+# one (`service.evs_default`); the demo trains on it most (`demo.train.TrainConfig.evs`).
+DEFAULT_RATE = 0.75
 
 
 def _is_number(value: object) -> bool:
