@@ -16,8 +16,10 @@ tokens would. Four kinds, all from one clip's (or a few clips') embeddings:
   followed by its segment, pruned by threshold EVS whose references carry from tubelet to
   tubelet as a live narration's do; a tubelet EVS empties gets no segment, as live.
 Videos of questions and chunks are pruned by EVS rate mode at a random rate (each sequence
-afresh, on the current embeddings, as the pipeline would), some not at all, so one model serves
-every EVS setting; narrations likewise at a random threshold, some unpruned.
+afresh, on the current embeddings, as the pipeline would), some not at all and some at the rate
+a request gets by default (`EVSSchedule.default_share`), so one model serves every EVS setting
+and is best at the one most answers are given under; narrations likewise at a random
+threshold, some unpruned.
 """
 
 from __future__ import annotations
@@ -41,28 +43,40 @@ IGNORE = -100  # the label of a position whose next token is not predicted
 
 @dataclass(frozen=True)
 class EVSSchedule:
-    """How training prunes: a share of sequences unpruned, the rest at a setting drawn
-    uniformly below `max_value`: rate q (questions, chunks) or threshold tau (narrations)."""
+    """How training prunes: a share of sequences unpruned, a share at `default_value` (what a
+    request that names no EVS gets, so the setting most answers are given under is trained
+    most), the rest at a setting drawn uniformly below `max_value`: rate q (questions,
+    chunks) or threshold tau (narrations)."""
 
     unpruned_share: float = 0.3
     max_value: float = 0.95
     mode: str = "rate"
+    default_share: float = 0.0
+    default_value: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.unpruned_share <= 1.0:
-            raise ValueError(f"unpruned_share={self.unpruned_share}: allowed [0, 1]")
+        for name in ("unpruned_share", "default_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)}: allowed [0, 1]")
+        if self.unpruned_share + self.default_share > 1.0:
+            raise ValueError("unpruned_share + default_share: must be <= 1")
         if self.mode not in ("rate", "threshold"):
             raise ValueError(f"mode={self.mode!r}: allowed 'rate' or 'threshold'")
-        if not 0.0 <= self.max_value < (1.0 if self.mode == "rate" else 2.0):
-            raise ValueError(
-                f"max_value={self.max_value}: allowed [0, 1) for rate, [0, 2) for threshold"
-            )
+        for name in ("max_value", "default_value"):
+            if not 0.0 <= getattr(self, name) < (1.0 if self.mode == "rate" else 2.0):
+                raise ValueError(
+                    f"{name}={getattr(self, name)}: allowed [0, 1) for rate, [0, 2) for threshold"
+                )
 
     def draw(self, rng: np.random.Generator) -> EVSConfig | None:
         """One sequence's setting (None: every token kept)."""
-        if rng.random() < self.unpruned_share:
+        draw = rng.random()
+        if draw < self.unpruned_share:
             return None
-        value = float(rng.uniform(0.0, self.max_value))
+        if draw < self.unpruned_share + self.default_share:
+            value = self.default_value
+        else:
+            value = float(rng.uniform(0.0, self.max_value))
         if self.mode == "rate":
             return EVSConfig(mode="rate", rate=value)
         return EVSConfig(mode="threshold", threshold=value)

@@ -81,7 +81,7 @@ def part_mask(part: ScenePart) -> int:
 class TaskMix:
     """How often a clip of a batch serves each task (relative weights)."""
 
-    questions: float = 0.45
+    questions: float = 0.55
     narration: float = 0.25
     caption: float = 0.45
     summary: float = 0.05

@@ -94,6 +94,7 @@ from stillcut.engine.models.qwen2_vl.positions import MRopeSpec
 from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, preprocess_video
 from stillcut.engine.models.qwen2_vl.tower_2_5 import Qwen2_5_VLVisionTower
 from stillcut.engine.processor import PromptProcessor
+from stillcut.kernels.evs.config import DEFAULT_RATE
 
 # Bump when the task, its answers or the token labels change (the recipe is stored beside)
 TASK_VERSION = 6
@@ -167,7 +168,11 @@ class TrainConfig:
     weight_decay: float = 0.01
     threads: int = 2
     tasks: TaskMix = field(default_factory=TaskMix)
-    evs: EVSSchedule = field(default_factory=EVSSchedule)
+    # Rate pruning for questions and chunks, a quarter of them at the rate a request that names
+    # no EVS gets: describe at that rate had missed departures that it named with EVS off.
+    evs: EVSSchedule = field(
+        default_factory=lambda: EVSSchedule(default_share=0.25, default_value=DEFAULT_RATE)
+    )
     narration_evs: EVSSchedule = field(
         default_factory=lambda: EVSSchedule(unpruned_share=0.2, max_value=0.3, mode="threshold")
     )

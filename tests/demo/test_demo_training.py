@@ -25,6 +25,7 @@ from stillcut.engine.llm_engine import LLMEngine
 from stillcut.engine.models.qwen2_vl.preprocess import VideoPreprocessConfig, preprocess_video
 from stillcut.engine.processor import PromptProcessor
 from stillcut.engine.request import SamplingParams
+from stillcut.service.evs_default import DEFAULT_EVS
 from stillcut.vision.decode import DecodeConfig, decode_video
 from stillcut.vision.pipeline import VisionPipeline
 
@@ -178,6 +179,16 @@ def test_evs_schedule_mixes_unpruned_and_pruned_sequences():
     assert 0.25 < max(taus) < 0.3 and len(taus) < 450
     with pytest.raises(ValueError, match="max_value"):
         EVSSchedule(max_value=1.0)
+    # the recipe's schedule trains a quarter of its sequences at the service's default rate
+    schedule = TrainConfig().evs
+    draws = [schedule.draw(rng) for _ in range(4000)]
+    at_default = sum(d is not None and d.key() == DEFAULT_EVS.key() for d in draws) / len(draws)
+    assert 0.22 < at_default < 0.28
+    assert 0.27 < sum(d is None for d in draws) / len(draws) < 0.33
+    with pytest.raises(ValueError, match="default_share"):
+        EVSSchedule(unpruned_share=0.8, default_share=0.3)
+    with pytest.raises(ValueError, match="default_value"):
+        EVSSchedule(default_value=1.0)
     with pytest.raises(ValueError, match="evs must be"):
         TrainConfig(evs=narration)
 
