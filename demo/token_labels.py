@@ -55,7 +55,13 @@ def token_labels(scene: Scene, times: Sequence[float], grid_hw: tuple[int, int])
 
 def pair_index(colour: str, shape: str) -> int:
     """The bit of a colour-shape pair in the present-pairs mask."""
-    return _COLOUR_INDEX[colour] * len(SHAPES) + SHAPES.index(shape)
+    return class_pair(_COLOUR_INDEX[colour], SHAPES.index(shape))
+
+
+def class_pair(colour, shape):
+    """`pair_index` of colour and shape classes (ints or arrays); a "none" class lands past
+    every pair."""
+    return colour * len(SHAPES) + shape
 
 
 def present_pairs(masks: np.ndarray) -> np.ndarray:
@@ -118,8 +124,7 @@ def _shows(objects: np.ndarray, masks: np.ndarray) -> np.ndarray:
     """[t, h, w] bool: whether the object (colour and shape class, `objects` [t, h, w, 2])
     shows anywhere in the same tubelet of the present-pairs `masks` [t, h, w]."""
     shown = np.bitwise_or.reduce(masks.reshape(len(masks), -1), axis=1)[:, None, None]
-    pair = objects[..., 0] * len(SHAPES) + objects[..., 1]  # "none" lands past every pair
-    return ((shown >> pair) & 1) == 1
+    return ((shown >> class_pair(objects[..., 0], objects[..., 1])) & 1) == 1
 
 
 def mirrored_labels(labels: np.ndarray) -> np.ndarray:
